@@ -1,0 +1,3 @@
+from quantpatch.cli import main
+
+main()

@@ -1,0 +1,1 @@
+"""One libcst transformation per change; each is a pure function from source to source."""

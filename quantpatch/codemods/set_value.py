@@ -1,0 +1,134 @@
+"""Rewrite site values (and split a shared qk+pv site) without touching any other byte.
+
+The transformer swaps only the characters between the quotes of the chosen string literals
+(prefix and quote style kept) and, for a split, inserts one assignment line right before each
+P.V dispatch of the shared site. Nodes are matched by identity with the tree that discovery
+walked, so the plan and the discovery can never disagree about which literal is meant.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import libcst as cst
+
+from quantpatch.config import SITE_NAME, validate_value
+from quantpatch.errors import UserError
+from quantpatch.sites import FileSites, discover_source, parse_source, role_values
+
+
+def requote(literal: str, value: str) -> str:
+    """``literal`` (a Python string literal as written) with its content replaced by ``value``.
+
+    >>> requote("r'''hifp8'''", "mxfp4")
+    "r'''mxfp4'''"
+    """
+    prefix_len = len(literal) - len(literal.lstrip("rRbBuUfF"))
+    prefix, body = literal[:prefix_len], literal[prefix_len:]
+    quote = body[:3] if body[:3] in ("'''", '"""') else body[:1]
+    return f"{prefix}{quote}{value}{quote}"
+
+
+class _Rewrite(cst.CSTTransformer):
+    def __init__(
+        self,
+        values: Mapping[int, str],
+        inserts: Mapping[int, Sequence[cst.BaseStatement]],
+    ) -> None:
+        super().__init__()
+        self.values = values
+        self.inserts = inserts
+
+    def leave_SimpleString(
+        self, original_node: cst.SimpleString, updated_node: cst.SimpleString
+    ) -> cst.SimpleString:
+        value = self.values.get(id(original_node))
+        if value is None:
+            return updated_node
+        return updated_node.with_changes(value=requote(original_node.value, value))
+
+    def leave_IndentedBlock(
+        self, original_node: cst.IndentedBlock, updated_node: cst.IndentedBlock
+    ) -> cst.IndentedBlock:
+        if not any(id(child) in self.inserts for child in original_node.body):
+            return updated_node
+        body: list[cst.BaseStatement] = []
+        for orig, upd in zip(original_node.body, updated_node.body):
+            body.extend(self.inserts.get(id(orig), ()))
+            body.append(upd)
+        return updated_node.with_changes(body=body)
+
+
+def _site_statement(literal: str, value: str, role: str) -> cst.BaseStatement:
+    return cst.parse_statement(
+        f"{SITE_NAME} = {requote(literal, value)}  # quantpatch: role={role}\n"
+    )
+
+
+def plan_values(fs: FileSites, values: Mapping[str, str], *, split: bool = True) -> str:
+    """The source of ``fs`` with every site of the roles in ``values`` set to its value.
+
+    A ``qk+pv`` site given different qk and pv values is split (an assignment for P.V is
+    inserted right before its P.V dispatch) or, with ``split=False``, refused. Dynamic sites
+    are refused when their role is written: quantpatch never guesses at an expression.
+    """
+    by_node: dict[int, str] = {}
+    inserts: dict[int, list[cst.BaseStatement]] = {}
+    for site, literal, pv_nodes in zip(fs.sites, fs.literals, fs.pv_dispatches):
+        wanted = [values[r] for r in site.roles if r in values]
+        if not wanted:
+            continue
+        if literal is None:
+            raise UserError(
+                f"{fs.rel}:{site.line}: the {site.role} site is dynamic ({site.source}); "
+                "quantpatch only rewrites string literals and environment defaults."
+            )
+        if site.role == "qk+pv" and "qk" in values and "pv" in values \
+                and values["qk"] != values["pv"]:
+            if not split:
+                raise UserError(
+                    f"{fs.rel}:{site.line}: one assignment governs both Q.K^T and P.V, so qk="
+                    f"{values['qk']} and pv={values['pv']} cannot differ with --no-split."
+                )
+            if not pv_nodes:
+                raise UserError(
+                    f"{fs.rel}:{site.line}: the shared qk+pv site has no separate P.V dispatch "
+                    "to split at; add '# quantpatch: role=...' comments or edit it by hand."
+                )
+            by_node[id(literal)] = values["qk"]
+            for node in pv_nodes:
+                inserts.setdefault(id(node), []).append(
+                    _site_statement(literal.value, values["pv"], "pv")
+                )
+            continue
+        by_node[id(literal)] = wanted[0]
+    if not by_node and not inserts:
+        return fs.text
+    return fs.module.visit(_Rewrite(by_node, inserts)).code
+
+
+def verify_rewrite(
+    old: FileSites, new_text: str, values: Mapping[str, str], file_kind: str
+) -> FileSites:
+    """Re-read a planned source and prove it is what was asked: it parses and compiles, the
+    roles hold the requested values, and no site appeared or vanished except split ones."""
+    parse_source(new_text, old.rel)
+    try:
+        compile(new_text, old.rel, "exec", dont_inherit=True)
+    except SyntaxError as exc:  # pragma: no cover - libcst and CPython agree on our output
+        raise UserError(f"{old.rel}:{exc.lineno}: the rewrite would not compile.") from None
+    new = discover_source(new_text, old.rel, file_kind)
+    got, _ = role_values(new.sites)
+    for role, value in values.items():
+        if any(role in s.roles for s in new.sites) and got.get(role) != value:
+            raise RuntimeError(
+                f"{old.rel}: after rewriting, role {role} reads {got.get(role)!r}, not {value!r}"
+            )
+    if len(new.sites) < len(old.sites):
+        raise RuntimeError(f"{old.rel}: the rewrite lost a site")
+    return new
+
+
+def check_values(values: Mapping[str, str], *, allow_unknown: bool) -> None:
+    for role, value in values.items():
+        validate_value(value, allow_unknown=allow_unknown, where=f"--{role}")

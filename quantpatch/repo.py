@@ -1,0 +1,238 @@
+"""The checkout and its git repository: locating it, reading files at commits, branches,
+commits, the recorded state and the lock. All git work goes through GitPython.
+
+State lives in the repository's git directory (``.git/quantpatch/``), never in the work tree;
+for a checkout without git (``--no-branch`` mode only) it lives under
+``$XDG_STATE_HOME/quantpatch/<hash of the path>``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import socket
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import git
+
+from quantpatch.errors import UserError
+
+STATE_VERSION = 1
+
+
+@dataclass
+class Checkout:
+    root: Path
+    repo: git.Repo | None
+    state_dir: Path
+
+    @property
+    def has_git(self) -> bool:
+        return self.repo is not None
+
+    def git(self) -> git.Repo:
+        if self.repo is None:  # pragma: no cover - callers check has_git first
+            raise UserError(f"{self.root}: not a git repository.")
+        return self.repo
+
+
+def _user_state_home() -> Path:
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "quantpatch"
+
+
+def find_checkout(path: Path | None, *, need_git: bool) -> Checkout:
+    """The checkout at ``path`` (default: the git root above the current directory)."""
+    start = (path or Path.cwd()).resolve()
+    if not start.exists():
+        raise UserError(f"{start}: no such directory.")
+    try:
+        repo = git.Repo(start, search_parent_directories=True)
+    except (git.InvalidGitRepositoryError, git.NoSuchPathError):
+        repo = None
+    if repo is None or repo.working_tree_dir is None:
+        if need_git:
+            raise UserError(
+                f"{start}: not inside a git repository; run 'git init' there or use --no-branch."
+            )
+        digest = hashlib.sha256(str(start).encode()).hexdigest()[:16]
+        return Checkout(start, None, _user_state_home() / digest)
+    return Checkout(Path(repo.working_tree_dir), repo, Path(repo.git_dir) / "quantpatch")
+
+
+# -- git facts ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GitInfo:
+    branch: str | None
+    head: str | None
+    clean: bool
+
+    def as_json(self) -> dict[str, Any]:
+        return {"branch": self.branch, "head": self.head, "clean": self.clean}
+
+
+def head_commit(repo: git.Repo) -> str | None:
+    try:
+        return repo.head.commit.hexsha
+    except ValueError:  # no commit yet
+        return None
+
+
+def active_branch(repo: git.Repo) -> str | None:
+    return None if repo.head.is_detached else repo.active_branch.name
+
+
+def git_info(repo: git.Repo) -> GitInfo:
+    return GitInfo(active_branch(repo), head_commit(repo), not repo.is_dirty(untracked_files=False))
+
+
+def dirty_paths(repo: git.Repo, paths: Sequence[str]) -> list[str]:
+    """Those of ``paths`` with uncommitted changes (staged or not)."""
+    out = repo.git.status("--porcelain", "--untracked-files=no", "--", *paths)
+    dirty = []
+    for line in out.splitlines():
+        name = line[3:]
+        if " -> " in name:
+            name = name.split(" -> ", 1)[1]
+        dirty.append(name.strip('"'))
+    return dirty
+
+
+def read_at(repo: git.Repo, commit: str, rel: str) -> str:
+    try:
+        blob = repo.commit(commit).tree / rel
+    except KeyError:
+        raise UserError(f"{rel}: not present at commit {commit[:12]}.") from None
+    data: bytes = blob.data_stream.read()
+    return data.decode("utf-8")
+
+
+def branch_exists(repo: git.Repo, name: str) -> bool:
+    return name in repo.heads
+
+
+def branch_tip(repo: git.Repo, name: str) -> str | None:
+    return repo.heads[name].commit.hexsha if name in repo.heads else None
+
+
+@contextlib.contextmanager
+def _identity(repo: git.Repo) -> Iterator[None]:
+    """Commit as the user when git knows who they are, else as ``quantpatch``."""
+    reader = repo.config_reader()
+    has = reader.has_option("user", "name") and reader.has_option("user", "email")
+    if has or os.environ.get("GIT_AUTHOR_EMAIL"):
+        yield
+        return
+    env = {
+        "GIT_AUTHOR_NAME": "quantpatch", "GIT_AUTHOR_EMAIL": "quantpatch@localhost",
+        "GIT_COMMITTER_NAME": "quantpatch", "GIT_COMMITTER_EMAIL": "quantpatch@localhost",
+    }
+    with repo.git.custom_environment(**env):
+        yield
+
+
+def run_git(repo: git.Repo, *args: str) -> str:
+    """``git <args>`` with a git failure turned into a one-sentence ``UserError``."""
+    try:
+        with _identity(repo):
+            out: str = repo.git.execute(["git", *args])
+            return out
+    except git.GitCommandError as exc:
+        detail = (exc.stderr or str(exc)).strip().splitlines()
+        reason = next((d for d in detail if d.strip()), "unknown error").strip()
+        reason = reason.removeprefix("stderr: ").strip("'").strip()
+        raise UserError(f"git {args[0]} failed: {reason}") from None
+
+
+def commit_paths(repo: git.Repo, paths: Sequence[str], message: str) -> str:
+    """Commit exactly ``paths`` (other staged or dirty files are left as they are)."""
+    run_git(repo, "add", "--", *paths)
+    run_git(repo, "commit", "--no-verify", "--only", "-m", message, "--", *paths)
+    return repo.head.commit.hexsha
+
+
+# -- state --------------------------------------------------------------------------------
+
+
+def load_state(checkout: Checkout) -> dict[str, Any] | None:
+    path = checkout.state_dir / "state.json"
+    if not path.is_file():
+        return None
+    try:
+        data: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError:
+        raise UserError(f"{path}: the quantpatch record is corrupt; remove it by hand.") from None
+    return data
+
+
+def save_state(checkout: Checkout, state: dict[str, Any]) -> None:
+    checkout.state_dir.mkdir(parents=True, exist_ok=True)
+    state = {"version": STATE_VERSION, **state}
+    tmp = checkout.state_dir / "state.json.tmp"
+    tmp.write_text(json.dumps(state, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    os.replace(tmp, checkout.state_dir / "state.json")
+
+
+def clear_state(checkout: Checkout) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        (checkout.state_dir / "state.json").unlink()
+    originals = checkout.state_dir / "originals"
+    if originals.is_dir():
+        for f in sorted(originals.rglob("*"), reverse=True):
+            f.unlink() if f.is_file() else f.rmdir()
+        originals.rmdir()
+
+
+# -- lock ---------------------------------------------------------------------------------
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # pragma: no cover - another user's live process
+        return True
+    return True
+
+
+@contextlib.contextmanager
+def locked(checkout: Checkout) -> Iterator[None]:
+    """Hold ``<state dir>/lock`` for the duration; a live holder is refused (exit 2), a stale
+    one (its process is gone) is taken over."""
+    checkout.state_dir.mkdir(parents=True, exist_ok=True)
+    path = checkout.state_dir / "lock"
+    me = f"{os.getpid()} {socket.gethostname()} {time.time():.0f}\n"
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            try:
+                pid_s, host, *_ = path.read_text().split()
+                pid = int(pid_s)
+            except (OSError, ValueError):
+                pid, host = -1, ""
+            if host == socket.gethostname() and pid > 0 and not _alive(pid):
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
+                continue
+            raise UserError(
+                f"{path}: another quantpatch (pid {pid} on {host or '?'}) holds the lock; "
+                "wait for it or remove the file if that process is gone."
+            ) from None
+        with os.fdopen(fd, "w") as fh:
+            fh.write(me)
+        break
+    try:
+        yield
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()

@@ -1,0 +1,476 @@
+"""Site discovery: find every ``custom_quant_type`` assignment with libcst and classify it.
+
+A *site* is an assignment to ``custom_quant_type``. Its role comes from structure only:
+
+1. Inside each function, every ``if`` whose test reads ``custom_quant_type`` is a *dispatch*
+   (an ``elif`` chain counts once). The calls inside a dispatch are its *products*: in the
+   attention file a call whose arguments name a query and a key is Q.K^T (``qk``), one that names
+   attention probabilities and a value is P.V (``pv``); in the linear file every dispatch is a
+   ``linear`` product.
+2. A site *governs* a dispatch when it comes before it, can reach it (it is not in the other
+   branch of an ``if`` that holds the dispatch) and is not overwritten on the way: no later
+   site whose block encloses the dispatch lies between them. This is a small reaching-definition
+   analysis over the syntax tree; no line numbers are involved.
+3. A site's role follows from the products of the dispatches it governs: ``qk``, ``pv``,
+   ``qk+pv`` (one assignment for both attention products) or ``linear``. A site that governs no
+   dispatch (it only labels tensors handed to a saver, say) has form ``label`` and takes the
+   role of the next governed site in the same function. ``# quantpatch: role=X`` overrides.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import libcst as cst
+import libcst.matchers as m
+from libcst.metadata import MetadataWrapper, ParentNodeProvider, PositionProvider
+
+from quantpatch.config import ROLES, SITE_NAME, Targets
+from quantpatch.errors import UserError
+
+SITE_ROLES = ("linear", "qk", "pv", "qk+pv", "unknown")
+_ENV_FUNCS = ("os.environ.get", "environ.get", "os.getenv", "getenv")
+_OVERRIDE_PREFIX = "quantpatch:"
+
+
+@dataclass(frozen=True)
+class Site:
+    """One assignment to ``custom_quant_type`` as the user sees it."""
+
+    role: str
+    """linear, qk, pv, qk+pv or unknown."""
+    file: str
+    """Relative to the checkout root, posix separators."""
+    line: int
+    """1-based line of the assignment."""
+    function: str
+    """Enclosing ``Class.function`` (``<module>`` at top level)."""
+    value: str | None
+    """The literal (or the environment default); ``None`` for a dynamic site."""
+    form: str
+    """literal, env, dynamic or label."""
+    kind: str
+    """literal, env or dynamic: how the value is written (``form`` says label instead)."""
+    governs: tuple[str, ...]
+    """The products (qk, pv, linear) of the dispatches this site governs."""
+    source: str
+    """The assignment's value as written."""
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        """The contract roles (linear, qk, pv) this site's value feeds."""
+        if self.role == "qk+pv":
+            return ("qk", "pv")
+        return (self.role,) if self.role in ROLES else ()
+
+    def as_json(self) -> dict[str, object]:
+        return {
+            "role": self.role,
+            "file": self.file,
+            "line": self.line,
+            "function": self.function,
+            "value": self.value,
+            "form": self.form,
+            "source": self.source,
+        }
+
+
+@dataclass
+class _RawSite:
+    stmt: cst.CSTNode  # the Assign / AnnAssign
+    literal: cst.SimpleString | None  # the string node that holds the value (None if dynamic)
+    value: str | None
+    kind: str
+    source: str
+    line: int
+    pos: tuple[int, int]
+    ancestors: tuple[cst.CSTNode, ...]
+    override: str | None
+    function: str
+
+
+@dataclass
+class _Dispatch:
+    node: cst.If
+    pos: tuple[int, int]
+    ancestors: tuple[cst.CSTNode, ...]
+    products: frozenset[str]
+    kills: tuple[tuple[int, int], ...]
+    """Start positions of the statements before the dispatch, in its enclosing blocks, that
+    definitely assign the variable (a site line, or an ``if`` whose every branch assigns)."""
+
+
+@dataclass
+class FileSites:
+    """Discovery result for one file: the parsed module and its sites with their nodes."""
+
+    rel: str
+    text: str
+    module: cst.Module
+    sites: list[Site]
+    literals: list[cst.SimpleString | None]
+    """The literal node of each site (same order as ``sites``)."""
+    pv_dispatches: list[list[cst.If]]
+    """For each site, the P.V dispatches it governs (the split point of a qk+pv site)."""
+
+
+def _dotted(node: cst.BaseExpression) -> str:
+    if isinstance(node, cst.Name):
+        return node.value
+    if isinstance(node, cst.Attribute):
+        return f"{_dotted(node.value)}.{node.attr.value}"
+    return ""
+
+
+def _names_in(node: cst.CSTNode) -> set[str]:
+    return {n.value for n in m.findall(node, m.Name())}  # type: ignore[union-attr]
+
+
+def _reads_site(node: cst.CSTNode) -> bool:
+    return bool(m.findall(node, m.Name(SITE_NAME)))
+
+
+def _classify_value(value: cst.BaseExpression) -> tuple[str, cst.SimpleString | None, str | None]:
+    """(kind, literal node, value) of an assignment's right-hand side."""
+    if isinstance(value, cst.SimpleString):
+        evaluated = value.evaluated_value
+        if isinstance(evaluated, str):
+            return "literal", value, evaluated
+        return "dynamic", None, None
+    if isinstance(value, cst.Call) and _dotted(value.func) in _ENV_FUNCS:
+        default: cst.BaseExpression | None = None
+        positional = [a for a in value.args if a.keyword is None and not a.star]
+        if len(positional) >= 2:
+            default = positional[1].value
+        for arg in value.args:
+            if arg.keyword is not None and arg.keyword.value == "default":
+                default = arg.value
+        if isinstance(default, cst.SimpleString) and isinstance(default.evaluated_value, str):
+            return "env", default, default.evaluated_value
+    return "dynamic", None, None
+
+
+def _is_query(name: str) -> bool:
+    return name in ("q", "query") or name.startswith(("query", "q_"))
+
+
+def _is_key(name: str) -> bool:
+    return name in ("k", "key") or name.startswith(("key", "k_"))
+
+
+def _is_probs(name: str) -> bool:
+    return "prob" in name or name in ("p", "attn", "attn_weights", "attention_weights")
+
+
+def _is_value(name: str) -> bool:
+    return name in ("v", "value") or name.startswith(("value", "v_"))
+
+
+def classify_product(call: cst.Call) -> str | None:
+    """``qk`` or ``pv`` for an attention product call, from the names in its arguments."""
+    names: set[str] = set()
+    for arg in call.args:
+        names |= _names_in(arg.value)
+    if any(_is_query(n) for n in names) and any(_is_key(n) for n in names):
+        return "qk"
+    if any(_is_probs(n) for n in names) and any(_is_value(n) for n in names):
+        return "pv"
+    return None
+
+
+def _override(line: cst.CSTNode | None) -> str | None:
+    """The role named by a trailing ``# quantpatch: role=X`` comment, if any."""
+    if not isinstance(line, cst.SimpleStatementLine):
+        return None
+    comment = line.trailing_whitespace.comment
+    if comment is None:
+        return None
+    text = comment.value.lstrip("#").strip()
+    if not text.startswith(_OVERRIDE_PREFIX):
+        return None
+    for part in text[len(_OVERRIDE_PREFIX):].split():
+        if part.startswith("role="):
+            role = part[len("role="):]
+            if role not in SITE_ROLES or role == "unknown":
+                raise UserError(f"unknown role '{role}' in a '# quantpatch:' comment.")
+            return role
+    return None
+
+
+class _Collector(cst.CSTVisitor):
+    METADATA_DEPENDENCIES = (PositionProvider, ParentNodeProvider)
+
+    def __init__(self, file_kind: str) -> None:
+        super().__init__()
+        self.file_kind = file_kind
+        self.scope: list[str] = []
+        # one frame per function (plus the module): its sites and dispatches
+        self.frames: list[tuple[list[_RawSite], list[_Dispatch]]] = [([], [])]
+        self.done: list[tuple[list[_RawSite], list[_Dispatch]]] = []
+        self.elif_nodes: set[int] = set()
+
+    # -- scopes -------------------------------------------------------------------------
+    def visit_ClassDef(self, node: cst.ClassDef) -> None:
+        self.scope.append(node.name.value)
+
+    def leave_ClassDef(self, original_node: cst.ClassDef) -> None:
+        self.scope.pop()
+
+    def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
+        self.scope.append(node.name.value)
+        self.frames.append(([], []))
+
+    def leave_FunctionDef(self, original_node: cst.FunctionDef) -> None:
+        self.scope.pop()
+        self.done.append(self.frames.pop())
+
+    def leave_Module(self, original_node: cst.Module) -> None:
+        self.done.append(self.frames.pop())
+
+    # -- helpers ------------------------------------------------------------------------
+    def _ancestors(self, node: cst.CSTNode) -> tuple[cst.CSTNode, ...]:
+        chain: list[cst.CSTNode] = []
+        cur: cst.CSTNode | None = node
+        while cur is not None and not isinstance(cur, (cst.FunctionDef, cst.Module)):
+            cur = self.get_metadata(ParentNodeProvider, cur, None)
+            if cur is not None:
+                chain.append(cur)
+        return tuple(reversed(chain))
+
+    def _pos(self, node: cst.CSTNode) -> tuple[int, int]:
+        start = self.get_metadata(PositionProvider, node).start
+        return (start.line, start.column)
+
+    # -- sites --------------------------------------------------------------------------
+    def _add_site(self, stmt: cst.CSTNode, value: cst.BaseExpression) -> None:
+        kind, literal, evaluated = _classify_value(value)
+        parent = self.get_metadata(ParentNodeProvider, stmt, None)
+        pos = self._pos(stmt)
+        self.frames[-1][0].append(
+            _RawSite(
+                stmt=stmt,
+                literal=literal,
+                value=evaluated,
+                kind=kind,
+                source=cst.Module([]).code_for_node(value),
+                line=pos[0],
+                pos=pos,
+                ancestors=self._ancestors(stmt),
+                override=_override(parent),
+                function=".".join(self.scope) or "<module>",
+            )
+        )
+
+    def visit_Assign(self, node: cst.Assign) -> None:
+        if any(m.matches(t.target, m.Name(SITE_NAME)) for t in node.targets):
+            self._add_site(node, node.value)
+
+    def visit_AnnAssign(self, node: cst.AnnAssign) -> None:
+        if node.value is not None and m.matches(node.target, m.Name(SITE_NAME)):
+            self._add_site(node, node.value)
+
+    # -- dispatches ---------------------------------------------------------------------
+    def visit_If(self, node: cst.If) -> None:
+        if id(node) in self.elif_nodes or not _reads_site(node.test):
+            return
+        # an elif chain is one dispatch: its branches are products of the same decision
+        cur: cst.If | cst.Else | None = node.orelse
+        while isinstance(cur, cst.If):
+            self.elif_nodes.add(id(cur))
+            cur = cur.orelse
+        products: set[str] = set()
+        if self.file_kind == "linear":
+            products.add("linear")
+        else:
+            for call in m.findall(node, m.Call()):
+                product = classify_product(call)  # type: ignore[arg-type]
+                if product:
+                    products.add(product)
+        if not products:
+            products.add("unknown")
+        ancestors = self._ancestors(node)
+        self.frames[-1][1].append(
+            _Dispatch(node=node, pos=self._pos(node), ancestors=ancestors,
+                      products=frozenset(products), kills=self._kills(node, ancestors))
+        )
+
+    def _kills(
+        self, node: cst.CSTNode, ancestors: tuple[cst.CSTNode, ...]
+    ) -> tuple[tuple[int, int], ...]:
+        site_lines = {id(s.ancestors[-1]) for s in self.frames[-1][0] if s.ancestors}
+        path = (*ancestors, node)
+        out = []
+        for block, child in zip(path, path[1:]):
+            if not isinstance(block, (cst.IndentedBlock, cst.Module)):
+                continue
+            for stmt in block.body:
+                if stmt is child:
+                    break
+                if _definitely_assigns(stmt, site_lines):
+                    out.append(self._pos(stmt))
+        return tuple(out)
+
+
+def _exclusive(a: Sequence[cst.CSTNode], b: Sequence[cst.CSTNode]) -> bool:
+    """True when two nodes lie in different branches of one ``if`` (never both run)."""
+    common = 0
+    while common < min(len(a), len(b)) and a[common] is b[common]:
+        common += 1
+    if common == 0 or common >= min(len(a), len(b)):
+        return False
+    # the deepest common ancestor is an ``if``: one node is in its body, the other in orelse
+    return isinstance(a[common - 1], cst.If)
+
+
+def _definitely_assigns(stmt: cst.CSTNode, site_lines: set[int]) -> bool:
+    """True when running ``stmt`` always assigns a site (a site line, or an ``if`` whose
+    every branch, ``else`` included, does)."""
+    if id(stmt) in site_lines:
+        return True
+    if isinstance(stmt, cst.If):
+        if not _block_assigns(stmt.body, site_lines) or stmt.orelse is None:
+            return False
+        if isinstance(stmt.orelse, cst.If):
+            return _definitely_assigns(stmt.orelse, site_lines)
+        return _block_assigns(stmt.orelse.body, site_lines)
+    return False
+
+
+def _block_assigns(block: cst.BaseSuite, site_lines: set[int]) -> bool:
+    if isinstance(block, cst.IndentedBlock):
+        return any(_definitely_assigns(s, site_lines) for s in block.body)
+    return id(block) in site_lines
+
+
+def _governs(sites: list[_RawSite], dispatch: _Dispatch) -> list[int]:
+    """Indexes of the sites whose value reaches ``dispatch``: earlier, not in the other
+    branch of an ``if``, and not definitely overwritten between the two."""
+    return [
+        i
+        for i, s in enumerate(sites)
+        if s.pos < dispatch.pos
+        and not _exclusive(s.ancestors, dispatch.ancestors)
+        and not any(k > s.pos for k in dispatch.kills)
+    ]
+
+
+def _role_from_products(products: set[str], file_kind: str) -> str:
+    if file_kind == "linear":
+        return "linear"
+    attention = products & {"qk", "pv"}
+    if attention == {"qk", "pv"}:
+        return "qk+pv"
+    if attention:
+        return next(iter(attention))
+    return "unknown"
+
+
+def parse_source(text: str, rel: str) -> cst.Module:
+    """Parse with libcst; a syntax error becomes a one-sentence ``UserError``."""
+    try:
+        return cst.parse_module(text)
+    except cst.ParserSyntaxError as exc:
+        raise UserError(
+            f"{rel}:{exc.raw_line}: the file does not parse as Python ({exc.message})."
+        ) from None
+
+
+def discover_source(text: str, rel: str, file_kind: str) -> FileSites:
+    """All sites of one file's source text; ``file_kind`` is ``linear`` or ``attention``."""
+    module = parse_source(text, rel)
+    if SITE_NAME not in text:
+        return FileSites(rel, text, module, [], [], [])
+    wrapper = MetadataWrapper(module, unsafe_skip_copy=True)
+    collector = _Collector(file_kind)
+    wrapper.visit(collector)
+
+    found: list[tuple[_RawSite, Site, list[cst.If]]] = []
+    for raw_sites, dispatches in collector.done:
+        governs: list[set[str]] = [set() for _ in raw_sites]
+        pv_nodes: list[list[cst.If]] = [[] for _ in raw_sites]
+        for d in dispatches:
+            for i in _governs(raw_sites, d):
+                governs[i] |= d.products
+                if "pv" in d.products and "qk" not in d.products:
+                    pv_nodes[i].append(d.node)
+        roles: list[str | None] = []
+        for raw, products in zip(raw_sites, governs):
+            if raw.override:
+                roles.append(raw.override)
+            elif products:
+                roles.append(_role_from_products(products, file_kind))
+            else:
+                roles.append(None)
+        for i, raw in enumerate(raw_sites):
+            role = roles[i]
+            form = raw.kind
+            if not governs[i]:
+                form = "label" if raw.kind != "dynamic" else raw.kind
+                if role is None:
+                    later = [r for r in roles[i + 1:] if r is not None]
+                    role = later[0] if later else ("linear" if file_kind == "linear" else "unknown")
+            site = Site(
+                role=role or "unknown",
+                file=rel,
+                line=raw.line,
+                function=raw.function,
+                value=raw.value,
+                form=form,
+                kind=raw.kind,
+                governs=tuple(sorted(governs[i] - {"unknown"})),
+                source=raw.source,
+            )
+            found.append((raw, site, pv_nodes[i]))
+    found.sort(key=lambda t: t[0].pos)
+    return FileSites(
+        rel=rel,
+        text=text,
+        module=module,
+        sites=[s for _, s, _ in found],
+        literals=[r.literal for r, _, _ in found],
+        pv_dispatches=[p for _, _, p in found],
+    )
+
+
+def read_target(root: Path, rel: str) -> str:
+    path = root / rel
+    if not path.is_file():
+        raise UserError(f"{rel}: target file not found under {root}.")
+    try:
+        with open(path, encoding="utf-8", newline="") as fh:  # keep CRLF bytes as they are
+            return fh.read()
+    except UnicodeDecodeError:
+        raise UserError(f"{rel}: the file is not UTF-8 text.") from None
+
+
+def discover(root: Path, targets: Targets) -> list[FileSites]:
+    """Discover the sites of every target file of a checkout (only files with the token
+    are parsed)."""
+    return [
+        discover_source(read_target(root, rel), rel, targets.kind_of(rel))
+        for rel in targets.all_files
+    ]
+
+
+def all_sites(files: Sequence[FileSites]) -> Iterator[Site]:
+    for f in files:
+        yield from f.sites
+
+
+def role_values(sites: Sequence[Site]) -> tuple[dict[str, str | None], dict[str, list[Site]]]:
+    """The value of each role (``None`` when it has no site or its sites disagree), and the
+    sites of every role whose sites disagree."""
+    values: dict[str, str | None] = {}
+    mismatched: dict[str, list[Site]] = {}
+    for role in ROLES:
+        members = [s for s in sites if role in s.roles and s.kind != "dynamic"]
+        distinct = {s.value for s in members}
+        if len(distinct) == 1:
+            values[role] = distinct.pop()
+        else:
+            values[role] = None
+            if len(distinct) > 1:
+                mismatched[role] = members
+    return values, mismatched

@@ -1,0 +1,402 @@
+"""``check``, ``set`` and ``restore``: plain functions over typed inputs and outputs.
+
+``set`` in branch mode (the default) records the base (branch + commit) the first time, plans
+the new sources from the *base* files (so switches never stack), creates or reuses the branch
+``quant/linear-X_qk-Y_pv-Z`` at the base commit, writes through the atomic writer and commits
+only the target files. ``restore`` checks the base out again and clears the record.
+``--no-branch`` (in-place) mode keeps the original bytes under the state directory instead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from quantpatch import repo as gitrepo
+from quantpatch.codemods.set_value import check_values, plan_values, verify_rewrite
+from quantpatch.config import ROLES, Targets, load_targets
+from quantpatch.edits import Edit, apply_edits, unified_diff
+from quantpatch.errors import UserError
+from quantpatch.sites import FileSites, Site, all_sites, discover, discover_source, role_values
+
+SAVER_MODULE = "megatron/core/tensor_saver.py"
+
+
+def branch_name(values: Mapping[str, str]) -> str:
+    return f"quant/linear-{values['linear']}_qk-{values['qk']}_pv-{values['pv']}"
+
+
+def _sha(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+# -- check ----------------------------------------------------------------------------------
+
+
+@dataclass
+class CheckReport:
+    root: Path
+    sites: list[Site]
+    roles: dict[str, str | None]
+    mismatched: dict[str, list[Site]]
+    git: gitrepo.GitInfo | None
+    base: dict[str, Any] | None
+    saver: dict[str, Any]
+
+    def problems(self, expect: Mapping[str, str] | None = None) -> list[str]:
+        """Why the check does not hold (empty when it does)."""
+        out = []
+        for role, members in self.mismatched.items():
+            where = ", ".join(f"{s.file}:{s.line}={s.value}" for s in members)
+            out.append(f"the {role} sites disagree ({where}).")
+        for role, want in (expect or {}).items():
+            if self.roles.get(role) != want:
+                out.append(f"{role} is {self.roles.get(role)}, expected {want}.")
+        return out
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "root": str(self.root),
+            "sites": [s.as_json() for s in self.sites],
+            "roles": self.roles,
+            "mismatched": sorted(self.mismatched),
+            "git": self.git.as_json() if self.git else None,
+            "base": self.base,
+            "saver": self.saver,
+        }
+
+
+def parse_expect(text: str) -> dict[str, str]:
+    """``linear=X,qk=Y,pv=Z`` (any subset) into a mapping; bad keys are refused."""
+    out: dict[str, str] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        role, sep, value = part.partition("=")
+        if not sep or role not in ROLES or not value:
+            raise UserError(
+                f"--expect: '{part}' is not role=value with a role among {', '.join(ROLES)}."
+            )
+        out[role] = value
+    return out
+
+
+def saver_status(root: Path) -> dict[str, Any]:
+    path = root / SAVER_MODULE
+    return {"installed": path.is_file(), "module": SAVER_MODULE}
+
+
+def _discover_checked(root: Path, targets: Targets) -> list[FileSites]:
+    files = discover(root, targets)
+    if not any(f.sites for f in files):
+        raise UserError(
+            f"{', '.join(targets.all_files)}: no custom_quant_type sites found; this checkout "
+            "has no fork-layout sites (run 'quantpatch demo' to see one)."
+        )
+    return files
+
+
+def check(path: Path | None) -> CheckReport:
+    checkout = gitrepo.find_checkout(path, need_git=False)
+    targets = load_targets(checkout.root)
+    files = _discover_checked(checkout.root, targets)
+    sites = list(all_sites(files))
+    roles, mismatched = role_values(sites)
+    state = gitrepo.load_state(checkout)
+    base = None
+    if state:
+        base = {"mode": state["mode"], **state.get("base", {}),
+                "current": state.get("current", {}).get("branch")}
+    return CheckReport(
+        root=checkout.root,
+        sites=sites,
+        roles=roles,
+        mismatched=mismatched,
+        git=gitrepo.git_info(checkout.repo) if checkout.repo else None,
+        base=base,
+        saver=saver_status(checkout.root),
+    )
+
+
+# -- set ------------------------------------------------------------------------------------
+
+
+@dataclass
+class SetRequest:
+    values: dict[str, str]
+    """The roles named on the command line (the others keep their current values)."""
+    dry_run: bool = False
+    branch: bool = True
+    split: bool = True
+    allow_unknown: bool = False
+
+
+@dataclass
+class SetResult:
+    values: dict[str, str]
+    edits: list[Edit]
+    diff: str
+    branch: str | None = None
+    commit: str | None = None
+    base: dict[str, Any] | None = None
+    reused: bool = False
+    notes: list[str] = field(default_factory=list)
+
+
+def _resolve_values(requested: Mapping[str, str], sites: Sequence[Site]) -> dict[str, str]:
+    current, mismatched = role_values(sites)
+    present = {r for s in sites for r in s.roles}
+    out: dict[str, str] = {}
+    for role in ROLES:
+        if role in requested:
+            if role not in present:
+                raise UserError(f"--{role}: the checkout has no {role} site to set.")
+            out[role] = requested[role]
+        elif role in mismatched:
+            raise UserError(
+                f"the {role} sites disagree ({', '.join(f'{s.file}:{s.line}' for s in mismatched[role])}); "
+                f"name --{role} to set them all."
+            )
+        elif current[role] is not None:
+            out[role] = current[role]  # type: ignore[assignment]
+    return out
+
+
+def _plan(files: Sequence[FileSites], values: Mapping[str, str], targets: Targets,
+          split: bool) -> dict[str, str]:
+    planned = {}
+    for fs in files:
+        new_text = plan_values(fs, values, split=split)
+        verify_rewrite(fs, new_text, values, targets.kind_of(fs.rel))
+        planned[fs.rel] = new_text
+    return planned
+
+
+def _commit_message(values: Mapping[str, str], base: Mapping[str, Any], files: Sequence[str]) -> str:
+    base_name = base.get("branch") or "detached HEAD"
+    return (
+        f"quantpatch: linear={values.get('linear')} qk={values.get('qk')} pv={values.get('pv')}\n\n"
+        f"Base: {base_name} @ {base['commit']}\n"
+        f"Files: {', '.join(files)}\n"
+    )
+
+
+def set_values(path: Path | None, req: SetRequest) -> SetResult:
+    check_values(req.values, allow_unknown=req.allow_unknown)
+    checkout = gitrepo.find_checkout(path, need_git=req.branch)
+    targets = load_targets(checkout.root)
+    if req.dry_run:
+        return _set_unlocked(checkout, targets, req)
+    with gitrepo.locked(checkout):
+        return _set_unlocked(checkout, targets, req)
+
+
+def _set_unlocked(checkout: gitrepo.Checkout, targets: Targets, req: SetRequest) -> SetResult:
+    current_files = _discover_checked(checkout.root, targets)
+    values = _resolve_values(req.values, list(all_sites(current_files)))
+    state = gitrepo.load_state(checkout)
+    if state and state["mode"] != ("branch" if req.branch else "in-place"):
+        other = "--no-branch" if state["mode"] == "in-place" else "branch"
+        raise UserError(
+            f"a {other} set is active on this checkout; run 'quantpatch restore' first."
+        )
+    if req.branch:
+        return _set_branch(checkout, targets, req, values, current_files, state)
+    return _set_in_place(checkout, targets, req, values, current_files, state)
+
+
+def _refuse_dirty(repo: Any, targets: Targets) -> None:
+    dirty = gitrepo.dirty_paths(repo, targets.all_files)
+    if dirty:
+        raise UserError(
+            f"uncommitted changes to {', '.join(dirty)}; commit or stash them first."
+        )
+
+
+def _set_branch(
+    checkout: gitrepo.Checkout,
+    targets: Targets,
+    req: SetRequest,
+    values: dict[str, str],
+    current_files: Sequence[FileSites],
+    state: dict[str, Any] | None,
+) -> SetResult:
+    repo = checkout.git()
+    head = gitrepo.head_commit(repo)
+    if head is None:
+        raise UserError(f"{checkout.root}: the repository has no commit yet; commit the sources first.")
+    _refuse_dirty(repo, targets)
+    notes: list[str] = []
+    if state:
+        base = dict(state["base"])
+    else:
+        base = {"branch": gitrepo.active_branch(repo), "commit": head}
+        if base["branch"] is None:
+            notes.append(f"HEAD is detached at {head[:12]}; restore will check that commit out.")
+    moved = base["branch"] and gitrepo.branch_tip(repo, base["branch"])
+    if moved and moved != base["commit"]:
+        notes.append(
+            f"the base branch {base['branch']} moved on ({base['commit'][:12]} -> {moved[:12]}) "
+            "since it was recorded; switching from the recorded commit (restore, then set again "
+            "to pick up the new commits)."
+        )
+    base_texts = {rel: gitrepo.read_at(repo, base["commit"], rel) for rel in targets.all_files}
+    base_files = [discover_source(t, rel, targets.kind_of(rel)) for rel, t in base_texts.items()]
+    planned = _plan(base_files, values, targets, req.split)
+    edits = [Edit(fs.rel, fs.text, planned[fs.rel]) for fs in current_files]
+    result = SetResult(values=values, edits=edits, diff=unified_diff(edits), base=base, notes=notes)
+    name = branch_name({r: values.get(r, "none") for r in ROLES})
+    result.branch = name
+    if req.dry_run:
+        return result
+
+    if gitrepo.branch_exists(repo, name):
+        tip = gitrepo.branch_tip(repo, name)
+        assert tip is not None
+        differs = [rel for rel in targets.all_files
+                   if gitrepo.read_at(repo, tip, rel) != planned[rel]]
+        if differs:
+            raise UserError(
+                f"branch {name} exists but its {', '.join(differs)} differ from what this set "
+                f"would write; delete it ('git branch -D {name}') or check it out by hand."
+            )
+        if gitrepo.active_branch(repo) != name:
+            gitrepo.run_git(repo, "checkout", "--quiet", name)
+        result.reused, result.commit = True, tip
+    else:
+        previous = gitrepo.active_branch(repo) or head
+        gitrepo.run_git(repo, "checkout", "--quiet", "-b", name, base["commit"])
+        try:
+            written = apply_edits(
+                checkout.root, [Edit(rel, base_texts[rel], planned[rel]) for rel in planned]
+            )
+            commit = base["commit"]
+            if written:
+                commit = gitrepo.commit_paths(repo, written, _commit_message(values, base, written))
+        except BaseException:
+            gitrepo.run_git(repo, "checkout", "--quiet", "--force", previous)
+            gitrepo.run_git(repo, "branch", "-D", name)
+            raise
+        result.commit = commit
+    history = (state or {}).get("history", [])
+    history.append({"time": time.time(), "values": values, "branch": name,
+                    "commit": result.commit})
+    gitrepo.save_state(checkout, {
+        "mode": "branch",
+        "base": base,
+        "current": {"branch": name, "commit": result.commit, "values": values},
+        "history": history,
+    })
+    return result
+
+
+def _set_in_place(
+    checkout: gitrepo.Checkout,
+    targets: Targets,
+    req: SetRequest,
+    values: dict[str, str],
+    current_files: Sequence[FileSites],
+    state: dict[str, Any] | None,
+) -> SetResult:
+    if state:
+        changed = [fs.rel for fs in current_files
+                   if _sha(fs.text) != state["files"][fs.rel]["written"]]
+        if changed:
+            raise UserError(
+                f"{', '.join(changed)} changed since quantpatch wrote them; "
+                "restore or revert them first."
+            )
+    elif checkout.repo is not None:
+        _refuse_dirty(checkout.repo, targets)
+    planned = _plan(current_files, values, targets, req.split)
+    edits = [Edit(fs.rel, fs.text, planned[fs.rel]) for fs in current_files]
+    result = SetResult(values=values, edits=edits, diff=unified_diff(edits))
+    if req.dry_run:
+        return result
+    files_state = dict((state or {}).get("files", {}))
+    if not state:
+        originals = checkout.state_dir / "originals"
+        for fs in current_files:
+            dest = originals / fs.rel
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            with open(dest, "w", encoding="utf-8", newline="") as fh:
+                fh.write(fs.text)
+            files_state[fs.rel] = {"original": str(dest.relative_to(checkout.state_dir))}
+    apply_edits(checkout.root, edits)
+    for rel, text in planned.items():
+        files_state[rel]["written"] = _sha(text)
+    history = (state or {}).get("history", [])
+    history.append({"time": time.time(), "values": values})
+    gitrepo.save_state(checkout, {
+        "mode": "in-place",
+        "base": {"branch": None, "commit": None},
+        "current": {"branch": None, "values": values},
+        "files": files_state,
+        "history": history,
+    })
+    return result
+
+
+# -- restore --------------------------------------------------------------------------------
+
+
+@dataclass
+class RestoreResult:
+    mode: str
+    base: dict[str, Any]
+    files: list[str]
+    notes: list[str] = field(default_factory=list)
+
+
+def restore(path: Path | None) -> RestoreResult:
+    checkout = gitrepo.find_checkout(path, need_git=False)
+    with gitrepo.locked(checkout):
+        state = gitrepo.load_state(checkout)
+        if not state:
+            raise UserError(f"{checkout.root}: nothing to restore (no active quantpatch set).")
+        targets = load_targets(checkout.root)
+        if state["mode"] == "in-place":
+            result = _restore_in_place(checkout, state)
+        else:
+            result = _restore_branch(checkout, targets, state)
+        gitrepo.clear_state(checkout)
+        return result
+
+
+def _restore_in_place(checkout: gitrepo.Checkout, state: dict[str, Any]) -> RestoreResult:
+    edits = []
+    for rel, info in state["files"].items():
+        path = checkout.root / rel
+        with open(path, encoding="utf-8", newline="") as fh:
+            current = fh.read()
+        if _sha(current) != info["written"]:
+            raise UserError(f"{rel} changed since quantpatch wrote it; revert it first.")
+        with open(checkout.state_dir / info["original"], encoding="utf-8", newline="") as fh:
+            edits.append(Edit(rel, current, fh.read()))
+    written = apply_edits(checkout.root, edits)
+    return RestoreResult("in-place", state["base"], written)
+
+
+def _restore_branch(
+    checkout: gitrepo.Checkout, targets: Targets, state: dict[str, Any]
+) -> RestoreResult:
+    repo = checkout.git()
+    _refuse_dirty(repo, targets)
+    base = state["base"]
+    notes = []
+    target = base["commit"]
+    if base["branch"]:
+        tip = gitrepo.branch_tip(repo, base["branch"])
+        if tip is None:
+            notes.append(f"branch {base['branch']} no longer exists; checked out {target[:12]}.")
+        else:
+            target = base["branch"]
+            if tip != base["commit"]:
+                notes.append(
+                    f"{base['branch']} moved on since the first set ({base['commit'][:12]} -> "
+                    f"{tip[:12]}); it is checked out as it is now."
+                )
+    gitrepo.run_git(repo, "checkout", "--quiet", target)
+    return RestoreResult("branch", base, list(targets.all_files), notes)
