@@ -225,11 +225,10 @@ def main() -> None:
     except (typer.Abort, KeyboardInterrupt):
         err.print("aborted.")
         sys.exit(130)
-    except Exception as exc:  # click usage errors and the like
-        import click
-
-        if isinstance(exc, click.exceptions.ClickException):
-            exc.show()
+    except Exception as exc:
+        show = getattr(exc, "show", None)
+        if callable(show) and isinstance(getattr(exc, "exit_code", None), int):
+            show()  # a usage error from the (possibly vendored) click parser
             sys.exit(2)
         if debug:
             raise

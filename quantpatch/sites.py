@@ -25,7 +25,7 @@ from pathlib import Path
 
 import libcst as cst
 import libcst.matchers as m
-from libcst.metadata import MetadataWrapper, ParentNodeProvider, PositionProvider
+from libcst.metadata import MetadataWrapper, PositionProvider
 
 from quantpatch.config import ROLES, SITE_NAME, Targets
 from quantpatch.errors import UserError
@@ -200,16 +200,31 @@ def _override(line: cst.CSTNode | None) -> str | None:
 
 
 class _Collector(cst.CSTVisitor):
-    METADATA_DEPENDENCIES = (PositionProvider, ParentNodeProvider)
+    """One pass over the statements that mention the site name, collecting per function its
+    sites and dispatches. Ancestors come from the visitor's own stack, and positions are
+    resolved only for the chunks visited (``line_offset`` places a chunk in its file)."""
+
+    METADATA_DEPENDENCIES = (PositionProvider,)
 
     def __init__(self, file_kind: str) -> None:
         super().__init__()
         self.file_kind = file_kind
         self.scope: list[str] = []
+        self.stack: list[cst.CSTNode] = []
         # one frame per function (plus the module): its sites and dispatches
-        self.frames: list[tuple[list[_RawSite], list[_Dispatch]]] = [([], [])]
+        self.module_frame: tuple[list[_RawSite], list[_Dispatch]] = ([], [])
+        self.frames: list[tuple[list[_RawSite], list[_Dispatch]]] = [self.module_frame]
         self.done: list[tuple[list[_RawSite], list[_Dispatch]]] = []
         self.elif_nodes: set[int] = set()
+        self.line_offset = 0
+
+    def on_visit(self, node: cst.CSTNode) -> bool:
+        self.stack.append(node)
+        return super().on_visit(node)
+
+    def on_leave(self, original_node: cst.CSTNode) -> None:
+        super().on_leave(original_node)
+        self.stack.pop()
 
     # -- scopes -------------------------------------------------------------------------
     def visit_ClassDef(self, node: cst.ClassDef) -> None:
@@ -226,27 +241,23 @@ class _Collector(cst.CSTVisitor):
         self.scope.pop()
         self.done.append(self.frames.pop())
 
-    def leave_Module(self, original_node: cst.Module) -> None:
-        self.done.append(self.frames.pop())
-
     # -- helpers ------------------------------------------------------------------------
-    def _ancestors(self, node: cst.CSTNode) -> tuple[cst.CSTNode, ...]:
-        chain: list[cst.CSTNode] = []
-        cur: cst.CSTNode | None = node
-        while cur is not None and not isinstance(cur, (cst.FunctionDef, cst.Module)):
-            cur = self.get_metadata(ParentNodeProvider, cur, None)
-            if cur is not None:
-                chain.append(cur)
-        return tuple(reversed(chain))
+    def _ancestors(self) -> tuple[cst.CSTNode, ...]:
+        """The enclosing nodes of the node being visited, from its function (or module) on."""
+        for i in range(len(self.stack) - 2, -1, -1):
+            if isinstance(self.stack[i], (cst.FunctionDef, cst.Module)):
+                return tuple(self.stack[i:-1])
+        return tuple(self.stack[:-1])
 
     def _pos(self, node: cst.CSTNode) -> tuple[int, int]:
         start = self.get_metadata(PositionProvider, node).start
-        return (start.line, start.column)
+        return (start.line + self.line_offset, start.column)
 
     # -- sites --------------------------------------------------------------------------
     def _add_site(self, stmt: cst.CSTNode, value: cst.BaseExpression) -> None:
         kind, literal, evaluated = _classify_value(value)
-        parent = self.get_metadata(ParentNodeProvider, stmt, None)
+        ancestors = self._ancestors()
+        parent = ancestors[-1] if ancestors else None
         pos = self._pos(stmt)
         self.frames[-1][0].append(
             _RawSite(
@@ -257,7 +268,7 @@ class _Collector(cst.CSTVisitor):
                 source=cst.Module([]).code_for_node(value),
                 line=pos[0],
                 pos=pos,
-                ancestors=self._ancestors(stmt),
+                ancestors=ancestors,
                 override=_override(parent),
                 function=".".join(self.scope) or "<module>",
             )
@@ -290,7 +301,7 @@ class _Collector(cst.CSTVisitor):
                     products.add(product)
         if not products:
             products.add("unknown")
-        ancestors = self._ancestors(node)
+        ancestors = self._ancestors()
         self.frames[-1][1].append(
             _Dispatch(node=node, pos=self._pos(node), ancestors=ancestors,
                       products=frozenset(products), kills=self._kills(node, ancestors))
@@ -382,9 +393,16 @@ def discover_source(text: str, rel: str, file_kind: str) -> FileSites:
     module = parse_source(text, rel)
     if SITE_NAME not in text:
         return FileSites(rel, text, module, [], [], [])
-    wrapper = MetadataWrapper(module, unsafe_skip_copy=True)
     collector = _Collector(file_kind)
-    wrapper.visit(collector)
+    offset = len(module.header)
+    for stmt in module.body:
+        code = module.code_for_node(stmt)
+        if SITE_NAME in code:
+            chunk = module.with_changes(header=(), body=(stmt,), footer=())
+            collector.line_offset = offset
+            MetadataWrapper(chunk, unsafe_skip_copy=True).visit(collector)
+        offset += code.count("\n")
+    collector.done.append(collector.module_frame)
 
     found: list[tuple[_RawSite, Site, list[cst.If]]] = []
     for raw_sites, dispatches in collector.done:

@@ -1,0 +1,109 @@
+"""Fixtures built at test time from real megatron-core wheels (no Megatron source committed)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import git
+import pytest
+
+from quantpatch import cli
+from quantpatch.codemods.init_sites import Layout, inject_sites
+from quantpatch.config import Targets
+from quantpatch.megatron_source import megatron_tree
+
+VERSIONS = ("0.11.0", "0.13.1")
+LINEAR = Targets().linear[0]
+ATTENTION = Targets().attention[0]
+
+
+@pytest.fixture(scope="session")
+def trees() -> dict[str, Path]:
+    """``megatron/`` of each release, from its wheel (cached between runs)."""
+    return {v: megatron_tree(v) for v in VERSIONS}
+
+
+MakeCheckout = Callable[..., Path]
+
+
+@pytest.fixture
+def make_checkout(tmp_path: Path, trees: dict[str, Path]) -> MakeCheckout:
+    """A git checkout holding the two real target files of a release with sites injected."""
+    counter = iter(range(1000))
+
+    def make(version: str = "0.13.1", layout: Layout | None = None, *, inject: bool = True,
+             use_git: bool = True, full: bool = False) -> Path:
+        root = tmp_path / f"checkout{next(counter)}"
+        src = trees[version]
+        if full:
+            shutil.copytree(src, root / "megatron")
+        for rel in (LINEAR, ATTENTION):
+            dest = root / rel
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            text = (src.parent / rel).read_text(encoding="utf-8")
+            kind = "linear" if rel == LINEAR else "attention"
+            dest.write_text(inject_sites(text, rel, kind, layout) if inject else text)
+        (root / "README.md").write_text("not a target\n")
+        if use_git:
+            repo = git.Repo.init(root, initial_branch="main")
+            with repo.config_writer() as cw:
+                cw.set_value("user", "name", "Test")
+                cw.set_value("user", "email", "test@example.com")
+            repo.git.add("-A")
+            repo.git.commit("-qm", "fixture")
+        return root
+
+    return make
+
+
+def snapshot(root: Path) -> dict[str, object]:
+    """Every work-tree file's bytes, every ref, HEAD and the quantpatch record."""
+    files = {
+        str(p.relative_to(root)): p.read_bytes()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and ".git" not in p.relative_to(root).parts
+    }
+    snap: dict[str, object] = {"files": files}
+    if (root / ".git").exists():
+        repo = git.Repo(root)
+        snap["refs"] = repo.git.for_each_ref()
+        snap["head"] = (root / ".git" / "HEAD").read_text()
+        state = root / ".git" / "quantpatch" / "state.json"
+        snap["state"] = state.read_text() if state.exists() else None
+        snap["lock"] = (root / ".git" / "quantpatch" / "lock").exists()
+    return snap
+
+
+class Result:
+    def __init__(self, code: int, out: str, err: str) -> None:
+        self.code, self.out, self.err = code, out, err
+
+    def __repr__(self) -> str:
+        return f"Result(code={self.code}, out={self.out[-400:]!r}, err={self.err[-400:]!r})"
+
+
+@pytest.fixture
+def run(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> Callable[..., Result]:
+    """Run the real CLI entry point in-process and return exit code, stdout and stderr."""
+
+    def invoke(*args: str | Path) -> Result:
+        monkeypatch.setattr(sys, "argv", ["quantpatch", *map(str, args)])
+        cli.OPTS.repo, cli.OPTS.json, cli.OPTS.debug = None, False, False
+        code = 0
+        try:
+            cli.main()
+        except SystemExit as exc:
+            code = int(exc.code or 0)
+        captured = capsys.readouterr()
+        return Result(code, captured.out, captured.err)
+
+    return invoke
+
+
+def git_out(root: Path, *args: str) -> str:
+    return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True,
+                          check=True).stdout
