@@ -9,11 +9,10 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 import typer
 from rich.console import Console
-from rich.table import Table
 
 from quantpatch import __version__
 from quantpatch.errors import CheckFailed, UserError
@@ -36,19 +35,23 @@ err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
 class Options:
-    repo: Optional[Path] = None
+    repo: Path | None = None
     json: bool = False
     debug: bool = False
 
 
 OPTS = Options()
 
-RepoOpt = typer.Option(None, "--repo", help="Checkout root (default: the git root above the "
-                       "current directory).", file_okay=False)
+RepoOpt = typer.Option(
+    None,
+    "--repo",
+    help="Checkout root (default: the git root above the current directory).",
+    file_okay=False,
+)
 JsonOpt = typer.Option(False, "--json", help="Print one JSON object instead of tables.")
 
 
-def _repo(local: Optional[Path]) -> Optional[Path]:
+def _repo(local: Path | None) -> Path | None:
     return local or OPTS.repo
 
 
@@ -64,16 +67,19 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _main(
-    repo: Optional[Path] = RepoOpt,
+    repo: Path | None = RepoOpt,
     json_: bool = typer.Option(False, "--json", help="JSON output for read commands."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks of internal errors."),
-    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
-                                 help="Print the version and exit."),
+    version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="Print the version and exit."
+    ),
 ) -> None:
     OPTS.repo, OPTS.json, OPTS.debug = repo, json_, debug
 
 
 def _print_check(report: CheckReport) -> None:
+    from rich.table import Table
+
     table = Table(title=f"custom_quant_type sites in {report.root}", title_justify="left")
     for col in ("role", "file:line", "function", "value", "form"):
         table.add_column(col)
@@ -85,14 +91,19 @@ def _print_check(report: CheckReport) -> None:
     if report.git:
         g = report.git
         head = g.head[:12] if g.head else "no commit"
-        out.print(f"git: {g.branch or 'detached HEAD'} @ {head} ({'clean' if g.clean else 'dirty'})")
+        out.print(
+            f"git: {g.branch or 'detached HEAD'} @ {head} ({'clean' if g.clean else 'dirty'})"
+        )
     else:
         out.print("git: not a git repository")
     if report.base:
         b = report.base
         where = f"{b.get('branch') or 'detached'} @ {(b.get('commit') or '')[:12]}"
-        out.print(f"base ({b['mode']}): {where}" if b["mode"] == "branch"
-                  else "base: in-place set active (originals kept under the state directory)")
+        out.print(
+            f"base ({b['mode']}): {where}"
+            if b["mode"] == "branch"
+            else "base: in-place set active (originals kept under the state directory)"
+        )
     else:
         out.print("base: none (no set active)")
     out.print(f"tensor saver: {'installed' if report.saver['installed'] else 'not installed'}")
@@ -100,9 +111,13 @@ def _print_check(report: CheckReport) -> None:
 
 @app.command()
 def check(
-    expect: Optional[str] = typer.Option(None, "--expect", metavar="linear=X,qk=Y,pv=Z",
-                                         help="Exit 1 unless the roles hold these values."),
-    repo: Optional[Path] = RepoOpt,
+    expect: str | None = typer.Option(
+        None,
+        "--expect",
+        metavar="linear=X,qk=Y,pv=Z",
+        help="Exit 1 unless the roles hold these values.",
+    ),
+    repo: Path | None = RepoOpt,
     json_: bool = JsonOpt,
 ) -> None:
     """Show every site (role, file:line, function, value, form), git state, base and saver."""
@@ -122,21 +137,30 @@ def check(
 
 @app.command("set")
 def set_(
-    linear: Optional[str] = typer.Option(None, "--linear", help="Value of the linear sites."),
-    qk: Optional[str] = typer.Option(None, "--qk", help="Value of the Q.K^T site(s)."),
-    pv: Optional[str] = typer.Option(None, "--pv", help="Value of the P.V site(s)."),
-    scheme: Optional[str] = typer.Option(None, "--scheme", help="A named scheme (see `list`); "
-                                         "--linear/--qk/--pv override its values."),
-    dry_run: bool = typer.Option(False, "--dry-run", help="Print the unified diff; change "
-                                 "nothing."),
-    no_branch: bool = typer.Option(False, "--no-branch", help="Edit in place (no branch, no "
-                                   "commit); still all-or-nothing and restorable."),
-    no_split: bool = typer.Option(False, "--no-split", help="Refuse instead of splitting a "
-                                  "shared qk+pv site."),
-    allow_unknown: bool = typer.Option(False, "--allow-unknown", help="Write a value that is "
-                                       "not a known quant type."),
-    config: Optional[Path] = typer.Option(None, "--config", help="Extra schemes (TOML)."),
-    repo: Optional[Path] = RepoOpt,
+    linear: str | None = typer.Option(None, "--linear", help="Value of the linear sites."),
+    qk: str | None = typer.Option(None, "--qk", help="Value of the Q.K^T site(s)."),
+    pv: str | None = typer.Option(None, "--pv", help="Value of the P.V site(s)."),
+    scheme: str | None = typer.Option(
+        None,
+        "--scheme",
+        help="A named scheme (see `list`); --linear/--qk/--pv override its values.",
+    ),
+    dry_run: bool = typer.Option(
+        False, "--dry-run", help="Print the unified diff; change nothing."
+    ),
+    no_branch: bool = typer.Option(
+        False,
+        "--no-branch",
+        help="Edit in place (no branch, no commit); still all-or-nothing and restorable.",
+    ),
+    no_split: bool = typer.Option(
+        False, "--no-split", help="Refuse instead of splitting a shared qk+pv site."
+    ),
+    allow_unknown: bool = typer.Option(
+        False, "--allow-unknown", help="Write a value that is not a known quant type."
+    ),
+    config: Path | None = typer.Option(None, "--config", help="Extra schemes (TOML)."),
+    repo: Path | None = RepoOpt,
     json_: bool = JsonOpt,
 ) -> None:
     """Rewrite the named roles; in git, on branch quant/linear-X_qk-Y_pv-Z from the base."""
@@ -154,12 +178,22 @@ def set_(
             values[role] = value
     if not values:
         raise UserError("nothing to set: give --linear, --qk, --pv or --scheme.")
-    result = set_values(_repo(repo), SetRequest(values, dry_run, not no_branch, not no_split,
-                                                allow_unknown))
+    result = set_values(
+        _repo(repo), SetRequest(values, dry_run, not no_branch, not no_split, allow_unknown)
+    )
     if json_ or OPTS.json:
-        _emit_json({"values": result.values, "branch": result.branch, "commit": result.commit,
-                    "base": result.base, "reused": result.reused, "dry_run": dry_run,
-                    "diff": result.diff, "notes": result.notes})
+        _emit_json(
+            {
+                "values": result.values,
+                "branch": result.branch,
+                "commit": result.commit,
+                "base": result.base,
+                "reused": result.reused,
+                "dry_run": dry_run,
+                "diff": result.diff,
+                "notes": result.notes,
+            }
+        )
         return
     for note in result.notes:
         err.print(f"note: {note}", style="yellow")
@@ -171,16 +205,20 @@ def set_(
     vals = " ".join(f"{r}={v}" for r, v in result.values.items())
     if result.branch:
         how = "reused" if result.reused else "created"
-        out.print(f"{vals}: {how} branch {result.branch} at {(result.commit or '')[:12]} "
-                  f"(base {result.base and (result.base['branch'] or 'detached')} @ "
-                  f"{result.base and result.base['commit'][:12]})")
+        out.print(
+            f"{vals}: {how} branch {result.branch} at {(result.commit or '')[:12]} "
+            f"(base {result.base and (result.base['branch'] or 'detached')} @ "
+            f"{result.base and result.base['commit'][:12]})"
+        )
     else:
-        out.print(f"{vals}: written in place ({len([e for e in result.edits if e.changed])} "
-                  "file(s)); 'quantpatch restore' puts the originals back.")
+        out.print(
+            f"{vals}: written in place ({len([e for e in result.edits if e.changed])} "
+            "file(s)); 'quantpatch restore' puts the originals back."
+        )
 
 
 @app.command()
-def restore(repo: Optional[Path] = RepoOpt) -> None:
+def restore(repo: Path | None = RepoOpt) -> None:
     """Put the checkout back on the recorded base, byte-identical, and clear the record."""
     from quantpatch.switch import restore as run_restore
 
@@ -196,8 +234,9 @@ def restore(repo: Optional[Path] = RepoOpt) -> None:
 
 @app.command()
 def demo(
-    directory: Path = typer.Argument(Path("quantpatch-demo"), help="Where to build the demo "
-                                     "checkout (must be new or empty)."),
+    directory: Path = typer.Argument(
+        Path("quantpatch-demo"), help="Where to build the demo checkout (must be new or empty)."
+    ),
     megatron_core: str = typer.Option("0.13.1", "--megatron-core", help="megatron-core release."),
 ) -> None:
     """Build a demo checkout from megatron-core and walk check -> set -> check -> restore."""
@@ -232,7 +271,9 @@ def main() -> None:
             sys.exit(2)
         if debug:
             raise
-        err.print(f"internal error: {type(exc).__name__}: {exc} (run with --debug for the "
-                  "traceback)", style="red")
+        err.print(
+            f"internal error: {type(exc).__name__}: {exc} (run with --debug for the traceback)",
+            style="red",
+        )
         sys.exit(3)
     sys.exit(0)

@@ -51,8 +51,12 @@ class Targets:
         return "linear" if rel in self.linear else "attention"
 
 
-_TARGET_KEYS = {"linear": "linear", "linear_file": "linear", "attention": "attention",
-                "attention_file": "attention"}
+_TARGET_KEYS = {
+    "linear": "linear",
+    "linear_file": "linear",
+    "attention": "attention",
+    "attention_file": "attention",
+}
 
 
 def _path_list(raw: Any, where: str, key: str) -> tuple[str, ...]:
@@ -70,8 +74,7 @@ def load_targets(root: Path) -> Targets:
     """
     table: dict[str, Any] | None = None
     where = ""
-    for name, getter in (("quantpatch.toml", lambda d: d.get("tool", {}).get("quantpatch", d)),
-                         ("pyproject.toml", lambda d: d.get("tool", {}).get("quantpatch"))):
+    for name in ("quantpatch.toml", "pyproject.toml"):
         path = root / name
         if not path.is_file():
             continue
@@ -79,7 +82,9 @@ def load_targets(root: Path) -> Targets:
             data = tomllib.loads(path.read_text(encoding="utf-8"))
         except tomllib.TOMLDecodeError as exc:
             raise UserError(f"{path}: not valid TOML ({exc}).") from None
-        found = getter(data)
+        found = data.get("tool", {}).get("quantpatch")
+        if found is None and name == "quantpatch.toml":
+            found = data  # quantpatch.toml may hold the keys at top level
         if found is not None:
             table, where = found, str(path)
             break

@@ -18,8 +18,9 @@ from quantpatch.megatron_source import DEFAULT_VERSION, megatron_tree
 _IGNORE = shutil.ignore_patterns("__pycache__", "*.pyc")
 
 
-def build_checkout(dest: Path, version: str = DEFAULT_VERSION, layout: Layout | None = None,
-                   *, inject: bool = True) -> Path:
+def build_checkout(
+    dest: Path, version: str = DEFAULT_VERSION, layout: Layout | None = None, *, inject: bool = True
+) -> Path:
     """A git repository at ``dest`` holding ``megatron/`` of megatron-core ``version``: one
     commit with the stock files, and (``inject``) one that adds fork-layout sites."""
     if dest.exists() and any(dest.iterdir()):
@@ -29,8 +30,7 @@ def build_checkout(dest: Path, version: str = DEFAULT_VERSION, layout: Layout | 
     shutil.copytree(tree, dest / "megatron", ignore=_IGNORE)
     (dest / ".gitignore").write_text("__pycache__/\n*.pyc\ntensor_logs/\n")
     repo = git.Repo.init(dest, initial_branch="main")
-    gitrepo.commit_paths(repo, [".gitignore", "megatron"],
-                         f"megatron-core {version}, unmodified")
+    gitrepo.commit_paths(repo, [".gitignore", "megatron"], f"megatron-core {version}, unmodified")
     if inject:
         targets = Targets()
         edits = []
@@ -38,8 +38,9 @@ def build_checkout(dest: Path, version: str = DEFAULT_VERSION, layout: Layout | 
             text = (dest / rel).read_text(encoding="utf-8")
             edits.append(Edit(rel, text, inject_sites(text, rel, targets.kind_of(rel), layout)))
         apply_edits(dest, edits)
-        gitrepo.commit_paths(repo, list(targets.all_files),
-                             "Add fork-layout custom_quant_type sites")
+        gitrepo.commit_paths(
+            repo, list(targets.all_files), "Add fork-layout custom_quant_type sites"
+        )
     return dest
 
 
@@ -56,14 +57,18 @@ def walk(dest: Path, console: Console) -> None:
 
     step("quantpatch check")
     _print_check(check(dest))
-    for values in ({"linear": "mxfp8", "qk": "mxfp8", "pv": "bf16"},
-                   {"linear": "hifp8", "qk": "mxfp4", "pv": "mxfp8"}):
+    for values in (
+        {"linear": "mxfp8", "qk": "mxfp8", "pv": "bf16"},
+        {"linear": "hifp8", "qk": "mxfp4", "pv": "mxfp8"},
+    ):
         args = " ".join(f"--{r} {v}" for r, v in values.items())
         step(f"quantpatch set {args}")
         result = set_values(dest, SetRequest(dict(values)))
-        console.print(f"branch {result.branch} at {(result.commit or '')[:12]}, from base "
-                      f"{result.base and result.base['branch']} @ "
-                      f"{result.base and result.base['commit'][:12]}")
+        console.print(
+            f"branch {result.branch} at {(result.commit or '')[:12]}, from base "
+            f"{result.base and result.base['branch']} @ "
+            f"{result.base and result.base['commit'][:12]}"
+        )
         console.print(result.diff.rstrip(), markup=False)
         step("quantpatch check")
         _print_check(check(dest))

@@ -50,8 +50,9 @@ def unified_diff(edits: Iterable[Edit]) -> str:
 
 def _write_temp(target: Path, text: str) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".quantpatch-tmp",
-                               dir=target.parent)
+    fd, tmp = tempfile.mkstemp(
+        prefix=f".{target.name}.", suffix=".quantpatch-tmp", dir=target.parent
+    )
     try:
         with os.fdopen(fd, "w", encoding="utf-8", newline="") as fh:
             fh.write(text)

@@ -41,8 +41,19 @@ def fetch_wheel(version: str, dest: Path) -> Path:
     found = sorted(dest.glob(f"megatron_core-{version}-*.whl"))
     if found:
         return found[0]
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-           "--disable-pip-version-check", "-q", "-d", str(dest), f"megatron-core=={version}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--disable-pip-version-check",
+        "-q",
+        "-d",
+        str(dest),
+        f"megatron-core=={version}",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     found = sorted(dest.glob(f"megatron_core-{version}-*.whl"))
     if proc.returncode != 0 or not found:

@@ -132,8 +132,10 @@ def _identity(repo: git.Repo) -> Iterator[None]:
         yield
         return
     env = {
-        "GIT_AUTHOR_NAME": "quantpatch", "GIT_AUTHOR_EMAIL": "quantpatch@localhost",
-        "GIT_COMMITTER_NAME": "quantpatch", "GIT_COMMITTER_EMAIL": "quantpatch@localhost",
+        "GIT_AUTHOR_NAME": "quantpatch",
+        "GIT_AUTHOR_EMAIL": "quantpatch@localhost",
+        "GIT_COMMITTER_NAME": "quantpatch",
+        "GIT_COMMITTER_EMAIL": "quantpatch@localhost",
     }
     with repo.git.custom_environment(**env):
         yield

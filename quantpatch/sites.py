@@ -19,62 +19,25 @@ A *site* is an assignment to ``custom_quant_type``. Its role comes from structur
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import libcst as cst
-import libcst.matchers as m
 from libcst.metadata import MetadataWrapper, PositionProvider
 
-from quantpatch.config import ROLES, SITE_NAME, Targets
+from quantpatch.config import SITE_NAME, Targets
 from quantpatch.errors import UserError
+from quantpatch.site_model import SITE_ROLES, Site, read_target, role_values
 
-SITE_ROLES = ("linear", "qk", "pv", "qk+pv", "unknown")
+__all__ = ["FileSites", "Site", "discover", "discover_source", "role_values"]
+
+_N = TypeVar("_N", bound=cst.CSTNode)
+
 _ENV_FUNCS = ("os.environ.get", "environ.get", "os.getenv", "getenv")
 _OVERRIDE_PREFIX = "quantpatch:"
-
-
-@dataclass(frozen=True)
-class Site:
-    """One assignment to ``custom_quant_type`` as the user sees it."""
-
-    role: str
-    """linear, qk, pv, qk+pv or unknown."""
-    file: str
-    """Relative to the checkout root, posix separators."""
-    line: int
-    """1-based line of the assignment."""
-    function: str
-    """Enclosing ``Class.function`` (``<module>`` at top level)."""
-    value: str | None
-    """The literal (or the environment default); ``None`` for a dynamic site."""
-    form: str
-    """literal, env, dynamic or label."""
-    kind: str
-    """literal, env or dynamic: how the value is written (``form`` says label instead)."""
-    governs: tuple[str, ...]
-    """The products (qk, pv, linear) of the dispatches this site governs."""
-    source: str
-    """The assignment's value as written."""
-
-    @property
-    def roles(self) -> tuple[str, ...]:
-        """The contract roles (linear, qk, pv) this site's value feeds."""
-        if self.role == "qk+pv":
-            return ("qk", "pv")
-        return (self.role,) if self.role in ROLES else ()
-
-    def as_json(self) -> dict[str, object]:
-        return {
-            "role": self.role,
-            "file": self.file,
-            "line": self.line,
-            "function": self.function,
-            "value": self.value,
-            "form": self.form,
-            "source": self.source,
-        }
 
 
 @dataclass
@@ -114,6 +77,9 @@ class FileSites:
     """The literal node of each site (same order as ``sites``)."""
     pv_dispatches: list[list[cst.If]]
     """For each site, the P.V dispatches it governs (the split point of a qk+pv site)."""
+    chunks: frozenset[int] = frozenset()
+    """``id`` of each top-level statement that mentions the site name (where every site and
+    dispatch lives): a rewrite needs to walk only these."""
 
 
 def _dotted(node: cst.BaseExpression) -> str:
@@ -124,12 +90,36 @@ def _dotted(node: cst.BaseExpression) -> str:
     return ""
 
 
+class _Find(cst.CSTVisitor):
+    def __init__(self, kind: type[cst.CSTNode]) -> None:
+        super().__init__()
+        self.kind = kind
+        self.found: list[cst.CSTNode] = []
+
+    def on_visit(self, node: cst.CSTNode) -> bool:
+        if isinstance(node, self.kind):
+            self.found.append(node)
+        return True
+
+
+def find_all(node: cst.CSTNode, kind: type[_N]) -> list[_N]:
+    """Every node of type ``kind`` in ``node``'s subtree, in source order (a lighter stand-in
+    for ``libcst.matchers.findall``, whose import alone costs a quarter second)."""
+    finder = _Find(kind)
+    node.visit(finder)
+    return [n for n in finder.found if isinstance(n, kind)]
+
+
 def _names_in(node: cst.CSTNode) -> set[str]:
-    return {n.value for n in m.findall(node, m.Name())}  # type: ignore[union-attr]
+    return {n.value for n in find_all(node, cst.Name)}
 
 
 def _reads_site(node: cst.CSTNode) -> bool:
-    return bool(m.findall(node, m.Name(SITE_NAME)))
+    return SITE_NAME in _names_in(node)
+
+
+def _is_site_name(node: cst.CSTNode) -> bool:
+    return isinstance(node, cst.Name) and node.value == SITE_NAME
 
 
 def _classify_value(value: cst.BaseExpression) -> tuple[str, cst.SimpleString | None, str | None]:
@@ -190,9 +180,9 @@ def _override(line: cst.CSTNode | None) -> str | None:
     text = comment.value.lstrip("#").strip()
     if not text.startswith(_OVERRIDE_PREFIX):
         return None
-    for part in text[len(_OVERRIDE_PREFIX):].split():
+    for part in text[len(_OVERRIDE_PREFIX) :].split():
         if part.startswith("role="):
-            role = part[len("role="):]
+            role = part[len("role=") :]
             if role not in SITE_ROLES or role == "unknown":
                 raise UserError(f"unknown role '{role}' in a '# quantpatch:' comment.")
             return role
@@ -275,11 +265,11 @@ class _Collector(cst.CSTVisitor):
         )
 
     def visit_Assign(self, node: cst.Assign) -> None:
-        if any(m.matches(t.target, m.Name(SITE_NAME)) for t in node.targets):
+        if any(_is_site_name(t.target) for t in node.targets):
             self._add_site(node, node.value)
 
     def visit_AnnAssign(self, node: cst.AnnAssign) -> None:
-        if node.value is not None and m.matches(node.target, m.Name(SITE_NAME)):
+        if node.value is not None and _is_site_name(node.target):
             self._add_site(node, node.value)
 
     # -- dispatches ---------------------------------------------------------------------
@@ -295,16 +285,21 @@ class _Collector(cst.CSTVisitor):
         if self.file_kind == "linear":
             products.add("linear")
         else:
-            for call in m.findall(node, m.Call()):
-                product = classify_product(call)  # type: ignore[arg-type]
+            for call in find_all(node, cst.Call):
+                product = classify_product(call)
                 if product:
                     products.add(product)
         if not products:
             products.add("unknown")
         ancestors = self._ancestors()
         self.frames[-1][1].append(
-            _Dispatch(node=node, pos=self._pos(node), ancestors=ancestors,
-                      products=frozenset(products), kills=self._kills(node, ancestors))
+            _Dispatch(
+                node=node,
+                pos=self._pos(node),
+                ancestors=ancestors,
+                products=frozenset(products),
+                kills=self._kills(node, ancestors),
+            )
         )
 
     def _kills(
@@ -313,7 +308,7 @@ class _Collector(cst.CSTVisitor):
         site_lines = {id(s.ancestors[-1]) for s in self.frames[-1][0] if s.ancestors}
         path = (*ancestors, node)
         out = []
-        for block, child in zip(path, path[1:]):
+        for block, child in itertools.pairwise(path):
             if not isinstance(block, (cst.IndentedBlock, cst.Module)):
                 continue
             for stmt in block.body:
@@ -392,12 +387,14 @@ def discover_source(text: str, rel: str, file_kind: str) -> FileSites:
     """All sites of one file's source text; ``file_kind`` is ``linear`` or ``attention``."""
     module = parse_source(text, rel)
     if SITE_NAME not in text:
-        return FileSites(rel, text, module, [], [], [])
+        return FileSites(rel, text, module, [], [], [], frozenset())
     collector = _Collector(file_kind)
     offset = len(module.header)
+    chunks: set[int] = set()
     for stmt in module.body:
         code = module.code_for_node(stmt)
         if SITE_NAME in code:
+            chunks.add(id(stmt))
             chunk = module.with_changes(header=(), body=(stmt,), footer=())
             collector.line_offset = offset
             MetadataWrapper(chunk, unsafe_skip_copy=True).visit(collector)
@@ -414,7 +411,7 @@ def discover_source(text: str, rel: str, file_kind: str) -> FileSites:
                 if "pv" in d.products and "qk" not in d.products:
                     pv_nodes[i].append(d.node)
         roles: list[str | None] = []
-        for raw, products in zip(raw_sites, governs):
+        for raw, products in zip(raw_sites, governs, strict=False):
             if raw.override:
                 roles.append(raw.override)
             elif products:
@@ -427,7 +424,7 @@ def discover_source(text: str, rel: str, file_kind: str) -> FileSites:
             if not governs[i]:
                 form = "label" if raw.kind != "dynamic" else raw.kind
                 if role is None:
-                    later = [r for r in roles[i + 1:] if r is not None]
+                    later = [r for r in roles[i + 1 :] if r is not None]
                     role = later[0] if later else ("linear" if file_kind == "linear" else "unknown")
             site = Site(
                 role=role or "unknown",
@@ -449,18 +446,8 @@ def discover_source(text: str, rel: str, file_kind: str) -> FileSites:
         sites=[s for _, s, _ in found],
         literals=[r.literal for r, _, _ in found],
         pv_dispatches=[p for _, _, p in found],
+        chunks=frozenset(chunks),
     )
-
-
-def read_target(root: Path, rel: str) -> str:
-    path = root / rel
-    if not path.is_file():
-        raise UserError(f"{rel}: target file not found under {root}.")
-    try:
-        with open(path, encoding="utf-8", newline="") as fh:  # keep CRLF bytes as they are
-            return fh.read()
-    except UnicodeDecodeError:
-        raise UserError(f"{rel}: the file is not UTF-8 text.") from None
 
 
 def discover(root: Path, targets: Targets) -> list[FileSites]:
@@ -470,25 +457,3 @@ def discover(root: Path, targets: Targets) -> list[FileSites]:
         discover_source(read_target(root, rel), rel, targets.kind_of(rel))
         for rel in targets.all_files
     ]
-
-
-def all_sites(files: Sequence[FileSites]) -> Iterator[Site]:
-    for f in files:
-        yield from f.sites
-
-
-def role_values(sites: Sequence[Site]) -> tuple[dict[str, str | None], dict[str, list[Site]]]:
-    """The value of each role (``None`` when it has no site or its sites disagree), and the
-    sites of every role whose sites disagree."""
-    values: dict[str, str | None] = {}
-    mismatched: dict[str, list[Site]] = {}
-    for role in ROLES:
-        members = [s for s in sites if role in s.roles and s.kind != "dynamic"]
-        distinct = {s.value for s in members}
-        if len(distinct) == 1:
-            values[role] = distinct.pop()
-        else:
-            values[role] = None
-            if len(distinct) > 1:
-                mismatched[role] = members
-    return values, mismatched

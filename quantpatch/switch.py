@@ -14,14 +14,17 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from quantpatch import repo as gitrepo
-from quantpatch.codemods.set_value import check_values, plan_values, verify_rewrite
-from quantpatch.config import ROLES, Targets, load_targets
+from quantpatch import site_cache
+from quantpatch.config import ROLES, Targets, load_targets, validate_value
 from quantpatch.edits import Edit, apply_edits, unified_diff
 from quantpatch.errors import UserError
-from quantpatch.sites import FileSites, Site, all_sites, discover, discover_source, role_values
+from quantpatch.site_model import Site, role_values
+
+if TYPE_CHECKING:  # libcst is imported only by the commands that rewrite
+    from quantpatch.sites import FileSites
 
 SAVER_MODULE = "megatron/core/tensor_saver.py"
 
@@ -88,27 +91,38 @@ def saver_status(root: Path) -> dict[str, Any]:
     return {"installed": path.is_file(), "module": SAVER_MODULE}
 
 
+def _no_sites(targets: Targets) -> UserError:
+    return UserError(
+        f"{', '.join(targets.all_files)}: no custom_quant_type sites found; this checkout "
+        "has no fork-layout sites (run 'quantpatch demo' to see one)."
+    )
+
+
 def _discover_checked(root: Path, targets: Targets) -> list[FileSites]:
+    from quantpatch.sites import discover
+
     files = discover(root, targets)
     if not any(f.sites for f in files):
-        raise UserError(
-            f"{', '.join(targets.all_files)}: no custom_quant_type sites found; this checkout "
-            "has no fork-layout sites (run 'quantpatch demo' to see one)."
-        )
+        raise _no_sites(targets)
     return files
 
 
 def check(path: Path | None) -> CheckReport:
     checkout = gitrepo.find_checkout(path, need_git=False)
     targets = load_targets(checkout.root)
-    files = _discover_checked(checkout.root, targets)
-    sites = list(all_sites(files))
+    per_file = site_cache.read_sites(checkout.root, targets, checkout.state_dir / "cache")
+    sites = [s for file_sites in per_file for s in file_sites]
+    if not sites:
+        raise _no_sites(targets)
     roles, mismatched = role_values(sites)
     state = gitrepo.load_state(checkout)
     base = None
     if state:
-        base = {"mode": state["mode"], **state.get("base", {}),
-                "current": state.get("current", {}).get("branch")}
+        base = {
+            "mode": state["mode"],
+            **state.get("base", {}),
+            "current": state.get("current", {}).get("branch"),
+        }
     return CheckReport(
         root=checkout.root,
         sites=sites,
@@ -155,26 +169,42 @@ def _resolve_values(requested: Mapping[str, str], sites: Sequence[Site]) -> dict
                 raise UserError(f"--{role}: the checkout has no {role} site to set.")
             out[role] = requested[role]
         elif role in mismatched:
-            raise UserError(
-                f"the {role} sites disagree ({', '.join(f'{s.file}:{s.line}' for s in mismatched[role])}); "
-                f"name --{role} to set them all."
-            )
-        elif current[role] is not None:
-            out[role] = current[role]  # type: ignore[assignment]
+            where = ", ".join(f"{s.file}:{s.line}" for s in mismatched[role])
+            raise UserError(f"the {role} sites disagree ({where}); name --{role} to set them all.")
+        elif (value := current[role]) is not None:
+            out[role] = value
     return out
 
 
-def _plan(files: Sequence[FileSites], values: Mapping[str, str], targets: Targets,
-          split: bool) -> dict[str, str]:
+def _plan(
+    files: Sequence[FileSites],
+    values: Mapping[str, str],
+    targets: Targets,
+    split: bool,
+    cache_dir: Path,
+) -> dict[str, str]:
+    """New text per file, each proven by re-discovery (whose result primes the cache)."""
+    from quantpatch.codemods.set_value import plan_values, verify_rewrite
+
     planned = {}
     for fs in files:
         new_text = plan_values(fs, values, split=split)
-        verify_rewrite(fs, new_text, values, targets.kind_of(fs.rel))
+        kind = targets.kind_of(fs.rel)
+        new = verify_rewrite(fs, new_text, values, kind) if new_text != fs.text else fs
+        site_cache.store(cache_dir, fs.rel, kind, new_text, new.sites)
         planned[fs.rel] = new_text
     return planned
 
 
-def _commit_message(values: Mapping[str, str], base: Mapping[str, Any], files: Sequence[str]) -> str:
+def _discover_text(text: str, rel: str, targets: Targets) -> FileSites:
+    from quantpatch.sites import discover_source
+
+    return discover_source(text, rel, targets.kind_of(rel))
+
+
+def _commit_message(
+    values: Mapping[str, str], base: Mapping[str, Any], files: Sequence[str]
+) -> str:
     base_name = base.get("branch") or "detached HEAD"
     return (
         f"quantpatch: linear={values.get('linear')} qk={values.get('qk')} pv={values.get('pv')}\n\n"
@@ -184,7 +214,8 @@ def _commit_message(values: Mapping[str, str], base: Mapping[str, Any], files: S
 
 
 def set_values(path: Path | None, req: SetRequest) -> SetResult:
-    check_values(req.values, allow_unknown=req.allow_unknown)
+    for role, value in req.values.items():
+        validate_value(value, allow_unknown=req.allow_unknown, where=f"--{role}")
     checkout = gitrepo.find_checkout(path, need_git=req.branch)
     targets = load_targets(checkout.root)
     if req.dry_run:
@@ -195,7 +226,7 @@ def set_values(path: Path | None, req: SetRequest) -> SetResult:
 
 def _set_unlocked(checkout: gitrepo.Checkout, targets: Targets, req: SetRequest) -> SetResult:
     current_files = _discover_checked(checkout.root, targets)
-    values = _resolve_values(req.values, list(all_sites(current_files)))
+    values = _resolve_values(req.values, [s for f in current_files for s in f.sites])
     state = gitrepo.load_state(checkout)
     if state and state["mode"] != ("branch" if req.branch else "in-place"):
         other = "--no-branch" if state["mode"] == "in-place" else "branch"
@@ -210,9 +241,7 @@ def _set_unlocked(checkout: gitrepo.Checkout, targets: Targets, req: SetRequest)
 def _refuse_dirty(repo: Any, targets: Targets) -> None:
     dirty = gitrepo.dirty_paths(repo, targets.all_files)
     if dirty:
-        raise UserError(
-            f"uncommitted changes to {', '.join(dirty)}; commit or stash them first."
-        )
+        raise UserError(f"uncommitted changes to {', '.join(dirty)}; commit or stash them first.")
 
 
 def _set_branch(
@@ -226,7 +255,9 @@ def _set_branch(
     repo = checkout.git()
     head = gitrepo.head_commit(repo)
     if head is None:
-        raise UserError(f"{checkout.root}: the repository has no commit yet; commit the sources first.")
+        raise UserError(
+            f"{checkout.root}: the repository has no commit yet; commit the sources first."
+        )
     _refuse_dirty(repo, targets)
     notes: list[str] = []
     if state:
@@ -243,8 +274,14 @@ def _set_branch(
             "to pick up the new commits)."
         )
     base_texts = {rel: gitrepo.read_at(repo, base["commit"], rel) for rel in targets.all_files}
-    base_files = [discover_source(t, rel, targets.kind_of(rel)) for rel, t in base_texts.items()]
-    planned = _plan(base_files, values, targets, req.split)
+    current_by_rel = {fs.rel: fs for fs in current_files}
+    base_files = [
+        current_by_rel[rel]
+        if current_by_rel[rel].text == text  # same bytes: same sites
+        else _discover_text(text, rel, targets)
+        for rel, text in base_texts.items()
+    ]
+    planned = _plan(base_files, values, targets, req.split, checkout.state_dir / "cache")
     edits = [Edit(fs.rel, fs.text, planned[fs.rel]) for fs in current_files]
     result = SetResult(values=values, edits=edits, diff=unified_diff(edits), base=base, notes=notes)
     name = branch_name({r: values.get(r, "none") for r in ROLES})
@@ -255,8 +292,9 @@ def _set_branch(
     if gitrepo.branch_exists(repo, name):
         tip = gitrepo.branch_tip(repo, name)
         assert tip is not None
-        differs = [rel for rel in targets.all_files
-                   if gitrepo.read_at(repo, tip, rel) != planned[rel]]
+        differs = [
+            rel for rel in targets.all_files if gitrepo.read_at(repo, tip, rel) != planned[rel]
+        ]
         if differs:
             raise UserError(
                 f"branch {name} exists but its {', '.join(differs)} differ from what this set "
@@ -281,14 +319,16 @@ def _set_branch(
             raise
         result.commit = commit
     history = (state or {}).get("history", [])
-    history.append({"time": time.time(), "values": values, "branch": name,
-                    "commit": result.commit})
-    gitrepo.save_state(checkout, {
-        "mode": "branch",
-        "base": base,
-        "current": {"branch": name, "commit": result.commit, "values": values},
-        "history": history,
-    })
+    history.append({"time": time.time(), "values": values, "branch": name, "commit": result.commit})
+    gitrepo.save_state(
+        checkout,
+        {
+            "mode": "branch",
+            "base": base,
+            "current": {"branch": name, "commit": result.commit, "values": values},
+            "history": history,
+        },
+    )
     return result
 
 
@@ -301,8 +341,9 @@ def _set_in_place(
     state: dict[str, Any] | None,
 ) -> SetResult:
     if state:
-        changed = [fs.rel for fs in current_files
-                   if _sha(fs.text) != state["files"][fs.rel]["written"]]
+        changed = [
+            fs.rel for fs in current_files if _sha(fs.text) != state["files"][fs.rel]["written"]
+        ]
         if changed:
             raise UserError(
                 f"{', '.join(changed)} changed since quantpatch wrote them; "
@@ -310,7 +351,7 @@ def _set_in_place(
             )
     elif checkout.repo is not None:
         _refuse_dirty(checkout.repo, targets)
-    planned = _plan(current_files, values, targets, req.split)
+    planned = _plan(current_files, values, targets, req.split, checkout.state_dir / "cache")
     edits = [Edit(fs.rel, fs.text, planned[fs.rel]) for fs in current_files]
     result = SetResult(values=values, edits=edits, diff=unified_diff(edits))
     if req.dry_run:
@@ -329,13 +370,16 @@ def _set_in_place(
         files_state[rel]["written"] = _sha(text)
     history = (state or {}).get("history", [])
     history.append({"time": time.time(), "values": values})
-    gitrepo.save_state(checkout, {
-        "mode": "in-place",
-        "base": {"branch": None, "commit": None},
-        "current": {"branch": None, "values": values},
-        "files": files_state,
-        "history": history,
-    })
+    gitrepo.save_state(
+        checkout,
+        {
+            "mode": "in-place",
+            "base": {"branch": None, "commit": None},
+            "current": {"branch": None, "values": values},
+            "files": files_state,
+            "history": history,
+        },
+    )
     return result
 
 

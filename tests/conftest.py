@@ -35,8 +35,14 @@ def make_checkout(tmp_path: Path, trees: dict[str, Path]) -> MakeCheckout:
     """A git checkout holding the two real target files of a release with sites injected."""
     counter = iter(range(1000))
 
-    def make(version: str = "0.13.1", layout: Layout | None = None, *, inject: bool = True,
-             use_git: bool = True, full: bool = False) -> Path:
+    def make(
+        version: str = "0.13.1",
+        layout: Layout | None = None,
+        *,
+        inject: bool = True,
+        use_git: bool = True,
+        full: bool = False,
+    ) -> Path:
         root = tmp_path / f"checkout{next(counter)}"
         src = trees[version]
         if full:
@@ -87,7 +93,9 @@ class Result:
 
 
 @pytest.fixture
-def run(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> Callable[..., Result]:
+def run(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> Callable[..., Result]:
     """Run the real CLI entry point in-process and return exit code, stdout and stderr."""
 
     def invoke(*args: str | Path) -> Result:
@@ -105,5 +113,6 @@ def run(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> 
 
 
 def git_out(root: Path, *args: str) -> str:
-    return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True,
-                          check=True).stdout
+    return subprocess.run(
+        ["git", *args], cwd=root, capture_output=True, text=True, check=True
+    ).stdout

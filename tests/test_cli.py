@@ -31,11 +31,14 @@ def test_check_json_schema(run, make_checkout):
     data = json.loads(res.out)
     assert data["roles"] == {"linear": "bf16", "qk": "bf16", "pv": "bf16"}
     assert {tuple(sorted(s)) for s in data["sites"]} == {
-        ("file", "form", "function", "line", "role", "source", "value")}
+        ("file", "form", "function", "line", "role", "source", "value")
+    }
     first = data["sites"][0]
     assert first["file"] == LINEAR and first["function"].endswith(".forward")
-    assert Path(root, first["file"]).read_text().splitlines()[first["line"] - 1].strip() \
+    assert (
+        Path(root, first["file"]).read_text().splitlines()[first["line"] - 1].strip()
         == "custom_quant_type = 'bf16'"
+    )
     assert data["git"]["branch"] == "main" and data["git"]["clean"] is True
     assert data["base"] is None and data["saver"]["installed"] is False
 
@@ -56,7 +59,9 @@ def test_check_table_and_expect(run, make_checkout):
 def test_check_flags_disagreeing_sites(run, make_checkout):
     root = make_checkout()
     p = root / LINEAR
-    p.write_text(p.read_text().replace("custom_quant_type = 'bf16'", "custom_quant_type = 'hifp8'", 1))
+    p.write_text(
+        p.read_text().replace("custom_quant_type = 'bf16'", "custom_quant_type = 'hifp8'", 1)
+    )
     res = run("check", "--repo", root)
     assert res.code == 1 and "the linear sites disagree" in res.err
 
@@ -68,7 +73,9 @@ def test_set_branch_commit_and_restore_byte_identical(run, make_checkout):
     res = run("set", "--repo", root, "--scheme", "FA_linear_mxfp8")
     assert res.code == 0, res
     assert "quant/linear-mxfp8_qk-mxfp8_pv-bf16" in res.out
-    assert git_out(root, "branch", "--show-current").strip() == "quant/linear-mxfp8_qk-mxfp8_pv-bf16"
+    assert (
+        git_out(root, "branch", "--show-current").strip() == "quant/linear-mxfp8_qk-mxfp8_pv-bf16"
+    )
     msg = git_out(root, "log", "-1", "--format=%B")
     assert msg.startswith("quantpatch: linear=mxfp8 qk=mxfp8 pv=bf16") and base in msg
     assert git_out(root, "rev-parse", "HEAD~1").strip() == base
@@ -79,7 +86,9 @@ def test_set_branch_commit_and_restore_byte_identical(run, make_checkout):
     # a second set branches from the same base again (never stacks), pv differs from qk
     res = run("set", "--repo", root, "--linear", "hifp8", "--pv", "mxfp4")
     assert res.code == 0, res
-    assert git_out(root, "branch", "--show-current").strip() == "quant/linear-hifp8_qk-mxfp8_pv-mxfp4"
+    assert (
+        git_out(root, "branch", "--show-current").strip() == "quant/linear-hifp8_qk-mxfp8_pv-mxfp4"
+    )
     assert git_out(root, "rev-parse", "HEAD~1").strip() == base
     assert _roles(run, root) == {"linear": "hifp8", "qk": "mxfp8", "pv": "mxfp4"}
     data = json.loads(run("check", "--json", "--repo", root).out)
@@ -108,8 +117,9 @@ def test_dry_run_prints_diff_and_changes_nothing(run, make_checkout):
     assert res.code == 0
     assert f"--- a/{ATTENTION}" in res.out
     assert "-        custom_quant_type = 'bf16'\n+        custom_quant_type = 'hifp8'" in res.out
-    assert [ln for ln in res.out.splitlines() if ln.startswith("+") and not ln.startswith("+++")] == [
-        "+        custom_quant_type = 'hifp8'"]
+    assert [
+        ln for ln in res.out.splitlines() if ln.startswith("+") and not ln.startswith("+++")
+    ] == ["+        custom_quant_type = 'hifp8'"]
     assert snapshot(root) == before
 
 
@@ -160,10 +170,23 @@ def test_refusals_exit_2_and_change_nothing(run, make_checkout, tmp_path):
         assert "Traceback" not in res.err
         assert snapshot(root) == before
 
-    refused("set", "--repo", root, "--linear", "fp8",
-            match="unknown quant type 'fp8'; valid values are bf16, mxfp8, mxfp4, hifp8")
-    refused("set", "--repo", root, "--linear", "a'b", "--allow-unknown",
-            match="not a valid quant type name")
+    refused(
+        "set",
+        "--repo",
+        root,
+        "--linear",
+        "fp8",
+        match="unknown quant type 'fp8'; valid values are bf16, mxfp8, mxfp4, hifp8",
+    )
+    refused(
+        "set",
+        "--repo",
+        root,
+        "--linear",
+        "a'b",
+        "--allow-unknown",
+        match="not a valid quant type name",
+    )
     refused("set", "--repo", root, "--scheme", "FA_fp8", match="unknown scheme 'FA_fp8'")
     refused("set", "--repo", root, match="nothing to set")
     refused("set", "--repo", root, "--bogus", match="No such option")
@@ -183,6 +206,7 @@ def test_refusals_exit_2_and_change_nothing(run, make_checkout, tmp_path):
     holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
         import socket
+
         lock.write_text(f"{holder.pid} {socket.gethostname()} 0\n")
         res = run("set", "--repo", root, "--qk", "mxfp8")
         assert res.code == 2 and "holds the lock" in res.err
@@ -214,7 +238,9 @@ def test_not_a_git_repo_and_no_sites(run, make_checkout):
 def test_syntax_error_is_refused_with_file_and_line(run, make_checkout):
     root = make_checkout()
     p = root / ATTENTION
-    text = p.read_text().replace("custom_quant_type = 'bf16'\n        if", "'hifp8'\n        elif", 1)
+    text = p.read_text().replace(
+        "custom_quant_type = 'bf16'\n        if", "'hifp8'\n        elif", 1
+    )
     p.write_text(text)
     repo = git.Repo(root)
     repo.git.commit("-qam", "the sed accident")
@@ -232,13 +258,18 @@ def test_injected_failure_during_set_leaves_files_and_refs(run, make_checkout, m
     calls = []
 
     def flaky(src, dst):
-        calls.append(dst)
-        if len(calls) == 2:
-            raise OSError(28, "No space left on device", str(dst))
+        if str(dst).endswith((LINEAR, ATTENTION)):
+            calls.append(dst)
+            if len(calls) == 2:  # the first target file is already replaced
+                raise OSError(28, "No space left on device", str(dst))
         return real(src, dst)
 
     monkeypatch.setattr(edits_mod.os, "replace", flaky)
     res = run("set", "--repo", root, "--scheme", "FA_linear_hifp8")
+    # layers.py replaced, dot_product_attention.py failed, layers.py put back
+    assert [
+        str(c).endswith(r) for c, r in zip(calls, (LINEAR, ATTENTION, LINEAR), strict=True)
+    ] == [True] * 3
     monkeypatch.setattr(edits_mod.os, "replace", real)
     assert res.code == 2 and "every file was left as it was" in res.err
     assert snapshot(root) == before
@@ -305,16 +336,24 @@ def test_config_paths_from_pyproject_and_quantpatch_toml(run, make_checkout):
 
 def test_version_help_and_no_torch_at_startup(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    res = subprocess.run([sys.executable, "-m", "quantpatch", "--version"], capture_output=True,
-                         text=True, env=env, check=False)
+    res = subprocess.run(
+        [sys.executable, "-m", "quantpatch", "--version"],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
     assert res.returncode == 0 and res.stdout.startswith("quantpatch ")
-    code = ("import sys; sys.argv=['quantpatch','--help']\n"
-            "from quantpatch.cli import main\n"
-            "try:\n    main()\nexcept SystemExit:\n    pass\n"
-            "bad=[m for m in ('torch','libcst','git','megatron') if m in sys.modules]\n"
-            "print('LOADED', bad)")
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                         check=False)
+    code = (
+        "import sys; sys.argv=['quantpatch','--help']\n"
+        "from quantpatch.cli import main\n"
+        "try:\n    main()\nexcept SystemExit:\n    pass\n"
+        "bad=[m for m in ('torch','libcst','git','megatron') if m in sys.modules]\n"
+        "print('LOADED', bad)"
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=False
+    )
     assert "LOADED []" in res.stdout, res.stdout + res.stderr
 
 

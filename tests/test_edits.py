@@ -23,9 +23,14 @@ def _files(tmp_path: Path) -> tuple[Path, Path]:
 def test_writes_all_and_keeps_mode_and_crlf(tmp_path):
     a, b = _files(tmp_path)
     os.chmod(a, 0o755)
-    written = apply_edits(tmp_path, [Edit("a.py", "a = 1\n", "a = 2\n"),
-                                     Edit("sub/b.py", "b = 1\r\n", "b = 2\r\n"),
-                                     Edit("same.py", None, None)])
+    written = apply_edits(
+        tmp_path,
+        [
+            Edit("a.py", "a = 1\n", "a = 2\n"),
+            Edit("sub/b.py", "b = 1\r\n", "b = 2\r\n"),
+            Edit("same.py", None, None),
+        ],
+    )
     assert written == ["a.py", "sub/b.py"]
     assert a.read_bytes() == b"a = 2\n" and b.read_bytes() == b"b = 2\r\n"
     assert a.stat().st_mode & 0o777 == 0o755
@@ -45,8 +50,10 @@ def test_failure_between_two_replacements_leaves_both_files(tmp_path, monkeypatc
 
     monkeypatch.setattr(edits_mod.os, "replace", flaky)
     with pytest.raises(UserError, match="every file was left as it was"):
-        apply_edits(tmp_path, [Edit("a.py", "a = 1\n", "a = 2\n"),
-                               Edit("sub/b.py", "b = 1\r\n", "b = 2\r\n")])
+        apply_edits(
+            tmp_path,
+            [Edit("a.py", "a = 1\n", "a = 2\n"), Edit("sub/b.py", "b = 1\r\n", "b = 2\r\n")],
+        )
     monkeypatch.setattr(edits_mod.os, "replace", real)
     assert a.read_bytes() == b"a = 1\n" and b.read_bytes() == b"b = 1\r\n"
     assert not list(tmp_path.rglob("*.quantpatch-tmp"))
@@ -65,7 +72,9 @@ def test_failure_writing_a_temp_file_changes_nothing(tmp_path, monkeypatch):
 
     monkeypatch.setattr(edits_mod, "_write_temp", fail_second)
     with pytest.raises(UserError, match="nothing was changed"):
-        apply_edits(tmp_path, [Edit("a.py", "a = 1\n", "x\n"), Edit("sub/b.py", "b = 1\r\n", "y\n")])
+        apply_edits(
+            tmp_path, [Edit("a.py", "a = 1\n", "x\n"), Edit("sub/b.py", "b = 1\r\n", "y\n")]
+        )
     assert a.read_bytes() == b"a = 1\n" and b.read_bytes() == b"b = 1\r\n"
     assert not list(tmp_path.rglob("*.quantpatch-tmp"))
 
@@ -97,7 +106,8 @@ def test_concurrent_change_is_refused(tmp_path):
 
 
 def test_unified_diff_names_files():
-    diff = unified_diff([Edit("x.py", "a\n", "b\n"), Edit("y.py", "c\n", "c\n"),
-                         Edit("z.py", None, "new\n")])
+    diff = unified_diff(
+        [Edit("x.py", "a\n", "b\n"), Edit("y.py", "c\n", "c\n"), Edit("z.py", None, "new\n")]
+    )
     assert "--- a/x.py" in diff and "+++ b/x.py" in diff and "-a\n+b\n" in diff
     assert "y.py" not in diff and "--- /dev/null" in diff

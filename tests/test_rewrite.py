@@ -27,7 +27,7 @@ def _fs(trees: dict[str, Path], version: str, rel: str, layout: Layout):
 def _changed_lines(a: str, b: str) -> list[tuple[str, str]]:
     la, lb = a.splitlines(True), b.splitlines(True)
     if len(la) == len(lb):
-        return [(x, y) for x, y in zip(la, lb) if x != y]
+        return [(x, y) for x, y in zip(la, lb, strict=False) if x != y]
     sm = difflib.SequenceMatcher(a=la, b=lb)
     out = []
     for tag, i1, i2, j1, j2 in sm.get_opcodes():
@@ -37,9 +37,16 @@ def _changed_lines(a: str, b: str) -> list[tuple[str, str]]:
 
 
 @pytest.mark.parametrize("version", VERSIONS)
-@pytest.mark.parametrize("layout", [Layout(), Layout(quote='"', annotated=True, comments=True),
-                                    Layout(env=True), Layout(nested=True, label=True)],
-                         ids=["plain", "double-annotated-comments", "env", "nested-label"])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        Layout(),
+        Layout(quote='"', annotated=True, comments=True),
+        Layout(env=True),
+        Layout(nested=True, label=True),
+    ],
+    ids=["plain", "double-annotated-comments", "env", "nested-label"],
+)
 def test_only_the_literal_changes(trees, version, layout):
     for rel in (LINEAR, ATTENTION):
         fs = _fs(trees, version, rel, layout)
@@ -51,10 +58,12 @@ def test_only_the_literal_changes(trees, version, layout):
         for old, new_line in changes:
             q = layout.quote
             assert old.replace(f"{q}bf16{q}", "X", 1) in (
-                new_line.replace(f"{q}{v}{q}", "X", 1) for v in ("mxfp4", "hifp8", "mxfp8"))
+                new_line.replace(f"{q}{v}{q}", "X", 1) for v in ("mxfp4", "hifp8", "mxfp8")
+            )
         values, _ = role_values(discover_source(new, rel, kind).sites)
         assert {k: v for k, v in values.items() if v} == (
-            {"linear": "mxfp4"} if rel == LINEAR else {"qk": "hifp8", "pv": "mxfp8"})
+            {"linear": "mxfp4"} if rel == LINEAR else {"qk": "hifp8", "pv": "mxfp8"}
+        )
 
 
 def test_shared_site_split_and_no_split(trees):
@@ -72,17 +81,25 @@ def test_shared_site_split_and_no_split(trees):
 
 
 def test_dynamic_site_is_never_rewritten():
-    text = "def f(a, b):\n    custom_quant_type = pick()\n    if custom_quant_type == 'x':\n" \
-           "        return torch.matmul(a, b)\n"
+    text = (
+        "def f(a, b):\n    custom_quant_type = pick()\n    if custom_quant_type == 'x':\n"
+        "        return torch.matmul(a, b)\n"
+    )
     fs = discover_source(text, LINEAR, "linear")
     with pytest.raises(UserError, match="site is dynamic"):
         plan_values(fs, {"linear": "mxfp8"})
 
 
-@pytest.mark.parametrize(("literal", "expected"), [
-    ("'a'", "'mxfp4'"), ('"a"', '"mxfp4"'), ("r'a'", "r'mxfp4'"), ('"""a"""', '"""mxfp4"""'),
-    ("U'''a'''", "U'''mxfp4'''"),
-])
+@pytest.mark.parametrize(
+    ("literal", "expected"),
+    [
+        ("'a'", "'mxfp4'"),
+        ('"a"', '"mxfp4"'),
+        ("r'a'", "r'mxfp4'"),
+        ('"""a"""', '"""mxfp4"""'),
+        ("U'''a'''", "U'''mxfp4'''"),
+    ],
+)
 def test_requote_keeps_prefix_and_quotes(literal, expected):
     assert requote(literal, "mxfp4") == expected
 
@@ -91,26 +108,40 @@ _quotes = st.sampled_from(["'", '"', "'''", '"""'])
 _prefix = st.sampled_from(["", "r", "u", "R"])
 _ws = st.sampled_from(["", " ", "  ", "\t"])
 _comment = st.sampled_from(["", "  # note", "\t# quant type", "  #"])
-_lead = st.lists(st.sampled_from(["", "    # comment", "    ", "# outdented comment"]),
-                 max_size=3)
+_lead = st.lists(st.sampled_from(["", "    # comment", "    ", "# outdented comment"]), max_size=3)
 _value = st.sampled_from(QUANT_TYPES)
 
 
 @settings(max_examples=150, deadline=None)
-@given(q=_quotes, prefix=_prefix, ws1=_ws, ws2=_ws, comment=_comment, lead=_lead,
-       annotated=st.booleans(), env=st.booleans(), value=_value, new=_value,
-       newline=st.sampled_from(["\n", "\r\n"]))
-def test_rewrite_then_inverse_is_byte_identical(q, prefix, ws1, ws2, comment, lead, annotated,
-                                               env, value, new, newline):
+@given(
+    q=_quotes,
+    prefix=_prefix,
+    ws1=_ws,
+    ws2=_ws,
+    comment=_comment,
+    lead=_lead,
+    annotated=st.booleans(),
+    env=st.booleans(),
+    value=_value,
+    new=_value,
+    newline=st.sampled_from(["\n", "\r\n"]),
+)
+def test_rewrite_then_inverse_is_byte_identical(
+    q, prefix, ws1, ws2, comment, lead, annotated, env, value, new, newline
+):
     literal = f"{prefix}{q}{value}{q}"
     rhs = f"os.environ.get('CUSTOM_QUANT_TYPE',{ws2}{literal})" if env else literal
     ann = f":{ws1}str" if annotated else ""
     lines = [
-        "import os", "", "def forward(total_input, weight):", *lead,
+        "import os",
+        "",
+        "def forward(total_input, weight):",
+        *lead,
         f"    custom_quant_type{ann} ={ws2 or ' '}{rhs}{comment}",
         f"    if custom_quant_type == {q}bf16{q}:",
         "        return torch.matmul(total_input, weight)",
-        "    return None", "",
+        "    return None",
+        "",
     ]
     text = newline.join(lines)
     fs = discover_source(text, LINEAR, "linear")

@@ -27,15 +27,20 @@ def _inject(trees: dict[str, Path], version: str, rel: str, layout: Layout) -> s
     ("layout", "linear", "attention"),
     [
         (Layout(), ["literal"] * 3, [("qk", "literal"), ("pv", "literal")]),
-        (Layout(quote='"', annotated=True), ["literal"] * 3,
-         [("qk", "literal"), ("pv", "literal")]),
+        (
+            Layout(quote='"', annotated=True),
+            ["literal"] * 3,
+            [("qk", "literal"), ("pv", "literal")],
+        ),
         (Layout(env=True), ["env"] * 3, [("qk", "env"), ("pv", "env")]),
         (Layout(comments=True), ["literal"] * 3, [("qk", "literal"), ("pv", "literal")]),
         (Layout(shared_attention=True), ["literal"] * 3, [("qk+pv", "literal")]),
-        (Layout(nested=True), ["literal"] * 6,
-         [("qk", "literal"), ("qk", "literal"), ("pv", "literal"), ("pv", "literal")]),
-        (Layout(label=True), ["label"] + ["literal"] * 3,
-         [("qk", "literal"), ("pv", "literal")]),
+        (
+            Layout(nested=True),
+            ["literal"] * 6,
+            [("qk", "literal"), ("qk", "literal"), ("pv", "literal"), ("pv", "literal")],
+        ),
+        (Layout(label=True), ["label"] + ["literal"] * 3, [("qk", "literal"), ("pv", "literal")]),
     ],
     ids=["plain", "double-annotated", "env", "comments", "shared", "nested-else", "label"],
 )
@@ -44,8 +49,9 @@ def test_layouts_classify_by_structure(trees, version, layout, linear, attention
     att = discover_source(_inject(trees, version, ATTENTION, layout), ATTENTION, "attention")
     assert [s.form for s in lin.sites] == linear
     assert {s.role for s in lin.sites} == {"linear"}
-    assert all(s.function.startswith("LinearWithGradAccumulationAndAsyncCommunication.")
-               for s in lin.sites)
+    assert all(
+        s.function.startswith("LinearWithGradAccumulationAndAsyncCommunication.") for s in lin.sites
+    )
     assert [(s.role, s.form) for s in att.sites] == attention
     assert {s.function for s in att.sites} == {"DotProductAttention.forward"}
     assert all(s.value == "bf16" for s in lin.sites + att.sites)
@@ -72,7 +78,7 @@ def test_roles_do_not_depend_on_line_numbers(trees):
 
 
 def test_swapped_order_is_still_classified_by_product():
-    text = '''
+    text = """
 def forward(self, query, key, value, attention_probs, buf):
     custom_quant_type = "mxfp4"
     if custom_quant_type == "bf16":
@@ -81,13 +87,13 @@ def forward(self, query, key, value, attention_probs, buf):
     if custom_quant_type == "bf16":
         scores = torch.baddbmm(buf, query, key.transpose(1, 2), beta=0.0)
     return scores, context
-'''
+"""
     sites = discover_source(text, "a.py", "attention").sites
     assert [(s.role, s.value) for s in sites] == [("pv", "mxfp4"), ("qk", "hifp8")]
 
 
 def test_override_comment_dynamic_and_unknown():
-    text = '''import os
+    text = """import os
 def forward(query, key):
     custom_quant_type = 'mxfp8'  # quantpatch: role=pv
     if custom_quant_type == 'bf16':
@@ -98,7 +104,7 @@ def forward(query, key):
     custom_quant_type = os.getenv('CUSTOM_QUANT_TYPE', default="hifp8")
     if custom_quant_type == 'bf16':
         out = something_else(a, b)
-'''
+"""
     sites = discover_source(text, "a.py", "attention").sites
     assert [(s.role, s.form, s.value) for s in sites] == [
         ("pv", "literal", "mxfp8"),
@@ -114,7 +120,7 @@ def test_bare_literal_line_does_not_parse_and_names_the_line(trees):
     """The fork's sed accident: the assignment reduced to a bare 'hifp8' line that breaks the
     if/else below. Discovery refuses with the file and line."""
     text = _inject(trees, "0.13.1", ATTENTION, Layout())
-    broken = text.replace("custom_quant_type = 'bf16'\n        if", "'hifp8'\n        el" "if", 1)
+    broken = text.replace("custom_quant_type = 'bf16'\n        if", "'hifp8'\n        elif", 1)
     with pytest.raises(UserError, match=r"dot_product_attention.py:\d+: the file does not parse"):
         discover_source(broken, ATTENTION, "attention")
 
@@ -140,5 +146,8 @@ def test_injection_refuses_checkout_with_sites(trees):
 
 def test_injection_refuses_unknown_layout():
     with pytest.raises(UserError, match="cannot find the qk, pv product"):
-        inject_sites("class DotProductAttention:\n    def forward(self):\n        pass\n",
-                     ATTENTION, "attention")
+        inject_sites(
+            "class DotProductAttention:\n    def forward(self):\n        pass\n",
+            ATTENTION,
+            "attention",
+        )

@@ -104,12 +104,16 @@ def _dispatch(stmt: cst.SimpleStatementLine, product: _Product, layout: Layout) 
 
 def _kwarg(name: str, value: cst.BaseExpression) -> cst.Arg:
     nospace = cst.SimpleWhitespace("")
-    return cst.Arg(keyword=cst.Name(name), value=value,
-                   equal=cst.AssignEqual(whitespace_before=nospace, whitespace_after=nospace))
+    return cst.Arg(
+        keyword=cst.Name(name),
+        value=value,
+        equal=cst.AssignEqual(whitespace_before=nospace, whitespace_after=nospace),
+    )
 
 
-def _quant_call(call: cst.Call, op: str, receiver: cst.BaseExpression | None,
-                backward: bool) -> cst.Call:
+def _quant_call(
+    call: cst.Call, op: str, receiver: cst.BaseExpression | None, backward: bool
+) -> cst.Call:
     """``quantpatch_ops.quant_<op>(<operands>, fmt=custom_quant_type[, backward=True])`` with
     the original argument nodes (and their comments) kept as they are."""
     args = list(call.args)
@@ -119,8 +123,9 @@ def _quant_call(call: cst.Call, op: str, receiver: cst.BaseExpression | None,
     if backward:
         extra.append(_kwarg("backward", cst.Name("True")))
     last = args[-1].comma if args else cst.MaybeSentinel.DEFAULT
-    if isinstance(last, cst.Comma) and isinstance(last.whitespace_after,
-                                                  cst.ParenthesizedWhitespace):
+    if isinstance(last, cst.Comma) and isinstance(
+        last.whitespace_after, cst.ParenthesizedWhitespace
+    ):
         extra = [a.with_changes(comma=last) for a in extra]  # one argument per line, as written
     args += extra
     for i, arg in enumerate(args[:-1]):
@@ -174,7 +179,9 @@ class _Inject(cst.CSTTransformer):
     def visit_ClassDef(self, node: cst.ClassDef) -> None:
         self.cls.append(node.name.value)
 
-    def leave_ClassDef(self, original_node: cst.ClassDef, updated_node: cst.ClassDef) -> cst.ClassDef:
+    def leave_ClassDef(
+        self, original_node: cst.ClassDef, updated_node: cst.ClassDef
+    ) -> cst.ClassDef:
         self.cls.pop()
         return updated_node
 
@@ -192,7 +199,9 @@ class _Inject(cst.CSTTransformer):
             return False
         if self.kind == "linear":
             return self.cls[-1].endswith(LINEAR_CLASS_SUFFIX) and self.func[-1] in (
-                "forward", "backward")
+                "forward",
+                "backward",
+            )
         return self.cls[-1] == ATTENTION_CLASS and self.func[-1] == "forward"
 
     def leave_SimpleStatementLine(
@@ -211,8 +220,10 @@ class _Inject(cst.CSTTransformer):
             if self.layout.label and not self.label_done and product.name == "forward":
                 # a fork's label site: names the saved tensors, overwritten before the GEMM
                 q = self.layout.quote
-                lines += [f"{SITE_NAME} = {q}{self.layout.value}{q}",
-                          f"quantpatch_label = {SITE_NAME}"]
+                lines += [
+                    f"{SITE_NAME} = {q}{self.layout.value}{q}",
+                    f"quantpatch_label = {SITE_NAME}",
+                ]
                 self.label_done = True
             lines += _site_lines(self.layout, indent_comment=True)
         new = [cst.parse_statement(code + "\n") for code in _group(lines)]
@@ -252,8 +263,11 @@ def _ensure_import_os(module: cst.Module) -> cst.Module:
         return module
     body = list(module.body)
     first_import = next(
-        (i for i, s in enumerate(body)
-         if m.matches(s, m.SimpleStatementLine(body=[m.Import() | m.ImportFrom()]))),
+        (
+            i
+            for i, s in enumerate(body)
+            if m.matches(s, m.SimpleStatementLine(body=[m.Import() | m.ImportFrom()]))
+        ),
         0,
     )
     body.insert(first_import, cst.parse_statement("import os\n"))

@@ -12,9 +12,9 @@ from collections.abc import Mapping, Sequence
 
 import libcst as cst
 
-from quantpatch.config import SITE_NAME, validate_value
+from quantpatch.config import SITE_NAME
 from quantpatch.errors import UserError
-from quantpatch.sites import FileSites, discover_source, parse_source, role_values
+from quantpatch.sites import FileSites, discover_source, role_values
 
 
 def requote(literal: str, value: str) -> str:
@@ -53,7 +53,7 @@ class _Rewrite(cst.CSTTransformer):
         if not any(id(child) in self.inserts for child in original_node.body):
             return updated_node
         body: list[cst.BaseStatement] = []
-        for orig, upd in zip(original_node.body, updated_node.body):
+        for orig, upd in zip(original_node.body, updated_node.body, strict=False):
             body.extend(self.inserts.get(id(orig), ()))
             body.append(upd)
         return updated_node.with_changes(body=body)
@@ -74,7 +74,7 @@ def plan_values(fs: FileSites, values: Mapping[str, str], *, split: bool = True)
     """
     by_node: dict[int, str] = {}
     inserts: dict[int, list[cst.BaseStatement]] = {}
-    for site, literal, pv_nodes in zip(fs.sites, fs.literals, fs.pv_dispatches):
+    for site, literal, pv_nodes in zip(fs.sites, fs.literals, fs.pv_dispatches, strict=False):
         wanted = [values[r] for r in site.roles if r in values]
         if not wanted:
             continue
@@ -83,8 +83,12 @@ def plan_values(fs: FileSites, values: Mapping[str, str], *, split: bool = True)
                 f"{fs.rel}:{site.line}: the {site.role} site is dynamic ({site.source}); "
                 "quantpatch only rewrites string literals and environment defaults."
             )
-        if site.role == "qk+pv" and "qk" in values and "pv" in values \
-                and values["qk"] != values["pv"]:
+        if (
+            site.role == "qk+pv"
+            and "qk" in values
+            and "pv" in values
+            and values["qk"] != values["pv"]
+        ):
             if not split:
                 raise UserError(
                     f"{fs.rel}:{site.line}: one assignment governs both Q.K^T and P.V, so qk="
@@ -104,7 +108,11 @@ def plan_values(fs: FileSites, values: Mapping[str, str], *, split: bool = True)
         by_node[id(literal)] = wanted[0]
     if not by_node and not inserts:
         return fs.text
-    return fs.module.visit(_Rewrite(by_node, inserts)).code
+    # transform only the top-level statements that mention the site name (where every site
+    # and dispatch lives); the rest of the module is kept as the very same nodes
+    rewrite = _Rewrite(by_node, inserts)
+    body = [stmt.visit(rewrite) if id(stmt) in fs.chunks else stmt for stmt in fs.module.body]
+    return fs.module.with_changes(body=body).code
 
 
 def verify_rewrite(
@@ -112,12 +120,11 @@ def verify_rewrite(
 ) -> FileSites:
     """Re-read a planned source and prove it is what was asked: it parses and compiles, the
     roles hold the requested values, and no site appeared or vanished except split ones."""
-    parse_source(new_text, old.rel)
     try:
         compile(new_text, old.rel, "exec", dont_inherit=True)
     except SyntaxError as exc:  # pragma: no cover - libcst and CPython agree on our output
         raise UserError(f"{old.rel}:{exc.lineno}: the rewrite would not compile.") from None
-    new = discover_source(new_text, old.rel, file_kind)
+    new = discover_source(new_text, old.rel, file_kind)  # parses: refuses what does not
     got, _ = role_values(new.sites)
     for role, value in values.items():
         if any(role in s.roles for s in new.sites) and got.get(role) != value:
@@ -127,8 +134,3 @@ def verify_rewrite(
     if len(new.sites) < len(old.sites):
         raise RuntimeError(f"{old.rel}: the rewrite lost a site")
     return new
-
-
-def check_values(values: Mapping[str, str], *, allow_unknown: bool) -> None:
-    for role, value in values.items():
-        validate_value(value, allow_unknown=allow_unknown, where=f"--{role}")

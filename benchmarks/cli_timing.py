@@ -1,0 +1,91 @@
+"""Median wall time of the CLI on a full megatron-core checkout, next to `python3 -c pass`.
+
+Usage: python benchmarks/cli_timing.py [--runs N] [--megatron-core VERSION]
+
+Bars (issue 2): --help <= 250 ms, check <= 600 ms, set + commit <= 1.5 s, restore <= 1.5 s.
+`check` reads discovery results from a content-addressed cache when the target files are
+unchanged (the usual case: `set` primes it); the cold row deletes the cache first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from quantpatch.demo import build_checkout
+
+
+def wall(cmd: list[str], cwd: Path) -> float:
+    start = time.perf_counter()
+    subprocess.run(cmd, cwd=cwd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--runs", type=int, default=9)
+    ap.add_argument("--megatron-core", default="0.13.1")
+    args = ap.parse_args()
+    qp = shutil.which("quantpatch") or str(Path(sys.executable).with_name("quantpatch"))
+    tmp = Path(tempfile.mkdtemp(prefix="qp-bench-"))
+    try:
+        root = build_checkout(tmp / "checkout", args.megatron_core)
+        n_py = len(list((root / "megatron").rglob("*.py")))
+        rows: dict[str, list[float]] = {
+            k: []
+            for k in (
+                "python3 -c pass",
+                "quantpatch --help",
+                "quantpatch check",
+                "quantpatch check (cold cache)",
+                "quantpatch set (+commit)",
+                "quantpatch restore",
+            )
+        }
+        schemes = ["FA_linear_mxfp8", "linear_hifp8"]
+        for i in range(args.runs):
+            rows["python3 -c pass"].append(wall([sys.executable, "-c", "pass"], root))
+            rows["quantpatch --help"].append(wall([qp, "--help"], root))
+            rows["quantpatch check"].append(wall([qp, "check"], root))
+            shutil.rmtree(root / ".git" / "quantpatch" / "cache", ignore_errors=True)
+            rows["quantpatch check (cold cache)"].append(wall([qp, "check"], root))
+            # a fresh branch each time: delete the one this run would reuse
+            subprocess.run(
+                [
+                    "git",
+                    "branch",
+                    "-q",
+                    "-D",
+                    f"quant/linear-{'mxfp8' if i % 2 == 0 else 'hifp8'}"
+                    f"_qk-{'mxfp8' if i % 2 == 0 else 'bf16'}_pv-bf16",
+                ],
+                cwd=root,
+                stderr=subprocess.DEVNULL,
+                check=False,
+            )
+            rows["quantpatch set (+commit)"].append(
+                wall([qp, "set", "--scheme", schemes[i % 2]], root)
+            )
+            rows["quantpatch restore"].append(wall([qp, "restore"], root))
+        print(
+            f"megatron-core {args.megatron_core}: {n_py} .py files; {args.runs} runs each; "
+            f"python {sys.version.split()[0]}"
+        )
+        print(f"{'command':28s} {'median ms':>10s} {'min ms':>8s} {'max ms':>8s}")
+        for name, values in rows.items():
+            print(
+                f"{name:28s} {statistics.median(values) * 1e3:10.0f} "
+                f"{min(values) * 1e3:8.0f} {max(values) * 1e3:8.0f}"
+            )
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""Discovery results cached by file content, so that ``check`` on unchanged files never loads
+libcst (whose import alone costs ~170 ms) nor parses anything.
+
+The key is the SHA-256 of (cache format, quantpatch version, path, file kind, file text): any
+change to the file, its role family or the tool gives a new key, so an entry can never be
+stale. Entries are small JSON files under ``<state dir>/cache``; the newest 64 are kept.
+A file that does not mention ``custom_quant_type`` has no sites and is never parsed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from quantpatch import __version__
+from quantpatch.config import SITE_NAME, Targets
+from quantpatch.site_model import Site, read_target
+
+CACHE_FORMAT = 1
+KEEP = 64
+
+
+def cache_key(rel: str, kind: str, text: str) -> str:
+    head = f"{CACHE_FORMAT}\0{__version__}\0{rel}\0{kind}\0".encode()
+    return hashlib.sha256(head + text.encode("utf-8")).hexdigest()
+
+
+def _entry(cache_dir: Path, rel: str, kind: str, text: str) -> Path:
+    return cache_dir / f"sites-{cache_key(rel, kind, text)[:40]}.json"
+
+
+def load(cache_dir: Path | None, rel: str, kind: str, text: str) -> list[Site] | None:
+    if cache_dir is None:
+        return None
+    try:
+        data = json.loads(_entry(cache_dir, rel, kind, text).read_text(encoding="utf-8"))
+        return [Site.from_dict(d) for d in data]
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+
+
+def store(cache_dir: Path | None, rel: str, kind: str, text: str, sites: Sequence[Site]) -> None:
+    """Best effort: a cache that cannot be written only costs time."""
+    if cache_dir is None:
+        return
+    with contextlib.suppress(OSError):
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        path = _entry(cache_dir, rel, kind, text)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps([s.to_dict() for s in sites]), encoding="utf-8")
+        os.replace(tmp, path)
+        entries = sorted(cache_dir.glob("sites-*.json"), key=lambda p: p.stat().st_mtime)
+        for old in entries[:-KEEP]:
+            old.unlink()
+
+
+def read_sites(root: Path, targets: Targets, cache_dir: Path | None) -> list[list[Site]]:
+    """The sites of every target file, from the cache where possible (parsing the others)."""
+    out: list[list[Site]] = []
+    for rel in targets.all_files:
+        text = read_target(root, rel)
+        kind = targets.kind_of(rel)
+        if SITE_NAME not in text:
+            out.append([])
+            continue
+        sites = load(cache_dir, rel, kind, text)
+        if sites is None:
+            from quantpatch.sites import discover_source  # imports libcst: only on a miss
+
+            sites = discover_source(text, rel, kind).sites
+            store(cache_dir, rel, kind, text, sites)
+        out.append(sites)
+    return out
