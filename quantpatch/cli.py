@@ -164,12 +164,12 @@ def set_(
     json_: bool = JsonOpt,
 ) -> None:
     """Rewrite the named roles; in git, on branch quant/linear-X_qk-Y_pv-Z from the base."""
-    from quantpatch.config import load_schemes
+    from quantpatch.registry import load_registry
     from quantpatch.switch import SetRequest, set_values
 
     values: dict[str, str] = {}
     if scheme is not None:
-        schemes = load_schemes(config)
+        schemes = load_registry(config).schemes
         if scheme not in schemes:
             raise UserError(f"--scheme: unknown scheme '{scheme}'; valid: {', '.join(schemes)}.")
         values.update(schemes[scheme].values())
@@ -245,6 +245,175 @@ def demo(
     out.rule(f"building {directory} from megatron-core {megatron_core}")
     build_checkout(directory, megatron_core)
     walk(directory, out)
+
+
+ConfigOpt = typer.Option(
+    None, "--config", help="A TOML file adding or overriding models, datasets, schemes or profiles."
+)
+ReleaseOpt = typer.Option(
+    "core_v0.13.1",
+    "--megatron-release",
+    help="Megatron-LM release whose training flags the scripts must use.",
+)
+
+
+def _csv(value: str | None) -> list[str]:
+    return [v.strip() for v in value.split(",") if v.strip()] if value else []
+
+
+@app.command("list")
+def list_(config: Path | None = ConfigOpt, json_: bool = JsonOpt) -> None:
+    """Models, datasets, schemes (with their role values) and run profiles."""
+    from rich.table import Table
+
+    from quantpatch.registry import load_registry
+    from quantpatch.scripts import describe
+
+    reg = load_registry(config)
+    if json_ or OPTS.json:
+        _emit_json(describe(reg))
+        return
+    for title, cols, rows in (
+        (
+            "models",
+            ("name", "description", "tokenizer"),
+            [(m.name, m.description, m.tokenizer_model) for m in reg.models.values()],
+        ),
+        (
+            "datasets",
+            ("name", "description", "prefix"),
+            [(d.name, d.description, d.prefix) for d in reg.datasets.values()],
+        ),
+        (
+            "schemes",
+            ("name", "linear", "qk", "pv"),
+            [(s.name, s.linear, s.qk, s.pv) for s in reg.schemes.values()],
+        ),
+        (
+            "profiles",
+            ("name", "description", "GPUs/node", "mock data"),
+            [
+                (p.name, p.description, str(p.gpus_per_node), "yes" if p.mock_data else "no")
+                for p in reg.profiles.values()
+            ],
+        ),
+    ):
+        table = Table(title=title, title_justify="left")
+        for col in cols:
+            table.add_column(col)
+        for row in rows:
+            table.add_row(*row)
+        out.print(table)
+
+
+@app.command("gen-scripts")
+def gen_scripts(
+    out_dir: Path = typer.Option(Path("scripts"), "--out", help="Output directory."),
+    models: str | None = typer.Option(None, "--models", help="Comma-separated (default all)."),
+    datasets: str | None = typer.Option(None, "--datasets", help="Comma-separated."),
+    schemes: str | None = typer.Option(None, "--schemes", help="Comma-separated."),
+    profile: str = typer.Option("full", "--profile", help="full, fast or smoke."),
+    release: str = ReleaseOpt,
+    config: Path | None = ConfigOpt,
+    force: bool = typer.Option(False, "--force", help="Overwrite scripts edited by hand."),
+    check_only: bool = typer.Option(
+        False,
+        "--check",
+        help="Write nothing; exit 1 when the scripts on disk differ from what would be generated.",
+    ),
+) -> None:
+    """Write DIR/<model>/pretrain_<model>_<dataset>_<scheme>.sh for every combination."""
+    from quantpatch.registry import load_registry
+    from quantpatch.scripts import generate, render_all
+
+    reg = load_registry(config)
+    scripts = render_all(
+        reg,
+        reg.pick("models", _csv(models)),
+        reg.pick("datasets", _csv(datasets)),
+        reg.pick("schemes", _csv(schemes)),
+        profile,
+        release,
+    )
+    result = generate(out_dir, scripts, profile, release, force=force, check=check_only)
+    if check_only:
+        if result.differing:
+            raise CheckFailed(
+                f"{len(result.differing)} file(s) in {out_dir} differ from what "
+                f"would be generated: {', '.join(result.differing[:5])}"
+                f"{' ...' if len(result.differing) > 5 else ''}"
+            )
+        out.print(f"{len(result.unchanged)} file(s) in {out_dir} are up to date.")
+        return
+    out.print(
+        f"{len(scripts)} scripts ({profile}, Megatron-LM {release}) in {out_dir}: "
+        f"{len(result.written)} written, {len(result.unchanged)} unchanged; "
+        f"index: {out_dir / 'index.md'}"
+    )
+
+
+@app.command()
+def worktree(
+    linear: str | None = typer.Option(None, "--linear"),
+    qk: str | None = typer.Option(None, "--qk"),
+    pv: str | None = typer.Option(None, "--pv"),
+    scheme: str | None = typer.Option(None, "--scheme"),
+    config: Path | None = ConfigOpt,
+    path_only: bool = typer.Option(False, "--path-only", help="Print only the path."),
+    repo: Path | None = RepoOpt,
+) -> None:
+    """The path of a worktree holding these values (its branch is made from the base on
+    first use; the work tree of the checkout itself is never touched)."""
+    from quantpatch.registry import load_registry
+    from quantpatch.worktrees import ensure_worktree
+
+    values: dict[str, str] = {}
+    if scheme is not None:
+        schemes = load_registry(config).schemes
+        if scheme not in schemes:
+            raise UserError(f"--scheme: unknown scheme '{scheme}'; valid: {', '.join(schemes)}.")
+        values.update(schemes[scheme].values())
+    values.update({r: v for r, v in (("linear", linear), ("qk", qk), ("pv", pv)) if v})
+    result = ensure_worktree(_repo(repo), values)
+    if path_only:
+        sys.stdout.write(f"{result.path}\n")
+        return
+    how = "created" if result.created_worktree else "reused"
+    out.print(f"{how} worktree {result.path} at {result.commit[:12]} ({result.branch})")
+
+
+@app.command("run")
+def run_(
+    model: str = typer.Option(..., "--model"),
+    dataset: str = typer.Option(..., "--dataset"),
+    scheme: str = typer.Option(..., "--scheme"),
+    profile: str = typer.Option("full", "--profile", help="full, fast or smoke."),
+    dry_run: bool = typer.Option(
+        False,
+        "--dry-run",
+        help="Prepare and verify the worktree, "
+        "then print the exact training command instead of running it.",
+    ),
+    release: str = ReleaseOpt,
+    config: Path | None = ConfigOpt,
+    repo: Path | None = RepoOpt,
+) -> None:
+    """One combination, one shot: its worktree, verified, then the training command there."""
+    from quantpatch.registry import load_registry
+    from quantpatch.scripts import launch, render_all
+
+    reg = load_registry(config)
+    (script,) = render_all(
+        reg,
+        reg.pick("models", [model]),
+        reg.pick("datasets", [dataset]),
+        reg.pick("schemes", [scheme]),
+        profile,
+        release,
+    )
+    code = launch(_repo(repo) or Path.cwd(), script, dry_run=dry_run)
+    if code:
+        raise typer.Exit(code)
 
 
 def main() -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import re
 import sys
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -99,46 +98,6 @@ def load_targets(root: Path) -> Targets:
             )
         values[_TARGET_KEYS[key]] = _path_list(raw, where, key)
     return Targets(**values)
-
-
-@dataclass(frozen=True)
-class Scheme:
-    name: str
-    linear: str
-    qk: str
-    pv: str
-
-    def values(self) -> dict[str, str]:
-        return {"linear": self.linear, "qk": self.qk, "pv": self.pv}
-
-
-def _scheme_table(data: dict[str, Any], where: str) -> dict[str, Scheme]:
-    out: dict[str, Scheme] = {}
-    for name, entry in data.get("schemes", {}).items():
-        if not isinstance(entry, dict):
-            raise UserError(f"{where}: scheme '{name}' must be a table.")
-        for role in ROLES:
-            value = entry.get(role)
-            if not isinstance(value, str):
-                raise UserError(f"{where}: scheme '{name}' needs a string field '{role}'.")
-            validate_value(value, allow_unknown=False, where=f"{where}: scheme '{name}'")
-        out[name] = Scheme(name, entry["linear"], entry["qk"], entry["pv"])
-    return out
-
-
-def load_schemes(extra: Path | None = None) -> dict[str, Scheme]:
-    """The shipped schemes, extended or overridden by a user's TOML file."""
-    text = resources.files("quantpatch").joinpath("data/schemes.toml").read_text("utf-8")
-    schemes = _scheme_table(tomllib.loads(text), "schemes.toml")
-    if extra is not None:
-        if not extra.is_file():
-            raise UserError(f"{extra}: config file not found.")
-        try:
-            data = tomllib.loads(extra.read_text(encoding="utf-8"))
-        except tomllib.TOMLDecodeError as exc:
-            raise UserError(f"{extra}: not valid TOML ({exc}).") from None
-        schemes.update(_scheme_table(data, str(extra)))
-    return schemes
 
 
 def validate_value(value: str, *, allow_unknown: bool, where: str = "value") -> str:

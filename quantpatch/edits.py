@@ -28,6 +28,8 @@ class Edit:
     rel: str
     old: str | None
     new: str | None
+    mode: int | None = None
+    """Permission bits for the written file (default: keep the old file's, 0o644 if new)."""
 
     @property
     def changed(self) -> bool:
@@ -48,7 +50,7 @@ def unified_diff(edits: Iterable[Edit]) -> str:
     return "".join(e.diff() for e in edits if e.changed)
 
 
-def _write_temp(target: Path, text: str) -> Path:
+def _write_temp(target: Path, text: str, mode: int | None = None) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(
         prefix=f".{target.name}.", suffix=".quantpatch-tmp", dir=target.parent
@@ -58,7 +60,8 @@ def _write_temp(target: Path, text: str) -> Path:
             fh.write(text)
             fh.flush()
             os.fsync(fh.fileno())
-        mode = target.stat().st_mode & 0o7777 if target.exists() else 0o644
+        if mode is None:
+            mode = target.stat().st_mode & 0o7777 if target.exists() else 0o644
         os.chmod(tmp, mode)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -96,7 +99,7 @@ def apply_edits(root: Path, edits: Sequence[Edit]) -> list[str]:
     temps: list[tuple[Edit, Path | None]] = []
     try:
         for e in todo:
-            temps.append((e, None if e.new is None else _write_temp(root / e.rel, e.new)))
+            temps.append((e, None if e.new is None else _write_temp(root / e.rel, e.new, e.mode)))
     except OSError as exc:
         for _, tmp in temps:
             if tmp is not None:

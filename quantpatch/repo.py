@@ -207,13 +207,15 @@ def _alive(pid: int) -> bool:
 
 
 @contextlib.contextmanager
-def locked(checkout: Checkout) -> Iterator[None]:
-    """Hold ``<state dir>/lock`` for the duration; a live holder is refused (exit 2), a stale
-    one (its process is gone) is taken over."""
+def locked(checkout: Checkout, wait: float = 0.0) -> Iterator[None]:
+    """Hold ``<state dir>/lock`` for the duration. A live holder is refused (exit 2) or, with
+    ``wait``, waited for up to that many seconds; a stale one (its process is gone) is taken
+    over."""
     checkout.state_dir.mkdir(parents=True, exist_ok=True)
     path = checkout.state_dir / "lock"
     me = f"{os.getpid()} {socket.gethostname()} {time.time():.0f}\n"
-    for _ in range(2):
+    deadline = time.monotonic() + wait
+    while True:
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except FileExistsError:
@@ -225,6 +227,9 @@ def locked(checkout: Checkout) -> Iterator[None]:
             if host == socket.gethostname() and pid > 0 and not _alive(pid):
                 with contextlib.suppress(FileNotFoundError):
                     path.unlink()
+                continue
+            if time.monotonic() < deadline:
+                time.sleep(0.05)
                 continue
             raise UserError(
                 f"{path}: another quantpatch (pid {pid} on {host or '?'}) holds the lock; "

@@ -202,9 +202,30 @@ def _discover_text(text: str, rel: str, targets: Targets) -> FileSites:
     return discover_source(text, rel, targets.kind_of(rel))
 
 
-def _commit_message(
-    values: Mapping[str, str], base: Mapping[str, Any], files: Sequence[str]
-) -> str:
+def plan_from_base(
+    repo: Any,
+    commit: str,
+    targets: Targets,
+    values: Mapping[str, str],
+    split: bool,
+    cache_dir: Path,
+    current_files: Sequence[FileSites] = (),
+) -> tuple[dict[str, str], dict[str, str]]:
+    """The target files at ``commit`` and their planned, verified new texts."""
+    base_texts = {rel: gitrepo.read_at(repo, commit, rel) for rel in targets.all_files}
+    current_by_rel = {fs.rel: fs for fs in current_files}
+    base_files = [
+        current_by_rel[rel]
+        if rel in current_by_rel and current_by_rel[rel].text == text  # same bytes: same sites
+        else _discover_text(text, rel, targets)
+        for rel, text in base_texts.items()
+    ]
+    if not any(f.sites for f in base_files):
+        raise _no_sites(targets)
+    return base_texts, _plan(base_files, values, targets, split, cache_dir)
+
+
+def commit_message(values: Mapping[str, str], base: Mapping[str, Any], files: Sequence[str]) -> str:
     base_name = base.get("branch") or "detached HEAD"
     return (
         f"quantpatch: linear={values.get('linear')} qk={values.get('qk')} pv={values.get('pv')}\n\n"
@@ -273,15 +294,15 @@ def _set_branch(
             "since it was recorded; switching from the recorded commit (restore, then set again "
             "to pick up the new commits)."
         )
-    base_texts = {rel: gitrepo.read_at(repo, base["commit"], rel) for rel in targets.all_files}
-    current_by_rel = {fs.rel: fs for fs in current_files}
-    base_files = [
-        current_by_rel[rel]
-        if current_by_rel[rel].text == text  # same bytes: same sites
-        else _discover_text(text, rel, targets)
-        for rel, text in base_texts.items()
-    ]
-    planned = _plan(base_files, values, targets, req.split, checkout.state_dir / "cache")
+    base_texts, planned = plan_from_base(
+        repo,
+        base["commit"],
+        targets,
+        values,
+        req.split,
+        checkout.state_dir / "cache",
+        current_files,
+    )
     edits = [Edit(fs.rel, fs.text, planned[fs.rel]) for fs in current_files]
     result = SetResult(values=values, edits=edits, diff=unified_diff(edits), base=base, notes=notes)
     name = branch_name({r: values.get(r, "none") for r in ROLES})
@@ -312,7 +333,7 @@ def _set_branch(
             )
             commit = base["commit"]
             if written:
-                commit = gitrepo.commit_paths(repo, written, _commit_message(values, base, written))
+                commit = gitrepo.commit_paths(repo, written, commit_message(values, base, written))
         except BaseException:
             gitrepo.run_git(repo, "checkout", "--quiet", "--force", previous)
             gitrepo.run_git(repo, "branch", "-D", name)

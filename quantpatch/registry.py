@@ -1,0 +1,252 @@
+"""The registries: models, datasets, run profiles and schemes, as data files shipped in the
+package (``quantpatch/data/*.toml``), extended or overridden by a user's ``--config`` file.
+
+A user file holds any of ``[models.X]``, ``[datasets.X]``, ``[profiles.X]``, ``[schemes.X]``
+(and ``[common.args]``). An entry that exists is updated field by field (``args`` key by key);
+a new entry must be complete. Every problem names the file, the entry and the field.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from functools import cache
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+from quantpatch.config import ROLES, validate_value
+from quantpatch.errors import UserError
+
+ArgValue = bool | int | float | str | list[int | float | str]
+DEFAULT_RELEASE = "core_v0.13.1"
+
+
+@dataclass(frozen=True)
+class Scheme:
+    name: str
+    linear: str
+    qk: str
+    pv: str
+
+    def values(self) -> dict[str, str]:
+        return {"linear": self.linear, "qk": self.qk, "pv": self.pv}
+
+
+@dataclass(frozen=True)
+class Model:
+    name: str
+    description: str
+    tokenizer_type: str
+    tokenizer_model: str
+    vocab_size: int
+    args: dict[str, ArgValue]
+    profile_args: dict[str, dict[str, ArgValue]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Dataset:
+    name: str
+    description: str
+    prefix: str
+    split: str
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    description: str
+    gpus_per_node: int
+    mock_data: bool
+    args: dict[str, ArgValue]
+
+
+@dataclass(frozen=True)
+class Registry:
+    models: dict[str, Model]
+    datasets: dict[str, Dataset]
+    profiles: dict[str, Profile]
+    schemes: dict[str, Scheme]
+    common_args: dict[str, ArgValue]
+
+    def pick(self, kind: str, names: list[str] | None) -> list[str]:
+        """Validate a user's selection (all entries when ``names`` is empty)."""
+        table: dict[str, Any] = getattr(self, kind)
+        if not names:
+            return list(table)
+        unknown = [n for n in names if n not in table]
+        if unknown:
+            raise UserError(
+                f"unknown {kind[:-1]} {', '.join(repr(u) for u in unknown)}; "
+                f"valid: {', '.join(table)}."
+            )
+        return names
+
+
+_FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
+    "models": {
+        "description": str,
+        "tokenizer_type": str,
+        "tokenizer_model": str,
+        "vocab_size": int,
+        "args": dict,
+        "profiles": dict,
+    },
+    "datasets": {"description": str, "prefix": str, "split": str},
+    "profiles": {"description": str, "gpus_per_node": int, "mock_data": bool, "args": dict},
+    "schemes": {"linear": str, "qk": str, "pv": str},
+}
+_OPTIONAL = {"models": {"profiles"}}
+
+
+def _check_args(args: Any, where: str) -> dict[str, ArgValue]:
+    if not isinstance(args, dict):
+        raise UserError(f"{where}: 'args' must be a table of flag = value.")
+    for key, value in args.items():
+        ok = isinstance(value, (bool, int, float, str)) or (
+            isinstance(value, list)
+            and all(isinstance(v, (int, float, str)) and not isinstance(v, bool) for v in value)
+        )
+        if key.startswith("-") or not ok:
+            raise UserError(
+                f"{where}: args.{key} must be a flag name without dashes and a bool, number, "
+                "string or list of them."
+            )
+    return dict(args)
+
+
+def _merge(
+    kind: str, name: str, old: dict[str, Any] | None, new: Any, where: str
+) -> dict[str, Any]:
+    if not isinstance(new, dict):
+        raise UserError(f"{where}: {kind}.{name} must be a table.")
+    fields = _FIELDS[kind]
+    for key, value in new.items():
+        if key not in fields:
+            raise UserError(
+                f"{where}: {kind}.{name} has unknown field '{key}' (known: {', '.join(fields)})."
+            )
+        want = fields[key]
+        if not isinstance(value, want) or (want is int and isinstance(value, bool)):
+            expected = (
+                want.__name__ if isinstance(want, type) else "/".join(t.__name__ for t in want)
+            )
+            raise UserError(
+                f"{where}: {kind}.{name}.{key} has the wrong type (expected {expected}, got "
+                f"{type(value).__name__})."
+            )
+    merged = dict(old or {})
+    for key, value in new.items():
+        if key == "args" and key in merged:
+            merged[key] = {**merged[key], **value}
+        elif key == "profiles" and key in merged:
+            merged[key] = {
+                p: {**merged[key].get(p, {}), **v} for p, v in {**merged[key], **value}.items()
+            }
+        else:
+            merged[key] = value
+    missing = [f for f in fields if f not in merged and f not in _OPTIONAL.get(kind, set())]
+    if missing:
+        raise UserError(f"{where}: {kind}.{name} is missing field '{missing[0]}'.")
+    if "args" in merged:
+        merged["args"] = _check_args(merged["args"], f"{where}: {kind}.{name}")
+    return merged
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise UserError(f"{path}: config file not found.")
+    try:
+        return tomllib.loads(path.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as exc:
+        raise UserError(f"{path}: not valid TOML ({exc}).") from None
+    except UnicodeDecodeError:
+        raise UserError(f"{path}: not UTF-8 text.") from None
+
+
+def _package_data(name: str) -> dict[str, Any]:
+    return tomllib.loads(resources.files("quantpatch").joinpath(f"data/{name}").read_text("utf-8"))
+
+
+def load_registry(extra: Path | None = None) -> Registry:
+    raw: dict[str, dict[str, dict[str, Any]]] = {k: {} for k in _FIELDS}
+    common: dict[str, Any] = {}
+    sources = [
+        (f"{n}.toml", _package_data(f"{n}.toml"))
+        for n in ("models", "datasets", "profiles", "schemes")
+    ]
+    if extra is not None:
+        sources.append((str(extra), _read_toml(extra)))
+    for where, data in sources:
+        for top, table in data.items():
+            if top == "common":
+                common = {**common, **_check_args(table.get("args", {}), f"{where}: common")}
+                continue
+            if top not in raw or not isinstance(table, dict):
+                raise UserError(
+                    f"{where}: unknown table '{top}' (known: {', '.join([*raw, 'common'])})."
+                )
+            for name, entry in table.items():
+                raw[top][name] = _merge(top, name, raw[top].get(name), entry, where)
+    schemes = {}
+    for name, e in raw["schemes"].items():
+        for role in ROLES:
+            validate_value(e[role], allow_unknown=False, where=f"scheme '{name}'")
+        schemes[name] = Scheme(name, e["linear"], e["qk"], e["pv"])
+    models = {}
+    for name, e in raw["models"].items():
+        prof = {
+            p: _check_args(v.get("args", {}), f"models.{name}.profiles.{p}")
+            for p, v in e.get("profiles", {}).items()
+        }
+        models[name] = Model(
+            name,
+            e["description"],
+            e["tokenizer_type"],
+            e["tokenizer_model"],
+            e["vocab_size"],
+            e["args"],
+            prof,
+        )
+    return Registry(
+        models=models,
+        datasets={
+            n: Dataset(n, e["description"], e["prefix"], e["split"])
+            for n, e in raw["datasets"].items()
+        },
+        profiles={
+            n: Profile(n, e["description"], e["gpus_per_node"], e["mock_data"], e["args"])
+            for n, e in raw["profiles"].items()
+        },
+        schemes=schemes,
+        common_args=common,
+    )
+
+
+def releases() -> list[str]:
+    folder = resources.files("quantpatch").joinpath("data/megatron")
+    return sorted(
+        p.name[len("pretrain-flags-") : -len(".txt")]
+        for p in folder.iterdir()
+        if p.name.startswith("pretrain-flags-")
+    )
+
+
+@cache
+def release_flags(release: str) -> frozenset[str]:
+    """Every ``--flag`` that Megatron-LM's training argument parser accepts at ``release``."""
+    if release not in releases():
+        raise UserError(
+            f"--megatron-release: unknown release '{release}'; known: {', '.join(releases())}."
+        )
+    text = (
+        resources.files("quantpatch")
+        .joinpath(f"data/megatron/pretrain-flags-{release}.txt")
+        .read_text("utf-8")
+    )
+    return frozenset(line.strip() for line in text.splitlines() if line.strip())

@@ -1,0 +1,364 @@
+"""Launch scripts rendered from the Jinja templates in ``templates/``.
+
+One template (with macros) renders every model x dataset x scheme combination. Values that
+reach the shell go through one quoting filter (``shlex.quote``); the environment is undefined-
+strict, so a missing registry field fails loudly instead of rendering an empty flag. Each script
+starts with a header naming the combination, the generator and the SHA-256 of its own body, so
+``gen-scripts`` can tell a script it wrote from one a person edited.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cache
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import jinja2
+
+from quantpatch import __version__
+from quantpatch.edits import Edit, apply_edits
+from quantpatch.errors import UserError
+from quantpatch.registry import (
+    DEFAULT_RELEASE,
+    ArgValue,
+    Dataset,
+    Model,
+    Profile,
+    Registry,
+    Scheme,
+    release_flags,
+)
+
+HASH_PREFIX = "# body-sha256: "
+INDEX = "index.md"
+# flags the template itself passes (the rest come from the registry)
+TEMPLATE_FLAGS = (
+    "tensor-model-parallel-size",
+    "pipeline-model-parallel-size",
+    "expert-model-parallel-size",
+    "sequence-parallel",
+    "mock-data",
+    "tokenizer-type",
+    "vocab-size",
+    "data-path",
+    "split",
+    "tokenizer-model",
+    "save",
+    "load",
+    "tensorboard-dir",
+)
+
+
+def template_dir() -> Path:
+    """``templates/`` inside the installed package, or beside it in a source checkout."""
+    packaged = Path(str(resources.files("quantpatch"))) / "templates"
+    if packaged.is_dir():
+        return packaged
+    return Path(__file__).resolve().parent.parent / "templates"
+
+
+def shell_quote(value: object) -> str:
+    """The one quoting filter: any value becomes one shell word, taken literally."""
+    if isinstance(value, bool):
+        value = int(value)
+    text = str(value)
+    quoted = shlex.quote(text)
+    if quoted == text and "," in text:  # legal unquoted, but reads as a list (SC2054)
+        quoted = f"'{text}'"
+    return quoted
+
+
+@cache
+def _environment() -> jinja2.Environment:
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(template_dir())),
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True,
+        autoescape=False,
+    )
+    env.filters["q"] = shell_quote
+    return env
+
+
+@dataclass(frozen=True)
+class Script:
+    rel: str
+    model: str
+    dataset: str
+    scheme: Scheme
+    profile: str
+    text: str
+    flags: tuple[str, ...]
+    """Every ``--flag`` the script can hand to pretrain_gpt.py (both data modes)."""
+
+
+def script_name(model: str, dataset: str, scheme: str) -> str:
+    return f"{model}/pretrain_{model}_{dataset}_{scheme}.sh"
+
+
+def _flag_pairs(args: dict[str, ArgValue]) -> list[tuple[str, str | None]]:
+    out: list[tuple[str, str | None]] = []
+    for flag, value in args.items():
+        if value is False:
+            continue
+        if value is True:
+            out.append((flag, None))
+        elif isinstance(value, list):
+            out.append((flag, " ".join(str(v) for v in value)))
+        else:
+            out.append((flag, str(value)))
+    return out
+
+
+def _data_prefix(dataset: Dataset, model: Model) -> str:
+    """The dataset's prefix as a shell expression: ``{model}`` filled in, the literal parts
+    quoted, ``{data_root}`` as ``"$DATA_ROOT"``."""
+    parts = dataset.prefix.replace("{model}", model.name).split("{data_root}")
+    return '"$DATA_ROOT"'.join(shell_quote(p) if p else "" for p in parts) or "''"
+
+
+def _master_port(run_name: str) -> int:
+    """A default port per combination, so that jobs on one node do not collide by default."""
+    return 6000 + int(hashlib.sha256(run_name.encode()).hexdigest(), 16) % 2000
+
+
+def render_script(
+    reg: Registry,
+    model: str,
+    dataset: str,
+    scheme: str,
+    profile: str,
+    release: str = DEFAULT_RELEASE,
+) -> Script:
+    m, d, s, p = (
+        reg.models[model],
+        reg.datasets[dataset],
+        reg.schemes[scheme],
+        reg.profiles[profile],
+    )
+    model_args = {**m.args}
+    training_args: dict[str, ArgValue] = {}
+    for key, value in {**p.args, **m.profile_args.get(profile, {})}.items():
+        (model_args if key in model_args else training_args)[key] = value
+    impl_args = {
+        k: v for k, v in reg.common_args.items() if k not in model_args and k not in training_args
+    }
+    groups = [_flag_pairs(model_args), _flag_pairs(training_args), _flag_pairs(impl_args)]
+    is_moe = "num-experts" in model_args
+    flags = tuple(f for g in groups for f, _ in g) + tuple(
+        f for f in TEMPLATE_FLAGS if is_moe or f != "expert-model-parallel-size"
+    )
+    accepted = release_flags(release)
+    unknown = sorted({f for f in flags if f"--{f}" not in accepted})
+    if unknown:
+        raise UserError(
+            f"{model}/{profile}: Megatron-LM {release} does not accept "
+            f"{', '.join('--' + f for f in unknown)}; choose another --megatron-release or "
+            "override those args in a --config file."
+        )
+    run_name = f"{model}_{dataset}_{scheme}_{profile}"
+    body = (
+        _environment()
+        .get_template("pretrain.sh.j2")
+        .render(
+            model=m,
+            dataset=d,
+            scheme=s,
+            profile=p,
+            run_name=run_name,
+            data_prefix=_data_prefix(d, m),
+            master_port=_master_port(run_name),
+            model_args=groups[0],
+            training_args=groups[1],
+            impl_args=groups[2],
+            is_moe=is_moe,
+        )
+    )
+    header = "\n".join(
+        [
+            "#!/usr/bin/env bash",
+            f"# quantpatch launch script: model={model} dataset={dataset} scheme={scheme} "
+            f"(linear={s.linear} qk={s.qk} pv={s.pv}) profile={profile}",
+            f"# generated by quantpatch {__version__} for Megatron-LM {release}; regenerate with "
+            "`quantpatch gen-scripts` rather than editing",
+            f"{HASH_PREFIX}{hashlib.sha256(body.encode()).hexdigest()}",
+            "",
+        ]
+    )
+    return Script(
+        script_name(model, dataset, scheme), model, dataset, s, profile, header + body, flags
+    )
+
+
+def body_matches_header(text: str) -> bool:
+    """True when a script's body is exactly what its header's hash says (nobody edited it)."""
+    _, sep, body = text.partition("\n" + HASH_PREFIX)
+    if not sep:
+        return False
+    digest, _, rest = body.partition("\n")
+    return hashlib.sha256(rest.encode()).hexdigest() == digest.strip()
+
+
+def render_all(
+    reg: Registry,
+    models: Sequence[str],
+    datasets: Sequence[str],
+    schemes: Sequence[str],
+    profile: str,
+    release: str,
+) -> list[Script]:
+    if profile not in reg.profiles:
+        raise UserError(
+            f"--profile: unknown profile '{profile}'; valid: {', '.join(reg.profiles)}."
+        )
+    return [
+        render_script(reg, m, d, s, profile, release)
+        for m in models
+        for d in datasets
+        for s in schemes
+    ]
+
+
+def render_index(scripts: Sequence[Script], profile: str, release: str) -> str:
+    return (
+        _environment()
+        .get_template("index.md.j2")
+        .render(scripts=scripts, profile=profile, release=release, version=__version__)
+    )
+
+
+@dataclass
+class GenResult:
+    out: Path
+    scripts: list[Script]
+    written: list[str]
+    unchanged: list[str]
+    differing: list[str]
+    """With ``check``: files that are missing or differ from what would be generated."""
+
+
+def _read(path: Path) -> str | None:
+    try:
+        with open(path, encoding="utf-8", newline="") as fh:
+            return fh.read()
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"{path}: cannot read ({exc}).") from None
+
+
+def _writable(out: Path) -> None:
+    probe = out
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
+        raise UserError(
+            f"{out}: the output directory cannot be written ({probe} is not a "
+            "writable directory); nothing was written."
+        )
+
+
+def generate(
+    out: Path,
+    scripts: Sequence[Script],
+    profile: str,
+    release: str,
+    *,
+    force: bool = False,
+    check: bool = False,
+) -> GenResult:
+    """Write the scripts and the index, all or nothing; or, with ``check``, only compare."""
+    files: list[tuple[str, str, int]] = [(s.rel, s.text, 0o755) for s in scripts]
+    files.append((INDEX, render_index(scripts, profile, release), 0o644))
+    edits: list[Edit] = []
+    unchanged: list[str] = []
+    edited_by_hand: list[str] = []
+    for rel, text, mode in files:
+        old = _read(out / rel)
+        if old == text:
+            unchanged.append(rel)
+            continue
+        if old is not None and rel != INDEX and not body_matches_header(old):
+            edited_by_hand.append(rel)
+        edits.append(Edit(rel, old, text, mode))
+    result = GenResult(out, list(scripts), [], unchanged, [e.rel for e in edits])
+    if check:
+        return result
+    if edited_by_hand and not force:
+        shown = ", ".join(edited_by_hand[:3]) + (" ..." if len(edited_by_hand) > 3 else "")
+        raise UserError(
+            f"{out}: {len(edited_by_hand)} script(s) were edited by hand ({shown}); "
+            "--force overwrites them."
+        )
+    _writable(out)
+    result.written = apply_edits(out, edits)
+    return result
+
+
+def describe(reg: Registry) -> dict[str, Any]:
+    """The registry as plain data (``list --json``)."""
+    return {
+        "models": {
+            n: {
+                "description": m.description,
+                "tokenizer": m.tokenizer_model,
+                "vocab_size": m.vocab_size,
+                "args": m.args,
+            }
+            for n, m in reg.models.items()
+        },
+        "datasets": {
+            n: {"description": d.description, "prefix": d.prefix, "split": d.split}
+            for n, d in reg.datasets.items()
+        },
+        "schemes": {n: s.values() for n, s in reg.schemes.items()},
+        "profiles": {
+            n: {
+                "description": p.description,
+                "gpus_per_node": p.gpus_per_node,
+                "mock_data": p.mock_data,
+                "args": p.args,
+            }
+            for n, p in reg.profiles.items()
+        },
+    }
+
+
+__all__ = ["Dataset", "Model", "Profile", "Script", "generate", "render_all", "render_script"]
+
+
+def quantpatch_command() -> str:
+    """The quantpatch executable a script should call back: this very installation."""
+    explicit = os.environ.get("QUANTPATCH")
+    if explicit:
+        return explicit
+    sibling = Path(sys.executable).with_name("quantpatch")
+    if sibling.is_file() and os.access(sibling, os.X_OK):
+        return str(sibling)
+    found = shutil.which("quantpatch")
+    if found is None:
+        raise UserError("cannot find the quantpatch executable; set QUANTPATCH to its path.")
+    return found
+
+
+def launch(root: Path, script: Script, *, dry_run: bool) -> int:
+    """Run one combination's script from ``root`` (its text is kept under the state directory
+    for the record); with ``dry_run`` the script prints the exact command instead."""
+    from quantpatch import repo as gitrepo
+
+    checkout = gitrepo.find_checkout(root, need_git=True)
+    path = checkout.state_dir / "scripts" / script.rel
+    apply_edits(path.parent, [Edit(path.name, _read(path), script.text, 0o755)])
+    env = {**os.environ, "MEGATRON_ROOT": str(checkout.root), "QUANTPATCH": quantpatch_command()}
+    if dry_run:
+        env["QUANTPATCH_DRY_RUN"] = "1"
+    return subprocess.run(["bash", str(path)], env=env, check=False).returncode
