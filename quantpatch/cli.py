@@ -196,7 +196,7 @@ def set_(
         )
         return
     for note in result.notes:
-        err.print(f"note: {note}", style="yellow")
+        err.print(f"note: {note}", style="yellow", markup=False)
     if dry_run:
         sys.stdout.write(result.diff)
         if not result.diff:
@@ -224,7 +224,7 @@ def restore(repo: Path | None = RepoOpt) -> None:
 
     result = run_restore(_repo(repo))
     for note in result.notes:
-        err.print(f"note: {note}", style="yellow")
+        err.print(f"note: {note}", style="yellow", markup=False)
     if result.mode == "branch":
         b = result.base
         out.print(f"restored: {b['branch'] or 'detached HEAD'} @ {b['commit'][:12]}")
@@ -421,12 +421,14 @@ def main() -> None:
     debug = "--debug" in sys.argv[1:]
     command = typer.main.get_command(app)
     try:
-        command.main(args=sys.argv[1:], prog_name="quantpatch", standalone_mode=False)
+        code = command.main(args=sys.argv[1:], prog_name="quantpatch", standalone_mode=False)
     except (UserError, CheckFailed) as exc:
         if debug:
             raise
         label = "error" if isinstance(exc, UserError) else "check failed"
-        err.print(f"{label}: {exc}", style="red" if isinstance(exc, UserError) else "yellow")
+        err.print(
+            f"{label}: {exc}", style="red" if isinstance(exc, UserError) else "yellow", markup=False
+        )
         sys.exit(exc.exit_code)
     except typer.Exit as exc:
         sys.exit(exc.exit_code)
@@ -445,4 +447,4 @@ def main() -> None:
             style="red",
         )
         sys.exit(3)
-    sys.exit(0)
+    sys.exit(code if isinstance(code, int) else 0)  # typer.Exit(n) comes back as a value

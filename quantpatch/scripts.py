@@ -250,7 +250,7 @@ def _read(path: Path) -> str | None:
     try:
         with open(path, encoding="utf-8", newline="") as fh:
             return fh.read()
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return None
     except (OSError, UnicodeDecodeError) as exc:
         raise UserError(f"{path}: cannot read ({exc}).") from None
@@ -277,6 +277,8 @@ def generate(
     check: bool = False,
 ) -> GenResult:
     """Write the scripts and the index, all or nothing; or, with ``check``, only compare."""
+    if not check:
+        _writable(out)
     files: list[tuple[str, str, int]] = [(s.rel, s.text, 0o755) for s in scripts]
     files.append((INDEX, render_index(scripts, profile, release), 0o644))
     edits: list[Edit] = []
@@ -299,7 +301,6 @@ def generate(
             f"{out}: {len(edited_by_hand)} script(s) were edited by hand ({shown}); "
             "--force overwrites them."
         )
-    _writable(out)
     result.written = apply_edits(out, edits)
     return result
 
