@@ -64,11 +64,11 @@ def test_failure_writing_a_temp_file_changes_nothing(tmp_path, monkeypatch):
     real = edits_mod._write_temp
     seen = []
 
-    def fail_second(target, text):
+    def fail_second(target, text, mode=None):
         seen.append(target)
         if len(seen) == 2:
             raise OSError(13, "Permission denied")
-        return real(target, text)
+        return real(target, text, mode)
 
     monkeypatch.setattr(edits_mod, "_write_temp", fail_second)
     with pytest.raises(UserError, match="nothing was changed"):

@@ -1,0 +1,157 @@
+"""Fake quantization for MXFP8, MXFP4 and HiFP8 (quantize, then dequantize to the working
+dtype), and the quantized products that fork-layout sites dispatch to.
+
+Installed by ``quantpatch init`` as ``megatron/core/quantpatch_ops.py``; depends on torch and
+the standard library only. Public API::
+
+    fake_quant(x, fmt, *, dim=-1, backward=False) -> Tensor
+    quant_matmul(a, b, fmt, *, backward=False) -> Tensor
+    quant_baddbmm(input, batch1, batch2, *, beta=1.0, alpha=1.0, fmt, backward=False) -> Tensor
+    quant_bmm(a, b, fmt, *, backward=False) -> Tensor
+
+Formats (OCP Microscaling v1.0; Luo et al., arXiv 2409.16626 for HiFloat8):
+
+* ``mxfp8``: blocks of 32 along ``dim`` share an E8M0 scale 2^(floor(log2 amax) - emax);
+  elements are E4M3 (E5M2 with ``backward=True``), rounded to nearest even and saturated.
+* ``mxfp4``: the same with E2M1 elements (also for backward).
+* ``hifp8``: per tensor, no scale: 3/2/1 mantissa bits for |e| <= 3/7/15, powers of two
+  2^-22..2^-16 below 2^-15, zero below, saturation at 2^15, ties away from zero.
+* ``bf16``: the identity.
+
+All arithmetic is exact float32 work on powers of two (``frexp``/``ldexp``), so the result is
+the same on CPU and CUDA and for bf16, fp16 and fp32 inputs. NaN and +-Inf pass through
+unchanged; they do not disturb the scale of the rest of their block.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+FORMATS = ("bf16", "mxfp8", "mxfp4", "hifp8")
+BLOCK = 32
+
+# element type: (mantissa bits, minimum normal exponent, largest normal, emax_elem)
+_E4M3 = (3, -6, 448.0, 8)
+_E5M2 = (2, -14, 57344.0, 15)
+_E2M1 = (1, 0, 6.0, 2)
+_SCALE_MIN, _SCALE_MAX = -127, 127
+
+
+def _floor_log2(a: torch.Tensor) -> torch.Tensor:
+    """floor(log2(a)) exactly, for finite a > 0 (float32), as int32."""
+    _, exp = torch.frexp(a)
+    return (exp - 1).to(torch.int32)
+
+
+def _pow2(e: torch.Tensor) -> torch.Tensor:
+    return torch.ldexp(torch.ones_like(e, dtype=torch.float32), e.to(torch.int32))
+
+
+def _round_element(p: torch.Tensor, elem: tuple[int, int, float, int]) -> torch.Tensor:
+    """Round float32 ``p`` to the element type (nearest, ties to even), saturating."""
+    mbits, emin, vmax, _ = elem
+    a = p.abs()
+    tiny = a < 2.0 ** emin
+    e = torch.where(tiny, torch.full_like(a, emin, dtype=torch.int32),
+                    _floor_log2(torch.where(tiny, torch.ones_like(a), a)))
+    quantum = _pow2(e - mbits)
+    q = torch.round(a / quantum) * quantum  # torch.round: half to even; the division is exact
+    return torch.copysign(torch.clamp(q, max=vmax), p)
+
+
+def _mx(x: torch.Tensor, dim: int, elem: tuple[int, int, float, int]) -> torch.Tensor:
+    v = x.to(torch.float32).movedim(dim, -1)
+    n = v.shape[-1]
+    pad = (-n) % BLOCK
+    if pad:
+        v = torch.nn.functional.pad(v, (0, pad))
+    blocks = v.reshape(*v.shape[:-1], -1, BLOCK)
+    finite = torch.isfinite(blocks)
+    mags = torch.where(finite, blocks.abs(), torch.zeros_like(blocks))
+    amax = mags.amax(dim=-1, keepdim=True)
+    nonzero = amax > 0
+    shared = _floor_log2(torch.where(nonzero, amax, torch.ones_like(amax))) - elem[3]
+    shared = torch.where(nonzero, shared, torch.full_like(shared, _SCALE_MIN))
+    scale = _pow2(torch.clamp(shared, _SCALE_MIN, _SCALE_MAX))
+    q = _round_element(torch.where(finite, blocks, torch.zeros_like(blocks)) / scale, elem)
+    out = torch.where(finite, q * scale, blocks)
+    out = out.reshape(*v.shape)[..., :n].movedim(-1, dim)
+    return out.to(x.dtype)
+
+
+def _hifp8(x: torch.Tensor) -> torch.Tensor:
+    v = x.to(torch.float32)
+    a = v.abs()
+    finite = torch.isfinite(v)
+    positive = finite & (a > 0)
+    e = _floor_log2(torch.where(positive, a, torch.ones_like(a)))
+    ae = e.abs()
+    mbits = torch.where(ae <= 3, 3, torch.where(ae <= 7, 2, torch.where(ae <= 15, 1, 0)))
+    mbits = mbits.to(torch.int32)
+    q = torch.floor(a * _pow2(mbits - e) + 0.5) * _pow2(e - mbits)  # ties away from zero
+    # below the smallest denormal 2^-22: nearest of {0, 2^-22}, the tie going away from zero
+    q = torch.where(e < -22, torch.where(a >= 2.0 ** -23, 2.0 ** -22, 0.0), q)
+    q = torch.clamp(q, max=2.0 ** 15)  # saturate: the code above 2^15 is infinity
+    out = torch.where(positive, torch.copysign(q, v), v)
+    return out.to(x.dtype)
+
+
+def fake_quant(x: torch.Tensor, fmt: str, *, dim: int = -1, backward: bool = False) -> torch.Tensor:
+    """``x`` quantized to ``fmt`` and dequantized: same shape, same dtype."""
+    if fmt == "bf16":
+        return x
+    if fmt == "mxfp8":
+        return _mx(x, dim, _E5M2 if backward else _E4M3)
+    if fmt == "mxfp4":
+        return _mx(x, dim, _E2M1)
+    if fmt == "hifp8":
+        return _hifp8(x)
+    raise ValueError(f"unknown quantization format {fmt!r}; expected one of {FORMATS}")
+
+
+class _StraightThrough(torch.autograd.Function):
+    """Forward: the fake-quantized tensor, exactly. Backward: the gradient unchanged."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, fmt: str, dim: int, backward: bool) -> torch.Tensor:
+        return fake_quant(x, fmt, dim=dim, backward=backward)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        return grad, None, None, None
+
+
+def _q(x: torch.Tensor, fmt: str, dim: int, backward: bool) -> torch.Tensor:
+    if fmt == "bf16":
+        return x
+    if x.requires_grad and torch.is_grad_enabled():
+        out: torch.Tensor = _StraightThrough.apply(x, fmt, dim, backward)
+        return out
+    return fake_quant(x, fmt, dim=dim, backward=backward)
+
+
+def quant_matmul(a: torch.Tensor, b: torch.Tensor, fmt: str, *,
+                 backward: bool = False) -> torch.Tensor:
+    """``torch.matmul(a, b)`` with both operands quantized along the reduction dimension
+    (the last of ``a``, the second to last of ``b``)."""
+    return torch.matmul(_q(a, fmt, -1, backward), _q(b, fmt, -2 if b.dim() > 1 else -1, backward))
+
+
+def quant_bmm(a: torch.Tensor, b: torch.Tensor, fmt: str, *, backward: bool = False) -> torch.Tensor:
+    """``torch.bmm(a, b)`` with both operands quantized along the reduction dimension."""
+    return torch.bmm(_q(a, fmt, -1, backward), _q(b, fmt, -2, backward))
+
+
+def quant_baddbmm(input: torch.Tensor, batch1: torch.Tensor, batch2: torch.Tensor, *,
+                  beta: float = 1.0, alpha: float = 1.0, fmt: str,
+                  backward: bool = False) -> torch.Tensor:
+    """``torch.baddbmm`` with ``batch1`` and ``batch2`` quantized along the reduction
+    dimension. With ``beta == 0`` the ``input`` buffer is never read, so uninitialised memory
+    (Megatron passes a preallocated buffer) cannot leak NaN into the scores."""
+    q1, q2 = _q(batch1, fmt, -1, backward), _q(batch2, fmt, -2, backward)
+    if beta == 0:
+        out = torch.bmm(q1, q2)
+        return out if alpha == 1 else out * alpha
+    return torch.baddbmm(input, q1, q2, beta=beta, alpha=alpha)
