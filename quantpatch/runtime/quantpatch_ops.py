@@ -53,9 +53,12 @@ def _round_element(p: torch.Tensor, elem: tuple[int, int, float, int]) -> torch.
     """Round float32 ``p`` to the element type (nearest, ties to even), saturating."""
     mbits, emin, vmax, _ = elem
     a = p.abs()
-    tiny = a < 2.0 ** emin
-    e = torch.where(tiny, torch.full_like(a, emin, dtype=torch.int32),
-                    _floor_log2(torch.where(tiny, torch.ones_like(a), a)))
+    tiny = a < 2.0**emin
+    e = torch.where(
+        tiny,
+        torch.full_like(a, emin, dtype=torch.int32),
+        _floor_log2(torch.where(tiny, torch.ones_like(a), a)),
+    )
     quantum = _pow2(e - mbits)
     q = torch.round(a / quantum) * quantum  # torch.round: half to even; the division is exact
     return torch.copysign(torch.clamp(q, max=vmax), p)
@@ -92,8 +95,8 @@ def _hifp8(x: torch.Tensor) -> torch.Tensor:
     mbits = mbits.to(torch.int32)
     q = torch.floor(a * _pow2(mbits - e) + 0.5) * _pow2(e - mbits)  # ties away from zero
     # below the smallest denormal 2^-22: nearest of {0, 2^-22}, the tie going away from zero
-    q = torch.where(e < -22, torch.where(a >= 2.0 ** -23, 2.0 ** -22, 0.0), q)
-    q = torch.clamp(q, max=2.0 ** 15)  # saturate: the code above 2^15 is infinity
+    q = torch.where(e < -22, torch.where(a >= 2.0**-23, 2.0**-22, 0.0), q)
+    q = torch.clamp(q, max=2.0**15)  # saturate: the code above 2^15 is infinity
     out = torch.where(positive, torch.copysign(q, v), v)
     return out.to(x.dtype)
 
@@ -127,26 +130,36 @@ def _q(x: torch.Tensor, fmt: str, dim: int, backward: bool) -> torch.Tensor:
     if fmt == "bf16":
         return x
     if x.requires_grad and torch.is_grad_enabled():
-        out: torch.Tensor = _StraightThrough.apply(x, fmt, dim, backward)
+        out: torch.Tensor = _StraightThrough.apply(x, fmt, dim, backward)  # type: ignore[no-untyped-call]
         return out
     return fake_quant(x, fmt, dim=dim, backward=backward)
 
 
-def quant_matmul(a: torch.Tensor, b: torch.Tensor, fmt: str, *,
-                 backward: bool = False) -> torch.Tensor:
+def quant_matmul(
+    a: torch.Tensor, b: torch.Tensor, fmt: str, *, backward: bool = False
+) -> torch.Tensor:
     """``torch.matmul(a, b)`` with both operands quantized along the reduction dimension
     (the last of ``a``, the second to last of ``b``)."""
     return torch.matmul(_q(a, fmt, -1, backward), _q(b, fmt, -2 if b.dim() > 1 else -1, backward))
 
 
-def quant_bmm(a: torch.Tensor, b: torch.Tensor, fmt: str, *, backward: bool = False) -> torch.Tensor:
+def quant_bmm(
+    a: torch.Tensor, b: torch.Tensor, fmt: str, *, backward: bool = False
+) -> torch.Tensor:
     """``torch.bmm(a, b)`` with both operands quantized along the reduction dimension."""
     return torch.bmm(_q(a, fmt, -1, backward), _q(b, fmt, -2, backward))
 
 
-def quant_baddbmm(input: torch.Tensor, batch1: torch.Tensor, batch2: torch.Tensor, *,
-                  beta: float = 1.0, alpha: float = 1.0, fmt: str,
-                  backward: bool = False) -> torch.Tensor:
+def quant_baddbmm(
+    input: torch.Tensor,
+    batch1: torch.Tensor,
+    batch2: torch.Tensor,
+    *,
+    beta: float = 1.0,
+    alpha: float = 1.0,
+    fmt: str,
+    backward: bool = False,
+) -> torch.Tensor:
     """``torch.baddbmm`` with ``batch1`` and ``batch2`` quantized along the reduction
     dimension. With ``beta == 0`` the ``input`` buffer is never read, so uninitialised memory
     (Megatron passes a preallocated buffer) cannot leak NaN into the scores."""
