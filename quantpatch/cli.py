@@ -232,6 +232,20 @@ def restore(repo: Path | None = RepoOpt) -> None:
         out.print(f"restored the original bytes of {', '.join(result.files)}")
 
 
+@app.command("init")
+def init_(
+    remove: bool = typer.Option(False, "--remove", help="Restore the stock files exactly."),
+    repo: Path | None = RepoOpt,
+) -> None:
+    """Insert fork-layout sites (bf16) and the quant ops module into a stock checkout."""
+    from quantpatch.init_checkout import init
+
+    result = init(_repo(repo), remove=remove)
+    what = "restored" if result.removed else "initialised"
+    commit = f"; commit {result.commit[:12]}" if result.commit else ""
+    out.print(f"{what}: {', '.join(result.files)}{commit}")
+
+
 @app.command()
 def demo(
     directory: Path = typer.Argument(

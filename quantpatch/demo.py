@@ -10,7 +10,7 @@ from rich.console import Console
 
 from quantpatch import repo as gitrepo
 from quantpatch.codemods.init_sites import Layout, inject_sites
-from quantpatch.config import Targets
+from quantpatch.config import QUANT_TYPES, Targets
 from quantpatch.edits import Edit, apply_edits
 from quantpatch.errors import UserError
 from quantpatch.megatron_source import DEFAULT_VERSION, megatron_tree
@@ -22,7 +22,9 @@ def build_checkout(
     dest: Path, version: str = DEFAULT_VERSION, layout: Layout | None = None, *, inject: bool = True
 ) -> Path:
     """A git repository at ``dest`` holding ``megatron/`` of megatron-core ``version``: one
-    commit with the stock files, and (``inject``) one that adds fork-layout sites."""
+    commit with the stock files, and (``inject``) one that adds fork-layout sites: with the
+    default layout that is ``quantpatch init`` (sites, dispatches and the quant ops module);
+    another ``layout`` (tests) injects sites written in that form instead."""
     if dest.exists() and any(dest.iterdir()):
         raise UserError(f"{dest}: the directory exists and is not empty; choose another one.")
     tree = megatron_tree(version)
@@ -31,7 +33,11 @@ def build_checkout(
     (dest / ".gitignore").write_text("__pycache__/\n*.pyc\ntensor_logs/\n")
     repo = git.Repo.init(dest, initial_branch="main")
     gitrepo.commit_paths(repo, [".gitignore", "megatron"], f"megatron-core {version}, unmodified")
-    if inject:
+    if inject and layout is None:
+        from quantpatch.init_checkout import init
+
+        init(dest)
+    elif inject:
         targets = Targets()
         edits = []
         for rel in targets.all_files:
@@ -83,3 +89,68 @@ def walk(dest: Path, console: Console) -> None:
     _print_check(check(dest))
     if not same:  # pragma: no cover - would be a bug in restore
         raise RuntimeError("restore did not reproduce the original bytes")
+    step("the patched linear layer on CPU, per format (relative error against bf16)")
+    print_linear_errors(dest, console)
+
+
+def linear_errors(
+    dest: Path, formats: tuple[str, ...] = QUANT_TYPES
+) -> dict[str, dict[str, float]]:
+    """Run Megatron's real linear autograd function (forward, input grad, weight grad) from
+    each format's worktree of ``dest`` on identical seeded bf16 inputs; return, per format
+    and GEMM, ||y - y_bf16|| / ||y_bf16||."""
+    import subprocess
+    import sys
+    import tempfile
+
+    import torch
+
+    from quantpatch.worktrees import ensure_worktree
+
+    probe = Path(__file__).with_name("runtime") / "linear_probe.py"
+    results: dict[str, dict[str, torch.Tensor]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for fmt in formats:
+            wt = ensure_worktree(dest, {"linear": fmt, "qk": "bf16", "pv": "bf16"})
+            out = Path(tmp) / f"{fmt}.pt"
+            subprocess.run(
+                [sys.executable, str(probe), str(out)],
+                check=True,
+                cwd=wt.path,
+                env={**_clean_env(), "PYTHONPATH": str(wt.path)},
+            )
+            results[fmt] = torch.load(out)
+    ref = results["bf16"]
+    return {
+        fmt: {
+            gemm: float((t.float() - ref[gemm].float()).norm() / ref[gemm].float().norm())
+            for gemm, t in res.items()
+        }
+        for fmt, res in results.items()
+    }
+
+
+def _clean_env() -> dict[str, str]:
+    import os
+
+    return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "CUSTOM_QUANT_TYPE")}
+
+
+def print_linear_errors(dest: Path, console: Console) -> None:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        console.print("torch is not installed: install quantpatch[torch] to see the numbers.")
+        return
+    from rich.table import Table
+
+    errors = linear_errors(dest)
+    table = Table(
+        title="relative error of each GEMM against bf16 (256 tokens, 512 -> 512)",
+        title_justify="left",
+    )
+    for col in ("linear format", "forward (E4M3 / E2M1 / HiF8)", "input grad", "weight grad"):
+        table.add_column(col, justify="right")
+    for fmt, row in errors.items():
+        table.add_row(fmt, *(f"{row[g]:.2e}" for g in ("forward", "dgrad", "wgrad")))
+    console.print(table)

@@ -1,0 +1,51 @@
+"""Run Megatron's tensor-parallel linear autograd function forward and backward on CPU and
+save the three GEMM results (forward output, input gradient, weight gradient).
+
+Usage (inside a checkout, with the checkout first on PYTHONPATH):
+    python linear_probe.py OUT.pt [TOKENS HIDDEN_IN HIDDEN_OUT]
+
+torch and the standard library only; the inputs are seeded so that runs of different sources
+(one per quantization format) see identical tensors. Used by ``quantpatch demo``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+
+import torch
+
+
+def run(
+    tokens: int = 256, hidden_in: int = 512, hidden_out: int = 512, seed: int = 0
+) -> dict[str, torch.Tensor]:
+    from megatron.core.tensor_parallel.layers import (
+        LinearWithGradAccumulationAndAsyncCommunication as Linear,
+    )
+
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, 1, hidden_in, generator=gen).to(torch.bfloat16).requires_grad_()
+    w = torch.randn(hidden_out, hidden_in, generator=gen) * hidden_in**-0.5
+    w = w.to(torch.bfloat16).requires_grad_()
+    grad_y = torch.randn(tokens, 1, hidden_out, generator=gen).to(torch.bfloat16)
+    # the argument list differs between megatron-core releases: fill it by name
+    values = {
+        "bias": None,
+        "gradient_accumulation_fusion": False,
+        "allreduce_dgrad": False,
+        "async_grad_allreduce": False,
+        "sequence_parallel": False,
+        "grad_output_buffer": None,
+        "wgrad_deferral_limit": 0,
+        "tp_group": None,
+    }
+    names = list(inspect.signature(Linear.forward).parameters)[3:]  # after ctx, input, weight
+    y = Linear.apply(x, w, *(values[n] for n in names))
+    y.backward(grad_y)
+    assert x.grad is not None and w.grad is not None
+    return {"forward": y.detach(), "dgrad": x.grad, "wgrad": w.grad}
+
+
+if __name__ == "__main__":
+    sizes = [int(a) for a in sys.argv[2:5]]
+    torch.save(run(*sizes), sys.argv[1])

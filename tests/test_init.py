@@ -1,0 +1,134 @@
+"""`init` / `init --remove` on stock megatron-core releases, and what the result computes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import git
+import pytest
+
+from quantpatch.init_checkout import OPS_MODULE, ops_source
+
+from .conftest import ATTENTION, LINEAR, VERSIONS, snapshot
+
+PROBE = Path(__file__).with_name("megatron_probe.py")
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_init_and_remove_round_trip(run, make_checkout, version):
+    root = make_checkout(version, inject=False)
+    before = snapshot(root)
+    res = run("init", "--repo", root)
+    assert res.code == 0, res
+    data = json.loads(run("check", "--json", "--repo", root).out)
+    assert [(s["role"], s["value"]) for s in data["sites"]] == [
+        ("linear", "bf16"),
+        ("linear", "bf16"),
+        ("linear", "bf16"),
+        ("qk", "bf16"),
+        ("pv", "bf16"),
+    ]
+    assert (root / OPS_MODULE).read_text() == ops_source()
+    repo = git.Repo(root)
+    assert repo.head.commit.message.startswith("quantpatch init:") and not repo.is_dirty()
+    assert run("init", "--repo", root).code == 2
+    # a set is active: init --remove refuses until restore
+    assert run("set", "--repo", root, "--qk", "mxfp8").code == 0
+    res = run("init", "--repo", root, "--remove")
+    assert res.code == 2 and "restore" in res.err
+    assert run("restore", "--repo", root).code == 0
+    res = run("init", "--repo", root, "--remove")
+    assert res.code == 0, res
+    after = snapshot(root)
+    assert after["files"] == before["files"]
+    assert repo.head.commit.message.startswith("quantpatch init --remove")
+    res = run("init", "--repo", root, "--remove")
+    assert res.code == 2 and "nothing to remove" in res.err
+
+
+def test_init_refusals(run, make_checkout, tmp_path, monkeypatch):
+    forked = make_checkout()  # already has sites
+    before = snapshot(forked)
+    res = run("init", "--repo", forked)
+    assert res.code == 2 and "already has custom_quant_type sites" in res.err
+    assert snapshot(forked) == before
+    stock = make_checkout(inject=False)
+    (stock / LINEAR).write_text((stock / LINEAR).read_text() + "# edit\n")
+    res = run("init", "--repo", stock)
+    assert res.code == 2 and f"uncommitted changes to {LINEAR}" in res.err
+    git.Repo(stock).git.checkout("--", LINEAR)
+    (stock / OPS_MODULE).write_text("# someone else's module\n")
+    res = run("init", "--repo", stock)
+    assert res.code == 2 and "a different file is already there" in res.err
+    (stock / OPS_MODULE).unlink()
+    assert run("init", "--repo", stock).code == 0
+    p = stock / ATTENTION
+    p.write_text(p.read_text().replace("custom_quant_type = 'bf16'", "custom_quant_type = 'x'", 1))
+    git.Repo(stock).git.commit("-qam", "hand edit")
+    res = run("init", "--repo", stock, "--remove")
+    assert res.code == 2 and "changed since 'quantpatch init'" in res.err
+    # without git: still all-or-nothing and removable
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    plain = make_checkout(inject=False, use_git=False)
+    plain_before = snapshot(plain)
+    assert run("init", "--repo", plain).code == 0
+    assert run("init", "--repo", plain, "--remove").code == 0
+    assert snapshot(plain) == plain_before
+
+
+def _probe(root: Path, out: Path) -> dict:
+    torch = pytest.importorskip("torch")
+    env = {k: v for k, v in os.environ.items() if k != "CUSTOM_QUANT_TYPE"}
+    env["PYTHONPATH"] = str(root)
+    res = subprocess.run(
+        [sys.executable, str(PROBE), str(out)],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    return torch.load(out)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_initialised_checkout_computes_bit_identically_then_quantizes(
+    run, make_checkout, tmp_path, version
+):
+    torch = pytest.importorskip("torch")
+    from quantpatch.runtime.quantpatch_ops import quant_matmul
+
+    stock = make_checkout(version, inject=False, full=True)
+    ref = _probe(stock, tmp_path / "stock.pt")
+    assert run("init", "--repo", stock).code == 0
+    same = _probe(stock, tmp_path / "init.pt")
+    for key, value in ref.items():
+        assert torch.equal(value, same[key]), key
+    assert torch.isfinite(ref["attn_out"]).all()
+
+    assert (
+        run("set", "--repo", stock, "--linear", "mxfp8", "--qk", "hifp8", "--pv", "mxfp4").code == 0
+    )
+    quant = _probe(stock, tmp_path / "quant.pt")
+    for key in ("linear_forward", "linear_dgrad", "linear_wgrad", "attn_out", "attn_dq"):
+        assert torch.isfinite(quant[key]).all() and not torch.equal(quant[key], ref[key]), key
+    # the linear GEMMs went through the ops with the right operands and element types
+    from quantpatch.runtime import linear_probe  # same seeded inputs as the probe
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 1, 96, generator=gen).to(torch.bfloat16)
+    w = (torch.randn(80, 96, generator=gen) * 96**-0.5).to(torch.bfloat16)
+    gy = torch.randn(64, 1, 80, generator=gen).to(torch.bfloat16)
+    assert linear_probe.run.__defaults__ == (256, 512, 512, 0)
+    assert torch.equal(quant["linear_forward"], quant_matmul(x, w.t(), "mxfp8"))
+    assert torch.equal(quant["linear_dgrad"], quant_matmul(gy, w, "mxfp8", backward=True))
+    assert torch.equal(
+        quant["linear_wgrad"],
+        quant_matmul(gy.reshape(64, 80).t(), x.reshape(64, 96), "mxfp8", backward=True),
+    )
+    assert run("restore", "--repo", stock).code == 0
