@@ -314,3 +314,32 @@ def test_cuda_matches_cpu():  # pragma: no cover - runs on a GPU machine
     x = torch.randn(64, 256) * 100
     for fmt in ("mxfp8", "mxfp4", "hifp8"):
         assert torch.equal(fake_quant(x.cuda(), fmt).cpu(), fake_quant(x, fmt))
+
+
+def test_compiled_path_is_bit_identical(tmp_path):
+    """QUANTPATCH_COMPILE=1 (torch.compile) gives exactly the eager results."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import torch\n"
+        "from quantpatch.runtime import quantpatch_ops as ops\n"
+        "assert ops._COMPILE\n"
+        "torch.manual_seed(0)\n"
+        "x = (torch.randn(64, 96) * torch.logspace(-8, 8, 96)).to(torch.bfloat16)\n"
+        "x[0, 3] = float('nan')\n"
+        "for fmt in ('mxfp8', 'hifp8'):\n"
+        "    a = ops._fake_quant(x, fmt, -1, False)\n"
+        "    b = ops.fake_quant(x, fmt)\n"
+        "    assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)), fmt\n"
+        "print('EQUAL')\n"
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "QUANTPATCH_COMPILE": "1"},
+        timeout=600,
+    )
+    assert "EQUAL" in res.stdout, res.stderr[-2000:]

@@ -21,10 +21,15 @@ Formats (OCP Microscaling v1.0; Luo et al., arXiv 2409.16626 for HiFloat8):
 All arithmetic is exact float32 work on powers of two (``frexp``/``ldexp``), so the result is
 the same on CPU and CUDA and for bf16, fp16 and fp32 inputs. NaN and +-Inf pass through
 unchanged; they do not disturb the scale of the rest of their block.
+
+``QUANTPATCH_COMPILE=1`` runs each quantizer through ``torch.compile`` (one fused kernel per
+format instead of ~30 elementwise passes; bit-identical results, tested).
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -101,17 +106,32 @@ def _hifp8(x: torch.Tensor) -> torch.Tensor:
     return out.to(x.dtype)
 
 
+_COMPILE = os.environ.get("QUANTPATCH_COMPILE", "0") == "1"
+_COMPILED: dict[tuple[str, bool], Callable[[torch.Tensor, int], torch.Tensor]] = {}
+
+
 def fake_quant(x: torch.Tensor, fmt: str, *, dim: int = -1, backward: bool = False) -> torch.Tensor:
     """``x`` quantized to ``fmt`` and dequantized: same shape, same dtype."""
     if fmt == "bf16":
         return x
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown quantization format {fmt!r}; expected one of {FORMATS}")
+    if _COMPILE:
+        key = (fmt, backward)
+        if key not in _COMPILED:  # one compiled function per format and direction
+            _COMPILED[key] = torch.compile(
+                lambda t, d: _fake_quant(t, fmt, d, backward), dynamic=True
+            )
+        return _COMPILED[key](x, dim)
+    return _fake_quant(x, fmt, dim, backward)
+
+
+def _fake_quant(x: torch.Tensor, fmt: str, dim: int, backward: bool) -> torch.Tensor:
     if fmt == "mxfp8":
         return _mx(x, dim, _E5M2 if backward else _E4M3)
     if fmt == "mxfp4":
         return _mx(x, dim, _E2M1)
-    if fmt == "hifp8":
-        return _hifp8(x)
-    raise ValueError(f"unknown quantization format {fmt!r}; expected one of {FORMATS}")
+    return _hifp8(x)
 
 
 class _StraightThrough(torch.autograd.Function):
