@@ -1,0 +1,128 @@
+"""Recorded installs: a set of edits written all-or-nothing, with the original bytes kept under
+``<state dir>/<name>/`` so that removing the install restores them exactly.
+
+``init`` (sites + quant ops) and ``saver install`` (instrumentation + tensor saver) are both
+recorded installs: same preconditions (no active ``set``, clean files), same commit handling,
+same exact undo.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from quantpatch import repo as gitrepo
+from quantpatch.edits import Edit, apply_edits
+from quantpatch.errors import UserError
+from quantpatch.site_model import read_target
+
+
+def _sha(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+@dataclass
+class InstallResult:
+    files: list[str]
+    commit: str | None
+    removed: bool
+    changed: bool = True
+
+
+def read_optional(root: Path, rel: str) -> str | None:
+    return read_target(root, rel) if (root / rel).exists() else None
+
+
+def record_of(checkout: gitrepo.Checkout, name: str) -> dict[str, Any] | None:
+    path = checkout.state_dir / name / "record.json"
+    if not path.is_file():
+        return None
+    data: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
+    return data
+
+
+def run_install(
+    path: Path | None,
+    name: str,
+    plan: Callable[[gitrepo.Checkout], list[Edit]],
+    files: Callable[[gitrepo.Checkout], Sequence[str]],
+    message: str,
+    *,
+    extra: dict[str, Any] | None = None,
+) -> InstallResult:
+    """Plan edits (under the lock, after the common checks), write them, record the originals,
+    and commit the written files in a git checkout."""
+    checkout = gitrepo.find_checkout(path, need_git=False)
+    with gitrepo.locked(checkout):
+        _preconditions(checkout, files(checkout))
+        edits = plan(checkout)
+        written = apply_edits(checkout.root, edits)
+        _write_record(checkout.state_dir / name, edits, extra or {})
+        return InstallResult(written, _commit(checkout, written, message), removed=False)
+
+
+def run_remove(
+    path: Path | None, name: str, message: str, *, missing_ok: bool = False
+) -> InstallResult:
+    """Restore the original bytes of a recorded install (refusing files changed since)."""
+    checkout = gitrepo.find_checkout(path, need_git=False)
+    with gitrepo.locked(checkout):
+        record = record_of(checkout, name)
+        if record is None:
+            if missing_ok:
+                return InstallResult([], None, removed=True, changed=False)
+            raise UserError(f"{checkout.root}: not initialised by quantpatch; nothing to remove.")
+        _preconditions(checkout, list(record["files"]))
+        edits = []
+        for rel, info in record["files"].items():
+            current = read_optional(checkout.root, rel)
+            if current is None or _sha(current) != info["written"]:
+                raise UserError(
+                    f"{rel} changed since 'quantpatch {name.replace('-', ' ')}'; revert it first."
+                )
+            original = None
+            if info["existed"]:
+                src = checkout.state_dir / name / "originals" / rel
+                with open(src, encoding="utf-8", newline="") as fh:
+                    original = fh.read()
+            edits.append(Edit(rel, current, original))
+        written = apply_edits(checkout.root, edits)
+        shutil.rmtree(checkout.state_dir / name)
+        return InstallResult(written, _commit(checkout, written, message), removed=True)
+
+
+def _preconditions(checkout: gitrepo.Checkout, files: Sequence[str]) -> None:
+    if gitrepo.load_state(checkout):
+        raise UserError("a quantpatch set is active; run 'quantpatch restore' first.")
+    if checkout.repo is not None:
+        dirty = gitrepo.dirty_paths(checkout.repo, files)
+        if dirty:
+            raise UserError(
+                f"uncommitted changes to {', '.join(dirty)}; commit or stash them first."
+            )
+
+
+def _write_record(record_dir: Path, edits: Sequence[Edit], extra: dict[str, Any]) -> None:
+    """The original bytes and the hash of what was written (after the write succeeded)."""
+    for e in edits:
+        if e.old is not None:
+            dest = record_dir / "originals" / e.rel
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            with open(dest, "w", encoding="utf-8", newline="") as fh:
+                fh.write(e.old)
+    files = {e.rel: {"existed": e.old is not None, "written": _sha(e.new or "")} for e in edits}
+    record_dir.mkdir(parents=True, exist_ok=True)
+    (record_dir / "record.json").write_text(
+        json.dumps({"files": files, **extra}, indent=2) + "\n", encoding="utf-8"
+    )
+
+
+def _commit(checkout: gitrepo.Checkout, written: Sequence[str], message: str) -> str | None:
+    if checkout.repo is None or not written or gitrepo.head_commit(checkout.repo) is None:
+        return None
+    return gitrepo.commit_paths(checkout.repo, list(written), message)
