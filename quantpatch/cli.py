@@ -232,6 +232,56 @@ def restore(repo: Path | None = RepoOpt) -> None:
         out.print(f"restored the original bytes of {', '.join(result.files)}")
 
 
+saver_app = typer.Typer(help="The tensor saver: install, remove, status.", no_args_is_help=True)
+app.add_typer(saver_app, name="saver")
+
+
+@saver_app.command("install")
+def saver_install(
+    force: bool = typer.Option(False, "--force", help="Replace a different tensor_saver.py."),
+    repo: Path | None = RepoOpt,
+) -> None:
+    """Install megatron/core/tensor_saver.py and insert the marked saver calls."""
+    from quantpatch.saver import install
+
+    result = install(_repo(repo), force=force)
+    if not result.changed:
+        out.print("the tensor saver is already installed; nothing to do.")
+        return
+    commit = f"; commit {result.commit[:12]}" if result.commit else ""
+    out.print(f"installed the tensor saver: {', '.join(result.files)}{commit}")
+
+
+@saver_app.command("remove")
+def saver_remove(repo: Path | None = RepoOpt) -> None:
+    """Remove the saver: every instrumented file back to its exact bytes."""
+    from quantpatch.saver import remove
+
+    result = remove(_repo(repo))
+    if not result.changed:
+        out.print("the tensor saver is not installed; nothing to do.")
+        return
+    commit = f"; commit {result.commit[:12]}" if result.commit else ""
+    out.print(f"removed the tensor saver: {', '.join(result.files)}{commit}")
+
+
+@saver_app.command("status")
+def saver_status_cmd(repo: Path | None = RepoOpt, json_: bool = JsonOpt) -> None:
+    """Whether the saver is installed, and in which files."""
+    from quantpatch import repo as gitrepo
+    from quantpatch.saver import status
+
+    st = status(gitrepo.find_checkout(_repo(repo), need_git=False))
+    if json_ or OPTS.json:
+        _emit_json(st.as_json())
+        return
+    if st.installed:
+        note = "" if st.module_matches else " (module differs from this quantpatch's)"
+        out.print(f"installed: {st.module}{note}; instrumented: {', '.join(st.files)}")
+    else:
+        out.print("not installed")
+
+
 @app.command("init")
 def init_(
     remove: bool = typer.Option(False, "--remove", help="Restore the stock files exactly."),

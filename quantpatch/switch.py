@@ -21,12 +21,11 @@ from quantpatch import site_cache
 from quantpatch.config import ROLES, Targets, load_targets, validate_value
 from quantpatch.edits import Edit, apply_edits, unified_diff
 from quantpatch.errors import UserError
+from quantpatch.saver import status as saver_status
 from quantpatch.site_model import Site, role_values
 
 if TYPE_CHECKING:  # libcst is imported only by the commands that rewrite
     from quantpatch.sites import FileSites
-
-SAVER_MODULE = "megatron/core/tensor_saver.py"
 
 
 def branch_name(values: Mapping[str, str]) -> str:
@@ -86,11 +85,6 @@ def parse_expect(text: str) -> dict[str, str]:
     return out
 
 
-def saver_status(root: Path) -> dict[str, Any]:
-    path = root / SAVER_MODULE
-    return {"installed": path.is_file(), "module": SAVER_MODULE}
-
-
 def _no_sites(targets: Targets) -> UserError:
     return UserError(
         f"{', '.join(targets.all_files)}: no custom_quant_type sites found; this checkout "
@@ -130,7 +124,7 @@ def check(path: Path | None) -> CheckReport:
         mismatched=mismatched,
         git=gitrepo.git_info(checkout.repo) if checkout.repo else None,
         base=base,
-        saver=saver_status(checkout.root),
+        saver=saver_status(checkout).as_json(),
     )
 
 

@@ -139,7 +139,7 @@ def _code(node: cst.CSTNode) -> str:
     return cst.Module([]).code_for_node(node)
 
 
-def _product_of(stmt: cst.SimpleStatementLine, func: str) -> _Product | None:
+def product_of(stmt: cst.SimpleStatementLine, func: str) -> _Product | None:
     """Recognise one of the five products in a statement line of ``func``."""
     if len(stmt.body) != 1 or not isinstance(stmt.body[0], cst.Assign):
         return None
@@ -209,7 +209,7 @@ class _Inject(cst.CSTTransformer):
     ) -> cst.BaseStatement | cst.FlattenSentinel[cst.BaseStatement]:
         if not self._in_target():
             return updated_node
-        product = _product_of(original_node, self.func[-1])
+        product = product_of(original_node, self.func[-1])
         if product is None or (self.kind == "linear") != (product.name not in ("qk", "pv")):
             return updated_node
         self.found.append(product.name)

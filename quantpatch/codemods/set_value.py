@@ -59,6 +59,12 @@ class _Rewrite(cst.CSTTransformer):
         return updated_node.with_changes(body=body)
 
 
+def insert_before(module: cst.Module, inserts: Mapping[int, Sequence[cst.BaseStatement]]) -> str:
+    """The code of ``module`` with statements inserted before the statements whose ``id`` is
+    a key of ``inserts`` (in any indented block); nothing else changes."""
+    return module.visit(_Rewrite({}, inserts)).code
+
+
 def _site_statement(literal: str, value: str, role: str) -> cst.BaseStatement:
     return cst.parse_statement(
         f"{SITE_NAME} = {requote(literal, value)}  # quantpatch: role={role}\n"

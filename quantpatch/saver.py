@@ -1,0 +1,101 @@
+"""``quantpatch saver install | remove | status``: the tensor saver as a recorded install.
+
+``install`` copies ``quantpatch/runtime/tensor_saver.py`` verbatim to
+``megatron/core/tensor_saver.py`` and instruments the linear file, the attention file and
+``transformer_layer.py`` beside the attention file; ``remove`` restores every byte.
+Both are idempotent, refused while a ``set`` is active, and committed like ``set``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from quantpatch import repo as gitrepo
+from quantpatch.config import Targets, load_targets
+from quantpatch.edits import Edit
+from quantpatch.errors import UserError
+from quantpatch.installs import InstallResult, read_optional, record_of, run_install, run_remove
+from quantpatch.site_model import read_target
+
+SAVER_MODULE = "megatron/core/tensor_saver.py"
+RECORD = "saver"
+
+
+def saver_source() -> str:
+    return resources.files("quantpatch").joinpath("runtime/tensor_saver.py").read_text("utf-8")
+
+
+def _layer_file(targets: Targets) -> str:
+    return str(PurePosixPath(targets.attention[0]).parent / "transformer_layer.py")
+
+
+def instrumented_files(targets: Targets) -> dict[str, str]:
+    """File -> kind (linear, attention, layer) of every file the saver instruments."""
+    files = {rel: targets.kind_of(rel) for rel in targets.all_files}
+    files[_layer_file(targets)] = "layer"
+    return files
+
+
+def install(path: Path | None, *, force: bool = False) -> InstallResult:
+    checkout = gitrepo.find_checkout(path, need_git=False)
+    if record_of(checkout, RECORD) is not None:
+        return InstallResult([], None, removed=False, changed=False)
+
+    def files(co: gitrepo.Checkout) -> list[str]:
+        return [*instrumented_files(load_targets(co.root)), SAVER_MODULE]
+
+    def plan(co: gitrepo.Checkout) -> list[Edit]:
+        from quantpatch.codemods.saver import instrument
+
+        edits = []
+        for rel, kind in instrumented_files(load_targets(co.root)).items():
+            text = read_target(co.root, rel)
+            edits.append(Edit(rel, text, instrument(text, rel, kind)))
+        current = read_optional(co.root, SAVER_MODULE)
+        if current is not None and current != saver_source() and not force:
+            raise UserError(
+                f"{SAVER_MODULE}: a different tensor saver is already there; "
+                "--force replaces it (remove puts it back)."
+            )
+        edits.append(Edit(SAVER_MODULE, current, saver_source()))
+        return edits
+
+    return run_install(
+        path, RECORD, plan, files, "quantpatch saver install: tensor saver and marked calls"
+    )
+
+
+def remove(path: Path | None) -> InstallResult:
+    return run_remove(
+        path, RECORD, "quantpatch saver remove: restore the uninstrumented sources", missing_ok=True
+    )
+
+
+@dataclass
+class SaverStatus:
+    installed: bool
+    module: str
+    module_matches: bool
+    files: list[str]
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "installed": self.installed,
+            "module": self.module,
+            "module_matches": self.module_matches,
+            "files": self.files,
+        }
+
+
+def status(checkout: gitrepo.Checkout) -> SaverStatus:
+    """Installed by quantpatch (a record exists and the module is in place), from the record
+    alone: no parsing, so ``check`` stays fast."""
+    record = record_of(checkout, RECORD)
+    current = read_optional(checkout.root, SAVER_MODULE)
+    files = sorted((record or {}).get("files", {}))
+    return SaverStatus(
+        record is not None and current is not None, SAVER_MODULE, current == saver_source(), files
+    )

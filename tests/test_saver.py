@@ -1,0 +1,359 @@
+"""The tensor saver: the install codemod, and the runtime inside a real (CPU) Megatron run."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import git
+import pytest
+
+from quantpatch.saver import SAVER_MODULE, saver_source
+
+from .conftest import ATTENTION, LINEAR, VERSIONS, snapshot
+
+LAYER_FILE = "megatron/core/transformer/transformer_layer.py"
+PROBE = Path(__file__).with_name("saver_probe.py")
+NAME = re.compile(
+    r"^\d{8}_\d{6}_(\d{4})_(linear|attention)_L(\d+|None)_(forward|backward)_"
+    r"(bf16|mxfp8|mxfp4|hifp8)_(input|weight|grad_output|query|key|value|"
+    r"attention_probs)\.pt$"
+)
+
+
+def _tree_checkout(make_checkout, version="0.13.1", **kw):
+    return make_checkout(version, full=True, **kw)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_install_remove_idempotent_and_byte_identical(run, make_checkout, version):
+    root = _tree_checkout(make_checkout, version)  # fork layout (sites injected)
+    before = snapshot(root)
+    res = run("saver", "install", "--repo", root)
+    assert res.code == 0, res
+    for rel in (LINEAR, ATTENTION, LAYER_FILE):
+        text = (root / rel).read_text()
+        assert "# quantpatch: saver" in text and "from megatron.core import tensor_saver" in text
+    assert (root / SAVER_MODULE).read_text() == saver_source()
+    assert (
+        "_qp_saver.save_linear_tensors(total_input, weight, custom_quant_type, 'forward'"
+        in (root / LINEAR).read_text()
+    )
+    repo = git.Repo(root)
+    assert repo.head.commit.message.startswith("quantpatch saver install") and not repo.is_dirty()
+    installed = snapshot(root)
+    assert run("saver", "install", "--repo", root).out.startswith("the tensor saver is already")
+    assert snapshot(root) == installed
+    data = json.loads(run("check", "--json", "--repo", root).out)
+    assert data["saver"]["installed"] is True and LAYER_FILE in data["saver"]["files"]
+    assert [s["role"] for s in data["sites"]] == ["linear"] * 3 + ["qk", "pv"]
+    st = json.loads(run("saver", "status", "--json", "--repo", root).out)
+    assert st["installed"] and st["module_matches"]
+    # while a set is active the saver refuses; after restore it goes
+    assert run("set", "--repo", root, "--qk", "mxfp4").code == 0
+    res = run("saver", "remove", "--repo", root)
+    assert res.code == 2 and "restore" in res.err
+    assert run("restore", "--repo", root).code == 0
+    assert run("saver", "remove", "--repo", root).code == 0
+    assert snapshot(root)["files"] == before["files"]
+    res = run("saver", "remove", "--repo", root)
+    assert res.code == 0 and "not installed" in res.out
+    assert "not installed" in run("saver", "status", "--repo", root).out
+
+
+def test_install_refuses_a_different_saver_unless_forced(run, make_checkout):
+    root = _tree_checkout(make_checkout)
+    (root / SAVER_MODULE).write_text("# the fork's own saver\n")
+    repo = git.Repo(root)
+    repo.git.add("-A")
+    repo.git.commit("-qm", "fork saver")
+    before = snapshot(root)
+    res = run("saver", "install", "--repo", root)
+    assert res.code == 2 and "a different tensor saver is already there" in res.err
+    assert snapshot(root) == before
+    assert run("saver", "install", "--repo", root, "--force").code == 0
+    assert (root / SAVER_MODULE).read_text() == saver_source()
+    assert run("saver", "remove", "--repo", root).code == 0
+    assert snapshot(root)["files"] == before["files"]
+
+
+def _probe(root: Path, out: Path, steps: int, **env_extra: str) -> tuple[dict, str]:
+    torch = pytest.importorskip("torch")
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("TENSOR_SAVE") and k != "CUSTOM_QUANT_TYPE"
+    }
+    env.update(PYTHONPATH=str(root), **env_extra)
+    res = subprocess.run(
+        [sys.executable, str(PROBE), str(out), str(steps)],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    return torch.load(out), res.stderr
+
+
+@pytest.fixture
+def saver_checkout(run, make_checkout):
+    """A full megatron-core 0.13.1 tree, initialised (sites + ops) with the saver installed."""
+    root = _tree_checkout(make_checkout, inject=False)
+    assert run("init", "--repo", root).code == 0
+    assert run("saver", "install", "--repo", root).code == 0
+    return root
+
+
+def _files(d: Path) -> list[tuple[str, dict]]:
+    torch = pytest.importorskip("torch")
+    return [(p.name, torch.load(p)) for p in sorted(d.glob("*.pt"))]
+
+
+def test_saving_changes_nothing_and_saves_everything(saver_checkout, tmp_path, run):
+    torch = pytest.importorskip("torch")
+    root = saver_checkout
+    off, _ = _probe(root, tmp_path / "off.pt", 3)
+    logs = tmp_path / "logs"
+    on, _ = _probe(
+        root, tmp_path / "on.pt", 3, TENSOR_SAVE_ENABLED="true", TENSOR_SAVE_DIR=str(logs)
+    )
+    # training is bit-identical, every micro-step ran forward and backward
+    assert torch.equal(off["losses"], on["losses"]) and len(on["losses"]) == 3
+    for name, grad in off["grads"].items():
+        assert torch.equal(grad, on["grads"][name]), name
+    files = _files(logs)
+    # per micro-step: 2 layers x (4 linears x (2 forward + 2 backward) + 4 attention) + the
+    # output layer's 2 + 2 = 44; flushed by the exit handler alone
+    assert len(files) == 3 * 44
+    counters = []
+    per = collections.Counter()
+    head = git.Repo(root).head.commit.hexsha
+    for fname, data in files:
+        m = NAME.match(fname)
+        assert m, fname
+        counters.append(int(m.group(1)))
+        meta, info, tensor = data["metadata"], data["tensor_info"], data["tensor"]
+        assert meta["layer_type"] == m.group(2) and meta["operation"] == m.group(4)
+        assert meta["quant_type"] == "bf16" and meta["git_commit"] == head
+        assert meta["tensor_name"] == m.group(6) and str(meta["layer_idx"]) == m.group(3)
+        if meta["module_kind"] == "output_layer":
+            assert meta["layer_idx"] is None
+        else:
+            assert meta["layer_idx"] in (1, 2)
+        assert tensor.device.type == "cpu" and not tensor.requires_grad
+        assert info["shape"] == list(tensor.shape) and info["dtype"] == str(tensor.dtype)
+        f = tensor.float()
+        assert info["min"] == float(f.min()) and info["max"] == float(f.max())
+        # float32 sums in another order (strided original vs contiguous copy): scale-relative
+        tol = 1e-6 * max(abs(info["min"]), abs(info["max"]), 1e-30)
+        assert info["mean"] == pytest.approx(float(f.mean()), abs=tol)
+        assert info["std"] == pytest.approx(float(f.std()), abs=tol)
+        per[
+            (
+                meta["layer_idx"],
+                meta["module_kind"],
+                meta["operation"],
+                meta["tensor_name"],
+                meta["micro_step"],
+            )
+        ] += 1
+    assert sorted(counters) == list(range(1, len(files) + 1))
+    for step in range(3):
+        for layer in (1, 2):
+            for kind in ("qkv", "proj", "fc1", "fc2"):
+                assert per[(layer, kind, "forward", "input", step)] == 1
+                assert per[(layer, kind, "backward", "grad_output", step)] == 1
+            for t in ("query", "key", "value", "attention_probs"):
+                assert per[(layer, "core_attention", "forward", t, step)] == 1
+    # bit-exact: the output layer's operands as the module hooks saw them
+    out_in = [
+        d["tensor"]
+        for n, d in files
+        if d["metadata"]["module_kind"] == "output_layer"
+        and d["metadata"]["tensor_name"] == "input"
+    ]
+    out_g = [
+        d["tensor"]
+        for n, d in files
+        if d["metadata"]["module_kind"] == "output_layer"
+        and d["metadata"]["tensor_name"] == "grad_output"
+    ]
+    out_w = [
+        d["tensor"]
+        for n, d in files
+        if d["metadata"]["module_kind"] == "output_layer"
+        and d["metadata"]["tensor_name"] == "weight"
+    ]
+    assert all(torch.equal(a, b) for a, b in zip(out_in, on["output_input"], strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(out_g, on["output_grad"], strict=True))
+    assert all(torch.equal(w, on["output_weight"]) for w in out_w) and len(out_w) == 6
+
+
+def test_labels_are_the_values_in_force(saver_checkout, tmp_path, run):
+    root = saver_checkout
+    assert (
+        run("set", "--repo", root, "--linear", "mxfp8", "--qk", "hifp8", "--pv", "mxfp4").code == 0
+    )
+    logs = tmp_path / "logs"
+    _probe(
+        root,
+        tmp_path / "q.pt",
+        1,
+        TENSOR_SAVE_ENABLED="1",
+        TENSOR_SAVE_DIR=str(logs),
+        CUSTOM_QUANT_TYPE="nonsense",
+    )
+    labels = {(d["metadata"]["tensor_name"], d["metadata"]["quant_type"]) for _, d in _files(logs)}
+    assert labels == {
+        ("input", "mxfp8"),
+        ("weight", "mxfp8"),
+        ("grad_output", "mxfp8"),
+        ("query", "hifp8"),
+        ("key", "hifp8"),
+        ("value", "mxfp4"),
+        ("attention_probs", "mxfp4"),
+    }
+    assert run("restore", "--repo", root).code == 0
+
+
+def test_selection_cap_and_stats_only(saver_checkout, tmp_path):
+    root = saver_checkout
+    sel = tmp_path / "sel"
+    _probe(
+        root,
+        tmp_path / "a.pt",
+        3,
+        TENSOR_SAVE_ENABLED="true",
+        TENSOR_SAVE_DIR=str(sel),
+        TENSOR_SAVE_STEPS="1-2",
+        TENSOR_SAVE_LAYERS="2",
+        TENSOR_SAVE_KINDS="input,query",
+    )
+    metas = [d["metadata"] for _, d in _files(sel)]
+    assert {m["micro_step"] for m in metas} == {1, 2} and {m["layer_idx"] for m in metas} == {2}
+    assert {m["tensor_name"] for m in metas} == {"input", "query"}
+    assert len(metas) == 2 * (4 + 1)
+    cap = tmp_path / "cap"
+    _, err = _probe(
+        root,
+        tmp_path / "b.pt",
+        2,
+        TENSOR_SAVE_ENABLED="true",
+        TENSOR_SAVE_DIR=str(cap),
+        TENSOR_SAVE_MAX_BYTES="100000",
+    )
+    total = sum(d["tensor"].numel() * d["tensor"].element_size() for _, d in _files(cap))
+    assert 0 < total <= 100000
+    assert err.count("TENSOR_SAVE_MAX_BYTES=100000 reached") == 1
+    stats = tmp_path / "stats"
+    _probe(
+        root,
+        tmp_path / "c.pt",
+        2,
+        TENSOR_SAVE_ENABLED="true",
+        TENSOR_SAVE_DIR=str(stats),
+        TENSOR_SAVE_STATS_ONLY="true",
+    )
+    assert not list(stats.glob("*.pt"))
+    records = [json.loads(line) for line in (stats / "stats_rank0.jsonl").read_text().splitlines()]
+    assert len(records) == 2 * 44
+    assert all({"min", "max", "mean", "std", "shape"} <= set(r["tensor_info"]) for r in records)
+
+
+def test_stock_layout_uses_the_environment_label(run, make_checkout, tmp_path):
+    root = _tree_checkout(make_checkout, inject=False)
+    assert run("saver", "install", "--repo", root).code == 0
+    assert (
+        "_qp_saver.save_linear_tensors(total_input, weight, None, 'forward'"
+        in (root / LINEAR).read_text()
+    )
+    logs = tmp_path / "logs"
+    _probe(
+        root,
+        tmp_path / "s.pt",
+        1,
+        TENSOR_SAVE_ENABLED="true",
+        TENSOR_SAVE_DIR=str(logs),
+        CUSTOM_QUANT_TYPE="hifp8",
+    )
+    assert {d["metadata"]["quant_type"] for _, d in _files(logs)} == {"hifp8"}
+
+
+# -- the runtime module in-process: flush and the drop policy ---------------------------------
+
+
+@pytest.fixture
+def saver_module(monkeypatch, tmp_path):
+    pytest.importorskip("torch")
+    from quantpatch.runtime import tensor_saver
+
+    def setup(**env: str):
+        for k in list(os.environ):
+            if k.startswith("TENSOR_SAVE"):
+                monkeypatch.delenv(k)
+        monkeypatch.setenv("TENSOR_SAVE_ENABLED", "true")
+        monkeypatch.setenv("TENSOR_SAVE_DIR", str(tmp_path / "t"))
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        tensor_saver.configure()
+        return tensor_saver
+
+    yield setup
+    monkeypatch.delenv("TENSOR_SAVE_ENABLED")
+    tensor_saver.configure()
+
+
+def test_flush_writes_everything_bit_exact(saver_module, tmp_path):
+    import torch
+
+    ts = saver_module()
+    tensors = [torch.randn(64, 32, dtype=torch.bfloat16) for _ in range(20)]
+    for i, t in enumerate(tensors):
+        ts.save_linear_tensors(t, None, "mxfp8", "forward", i, {"module_kind": "fc1"})
+    report = ts.flush()
+    assert report == {"files": 20, "bytes": 20 * 64 * 32 * 2, "dropped": 0, "errors": []}
+    saved = sorted((tmp_path / "t").glob("*.pt"))
+    for path, t in zip(saved, tensors, strict=True):
+        assert torch.equal(torch.load(path)["tensor"], t)
+
+
+def test_drops_are_counted_and_reported(saver_module, capsys):
+    import torch
+
+    ts = saver_module(TENSOR_SAVE_QUEUE="1", TENSOR_SAVE_DROP="true")
+    gate = threading.Event()
+    real = ts._Saver._write
+
+    def slow(self, item):
+        gate.wait(10)
+        real(self, item)
+
+    ts._Saver._write = slow
+    try:
+        for i in range(6):
+            ts.save_tensor(torch.ones(8), "linear", "forward", "bf16", "input", i)
+        gate.set()
+        report = ts.flush()
+    finally:
+        ts._Saver._write = real
+    assert report["dropped"] >= 4 and report["files"] + report["dropped"] == 6
+    assert f"dropped {report['dropped']} tensor(s)" in capsys.readouterr().err
+
+
+def test_disabled_saver_does_nothing(saver_module, monkeypatch, tmp_path):
+    import torch
+
+    ts = saver_module()
+    monkeypatch.setenv("TENSOR_SAVE_ENABLED", "false")
+    ts.configure()
+    assert ts.ENABLED is False
+    ts.save_tensor(torch.ones(3), "linear", "forward", None, "input", 1)
+    assert ts.flush()["files"] == 0 and not (tmp_path / "t").exists()
