@@ -156,6 +156,13 @@ def linear_meta(weight: torch.Tensor) -> dict[str, Any]:
 # -- the writer ------------------------------------------------------------------------------
 
 
+def _stats(t: torch.Tensor) -> torch.Tensor:
+    """min, max, mean, std as one float32 tensor on ``t``'s device (no host synchronisation)."""
+    f = t.float() if t.numel() else torch.zeros(1, device=t.device)
+    std = f.std() if f.numel() > 1 else torch.zeros((), device=t.device)
+    return torch.stack([f.min(), f.max(), f.mean(), std])
+
+
 class _Item:
     __slots__ = ("event", "host", "meta", "name", "nbytes", "stats")
 
@@ -163,7 +170,7 @@ class _Item:
         self,
         name: str,
         host: torch.Tensor | None,
-        stats: torch.Tensor,
+        stats: torch.Tensor | None,
         event: Any,
         meta: dict[str, Any],
         nbytes: int,
@@ -281,18 +288,11 @@ class _Saver:
     def _capture(self, t: torch.Tensor, name: str, meta: dict[str, Any], nbytes: int) -> _Item:
         """Statistics on the tensor's device, and (unless stats-only) a host copy; on CUDA
         both leave on a side stream so the training stream does not wait."""
-        f = t.float() if t.numel() else torch.zeros(1, device=t.device)
-        stats = torch.stack(
-            [
-                f.min(),
-                f.max(),
-                f.mean(),
-                f.std() if f.numel() > 1 else torch.zeros((), device=t.device),
-            ]
-        )
         if t.device.type != "cuda":
-            host = None if _CFG.stats_only else t.clone()
-            return _Item(name, host, stats, None, meta, nbytes)
+            # on the host the copy is the only work done here; the writer thread computes
+            # the statistics from it
+            return _Item(name, t.clone(), None, None, meta, nbytes)
+        stats = _stats(t)
         if self.stream is None:
             self.stream = torch.cuda.Stream(device=t.device)  # type: ignore[no-untyped-call]
         current = torch.cuda.current_stream(t.device)
@@ -330,6 +330,9 @@ class _Saver:
     def _write(self, item: _Item) -> None:
         if item.event is not None:
             item.event.synchronize()
+        if item.stats is None:  # host tensors: statistics computed here, off the training path
+            assert item.host is not None
+            item.stats = _stats(item.host)
         mn, mx, mean, std = (float(v) for v in item.stats.tolist())
         info = {**item.meta.pop("info"), "min": mn, "max": mx, "mean": mean, "std": std}
         _CFG.save_dir.mkdir(parents=True, exist_ok=True)
