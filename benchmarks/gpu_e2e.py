@@ -1,0 +1,193 @@
+"""End to end: a tiny megatron-core GPT (local layer spec, so the patched files are the code
+that runs) trained from an initialised demo checkout under several schemes, one worktree each,
+and a saving run.
+
+Usage: python benchmarks/gpu_e2e.py [--device cuda|cpu] [--steps N] [--megatron-core VER]
+
+Reports, per scheme, the final loss (all must be finite) and the median step time, with the
+FA_linear_mxfp8 / bf16 step-time ratio (bar on a GPU: <= 1.3); then, for a bf16 run with the
+tensor saver on for micro-steps 0-1, the files per layer and tensor kind and the layer numbers
+seen. On CPU the model is smaller and Megatron's CUDA-only buffer and RNG tracker are replaced
+by CPU equivalents (as in the tests); on CUDA the real ones run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+WORKER = r"""
+import contextlib, json, os, statistics, sys, time, torch
+import torch.distributed as dist
+cfg = json.loads(sys.argv[1])
+dev = cfg["device"]
+if dev == "cuda":
+    torch.cuda.set_device(0)
+dist.init_process_group("nccl" if dev == "cuda" else "gloo", init_method="tcp://127.0.0.1:0",
+                        rank=0, world_size=1)
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer import dot_product_attention as dpa
+from megatron.core.transformer.transformer_config import TransformerConfig
+parallel_state.initialize_model_parallel(1, 1)
+if dev == "cuda":
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+else:
+    class CpuBuffer:
+        def get_tensor(self, shape, dtype, name):
+            return torch.empty(shape, dtype=dtype)
+    class NoFork:
+        def fork(self, *a, **k):
+            return contextlib.nullcontext()
+    parallel_state.get_global_memory_buffer = lambda: CpuBuffer()
+    tensor_parallel.get_cuda_rng_tracker = lambda *a, **k: NoFork()
+    dpa.tensor_parallel.get_cuda_rng_tracker = tensor_parallel.get_cuda_rng_tracker
+torch.manual_seed(0)
+tc = TransformerConfig(num_layers=cfg["layers"], hidden_size=cfg["hidden"],
+                       num_attention_heads=cfg["heads"], use_cpu_initialization=True,
+                       attention_dropout=0.0, hidden_dropout=0.0, bias_dropout_fusion=False,
+                       apply_rope_fusion=False, masked_softmax_fusion=False,
+                       bf16=True, params_dtype=torch.bfloat16)
+from megatron.core.transformer.module import Float16Module
+gpt = GPTModel(tc, get_gpt_layer_local_spec(), vocab_size=cfg["vocab"],
+               max_sequence_length=cfg["seq"])
+model = Float16Module(tc, gpt).to(dev)  # bf16 weights and activations, as Megatron trains
+opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+gen = torch.Generator().manual_seed(1)
+data = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"] + 1), generator=gen).to(dev)
+pos = torch.arange(cfg["seq"], device=dev).expand(cfg["batch"], cfg["seq"])
+mask = torch.triu(torch.ones(1, 1, cfg["seq"], cfg["seq"], dtype=torch.bool, device=dev), 1)
+losses, times = [], []
+for step in range(cfg["steps"]):
+    if dev == "cuda":
+        torch.cuda.synchronize()
+    a = time.perf_counter()
+    opt.zero_grad()
+    loss = model(data[:, :-1], pos, mask, labels=data[:, 1:]).float().mean()
+    loss.backward()
+    opt.step()
+    losses.append(float(loss))
+    if dev == "cuda":
+        torch.cuda.synchronize()
+    times.append(time.perf_counter() - a)
+saved = None
+if os.environ.get("TENSOR_SAVE_ENABLED") == "true":
+    from megatron.core import tensor_saver
+    saved = tensor_saver.flush()
+print(json.dumps({"losses": losses, "step": statistics.median(times[2:] or times),
+                  "saved": saved}))
+"""
+
+SCHEMES = ("bf16", "FA_mxfp8", "linear_mxfp4", "FA_linear_hifp8", "FA_linear_mxfp8")
+
+
+def main() -> None:
+    import torch
+
+    from quantpatch.demo import build_checkout
+    from quantpatch.registry import load_registry
+    from quantpatch.saver import install
+    from quantpatch.worktrees import ensure_worktree
+
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--megatron-core", default="0.13.1")
+    args = ap.parse_args()
+    gpu = args.device == "cuda"
+    cfg = {
+        "device": args.device,
+        "steps": args.steps,
+        "vocab": 1024 if gpu else 256,
+        "layers": 4 if gpu else 2,
+        "hidden": 1024 if gpu else 128,
+        "heads": 16 if gpu else 4,
+        "seq": 1024 if gpu else 64,
+        "batch": 8 if gpu else 2,
+    }
+    tmp = Path(tempfile.mkdtemp(prefix="qp-e2e-"))
+    try:
+        root = build_checkout(tmp / "checkout", args.megatron_core)
+        install(root)
+        schemes = load_registry().schemes
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith("TENSOR_SAVE") and k != "CUSTOM_QUANT_TYPE"
+        }
+        print(
+            f"tiny GPT (megatron-core {args.megatron_core}, local spec): {cfg['layers']} layers, "
+            f"hidden {cfg['hidden']}, seq {cfg['seq']}, batch {cfg['batch']}, bf16, "
+            f"{args.device}; {args.steps} Adam steps"
+        )
+        print(
+            f"{'scheme':18s} {'linear':>7s} {'qk':>6s} {'pv':>6s} {'first loss':>11s} "
+            f"{'final loss':>11s} {'step ms':>9s}"
+        )
+        steps: dict[str, float] = {}
+        for name in SCHEMES:
+            s = schemes[name]
+            wt = ensure_worktree(root, s.values())
+            res = _worker(wt.path, cfg, env)
+            steps[name] = res["step"]
+            finite = all(map(_finite, res["losses"]))
+            print(
+                f"{name:18s} {s.linear:>7s} {s.qk:>6s} {s.pv:>6s} {res['losses'][0]:11.4f} "
+                f"{res['losses'][-1]:11.4f} {res['step'] * 1e3:9.1f}"
+                f"{'' if finite else '  NON-FINITE LOSS'}"
+            )
+        print(f"step time FA_linear_mxfp8 / bf16: {steps['FA_linear_mxfp8'] / steps['bf16']:.2f}")
+        logs = tmp / "tensor_logs"
+        wt = ensure_worktree(root, schemes["bf16"].values())
+        saving = _worker(
+            wt.path,
+            {**cfg, "steps": 3},
+            {
+                **env,
+                "TENSOR_SAVE_ENABLED": "true",
+                "TENSOR_SAVE_DIR": str(logs),
+                "TENSOR_SAVE_STEPS": "0-1",
+            },
+        )
+        counts: collections.Counter[tuple[object, str, str]] = collections.Counter()
+        for f in logs.glob("*.pt"):
+            meta = torch.load(f)["metadata"]
+            counts[(meta["layer_idx"], meta["module_kind"], meta["tensor_name"])] += 1
+        print(
+            f"saving run (micro-steps 0-1 of 3): {saving['saved']['files']} files, "
+            f"{saving['saved']['bytes'] / 1e6:.1f} MB, dropped {saving['saved']['dropped']}; "
+            f"layer numbers seen: {sorted({k[0] for k in counts}, key=str)}"
+        )
+        for key in sorted(counts, key=str):
+            print(f"  layer {key[0]!s:>4s}  {key[1]:15s} {key[2]:16s} {counts[key]} file(s)")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _finite(x: float) -> bool:
+    return x == x and abs(x) != float("inf")
+
+
+def _worker(path: Path, cfg: dict, env: dict[str, str]) -> dict:
+    out = subprocess.run(
+        [sys.executable, "-c", WORKER, json.dumps(cfg)],
+        cwd=path,
+        env={**env, "PYTHONPATH": str(path)},
+        capture_output=True,
+        text=True,
+    )
+    if out.returncode:
+        raise SystemExit(out.stderr[-3000:])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+if __name__ == "__main__":
+    main()
