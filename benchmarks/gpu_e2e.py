@@ -24,32 +24,14 @@ import tempfile
 from pathlib import Path
 
 WORKER = r"""
-import contextlib, json, os, statistics, sys, time, torch
-import torch.distributed as dist
+import json, os, statistics, sys, time, torch
 cfg = json.loads(sys.argv[1])
 dev = cfg["device"]
-if dev == "cuda":
-    torch.cuda.set_device(0)
-dist.init_process_group("nccl" if dev == "cuda" else "gloo", init_method="tcp://127.0.0.1:0",
-                        rank=0, world_size=1)
-from megatron.core import parallel_state, tensor_parallel
+from quantpatch.runtime.megatron_single import init_single_process
+init_single_process(dev)
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-from megatron.core.transformer import dot_product_attention as dpa
 from megatron.core.transformer.transformer_config import TransformerConfig
-parallel_state.initialize_model_parallel(1, 1)
-if dev == "cuda":
-    tensor_parallel.model_parallel_cuda_manual_seed(1234)
-else:
-    class CpuBuffer:
-        def get_tensor(self, shape, dtype, name):
-            return torch.empty(shape, dtype=dtype)
-    class NoFork:
-        def fork(self, *a, **k):
-            return contextlib.nullcontext()
-    parallel_state.get_global_memory_buffer = lambda: CpuBuffer()
-    tensor_parallel.get_cuda_rng_tracker = lambda *a, **k: NoFork()
-    dpa.tensor_parallel.get_cuda_rng_tracker = tensor_parallel.get_cuda_rng_tracker
 torch.manual_seed(0)
 tc = TransformerConfig(num_layers=cfg["layers"], hidden_size=cfg["hidden"],
                        num_attention_heads=cfg["heads"], use_cpu_initialization=True,

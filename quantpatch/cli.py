@@ -55,6 +55,10 @@ def _repo(local: Path | None) -> Path | None:
     return local or OPTS.repo
 
 
+def _commit_note(commit: str | None) -> str:
+    return f"; commit {commit[:12]}" if commit else ""
+
+
 def _emit_json(data: Any) -> None:
     sys.stdout.write(json.dumps(data, indent=2, sort_keys=False) + "\n")
 
@@ -248,8 +252,7 @@ def saver_install(
     if not result.changed:
         out.print("the tensor saver is already installed; nothing to do.")
         return
-    commit = f"; commit {result.commit[:12]}" if result.commit else ""
-    out.print(f"installed the tensor saver: {', '.join(result.files)}{commit}")
+    out.print(f"installed the tensor saver: {', '.join(result.files)}{_commit_note(result.commit)}")
 
 
 @saver_app.command("remove")
@@ -261,8 +264,7 @@ def saver_remove(repo: Path | None = RepoOpt) -> None:
     if not result.changed:
         out.print("the tensor saver is not installed; nothing to do.")
         return
-    commit = f"; commit {result.commit[:12]}" if result.commit else ""
-    out.print(f"removed the tensor saver: {', '.join(result.files)}{commit}")
+    out.print(f"removed the tensor saver: {', '.join(result.files)}{_commit_note(result.commit)}")
 
 
 @saver_app.command("status")
@@ -292,8 +294,7 @@ def init_(
 
     result = init(_repo(repo), remove=remove)
     what = "restored" if result.removed else "initialised"
-    commit = f"; commit {result.commit[:12]}" if result.commit else ""
-    out.print(f"{what}: {', '.join(result.files)}{commit}")
+    out.print(f"{what}: {', '.join(result.files)}{_commit_note(result.commit)}")
 
 
 @app.command()

@@ -189,24 +189,17 @@ def _override(line: cst.CSTNode | None) -> str | None:
     return None
 
 
-class _Collector(cst.CSTVisitor):
-    """One pass over the statements that mention the site name, collecting per function its
-    sites and dispatches. Ancestors come from the visitor's own stack, and positions are
-    resolved only for the chunks visited (``line_offset`` places a chunk in its file)."""
+class ScopedVisitor(cst.CSTVisitor):
+    """A visitor that keeps the ancestor stack (``stack[-1]`` is the node being visited) and
+    the enclosing classes and functions. Subclasses that define ``visit_ClassDef`` /
+    ``visit_FunctionDef`` (or the ``leave_`` forms) call ``super()``."""
 
-    METADATA_DEPENDENCIES = (PositionProvider,)
-
-    def __init__(self, file_kind: str) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self.file_kind = file_kind
-        self.scope: list[str] = []
         self.stack: list[cst.CSTNode] = []
-        # one frame per function (plus the module): its sites and dispatches
-        self.module_frame: tuple[list[_RawSite], list[_Dispatch]] = ([], [])
-        self.frames: list[tuple[list[_RawSite], list[_Dispatch]]] = [self.module_frame]
-        self.done: list[tuple[list[_RawSite], list[_Dispatch]]] = []
-        self.elif_nodes: set[int] = set()
-        self.line_offset = 0
+        self.scope: list[str] = []
+        self.classes: list[str] = []
+        self.functions: list[cst.FunctionDef] = []
 
     def on_visit(self, node: cst.CSTNode) -> bool:
         self.stack.append(node)
@@ -216,19 +209,46 @@ class _Collector(cst.CSTVisitor):
         super().on_leave(original_node)
         self.stack.pop()
 
-    # -- scopes -------------------------------------------------------------------------
     def visit_ClassDef(self, node: cst.ClassDef) -> None:
         self.scope.append(node.name.value)
+        self.classes.append(node.name.value)
 
     def leave_ClassDef(self, original_node: cst.ClassDef) -> None:
         self.scope.pop()
+        self.classes.pop()
 
     def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
         self.scope.append(node.name.value)
-        self.frames.append(([], []))
+        self.functions.append(node)
 
     def leave_FunctionDef(self, original_node: cst.FunctionDef) -> None:
         self.scope.pop()
+        self.functions.pop()
+
+
+class _Collector(ScopedVisitor):
+    """One pass over the statements that mention the site name, collecting per function its
+    sites and dispatches. Ancestors come from the visitor's own stack, and positions are
+    resolved only for the chunks visited (``line_offset`` places a chunk in its file)."""
+
+    METADATA_DEPENDENCIES = (PositionProvider,)
+
+    def __init__(self, file_kind: str) -> None:
+        super().__init__()
+        self.file_kind = file_kind
+        # one frame per function (plus the module): its sites and dispatches
+        self.module_frame: tuple[list[_RawSite], list[_Dispatch]] = ([], [])
+        self.frames: list[tuple[list[_RawSite], list[_Dispatch]]] = [self.module_frame]
+        self.done: list[tuple[list[_RawSite], list[_Dispatch]]] = []
+        self.elif_nodes: set[int] = set()
+        self.line_offset = 0
+
+    def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
+        super().visit_FunctionDef(node)
+        self.frames.append(([], []))
+
+    def leave_FunctionDef(self, original_node: cst.FunctionDef) -> None:
+        super().leave_FunctionDef(original_node)
         self.done.append(self.frames.pop())
 
     # -- helpers ------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -116,3 +117,27 @@ def git_out(root: Path, *args: str) -> str:
     return subprocess.run(
         ["git", *args], cwd=root, capture_output=True, text=True, check=True
     ).stdout
+
+
+def run_probe(
+    script: Path, root: Path, out: Path, *args: str, **env_extra: str
+) -> tuple[dict, str]:
+    """Run a probe script against the Megatron of ``root`` (first on PYTHONPATH) in a clean
+    environment (no saver or quant-type variables unless given); its results and stderr."""
+    torch = pytest.importorskip("torch")
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("TENSOR_SAVE") and k != "CUSTOM_QUANT_TYPE"
+    }
+    env.update(PYTHONPATH=str(root), **env_extra)
+    res = subprocess.run(
+        [sys.executable, str(script), str(out), *args],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    return torch.load(out), res.stderr

@@ -3,15 +3,12 @@
 Usage: PYTHONPATH=<checkout> python megatron_probe.py OUT.pt
 
 Saves the linear autograd function's three GEMM results (forward, input grad, weight grad)
-with their inputs, and DotProductAttention's output and input gradients. Megatron allocates
-its attention buffer with torch.cuda.current_device() and forks a CUDA RNG tracker; on CPU
-the buffer becomes plain uninitialised torch.empty memory (exactly what beta=0 must never
-read) and the fork a no-op (dropout is 0).
+with their inputs, and DotProductAttention's output and input gradients (on CPU, see
+quantpatch.runtime.megatron_single).
 """
 
 from __future__ import annotations
 
-import contextlib
 import sys
 
 import torch
@@ -22,26 +19,12 @@ sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]
 
 def main(out_path: str) -> None:
     from quantpatch.runtime.linear_probe import run as run_linear
+    from quantpatch.runtime.megatron_single import init_single_process
 
-    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
-    from megatron.core import parallel_state, tensor_parallel
+    init_single_process("cpu")
     from megatron.core.transformer import dot_product_attention as dpa
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.transformer_config import TransformerConfig
-
-    parallel_state.initialize_model_parallel(1, 1)
-
-    class CpuBuffer:
-        def get_tensor(self, shape, dtype, name):
-            return torch.full(shape, float("nan"), dtype=dtype)  # garbage, never to be read
-
-    class NoFork:
-        def fork(self, *a, **k):
-            return contextlib.nullcontext()
-
-    parallel_state.get_global_memory_buffer = lambda: CpuBuffer()
-    tensor_parallel.get_cuda_rng_tracker = lambda *a, **k: NoFork()
-    dpa.tensor_parallel.get_cuda_rng_tracker = tensor_parallel.get_cuda_rng_tracker
 
     results = {f"linear_{k}": v for k, v in run_linear(64, 96, 80).items()}
     gen = torch.Generator().manual_seed(1)

@@ -10,34 +10,21 @@ the saver's flush(): files must be complete through its exit handler alone.
 
 from __future__ import annotations
 
-import contextlib
 import sys
+from pathlib import Path
 
 import torch
-import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def main(out_path: str, micro_steps: int) -> None:
-    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
-    from megatron.core import parallel_state, tensor_parallel
+    from quantpatch.runtime.megatron_single import init_single_process
+
+    init_single_process("cpu")
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer import dot_product_attention as dpa
     from megatron.core.transformer.transformer_config import TransformerConfig
-
-    parallel_state.initialize_model_parallel(1, 1)
-
-    class CpuBuffer:  # Megatron allocates this on torch.cuda.current_device()
-        def get_tensor(self, shape, dtype, name):
-            return torch.full(shape, float("nan"), dtype=dtype)
-
-    class NoFork:  # the CUDA RNG tracker; dropout is 0
-        def fork(self, *a, **k):
-            return contextlib.nullcontext()
-
-    parallel_state.get_global_memory_buffer = lambda: CpuBuffer()
-    tensor_parallel.get_cuda_rng_tracker = lambda *a, **k: NoFork()
-    dpa.tensor_parallel.get_cuda_rng_tracker = tensor_parallel.get_cuda_rng_tracker
 
     torch.manual_seed(0)
     cfg = TransformerConfig(

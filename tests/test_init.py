@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import git
@@ -13,7 +10,7 @@ import pytest
 
 from quantpatch.init_checkout import OPS_MODULE, ops_source
 
-from .conftest import ATTENTION, LINEAR, VERSIONS, snapshot
+from .conftest import ATTENTION, LINEAR, VERSIONS, run_probe, snapshot
 
 PROBE = Path(__file__).with_name("megatron_probe.py")
 
@@ -81,19 +78,7 @@ def test_init_refusals(run, make_checkout, tmp_path, monkeypatch):
 
 
 def _probe(root: Path, out: Path) -> dict:
-    torch = pytest.importorskip("torch")
-    env = {k: v for k, v in os.environ.items() if k != "CUSTOM_QUANT_TYPE"}
-    env["PYTHONPATH"] = str(root)
-    res = subprocess.run(
-        [sys.executable, str(PROBE), str(out)],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert res.returncode == 0, res.stderr[-3000:]
-    return torch.load(out)
+    return run_probe(PROBE, root, out)[0]
 
 
 @pytest.mark.parametrize("version", VERSIONS)

@@ -6,8 +6,6 @@ import collections
 import json
 import os
 import re
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
@@ -16,7 +14,7 @@ import pytest
 
 from quantpatch.saver import SAVER_MODULE, saver_source
 
-from .conftest import ATTENTION, LINEAR, VERSIONS, snapshot
+from .conftest import ATTENTION, LINEAR, VERSIONS, run_probe, snapshot
 
 LAYER_FILE = "megatron/core/transformer/transformer_layer.py"
 PROBE = Path(__file__).with_name("saver_probe.py")
@@ -84,23 +82,7 @@ def test_install_refuses_a_different_saver_unless_forced(run, make_checkout):
 
 
 def _probe(root: Path, out: Path, steps: int, **env_extra: str) -> tuple[dict, str]:
-    torch = pytest.importorskip("torch")
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith("TENSOR_SAVE") and k != "CUSTOM_QUANT_TYPE"
-    }
-    env.update(PYTHONPATH=str(root), **env_extra)
-    res = subprocess.run(
-        [sys.executable, str(PROBE), str(out), str(steps)],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert res.returncode == 0, res.stderr[-3000:]
-    return torch.load(out), res.stderr
+    return run_probe(PROBE, root, out, str(steps), **env_extra)
 
 
 @pytest.fixture

@@ -24,7 +24,7 @@ from quantpatch.codemods.init_sites import ATTENTION_CLASS, LINEAR_CLASS_SUFFIX,
 from quantpatch.codemods.set_value import insert_before
 from quantpatch.config import SITE_NAME
 from quantpatch.errors import UserError
-from quantpatch.sites import find_all, parse_source
+from quantpatch.sites import ScopedVisitor, find_all, parse_source
 
 MARK = "# quantpatch: saver"
 IMPORT = f"from megatron.core import tensor_saver as _qp_saver  {MARK}\n"
@@ -49,48 +49,28 @@ def _root_name(expr: cst.BaseExpression) -> str:
     return names[0].value
 
 
-class _FindTargets(cst.CSTVisitor):
+class _FindTargets(ScopedVisitor):
     def __init__(self, kind: str) -> None:
         super().__init__()
         self.kind = kind
-        self.stack: list[cst.CSTNode] = []
-        self.cls: list[str] = []
-        self.func: list[cst.FunctionDef] = []
         self.found: dict[str, _Target] = {}
         self.layer_forward: cst.FunctionDef | None = None
 
-    def on_visit(self, node: cst.CSTNode) -> bool:
-        self.stack.append(node)
-        return super().on_visit(node)
-
-    def on_leave(self, original_node: cst.CSTNode) -> None:
-        super().on_leave(original_node)
-        self.stack.pop()
-
-    def visit_ClassDef(self, node: cst.ClassDef) -> None:
-        self.cls.append(node.name.value)
-
-    def leave_ClassDef(self, original_node: cst.ClassDef) -> None:
-        self.cls.pop()
-
     def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
-        self.func.append(node)
+        super().visit_FunctionDef(node)
         if (
             self.kind == "layer"
-            and self.cls
-            and self.cls[-1] == LAYER_CLASS
+            and self.classes
+            and self.classes[-1] == LAYER_CLASS
             and node.name.value == "forward"
-            and len(self.func) == 1
+            and len(self.functions) == 1
         ):
             self.layer_forward = node
 
-    def leave_FunctionDef(self, original_node: cst.FunctionDef) -> None:
-        self.func.pop()
-
     def _in_scope(self) -> bool:
-        if not self.cls or not self.func:
+        if not self.classes or not self.functions:
             return False
-        cls, func = self.cls[-1], self.func[-1].name.value
+        cls, func = self.classes[-1], self.functions[-1].name.value
         if self.kind == "linear":
             return cls.endswith(LINEAR_CLASS_SUFFIX) and func in ("forward", "backward")
         return self.kind == "attention" and cls == ATTENTION_CLASS and func == "forward"
@@ -98,7 +78,7 @@ class _FindTargets(cst.CSTVisitor):
     def visit_SimpleStatementLine(self, node: cst.SimpleStatementLine) -> None:
         if not self._in_scope():
             return
-        product = product_of(node, self.func[-1].name.value)
+        product = product_of(node, self.functions[-1].name.value)
         if product is None or product.name in self.found or product.name == "wgrad":
             return
         if (self.kind == "linear") == (product.name in ("qk", "pv")):
