@@ -19,17 +19,26 @@ def test_demo_walks_and_restores_byte_identical(run, tmp_path):
     assert "quant/linear-hifp8_qk-mxfp4_pv-mxfp8" in res.out
     repo = git.Repo(dest)
     assert repo.active_branch.name == "main" and not repo.is_dirty()
-    assert {h.name for h in repo.heads} == {
-        "main",
-        "quant/linear-mxfp8_qk-mxfp8_pv-bf16",
-        "quant/linear-hifp8_qk-mxfp4_pv-mxfp8",
-    }
+    walked = {"quant/linear-mxfp8_qk-mxfp8_pv-bf16", "quant/linear-hifp8_qk-mxfp4_pv-mxfp8"}
+    per_format = {f"quant/linear-{f}_qk-bf16_pv-bf16" for f in ("bf16", "mxfp8", "mxfp4", "hifp8")}
+    assert {h.name for h in repo.heads} == {"main"} | walked | per_format
     # the whole package tree is there, not only the two target files
     assert len(list((dest / "megatron" / "core").rglob("*.py"))) > 200
     assert [c.summary for c in repo.iter_commits("main")] == [
-        "Add fork-layout custom_quant_type sites",
+        "quantpatch init: fork-layout custom_quant_type sites (bf16) and "
+        "megatron/core/quantpatch_ops.py",
         "megatron-core 0.13.1, unmodified",
     ]
+    # the error table: bf16 is the reference, every quantized format differs from it
+    rows = {}
+    for line in res.out.splitlines():
+        cells = [c.strip() for c in line.strip("│ ").split("│")]
+        if len(cells) == 4 and cells[0] in ("bf16", "mxfp8", "mxfp4", "hifp8"):
+            rows[cells[0]] = [float(c) for c in cells[1:]]
+    assert rows["bf16"] == [0.0, 0.0, 0.0]
+    for fmt in ("mxfp8", "mxfp4", "hifp8"):
+        assert all(0.001 < e < 0.5 for e in rows[fmt]), (fmt, rows[fmt])
+    assert rows["mxfp4"][0] > rows["mxfp8"][0]  # 2 mantissa bits less than E4M3
     res = run("demo", dest)
     assert res.code == 2 and "not empty" in res.err
 

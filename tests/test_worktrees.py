@@ -1,0 +1,54 @@
+"""Per-scheme worktrees: creation without touching the checkout, reuse, and refusals."""
+
+from __future__ import annotations
+
+import git
+
+from quantpatch.worktrees import ensure_worktree
+
+from .conftest import ATTENTION, snapshot
+
+
+def test_created_from_the_base_without_touching_the_checkout(run, make_checkout):
+    root = make_checkout()
+    before = snapshot(root)
+    res = run("worktree", "--repo", root, "--scheme", "FA_hifp8")
+    assert res.code == 0 and "created worktree" in res.out
+    after = snapshot(root)
+    assert after["files"] == before["files"] and after["head"] == before["head"]
+    wt = ensure_worktree(root, {"linear": "bf16", "qk": "hifp8", "pv": "bf16"})
+    assert not wt.created_worktree and not wt.created_branch
+    wt_repo = git.Repo(wt.path)
+    assert wt_repo.head.is_detached
+    assert wt_repo.head.commit.parents[0].hexsha == git.Repo(root).head.commit.hexsha
+    assert run("worktree", "--repo", root, "--scheme", "FA_hifp8").out.startswith("reused")
+
+
+def test_uses_an_existing_branch_and_the_recorded_base(run, make_checkout):
+    root = make_checkout()
+    base = git.Repo(root).head.commit.hexsha
+    assert run("set", "--repo", root, "--linear", "mxfp4").code == 0  # branch + recorded base
+    wt = ensure_worktree(root, {"linear": "mxfp4", "qk": "bf16", "pv": "bf16"})
+    assert wt.created_worktree and not wt.created_branch
+    assert git.Repo(wt.path).head.commit.hexsha == git.Repo(root).head.commit.hexsha
+    other = ensure_worktree(root, {"linear": "hifp8", "qk": "bf16", "pv": "bf16"})
+    assert git.Repo(other.path).head.commit.parents[0].hexsha == base
+
+
+def test_refusals(run, make_checkout):
+    root = make_checkout()
+    res = run("worktree", "--repo", root, "--linear", "mxfp8")
+    assert res.code == 2 and "give all three roles (missing: qk, pv)" in res.err
+    res = run("worktree", "--repo", root, "--scheme", "nope")
+    assert res.code == 2 and "unknown scheme 'nope'" in res.err
+    res = run("worktree", "--repo", root, "--linear", "fp8", "--qk", "bf16", "--pv", "bf16")
+    assert res.code == 2 and "unknown quant type 'fp8'" in res.err
+    wt = ensure_worktree(root, {"linear": "mxfp8", "qk": "bf16", "pv": "bf16"})
+    (wt.path / ATTENTION).write_text((wt.path / ATTENTION).read_text() + "# tampered\n")
+    res = run("worktree", "--repo", root, "--linear", "mxfp8", "--qk", "bf16", "--pv", "bf16")
+    assert res.code == 2 and "does not hold" in res.err and "dirty" in res.err
+    # a branch of that name whose content differs from what the base would give
+    repo = git.Repo(root)
+    repo.git.branch("quant/linear-hifp8_qk-bf16_pv-bf16")
+    res = run("worktree", "--repo", root, "--linear", "hifp8", "--qk", "bf16", "--pv", "bf16")
+    assert res.code == 2 and "exists but its" in res.err
