@@ -339,3 +339,67 @@ def test_disabled_saver_does_nothing(saver_module, monkeypatch, tmp_path):
     assert ts.ENABLED is False
     ts.save_tensor(torch.ones(3), "linear", "forward", None, "input", 1)
     assert ts.flush()["files"] == 0 and not (tmp_path / "t").exists()
+
+
+def test_selection_parsing_and_kind_names():
+    pytest.importorskip("torch")
+    from quantpatch.runtime import tensor_saver as ts
+
+    assert ts._ranges("0-1,5, 7-8") == {0, 1, 5, 7, 8} and ts._ranges("") is None
+    assert ts._kind_from_name("self_attention.linear_qkv.weight") == "qkv"
+    assert ts._kind_from_name("mlp.linear_fc2.weight") == "fc2"
+    assert ts._kind_from_name("mlp.experts.local_experts.3.linear_fc1.weight") == "expert_fc1"
+    assert ts._kind_from_name("mlp.shared_experts.linear_fc2.weight") == "shared_expert_fc2"
+
+
+def test_linear_meta_finds_the_layer_of_a_weight():
+    torch = pytest.importorskip("torch")
+    from quantpatch.runtime import tensor_saver as ts
+
+    class Layer(torch.nn.Module):
+        def __init__(self, number):
+            super().__init__()
+            self.layer_number = number
+            self.mlp = torch.nn.Module()
+            self.mlp.linear_fc1 = torch.nn.Linear(2, 2)
+
+    a, b = Layer(3), Layer(4)
+    ts.enter_layer(a)
+    ts.enter_layer(b)
+    assert ts.linear_meta(b.mlp.linear_fc1.weight) == {"layer_idx": 4, "module_kind": "fc1"}
+    stray = torch.nn.Parameter(torch.ones(2))
+    assert ts.linear_meta(stray) == {"layer_idx": None, "module_kind": "output_layer"}
+
+
+def test_rank_in_names_and_stats_only_in_process(saver_module, monkeypatch, tmp_path):
+    import torch
+
+    ts = saver_module(TENSOR_SAVE_STATS_ONLY="true")
+    monkeypatch.setattr(ts, "_rank_info", lambda: (3, 8))
+    t = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    ts.save_attention_tensors(t, None, t * 2, "hifp8", "forward", 5, {"module_kind": "x"})
+    assert ts.flush()["files"] == 2
+    lines = (tmp_path / "t" / "stats_rank3.jsonl").read_text().splitlines()
+    recs = [json.loads(line) for line in lines]
+    assert [r["name"].split("_", 3)[-1] for r in recs] == [
+        "attention_L5_forward_hifp8_rank3_query",
+        "attention_L5_forward_hifp8_rank3_value",
+    ]
+    assert recs[1]["tensor_info"]["max"] == 22.0 and recs[0]["tensor_info"]["mean"] == 5.5
+    assert recs[0]["metadata"]["world_size"] == 8 and recs[0]["metadata"]["layer_idx"] == 5
+
+
+def test_byte_cap_and_selection_in_process(saver_module, capsys):
+    import torch
+
+    ts = saver_module(
+        TENSOR_SAVE_MAX_BYTES="100", TENSOR_SAVE_KINDS="input", TENSOR_SAVE_LAYERS="1-2"
+    )
+    for layer in (1, 2, 3):
+        ts.save_linear_tensors(torch.ones(10), torch.ones(10), None, "forward", layer)
+    report = ts.flush()
+    assert report["files"] == 2 and report["bytes"] == 80  # weights and layer 3 not selected
+    ts.save_tensor(torch.ones(10), "linear", "forward", None, "input", 1)
+    ts.save_tensor(torch.ones(10), "linear", "forward", None, "input", 2)
+    assert ts.flush()["files"] == 2
+    assert capsys.readouterr().err.count("TENSOR_SAVE_MAX_BYTES=100 reached") == 1
