@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import hashlib
 import os
 import tempfile
 from collections.abc import Iterable, Sequence
@@ -70,11 +71,30 @@ def _write_temp(target: Path, text: str, mode: int | None = None) -> Path:
     return Path(tmp)
 
 
-def _read(path: Path) -> str | None:
-    if not path.exists():
+def sha256_text(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def read_exact(path: Path) -> str | None:
+    """The file's text with its newlines as they are (CRLF kept); ``None`` if it is missing.
+    A file that is not UTF-8 text, or cannot be read, is a ``UserError``."""
+    try:
+        with open(path, encoding="utf-8", newline="") as fh:
+            return fh.read()
+    except (FileNotFoundError, NotADirectoryError):
         return None
-    with open(path, encoding="utf-8", newline="") as fh:
-        return fh.read()
+    except UnicodeDecodeError:
+        raise UserError(f"{path}: the file is not UTF-8 text.") from None
+    except OSError as exc:
+        raise UserError(f"{path}: cannot read ({exc.strerror}).") from None
+
+
+def write_exact(path: Path, text: str) -> None:
+    """Write ``text`` as it is (no newline translation), creating parent directories; for
+    records under the state directory (checkout files go through ``apply_edits``)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8", newline="") as fh:
+        fh.write(text)
 
 
 def _put(path: Path, text: str | None) -> None:
@@ -94,7 +114,7 @@ def apply_edits(root: Path, edits: Sequence[Edit]) -> list[str]:
     """
     todo = [e for e in edits if e.changed]
     for e in todo:
-        if _read(root / e.rel) != e.old:
+        if read_exact(root / e.rel) != e.old:
             raise UserError(f"{e.rel}: the file changed while quantpatch was planning; run again.")
     temps: list[tuple[Edit, Path | None]] = []
     try:

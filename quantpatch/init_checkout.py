@@ -14,9 +14,9 @@ from pathlib import Path
 from quantpatch import repo as gitrepo
 from quantpatch.codemods.init_sites import inject_sites
 from quantpatch.config import load_targets
-from quantpatch.edits import Edit
+from quantpatch.edits import Edit, read_exact
 from quantpatch.errors import UserError
-from quantpatch.installs import InstallResult, read_optional, record_of, run_install, run_remove
+from quantpatch.installs import InstallResult, record_of, run_install, run_remove
 from quantpatch.site_model import read_target
 
 OPS_MODULE = "megatron/core/quantpatch_ops.py"
@@ -40,7 +40,7 @@ def _plan(checkout: gitrepo.Checkout) -> list[Edit]:
     for rel in targets.all_files:
         text = read_target(root, rel)
         edits.append(Edit(rel, text, inject_sites(text, rel, targets.kind_of(rel))))
-    current = read_optional(root, OPS_MODULE)
+    current = read_exact(root / OPS_MODULE)
     if current is not None and current != ops_source():
         raise UserError(f"{OPS_MODULE}: a different file is already there; move it away first.")
     edits.append(Edit(OPS_MODULE, current, ops_source()))

@@ -8,7 +8,6 @@ same exact undo.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 from collections.abc import Callable, Sequence
@@ -17,13 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from quantpatch import repo as gitrepo
-from quantpatch.edits import Edit, apply_edits
+from quantpatch.edits import Edit, apply_edits, read_exact, sha256_text, write_exact
 from quantpatch.errors import UserError
-from quantpatch.site_model import read_target
-
-
-def _sha(text: str) -> str:
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 @dataclass
@@ -32,10 +26,6 @@ class InstallResult:
     commit: str | None
     removed: bool
     changed: bool = True
-
-
-def read_optional(root: Path, rel: str) -> str | None:
-    return read_target(root, rel) if (root / rel).exists() else None
 
 
 def record_of(checkout: gitrepo.Checkout, name: str) -> dict[str, Any] | None:
@@ -80,16 +70,14 @@ def run_remove(
         _preconditions(checkout, list(record["files"]))
         edits = []
         for rel, info in record["files"].items():
-            current = read_optional(checkout.root, rel)
-            if current is None or _sha(current) != info["written"]:
+            current = read_exact(checkout.root / rel)
+            if current is None or sha256_text(current) != info["written"]:
                 raise UserError(
                     f"{rel} changed since 'quantpatch {name.replace('-', ' ')}'; revert it first."
                 )
             original = None
             if info["existed"]:
-                src = checkout.state_dir / name / "originals" / rel
-                with open(src, encoding="utf-8", newline="") as fh:
-                    original = fh.read()
+                original = read_exact(checkout.state_dir / name / "originals" / rel)
             edits.append(Edit(rel, current, original))
         written = apply_edits(checkout.root, edits)
         shutil.rmtree(checkout.state_dir / name)
@@ -111,11 +99,10 @@ def _write_record(record_dir: Path, edits: Sequence[Edit], extra: dict[str, Any]
     """The original bytes and the hash of what was written (after the write succeeded)."""
     for e in edits:
         if e.old is not None:
-            dest = record_dir / "originals" / e.rel
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            with open(dest, "w", encoding="utf-8", newline="") as fh:
-                fh.write(e.old)
-    files = {e.rel: {"existed": e.old is not None, "written": _sha(e.new or "")} for e in edits}
+            write_exact(record_dir / "originals" / e.rel, e.old)
+    files = {
+        e.rel: {"existed": e.old is not None, "written": sha256_text(e.new or "")} for e in edits
+    }
     record_dir.mkdir(parents=True, exist_ok=True)
     (record_dir / "record.json").write_text(
         json.dumps({"files": files, **extra}, indent=2) + "\n", encoding="utf-8"

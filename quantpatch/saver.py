@@ -15,9 +15,9 @@ from typing import Any
 
 from quantpatch import repo as gitrepo
 from quantpatch.config import Targets, load_targets
-from quantpatch.edits import Edit
+from quantpatch.edits import Edit, read_exact
 from quantpatch.errors import UserError
-from quantpatch.installs import InstallResult, read_optional, record_of, run_install, run_remove
+from quantpatch.installs import InstallResult, record_of, run_install, run_remove
 from quantpatch.site_model import read_target
 
 SAVER_MODULE = "megatron/core/tensor_saver.py"
@@ -54,7 +54,7 @@ def install(path: Path | None, *, force: bool = False) -> InstallResult:
         for rel, kind in instrumented_files(load_targets(co.root)).items():
             text = read_target(co.root, rel)
             edits.append(Edit(rel, text, instrument(text, rel, kind)))
-        current = read_optional(co.root, SAVER_MODULE)
+        current = read_exact(co.root / SAVER_MODULE)
         if current is not None and current != saver_source() and not force:
             raise UserError(
                 f"{SAVER_MODULE}: a different tensor saver is already there; "
@@ -94,7 +94,7 @@ def status(checkout: gitrepo.Checkout) -> SaverStatus:
     """Installed by quantpatch (a record exists and the module is in place), from the record
     alone: no parsing, so ``check`` stays fast."""
     record = record_of(checkout, RECORD)
-    current = read_optional(checkout.root, SAVER_MODULE)
+    current = read_exact(checkout.root / SAVER_MODULE)
     files = sorted((record or {}).get("files", {}))
     return SaverStatus(
         record is not None and current is not None, SAVER_MODULE, current == saver_source(), files

@@ -25,7 +25,7 @@ from typing import Any
 import jinja2
 
 from quantpatch import __version__
-from quantpatch.edits import Edit, apply_edits
+from quantpatch.edits import Edit, apply_edits, read_exact
 from quantpatch.errors import UserError
 from quantpatch.registry import (
     DEFAULT_RELEASE,
@@ -246,16 +246,6 @@ class GenResult:
     """With ``check``: files that are missing or differ from what would be generated."""
 
 
-def _read(path: Path) -> str | None:
-    try:
-        with open(path, encoding="utf-8", newline="") as fh:
-            return fh.read()
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise UserError(f"{path}: cannot read ({exc}).") from None
-
-
 def _writable(out: Path) -> None:
     probe = out
     while not probe.exists():
@@ -285,7 +275,7 @@ def generate(
     unchanged: list[str] = []
     edited_by_hand: list[str] = []
     for rel, text, mode in files:
-        old = _read(out / rel)
+        old = read_exact(out / rel)
         if old == text:
             unchanged.append(rel)
             continue
@@ -358,7 +348,7 @@ def launch(root: Path, script: Script, *, dry_run: bool) -> int:
 
     checkout = gitrepo.find_checkout(root, need_git=True)
     path = checkout.state_dir / "scripts" / script.rel
-    apply_edits(path.parent, [Edit(path.name, _read(path), script.text, 0o755)])
+    apply_edits(path.parent, [Edit(path.name, read_exact(path), script.text, 0o755)])
     env = {**os.environ, "MEGATRON_ROOT": str(checkout.root), "QUANTPATCH": quantpatch_command()}
     if dry_run:
         env["QUANTPATCH_DRY_RUN"] = "1"

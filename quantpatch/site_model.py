@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from quantpatch.config import ROLES
+from quantpatch.edits import read_exact
 from quantpatch.errors import UserError
 
 SITE_ROLES = ("linear", "qk", "pv", "qk+pv", "unknown")
@@ -80,11 +81,7 @@ def role_values(sites: Sequence[Site]) -> tuple[dict[str, str | None], dict[str,
 
 
 def read_target(root: Path, rel: str) -> str:
-    path = root / rel
-    if not path.is_file():
+    text = read_exact(root / rel) if (root / rel).is_file() else None
+    if text is None:
         raise UserError(f"{rel}: target file not found under {root}.")
-    try:
-        with open(path, encoding="utf-8", newline="") as fh:  # keep CRLF bytes as they are
-            return fh.read()
-    except UnicodeDecodeError:
-        raise UserError(f"{rel}: the file is not UTF-8 text.") from None
+    return text

@@ -9,7 +9,6 @@ only the target files. ``restore`` checks the base out again and clears the reco
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -19,7 +18,14 @@ from typing import TYPE_CHECKING, Any
 from quantpatch import repo as gitrepo
 from quantpatch import site_cache
 from quantpatch.config import ROLES, Targets, load_targets, validate_value
-from quantpatch.edits import Edit, apply_edits, unified_diff
+from quantpatch.edits import (
+    Edit,
+    apply_edits,
+    read_exact,
+    sha256_text,
+    unified_diff,
+    write_exact,
+)
 from quantpatch.errors import UserError
 from quantpatch.saver import status as saver_status
 from quantpatch.site_model import Site, role_values
@@ -30,10 +36,6 @@ if TYPE_CHECKING:  # libcst is imported only by the commands that rewrite
 
 def branch_name(values: Mapping[str, str]) -> str:
     return f"quant/linear-{values['linear']}_qk-{values['qk']}_pv-{values['pv']}"
-
-
-def _sha(text: str) -> str:
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 # -- check ----------------------------------------------------------------------------------
@@ -357,7 +359,9 @@ def _set_in_place(
 ) -> SetResult:
     if state:
         changed = [
-            fs.rel for fs in current_files if _sha(fs.text) != state["files"][fs.rel]["written"]
+            fs.rel
+            for fs in current_files
+            if sha256_text(fs.text) != state["files"][fs.rel]["written"]
         ]
         if changed:
             raise UserError(
@@ -376,13 +380,11 @@ def _set_in_place(
         originals = checkout.state_dir / "originals"
         for fs in current_files:
             dest = originals / fs.rel
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            with open(dest, "w", encoding="utf-8", newline="") as fh:
-                fh.write(fs.text)
+            write_exact(dest, fs.text)
             files_state[fs.rel] = {"original": str(dest.relative_to(checkout.state_dir))}
     apply_edits(checkout.root, edits)
     for rel, text in planned.items():
-        files_state[rel]["written"] = _sha(text)
+        files_state[rel]["written"] = sha256_text(text)
     history = (state or {}).get("history", [])
     history.append({"time": time.time(), "values": values})
     gitrepo.save_state(
@@ -427,13 +429,10 @@ def restore(path: Path | None) -> RestoreResult:
 def _restore_in_place(checkout: gitrepo.Checkout, state: dict[str, Any]) -> RestoreResult:
     edits = []
     for rel, info in state["files"].items():
-        path = checkout.root / rel
-        with open(path, encoding="utf-8", newline="") as fh:
-            current = fh.read()
-        if _sha(current) != info["written"]:
+        current = read_exact(checkout.root / rel)
+        if current is None or sha256_text(current) != info["written"]:
             raise UserError(f"{rel} changed since quantpatch wrote it; revert it first.")
-        with open(checkout.state_dir / info["original"], encoding="utf-8", newline="") as fh:
-            edits.append(Edit(rel, current, fh.read()))
+        edits.append(Edit(rel, current, read_exact(checkout.state_dir / info["original"])))
     written = apply_edits(checkout.root, edits)
     return RestoreResult("in-place", state["base"], written)
 

@@ -348,6 +348,12 @@ class _Saver:
         with self.lock:
             self.files += 1
 
+    def stop(self) -> None:
+        """End the writer thread (after ``flush``)."""
+        if self.thread is not None and self.thread.is_alive():
+            self.queue.put(None)
+            self.thread.join()
+
     def flush(self) -> dict[str, Any]:
         if self.thread is not None and self.thread.is_alive():
             self.queue.join()
@@ -374,18 +380,14 @@ _SAVER = _Saver()
 
 
 def configure() -> None:
-    """Read the environment again (tests and long-lived processes)."""
-    global ENABLED, _CFG
+    """Read the environment again (tests and long-lived processes): everything queued is
+    written first, then a fresh saver starts from the new settings."""
+    global ENABLED, _CFG, _SAVER
     flush()
+    _SAVER.stop()
     ENABLED = _flag("TENSOR_SAVE_ENABLED")
     _CFG = _Config()
-    _SAVER.queue = queue.Queue(maxsize=max(1, _CFG.queue_size))
-    _SAVER.thread = None
-    _SAVER.counter = _SAVER.written_bytes = _SAVER.files = 0
-    _SAVER.dropped = _SAVER.drops_reported = 0
-    _SAVER.cap_reported = False
-    _SAVER.micro_step = 0
-    _SAVER.seen_forward.clear()
+    _SAVER = _Saver()
 
 
 def save_tensor(
