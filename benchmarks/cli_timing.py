@@ -15,16 +15,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
+from _timing import wall  # benchmarks/_timing.py, beside this script
+
 from quantpatch.demo import build_checkout
-
-
-def wall(cmd: list[str], cwd: Path) -> float:
-    start = time.perf_counter()
-    subprocess.run(cmd, cwd=cwd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return time.perf_counter() - start
 
 
 def main() -> None:

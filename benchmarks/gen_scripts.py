@@ -11,17 +11,11 @@ from __future__ import annotations
 import argparse
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-
-def wall(cmd: list[str]) -> float:
-    start = time.perf_counter()
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return time.perf_counter() - start
+from _timing import wall  # benchmarks/_timing.py, beside this script
 
 
 def main() -> None:

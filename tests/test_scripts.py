@@ -74,10 +74,8 @@ def test_all_60_scripts_are_valid(run, tmp_path, profile):
         }
         assert values == reg.schemes[scheme].values()
         assert "sed " not in text and "CUSTOM_QUANT_TYPE=" not in text
-    syntax = subprocess.run(["bash", "-n", *map(str, paths)], capture_output=True, text=True)
-    for path in paths:  # bash -n takes one file at a time
+    for path in paths:  # bash -n checks only its first file: one call per script
         subprocess.run(["bash", "-n", str(path)], check=True)
-    assert syntax.returncode == 0
     sc = subprocess.run(
         [SHELLCHECK, "-S", "style", *map(str, paths)], capture_output=True, text=True
     )
@@ -554,7 +552,7 @@ def test_run_dry_run_prints_the_command(make_checkout, tmp_path, stub_env):
     assert argv[argv.index("--moe-layer-freq") + 1] == "([0]*1+[1]*1)"
 
 
-def test_rendering_is_fast_and_deterministic():
+def test_rendering_is_deterministic_with_spread_ports():
     reg = load_registry()
     a = render_all(
         reg, list(reg.models), list(reg.datasets), list(reg.schemes), "full", "core_v0.13.1"
