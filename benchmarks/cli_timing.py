@@ -57,7 +57,7 @@ def main() -> None:
                     "branch",
                     "-q",
                     "-D",
-                    f"quant/linear-{'mxfp8' if i % 2 == 0 else 'hifp8'}"
+                    f"quantpatch/linear-{'mxfp8' if i % 2 == 0 else 'hifp8'}"
                     f"_qk-{'mxfp8' if i % 2 == 0 else 'bf16'}_pv-bf16",
                 ],
                 cwd=root,

@@ -108,6 +108,17 @@ def _print_check(report: CheckReport) -> None:
             if b["mode"] == "branch"
             else "base: in-place set active (originals kept under the state directory)"
         )
+        if b.get("moved_to"):
+            out.print(
+                f"note: the base {b.get('branch')} moved on to {b['moved_to'][:12]} since this "
+                "set; run set again to rebuild the scheme branch on it.",
+                style="yellow",
+            )
+        if b.get("interrupted"):
+            out.print(
+                "note: a quantpatch command was interrupted; run set again, or restore.",
+                style="yellow",
+            )
     else:
         out.print("base: none (no set active)")
     out.print(f"tensor saver: {'installed' if report.saver['installed'] else 'not installed'}")
@@ -208,7 +219,7 @@ def set_(
         return
     vals = " ".join(f"{r}={v}" for r, v in result.values.items())
     if result.branch:
-        how = "reused" if result.reused else "created"
+        how = result.how or ("reused" if result.reused else "created")
         out.print(
             f"{vals}: {how} branch {result.branch} at {(result.commit or '')[:12]} "
             f"(base {result.base and (result.base['branch'] or 'detached')} @ "

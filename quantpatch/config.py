@@ -31,15 +31,31 @@ DEFAULT_LINEAR_FILE = "megatron/core/tensor_parallel/layers.py"
 DEFAULT_ATTENTION_FILE = "megatron/core/transformer/dot_product_attention.py"
 
 # A value is written into a string literal: keep it to characters that need no escaping.
-_VALUE_RE = re.compile(r"^[A-Za-z0-9_.+-]+$")
+_VALUE_RE = re.compile(r"[A-Za-z0-9_.+-]+")
+
+
+DEFAULT_BRANCH_PREFIX = "quantpatch"
+"""Scheme branches are ``<prefix>/linear-X_qk-Y_pv-Z``. Not ``quant``: forks commonly have a
+branch of that name, and git cannot hold both ``quant`` and ``quant/...``."""
+
+LEGACY_BRANCH_PREFIX = "quant"
+"""The prefix of scheme branches made by quantpatch 0.1 (still recognised)."""
+
+# One or more path components of letters, digits and '._-', none starting with '.' or '-'
+# and none ending in '.lock' (a subset of what git check-ref-format accepts).
+_PREFIX_RE = re.compile(r"(?:[A-Za-z0-9_][A-Za-z0-9._-]*/)*[A-Za-z0-9_][A-Za-z0-9._-]*")
 
 
 @dataclass(frozen=True)
 class Targets:
-    """The files that hold sites, relative to the checkout root (posix separators)."""
+    """The files that hold sites, relative to the checkout root (posix separators), and the
+    prefix of scheme branches (settings of the same ``[tool.quantpatch]`` table)."""
 
     linear: tuple[str, ...] = (DEFAULT_LINEAR_FILE,)
     attention: tuple[str, ...] = (DEFAULT_ATTENTION_FILE,)
+    branch_prefix: str = DEFAULT_BRANCH_PREFIX
+    where: str = ""
+    """The file the settings came from (empty: defaults)."""
 
     @property
     def all_files(self) -> tuple[str, ...]:
@@ -90,21 +106,39 @@ def load_targets(root: Path) -> Targets:
     if table is None:
         return Targets()
     values: dict[str, tuple[str, ...]] = {}
+    prefix = DEFAULT_BRANCH_PREFIX
     for key, raw in table.items():
+        if key == "branch_prefix":
+            prefix = _branch_prefix(raw, where)
+            continue
         if key not in _TARGET_KEYS:
+            known = sorted([*_TARGET_KEYS, "branch_prefix"])
             raise UserError(
-                f"{where}: unknown key '{key}' in the quantpatch table "
-                f"(known: {', '.join(sorted(_TARGET_KEYS))})."
+                f"{where}: unknown key '{key}' in the quantpatch table (known: {', '.join(known)})."
             )
         values[_TARGET_KEYS[key]] = _path_list(raw, where, key)
-    return Targets(**values)
+    return Targets(**values, branch_prefix=prefix, where=where)
+
+
+def _branch_prefix(raw: Any, where: str) -> str:
+    if (
+        not isinstance(raw, str)
+        or not _PREFIX_RE.fullmatch(raw)
+        or ".." in raw
+        or any(part.endswith(".lock") for part in raw.split("/"))
+    ):
+        raise UserError(
+            f"{where}: branch_prefix {raw!r} is not a branch name prefix "
+            "(letters, digits and '._-' in '/'-separated parts)."
+        )
+    return raw
 
 
 def validate_value(value: str, *, allow_unknown: bool, where: str = "value") -> str:
     """Refuse a quant type that is not known (unless allowed) or cannot sit in a literal."""
-    if not _VALUE_RE.match(value):
+    if not _VALUE_RE.fullmatch(value):
         raise UserError(
-            f"{where}: '{value}' is not a valid quant type name (letters, digits, '_.+-' only)."
+            f"{where}: {value!r} is not a valid quant type name (letters, digits, '_.+-' only)."
         )
     if value not in QUANT_TYPES and not allow_unknown:
         raise UserError(

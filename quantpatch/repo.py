@@ -9,6 +9,7 @@ for a checkout without git (``--no-branch`` mode only) it lives under
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -53,7 +54,8 @@ def find_checkout(path: Path | None, *, need_git: bool) -> Checkout:
     if not start.exists():
         raise UserError(f"{start}: no such directory.")
     try:
-        repo = git.Repo(start, search_parent_directories=True)
+        # expand_vars=False: a '$VAR' in the path is a directory name, never another repository
+        repo = git.Repo(start, search_parent_directories=True, expand_vars=False)
     except (git.InvalidGitRepositoryError, git.NoSuchPathError):
         repo = None
     if repo is None or repo.working_tree_dir is None:
@@ -141,17 +143,30 @@ def _identity(repo: git.Repo) -> Iterator[None]:
         yield
 
 
-def run_git(repo: git.Repo, *args: str) -> str:
-    """``git <args>`` with a git failure turned into a one-sentence ``UserError``."""
+def _git_reason(exc: git.GitCommandError) -> str:
+    """git's own message, every line that says something (the file list of 'would be
+    overwritten', the advice about index.lock), without GitPython's decoration."""
+    raw = exc.stderr if isinstance(exc.stderr, str) and exc.stderr.strip() else str(exc)
+    lines = []
+    for line in raw.strip().splitlines():
+        line = line.strip().removeprefix("stderr: ").strip().strip("'").strip()
+        if line and not line.startswith(("Cmd('git')", "cmdline:")):
+            lines.append(line)
+    return "\n  ".join(lines) or "unknown error"
+
+
+def run_git(repo: git.Repo, *args: str, env: dict[str, str] | None = None) -> str:
+    """``git <args>`` with a git failure turned into a ``UserError`` that keeps git's lines."""
     try:
         with _identity(repo):
-            out: str = repo.git.execute(["git", *args])
+            if env:
+                with repo.git.custom_environment(**env):
+                    out: str = repo.git.execute(["git", *args])
+            else:
+                out = repo.git.execute(["git", *args])
             return out
     except git.GitCommandError as exc:
-        detail = (exc.stderr or str(exc)).strip().splitlines()
-        reason = next((d for d in detail if d.strip()), "unknown error").strip()
-        reason = reason.removeprefix("stderr: ").strip("'").strip()
-        raise UserError(f"git {args[0]} failed: {reason}") from None
+        raise UserError(f"git {args[0]} failed: {_git_reason(exc)}") from None
 
 
 def commit_paths(repo: git.Repo, paths: Sequence[str], message: str) -> str:
@@ -196,50 +211,40 @@ def clear_state(checkout: Checkout) -> None:
 # -- lock ---------------------------------------------------------------------------------
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # pragma: no cover - another user's live process
-        return True
-    return True
-
-
 @contextlib.contextmanager
 def locked(checkout: Checkout, wait: float = 0.0) -> Iterator[None]:
-    """Hold ``<state dir>/lock`` for the duration. A live holder is refused (exit 2) or, with
-    ``wait``, waited for up to that many seconds; a stale one (its process is gone) is taken
-    over."""
-    checkout.state_dir.mkdir(parents=True, exist_ok=True)
-    path = checkout.state_dir / "lock"
-    me = f"{os.getpid()} {socket.gethostname()} {time.time():.0f}\n"
-    deadline = time.monotonic() + wait
-    while True:
-        try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            try:
-                pid_s, host, *_ = path.read_text().split()
-                pid = int(pid_s)
-            except (OSError, ValueError):
-                pid, host = -1, ""
-            if host == socket.gethostname() and pid > 0 and not _alive(pid):
-                with contextlib.suppress(FileNotFoundError):
-                    path.unlink()
-                continue
-            if time.monotonic() < deadline:
-                time.sleep(0.05)
-                continue
-            raise UserError(
-                f"{path}: another quantpatch (pid {pid} on {host or '?'}) holds the lock; "
-                "wait for it or remove the file if that process is gone."
-            ) from None
-        with os.fdopen(fd, "w") as fh:
-            fh.write(me)
-        break
+    """Hold an exclusive ``flock`` on ``<state dir>/lock`` for the duration.
+
+    The kernel releases the lock when its holder exits, however it dies, so there is no
+    stale lock to judge or take over and no window in which two processes both take it; the
+    file itself is never removed (removing it would let a second process lock a new inode).
+    A held lock is refused (exit 2) or, with ``wait``, waited for up to that many seconds.
+    """
     try:
+        checkout.state_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(checkout.state_dir / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise UserError(
+            f"{checkout.state_dir}: cannot create quantpatch's lock file ({exc.strerror})."
+        ) from None
+    try:
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    holder = os.pread(fd, 200, 0).decode("utf-8", "replace").split()
+                    who = f" (pid {holder[0]})" if holder and holder[0].isdigit() else ""
+                    raise UserError(
+                        f"{checkout.state_dir / 'lock'}: another quantpatch{who} is working on "
+                        "this checkout; wait for it to finish."
+                    ) from None
+                time.sleep(0.05)
+        with contextlib.suppress(OSError):  # who holds it, for the message above
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
         yield
     finally:
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
+        os.close(fd)  # releases the flock

@@ -2,8 +2,9 @@
 
 ``set`` in branch mode (the default) records the base (branch + commit) the first time, plans
 the new sources from the *base* files (so switches never stack), creates or reuses the branch
-``quant/linear-X_qk-Y_pv-Z`` at the base commit, writes through the atomic writer and commits
-only the target files. ``restore`` checks the base out again and clears the record.
+``<prefix>/linear-X_qk-Y_pv-Z`` on the base's current tip with git's plumbing (see
+``scheme_branch``), records the intent before it changes anything, and checks the branch out
+without ever forcing. ``restore`` checks the base out again and clears the record.
 ``--no-branch`` (in-place) mode keeps the original bytes under the state directory instead.
 """
 
@@ -16,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from quantpatch import repo as gitrepo
-from quantpatch import site_cache
+from quantpatch import scheme_branch, site_cache
 from quantpatch.config import ROLES, Targets, load_targets, validate_value
 from quantpatch.edits import (
     Edit,
@@ -32,10 +33,6 @@ from quantpatch.site_model import Site, role_values
 
 if TYPE_CHECKING:  # libcst is imported only by the commands that rewrite
     from quantpatch.sites import FileSites
-
-
-def branch_name(values: Mapping[str, str]) -> str:
-    return f"quant/linear-{values['linear']}_qk-{values['qk']}_pv-{values['pv']}"
 
 
 # -- check ----------------------------------------------------------------------------------
@@ -117,8 +114,14 @@ def check(path: Path | None) -> CheckReport:
         base = {
             "mode": state["mode"],
             **state.get("base", {}),
-            "current": state.get("current", {}).get("branch"),
+            "current": (state.get("current") or {}).get("branch"),
+            "moved_to": None,
+            "interrupted": state.get("pending"),
         }
+        if checkout.repo is not None and state["mode"] == "branch":
+            tip = base_tip(checkout.repo, state["base"])
+            if tip != state["base"]["commit"]:
+                base["moved_to"] = tip
     return CheckReport(
         root=checkout.root,
         sites=sites,
@@ -152,6 +155,8 @@ class SetResult:
     commit: str | None = None
     base: dict[str, Any] | None = None
     reused: bool = False
+    how: str = ""
+    """created, reused or rebuilt (branch mode)."""
     notes: list[str] = field(default_factory=list)
 
 
@@ -221,15 +226,6 @@ def plan_from_base(
     return base_texts, _plan(base_files, values, targets, split, cache_dir)
 
 
-def commit_message(values: Mapping[str, str], base: Mapping[str, Any], files: Sequence[str]) -> str:
-    base_name = base.get("branch") or "detached HEAD"
-    return (
-        f"quantpatch: linear={values.get('linear')} qk={values.get('qk')} pv={values.get('pv')}\n\n"
-        f"Base: {base_name} @ {base['commit']}\n"
-        f"Files: {', '.join(files)}\n"
-    )
-
-
 def set_values(path: Path | None, req: SetRequest) -> SetResult:
     for role, value in req.values.items():
         validate_value(value, allow_unknown=req.allow_unknown, where=f"--{role}")
@@ -261,6 +257,43 @@ def _refuse_dirty(repo: Any, targets: Targets) -> None:
         raise UserError(f"uncommitted changes to {', '.join(dirty)}; commit or stash them first.")
 
 
+def _base_of(
+    repo: Any, targets: Targets, state: dict[str, Any] | None, head: str, notes: list[str]
+) -> dict[str, Any]:
+    """The base of this set: the record's, or the checkout as it is. A scheme branch with no
+    record (a set killed before it wrote one, by an older quantpatch) is never taken as the
+    base: the base is recovered from its quantpatch commit, or the set is refused."""
+    if state:
+        return dict(state["base"])
+    branch = gitrepo.active_branch(repo)
+    if not scheme_branch.is_scheme_branch(branch, targets.branch_prefix):
+        if branch is None:
+            notes.append(f"HEAD is detached at {head[:12]}; restore will check that commit out.")
+        return {"branch": branch, "commit": head}
+    for commit in repo.iter_commits(head, max_count=50, first_parent=True):
+        recovered = scheme_branch.base_from_commit(repo, commit.hexsha)
+        if recovered is None and str(commit.message).startswith(scheme_branch.SUBJECT_PREFIX):
+            recovered = {"branch": None, "commit": commit.parents[0].hexsha}
+        if recovered is not None:
+            notes.append(
+                f"{branch} is a scheme branch with no quantpatch record; recovered the base "
+                f"{recovered['branch'] or 'detached'} @ {recovered['commit'][:12]} from its commit."
+            )
+            return recovered
+    raise UserError(
+        f"HEAD is on the scheme branch {branch} and no quantpatch record says where it came "
+        "from; check out your own branch ('git checkout <branch>') and run set again."
+    )
+
+
+def base_tip(repo: Any, base: Mapping[str, Any]) -> str:
+    """The commit a scheme branch must sit on: the base branch as it is now (the recorded
+    commit when the base is a detached HEAD or its branch is gone)."""
+    branch = base.get("branch")
+    tip = gitrepo.branch_tip(repo, branch) if branch else None
+    return tip or str(base["commit"])
+
+
 def _set_branch(
     checkout: gitrepo.Checkout,
     targets: Targets,
@@ -276,75 +309,59 @@ def _set_branch(
             f"{checkout.root}: the repository has no commit yet; commit the sources first."
         )
     _refuse_dirty(repo, targets)
+    scheme_branch.check_prefix(repo, targets)
     notes: list[str] = []
-    if state:
-        base = dict(state["base"])
-    else:
-        base = {"branch": gitrepo.active_branch(repo), "commit": head}
-        if base["branch"] is None:
-            notes.append(f"HEAD is detached at {head[:12]}; restore will check that commit out.")
-    moved = base["branch"] and gitrepo.branch_tip(repo, base["branch"])
-    if moved and moved != base["commit"]:
+    base = _base_of(repo, targets, state, head, notes)
+    tip = base_tip(repo, base)
+    if tip != base["commit"]:
         notes.append(
-            f"the base branch {base['branch']} moved on ({base['commit'][:12]} -> {moved[:12]}) "
-            "since it was recorded; switching from the recorded commit (restore, then set again "
-            "to pick up the new commits)."
+            f"the base {base['branch']} moved on ({base['commit'][:12]} -> {tip[:12]}); the "
+            "scheme branch is built on its new tip."
         )
-    base_texts, planned = plan_from_base(
-        repo,
-        base["commit"],
-        targets,
-        values,
-        req.split,
-        checkout.state_dir / "cache",
-        current_files,
+    base = {**base, "commit": tip}
+    _, planned = plan_from_base(
+        repo, tip, targets, values, req.split, checkout.state_dir / "cache", current_files
     )
     edits = [Edit(fs.rel, fs.text, planned[fs.rel]) for fs in current_files]
     result = SetResult(values=values, edits=edits, diff=unified_diff(edits), base=base, notes=notes)
-    name = branch_name({r: values.get(r, "none") for r in ROLES})
+    name = scheme_branch.branch_name(
+        {r: values.get(r, "none") for r in ROLES}, targets.branch_prefix
+    )
     result.branch = name
     if req.dry_run:
         return result
 
-    if gitrepo.branch_exists(repo, name):
-        tip = gitrepo.branch_tip(repo, name)
-        assert tip is not None
-        differs = [
-            rel for rel in targets.all_files if gitrepo.read_at(repo, tip, rel) != planned[rel]
-        ]
-        if differs:
-            raise UserError(
-                f"branch {name} exists but its {', '.join(differs)} differ from what this set "
-                f"would write; delete it ('git branch -D {name}') or check it out by hand."
-            )
-        if gitrepo.active_branch(repo) != name:
-            gitrepo.run_git(repo, "checkout", "--quiet", name)
-        result.reused, result.commit = True, tip
-    else:
-        previous = gitrepo.active_branch(repo) or head
-        gitrepo.run_git(repo, "checkout", "--quiet", "-b", name, base["commit"])
-        try:
-            written = apply_edits(
-                checkout.root, [Edit(rel, base_texts[rel], planned[rel]) for rel in planned]
-            )
-            commit = base["commit"]
-            if written:
-                commit = gitrepo.commit_paths(repo, written, commit_message(values, base, written))
-        except BaseException:
-            gitrepo.run_git(repo, "checkout", "--quiet", "--force", previous)
-            gitrepo.run_git(repo, "branch", "-D", name)
-            raise
-        result.commit = commit
     history = (state or {}).get("history", [])
-    history.append({"time": time.time(), "values": values, "branch": name, "commit": result.commit})
+    record = {
+        "mode": "branch",
+        "base": base,
+        "current": (state or {}).get("current"),
+        "history": history,
+    }
+    # objects only (a refusal here changes nothing anyone can see)
+    plan = scheme_branch.plan_scheme_commit(repo, name, base, tip, planned, values)
+    # the intent before the first visible change: whatever happens next, the record names
+    # the real base
+    gitrepo.save_state(checkout, {**record, "pending": {"op": "set", "branch": name}})
+    if gitrepo.active_branch(repo) == name:
+        if plan.moves:  # rebuilt under the user's feet: move with their local changes kept
+            gitrepo.run_git(repo, "reset", "--quiet", "--keep", plan.commit)
+    else:
+        scheme_branch.move_ref(repo, plan)
+        gitrepo.run_git(repo, "checkout", "--quiet", name)
+    result.commit = plan.commit
+    result.reused = plan.state == "reused"
+    result.how = plan.state
+    if plan.state == "rebuilt":
+        notes.append(
+            f"rebuilt {name} on {base['branch'] or 'the base'} @ {tip[:12]}"
+            + (f", carrying {len(plan.carried)} commit(s) of yours" if plan.carried else "")
+            + "."
+        )
+    history.append({"time": time.time(), "values": values, "branch": name, "commit": plan.commit})
     gitrepo.save_state(
         checkout,
-        {
-            "mode": "branch",
-            "base": base,
-            "current": {"branch": name, "commit": result.commit, "values": values},
-            "history": history,
-        },
+        {**record, "current": {"branch": name, "commit": plan.commit, "values": values}},
     )
     return result
 
@@ -453,8 +470,10 @@ def _restore_branch(
             target = base["branch"]
             if tip != base["commit"]:
                 notes.append(
-                    f"{base['branch']} moved on since the first set ({base['commit'][:12]} -> "
+                    f"{base['branch']} moved on since the set ({base['commit'][:12]} -> "
                     f"{tip[:12]}); it is checked out as it is now."
                 )
-    gitrepo.run_git(repo, "checkout", "--quiet", target)
+    # never --force: the user's uncommitted changes in other files are carried as git does
+    if gitrepo.active_branch(repo) != target:
+        gitrepo.run_git(repo, "checkout", "--quiet", target)
     return RestoreResult("branch", base, list(targets.all_files), notes)

@@ -1,9 +1,9 @@
 """One git worktree per quantization scheme, so that many runs can start from one checkout.
 
 ``ensure_worktree`` gives the path of a worktree whose files hold the requested values: it
-makes the scheme's branch ``quant/linear-X_qk-Y_pv-Z`` from the recorded base (or HEAD) when it
-does not exist yet, committing inside a fresh detached worktree so that the user's own work
-tree, index and HEAD are never touched, and reuses the branch and the worktree afterwards.
+builds the scheme's branch ``<prefix>/linear-X_qk-Y_pv-Z`` on the base's current tip with git's
+plumbing (``scheme_branch``), so that the user's own work tree, index and HEAD are never
+touched, and reuses the branch and the worktree while they sit on that tip.
 Worktrees live under ``<git common dir>/quantpatch/worktrees/`` (or ``$QUANTPATCH_WORKTREES``)
 and are always detached at the branch tip, so one scheme can also be checked out by ``set``.
 Creation is serialized by the checkout's lock (waited for, not refused).
@@ -11,8 +11,8 @@ Creation is serialized by the checkout's lock (waited for, not refused).
 
 from __future__ import annotations
 
-import contextlib
 import os
+import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,12 +20,11 @@ from pathlib import Path
 import git
 
 from quantpatch import repo as gitrepo
-from quantpatch import site_cache
+from quantpatch import scheme_branch, site_cache
 from quantpatch.config import ROLES, load_targets, validate_value
-from quantpatch.edits import Edit, apply_edits
 from quantpatch.errors import UserError
 from quantpatch.site_model import role_values
-from quantpatch.switch import branch_name, commit_message, plan_from_base
+from quantpatch.switch import base_tip, plan_from_base
 
 LOCK_WAIT_S = 300.0
 
@@ -44,7 +43,7 @@ def worktrees_root(repo: git.Repo) -> Path:
     return Path(override) if override else Path(repo.common_dir) / "quantpatch" / "worktrees"
 
 
-def _verify(path: Path, values: Mapping[str, str]) -> None:
+def _verify(path: Path, values: Mapping[str, str], name: str) -> None:
     wt = gitrepo.find_checkout(path, need_git=True)
     targets = load_targets(wt.root)
     sites = [s for f in site_cache.read_sites(wt.root, targets, wt.state_dir / "cache") for s in f]
@@ -53,10 +52,14 @@ def _verify(path: Path, values: Mapping[str, str]) -> None:
     dirty = gitrepo.dirty_paths(wt.git(), targets.all_files)
     if wrong or dirty:
         raise UserError(
-            f"{path}: the worktree does not hold {branch_name(values)} "
+            f"{path}: the worktree does not hold {name} "
             f"({'dirty: ' + ', '.join(dirty) if dirty else f'found {wrong}'}); remove it with "
             f"'git worktree remove --force {path}'."
         )
+
+
+def _checked_out_here(repo: git.Repo, name: str) -> bool:
+    return gitrepo.active_branch(repo) == name
 
 
 def ensure_worktree(
@@ -67,6 +70,8 @@ def ensure_worktree(
     allow_unknown: bool = False,
     wait: float = LOCK_WAIT_S,
 ) -> WorktreeResult:
+    """The scheme's worktree, detached at its branch, which always sits on the base's current
+    tip (rebuilt when the base has moved on, the user's own commits on it carried over)."""
     missing = [r for r in ROLES if r not in values]
     if missing:
         raise UserError(f"worktree: give all three roles (missing: {', '.join(missing)}).")
@@ -74,52 +79,52 @@ def ensure_worktree(
         validate_value(values[role], allow_unknown=allow_unknown, where=f"--{role}")
     checkout = gitrepo.find_checkout(path, need_git=True)
     repo = checkout.git()
-    name = branch_name(values)
+    targets = load_targets(checkout.root)
+    name = scheme_branch.branch_name(values, targets.branch_prefix)
     wt_path = worktrees_root(repo) / name.replace("/", "__")
     with gitrepo.locked(checkout, wait=wait):
-        if (wt_path / ".git").exists():
-            _verify(wt_path, values)
-            commit = git.Repo(wt_path).head.commit.hexsha
-            return WorktreeResult(wt_path, name, commit, False, False)
+        scheme_branch.check_prefix(repo, targets)
         state = gitrepo.load_state(checkout)
         head = gitrepo.head_commit(repo)
         if state and state["mode"] == "branch":
             base = dict(state["base"])
-        elif head is not None:
+        elif head is not None and not scheme_branch.is_scheme_branch(
+            gitrepo.active_branch(repo), targets.branch_prefix
+        ):
             base = {"branch": gitrepo.active_branch(repo), "commit": head}
+        elif head is not None:
+            raise UserError(
+                f"HEAD is on the scheme branch {gitrepo.active_branch(repo)} with no quantpatch "
+                "record; run 'quantpatch set' (which recovers the base) or check out your branch."
+            )
         else:
             raise UserError(f"{checkout.root}: the repository has no commit yet.")
-        targets = load_targets(checkout.root)
-        base_texts, planned = plan_from_base(
-            repo, base["commit"], targets, values, split, checkout.state_dir / "cache"
-        )
-        tip = gitrepo.branch_tip(repo, name)
-        if tip is not None:
-            differs = [r for r in planned if gitrepo.read_at(repo, tip, r) != planned[r]]
-            if differs:
-                raise UserError(
-                    f"branch {name} exists but its {', '.join(differs)} differ from what the "
-                    f"base {base['commit'][:12]} would give; delete the branch or restore first."
-                )
-            gitrepo.run_git(repo, "worktree", "add", "--quiet", "--detach", str(wt_path), tip)
-            _verify(wt_path, values)
-            return WorktreeResult(wt_path, name, tip, False, True)
-        wt_path.parent.mkdir(parents=True, exist_ok=True)
-        gitrepo.run_git(
-            repo, "worktree", "add", "--quiet", "--detach", str(wt_path), base["commit"]
-        )
-        try:
-            written = apply_edits(wt_path, [Edit(r, base_texts[r], planned[r]) for r in planned])
-            wt_repo = git.Repo(wt_path)
-            commit = base["commit"]
-            if written:
-                commit = gitrepo.commit_paths(
-                    wt_repo, written, commit_message(values, base, written)
-                )
-            gitrepo.run_git(repo, "branch", name, commit)
-        except BaseException:
-            with contextlib.suppress(UserError):
-                gitrepo.run_git(repo, "worktree", "remove", "--force", str(wt_path))
-            raise
-        _verify(wt_path, values)
-        return WorktreeResult(wt_path, name, commit, True, True)
+        tip = base_tip(repo, base)
+        base = {**base, "commit": tip}
+        _, planned = plan_from_base(repo, tip, targets, values, split, checkout.state_dir / "cache")
+        plan = scheme_branch.plan_scheme_commit(repo, name, base, tip, planned, values)
+        if plan.moves and _checked_out_here(repo, name):
+            raise UserError(
+                f"{name} is checked out in {checkout.root} and the base has moved on; run "
+                "'quantpatch set' there (it rebuilds the branch with your changes kept) first."
+            )
+        scheme_branch.move_ref(repo, plan)
+        created = _place_worktree(repo, wt_path, plan.commit)
+        _verify(wt_path, values, name)
+        return WorktreeResult(wt_path, name, plan.commit, plan.state != "reused", created)
+
+
+def _place_worktree(repo: git.Repo, wt_path: Path, commit: str) -> bool:
+    """Make (or move) the detached worktree at ``commit``; True when it was created. A
+    directory left by an interrupted ``worktree add`` is pruned and made again."""
+    if wt_path.exists() and not (wt_path / ".git").is_file():
+        shutil.rmtree(wt_path)  # ours, under the git dir: an add that never finished
+    gitrepo.run_git(repo, "worktree", "prune")
+    if (wt_path / ".git").is_file():
+        wt = git.Repo(wt_path, expand_vars=False)
+        if wt.head.commit.hexsha != commit:
+            gitrepo.run_git(wt, "checkout", "--quiet", "--detach", commit)
+        return False
+    wt_path.parent.mkdir(parents=True, exist_ok=True)
+    gitrepo.run_git(repo, "worktree", "add", "--quiet", "--detach", str(wt_path), commit)
+    return True

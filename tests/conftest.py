@@ -81,7 +81,6 @@ def snapshot(root: Path) -> dict[str, object]:
         snap["head"] = (root / ".git" / "HEAD").read_text()
         state = root / ".git" / "quantpatch" / "state.json"
         snap["state"] = state.read_text() if state.exists() else None
-        snap["lock"] = (root / ".git" / "quantpatch" / "lock").exists()
     return snap
 
 

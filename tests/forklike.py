@@ -211,9 +211,7 @@ def fork_linear(stock: str, layout: Layout) -> str:
 
     injected = injected.visit(_Label())
     custom = next(
-        s
-        for s in injected.body
-        if isinstance(s, cst.ClassDef) and s.name.value == STOCK_CLASS
+        s for s in injected.body if isinstance(s, cst.ClassDef) and s.name.value == STOCK_CLASS
     )
     custom = custom.with_changes(name=cst.Name(CUSTOM_CLASS))
     module = cst.parse_module(stock)
@@ -293,7 +291,11 @@ def arguments_py(flags: list[str]) -> str:
     out += [f"    parser = {n}(parser)" for n in names]
     out += ["    return parser.parse_known_args()[0]", ""]
     for name, (group, members) in zip(names, groups.items(), strict=True):
-        out += ["", f"def {name}(parser):", f"    group = parser.add_argument_group(title='{group}')"]
+        out += [
+            "",
+            f"def {name}(parser):",
+            f"    group = parser.add_argument_group(title='{group}')",
+        ]
         for flag in members:
             if flag.startswith("--no-"):
                 dest = flag[len("--no-") :].replace("-", "_")

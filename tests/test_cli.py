@@ -72,9 +72,9 @@ def test_set_branch_commit_and_restore_byte_identical(run, make_checkout):
     base = git_out(root, "rev-parse", "HEAD").strip()
     res = run("set", "--repo", root, "--scheme", "FA_linear_mxfp8")
     assert res.code == 0, res
-    assert "quant/linear-mxfp8_qk-mxfp8_pv-bf16" in res.out
+    assert "quantpatch/linear-mxfp8_qk-mxfp8_pv-bf16" in res.out
     assert (
-        git_out(root, "branch", "--show-current").strip() == "quant/linear-mxfp8_qk-mxfp8_pv-bf16"
+        git_out(root, "branch", "--show-current").strip() == "quantpatch/linear-mxfp8_qk-mxfp8_pv-bf16"
     )
     msg = git_out(root, "log", "-1", "--format=%B")
     assert msg.startswith("quantpatch: linear=mxfp8 qk=mxfp8 pv=bf16") and base in msg
@@ -87,7 +87,7 @@ def test_set_branch_commit_and_restore_byte_identical(run, make_checkout):
     res = run("set", "--repo", root, "--linear", "hifp8", "--pv", "mxfp4")
     assert res.code == 0, res
     assert (
-        git_out(root, "branch", "--show-current").strip() == "quant/linear-hifp8_qk-mxfp8_pv-mxfp4"
+        git_out(root, "branch", "--show-current").strip() == "quantpatch/linear-hifp8_qk-mxfp8_pv-mxfp4"
     )
     assert git_out(root, "rev-parse", "HEAD~1").strip() == base
     assert _roles(run, root) == {"linear": "hifp8", "qk": "mxfp8", "pv": "mxfp4"}
@@ -95,7 +95,7 @@ def test_set_branch_commit_and_restore_byte_identical(run, make_checkout):
     assert data["base"]["commit"] == base and data["base"]["branch"] == "main"
 
     # back to the first scheme: the existing branch is reused, no new commit
-    tip = git_out(root, "rev-parse", "quant/linear-mxfp8_qk-mxfp8_pv-bf16").strip()
+    tip = git_out(root, "rev-parse", "quantpatch/linear-mxfp8_qk-mxfp8_pv-bf16").strip()
     res = run("set", "--repo", root, "--scheme", "FA_linear_mxfp8")
     assert res.code == 0 and "reused" in res.out
     assert git_out(root, "rev-parse", "HEAD").strip() == tip
@@ -105,7 +105,7 @@ def test_set_branch_commit_and_restore_byte_identical(run, make_checkout):
     after = snapshot(root)
     assert after["files"] == before["files"] and after["head"] == before["head"]
     assert after["state"] is None
-    assert "quant/linear-hifp8_qk-mxfp8_pv-mxfp4" in git_out(root, "branch")
+    assert "quantpatch/linear-hifp8_qk-mxfp8_pv-mxfp4" in git_out(root, "branch")
     res = run("restore", "--repo", root)
     assert res.code == 2 and "nothing to restore" in res.err
 
@@ -199,25 +199,35 @@ def test_refusals_exit_2_and_change_nothing(run, make_checkout, tmp_path):
     assert res.code == 2 and f"uncommitted changes to {ATTENTION}" in res.err
     assert snapshot(root) == dirty
     git.Repo(root).git.checkout("--", ATTENTION)
+    dirty_free = snapshot(root)
 
-    # lock held by a live process
+    # lock held by a live process (an OS lock: the kernel drops it when the holder dies)
     lock = root / ".git" / "quantpatch" / "lock"
     lock.parent.mkdir(parents=True, exist_ok=True)
-    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT); "
+            "fcntl.flock(fd, fcntl.LOCK_EX); os.write(fd, b'4242 host'); print('held', "
+            "flush=True); time.sleep(60)",
+            str(lock),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
-        import socket
-
-        lock.write_text(f"{holder.pid} {socket.gethostname()} 0\n")
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
         res = run("set", "--repo", root, "--qk", "mxfp8")
-        assert res.code == 2 and "holds the lock" in res.err
-        assert lock.exists()
+        assert res.code == 2 and "another quantpatch (pid 4242) is working" in res.err
+        assert snapshot(root) == dirty_free
     finally:
         holder.kill()
         holder.wait()
-    # a stale lock (its process is gone) is taken over
+    # the holder died: nothing to take over, the lock is simply free (whatever the file holds)
+    lock.write_bytes(b"")
     res = run("set", "--repo", root, "--qk", "mxfp8")
     assert res.code == 0, res
-    assert not lock.exists()
 
 
 def test_not_a_git_repo_and_no_sites(run, make_checkout):
@@ -265,7 +275,7 @@ def test_injected_failure_during_set_leaves_files_and_refs(run, make_checkout, m
         return real(src, dst)
 
     monkeypatch.setattr(edits_mod.os, "replace", flaky)
-    res = run("set", "--repo", root, "--scheme", "FA_linear_hifp8")
+    res = run("set", "--repo", root, "--no-branch", "--scheme", "FA_linear_hifp8")
     # layers.py replaced, dot_product_attention.py failed, layers.py put back
     assert [
         str(c).endswith(r) for c, r in zip(calls, (LINEAR, ATTENTION, LINEAR), strict=True)
@@ -292,24 +302,26 @@ def test_detached_head_and_moved_base(run, make_checkout):
     (root / "README.md").write_text("moved\n")
     repo.git.commit("-qam", "move main")
     moved = repo.head.commit.hexsha
+    assert "moved on" in run("check", "--repo", root).out
     res = run("set", "--repo", root, "--linear", "hifp8")
+    # the scheme branch always sits on the base's current tip, never on stale source
     assert res.code == 0 and "moved on" in res.err
-    assert git_out(root, "rev-parse", "HEAD~1").strip() == base
+    assert git_out(root, "rev-parse", "HEAD~1").strip() == moved
     res = run("restore", "--repo", root)
-    assert res.code == 0 and "moved on" in res.err
+    assert res.code == 0
     assert repo.active_branch.name == "main" and repo.head.commit.hexsha == moved
 
 
 def test_existing_branch_with_other_content_is_refused(run, make_checkout):
     root = make_checkout()
     repo = git.Repo(root)
-    repo.git.checkout("-b", "quant/linear-mxfp8_qk-bf16_pv-bf16")
+    repo.git.checkout("-b", "quantpatch/linear-mxfp8_qk-bf16_pv-bf16")
     (root / LINEAR).write_text((root / LINEAR).read_text() + "# hand edit\n")
     repo.git.commit("-qam", "hand edit")
     repo.git.checkout("main")
     before = snapshot(root)
     res = run("set", "--repo", root, "--linear", "mxfp8")
-    assert res.code == 2 and "exists but its" in res.err
+    assert res.code == 2 and "carries your commit" in res.err and "'hand edit'" in res.err
     assert snapshot(root) == before
 
 

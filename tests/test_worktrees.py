@@ -6,7 +6,7 @@ import git
 
 from quantpatch.worktrees import ensure_worktree
 
-from .conftest import ATTENTION, snapshot
+from .conftest import ATTENTION, LINEAR, snapshot
 
 
 def test_created_from_the_base_without_touching_the_checkout(run, make_checkout):
@@ -47,8 +47,11 @@ def test_refusals(run, make_checkout):
     (wt.path / ATTENTION).write_text((wt.path / ATTENTION).read_text() + "# tampered\n")
     res = run("worktree", "--repo", root, "--linear", "mxfp8", "--qk", "bf16", "--pv", "bf16")
     assert res.code == 2 and "does not hold" in res.err and "dirty" in res.err
-    # a branch of that name whose content differs from what the base would give
+    # a branch of that name carrying a commit of the user's that changes a target file
     repo = git.Repo(root)
-    repo.git.branch("quant/linear-hifp8_qk-bf16_pv-bf16")
+    repo.git.checkout("-q", "-b", "quantpatch/linear-hifp8_qk-bf16_pv-bf16")
+    (root / LINEAR).write_text((root / LINEAR).read_text() + "# mine\n")
+    repo.git.commit("-qam", "my linear tweak")
+    repo.git.checkout("-q", "main")
     res = run("worktree", "--repo", root, "--linear", "hifp8", "--qk", "bf16", "--pv", "bf16")
-    assert res.code == 2 and "exists but its" in res.err
+    assert res.code == 2 and "carries your commit" in res.err and "my linear tweak" in res.err

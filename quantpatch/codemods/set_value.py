@@ -75,8 +75,10 @@ def plan_values(fs: FileSites, values: Mapping[str, str], *, split: bool = True)
     """The source of ``fs`` with every site of the roles in ``values`` set to its value.
 
     A ``qk+pv`` site given different qk and pv values is split (an assignment for P.V is
-    inserted right before its P.V dispatch) or, with ``split=False``, refused. Dynamic sites
-    are refused when their role is written: quantpatch never guesses at an expression.
+    inserted right before its P.V dispatch) or, with ``split=False``, refused. A label site
+    in front of it is never split: it takes the value of the product it labels once the split
+    is made, Q.K^T's (the first of its roles). Dynamic sites are refused when their role is
+    written: quantpatch never guesses at an expression.
     """
     by_node: dict[int, str] = {}
     inserts: dict[int, list[cst.BaseStatement]] = {}
@@ -91,6 +93,7 @@ def plan_values(fs: FileSites, values: Mapping[str, str], *, split: bool = True)
             )
         if (
             site.role == "qk+pv"
+            and site.form != "label"
             and "qk" in values
             and "pv" in values
             and values["qk"] != values["pv"]
