@@ -376,7 +376,10 @@ def build_fork(
     linear = fork_linear(stock_linear, layout)
     attention = fork_attention(stock_attention, layout)
     # the fork's first try: sites flipped with sed, which once committed a bare 'hifp8' line
-    broken = attention.replace("custom_quant_type = 'hifp8'", "'hifp8'", 1)
+    lines = attention.splitlines(keepends=True)
+    at = next(i for i, line in enumerate(lines) if line.strip().startswith("custom_quant_type ="))
+    indent = lines[at][: len(lines[at]) - len(lines[at].lstrip())]
+    broken = "".join([*lines[:at], f"{indent}'hifp8'\n", *lines[at + 1 :]])
     (dest / ATTENTION).write_text(broken, encoding="utf-8")
     (dest / LINEAR).write_text(linear, encoding="utf-8")
     _commit_all(dest, "quant: switch attention to hifp8 (sed)")

@@ -74,7 +74,8 @@ def test_set_branch_commit_and_restore_byte_identical(run, make_checkout):
     assert res.code == 0, res
     assert "quantpatch/linear-mxfp8_qk-mxfp8_pv-bf16" in res.out
     assert (
-        git_out(root, "branch", "--show-current").strip() == "quantpatch/linear-mxfp8_qk-mxfp8_pv-bf16"
+        git_out(root, "branch", "--show-current").strip()
+        == "quantpatch/linear-mxfp8_qk-mxfp8_pv-bf16"
     )
     msg = git_out(root, "log", "-1", "--format=%B")
     assert msg.startswith("quantpatch: linear=mxfp8 qk=mxfp8 pv=bf16") and base in msg
@@ -87,7 +88,8 @@ def test_set_branch_commit_and_restore_byte_identical(run, make_checkout):
     res = run("set", "--repo", root, "--linear", "hifp8", "--pv", "mxfp4")
     assert res.code == 0, res
     assert (
-        git_out(root, "branch", "--show-current").strip() == "quantpatch/linear-hifp8_qk-mxfp8_pv-mxfp4"
+        git_out(root, "branch", "--show-current").strip()
+        == "quantpatch/linear-hifp8_qk-mxfp8_pv-mxfp4"
     )
     assert git_out(root, "rev-parse", "HEAD~1").strip() == base
     assert _roles(run, root) == {"linear": "hifp8", "qk": "mxfp8", "pv": "mxfp4"}

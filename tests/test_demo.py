@@ -19,8 +19,13 @@ def test_demo_walks_and_restores_byte_identical(run, tmp_path):
     assert "quantpatch/linear-hifp8_qk-mxfp4_pv-mxfp8" in res.out
     repo = git.Repo(dest)
     assert repo.active_branch.name == "main" and not repo.is_dirty()
-    walked = {"quantpatch/linear-mxfp8_qk-mxfp8_pv-bf16", "quantpatch/linear-hifp8_qk-mxfp4_pv-mxfp8"}
-    per_format = {f"quantpatch/linear-{f}_qk-bf16_pv-bf16" for f in ("bf16", "mxfp8", "mxfp4", "hifp8")}
+    walked = {
+        "quantpatch/linear-mxfp8_qk-mxfp8_pv-bf16",
+        "quantpatch/linear-hifp8_qk-mxfp4_pv-mxfp8",
+    }
+    per_format = {
+        f"quantpatch/linear-{f}_qk-bf16_pv-bf16" for f in ("bf16", "mxfp8", "mxfp4", "hifp8")
+    }
     assert {h.name for h in repo.heads} == {"main"} | walked | per_format
     # the whole package tree is there, not only the two target files
     assert len(list((dest / "megatron" / "core").rglob("*.py"))) > 200

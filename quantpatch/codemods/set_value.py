@@ -54,7 +54,13 @@ class _Rewrite(cst.CSTTransformer):
             return updated_node
         body: list[cst.BaseStatement] = []
         for orig, upd in zip(original_node.body, updated_node.body, strict=False):
-            body.extend(self.inserts.get(id(orig), ()))
+            new = list(self.inserts.get(id(orig), ()))
+            if new and isinstance(upd, (cst.If, cst.SimpleStatementLine)) and upd.leading_lines:
+                # the blank lines and comments in front of the statement stay in front of
+                # the inserted line, which sits right before the statement itself
+                new[0] = new[0].with_changes(leading_lines=upd.leading_lines)
+                upd = upd.with_changes(leading_lines=())
+            body.extend(new)
             body.append(upd)
         return updated_node.with_changes(body=body)
 
@@ -65,10 +71,35 @@ def insert_before(module: cst.Module, inserts: Mapping[int, Sequence[cst.BaseSta
     return module.visit(_Rewrite({}, inserts)).code
 
 
-def _site_statement(literal: str, value: str, role: str) -> cst.BaseStatement:
-    return cst.parse_statement(
-        f"{SITE_NAME} = {requote(literal, value)}  # quantpatch: role={role}\n"
-    )
+def _site_statement(source: str, literal: str, value: str, role: str) -> cst.BaseStatement:
+    """A site of the same form as the one it splits from (``source`` is that site's value
+    expression, ``literal`` the string in it that holds the value)."""
+    expr = cst.parse_expression(source)
+    strings = [n for n in _strings(expr) if n.value == literal]
+
+    class _Swap(cst.CSTTransformer):
+        def leave_SimpleString(
+            self, original_node: cst.SimpleString, updated_node: cst.SimpleString
+        ) -> cst.SimpleString:
+            if strings and original_node is strings[-1]:
+                return updated_node.with_changes(value=requote(literal, value))
+            return updated_node
+
+    swapped = expr.visit(_Swap())
+    assert isinstance(swapped, cst.BaseExpression)
+    code = cst.Module([]).code_for_node(swapped)
+    return cst.parse_statement(f"{SITE_NAME} = {code}  # quantpatch: role={role}\n")
+
+
+def _strings(node: cst.CSTNode) -> list[cst.SimpleString]:
+    found: list[cst.SimpleString] = []
+
+    class _Find(cst.CSTVisitor):
+        def visit_SimpleString(self, n: cst.SimpleString) -> None:
+            found.append(n)
+
+    node.visit(_Find())
+    return found
 
 
 def plan_values(fs: FileSites, values: Mapping[str, str], *, split: bool = True) -> str:
@@ -111,7 +142,7 @@ def plan_values(fs: FileSites, values: Mapping[str, str], *, split: bool = True)
             by_node[id(literal)] = values["qk"]
             for node in pv_nodes:
                 inserts.setdefault(id(node), []).append(
-                    _site_statement(literal.value, values["pv"], "pv")
+                    _site_statement(site.source, literal.value, values["pv"], "pv")
                 )
             continue
         by_node[id(literal)] = wanted[0]

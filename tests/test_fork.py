@@ -1,0 +1,304 @@
+"""The commands on a checkout shaped like the fork, exactly as its user has it: a clone made
+with ``git clone -b quant`` (a branch named ``quant``, history, a ``CustomLinear...`` copy, a
+label site before a shared Q.K^T/P.V site, the fork's own saver and its callers)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import git
+import pytest
+
+from quantpatch.codemods.init_sites import Layout
+from quantpatch.worktrees import ensure_worktree
+
+from .conftest import git_out, snapshot
+from .forklike import ATTENTION, LINEAR, build_fork, clone_quant
+
+SCHEMES = {
+    "bf16": ("bf16", "bf16", "bf16"),
+    **{f"FA_{f}": ("bf16", f, "bf16") for f in ("mxfp8", "mxfp4", "hifp8")},
+    **{f"linear_{f}": (f, "bf16", "bf16") for f in ("mxfp8", "mxfp4", "hifp8")},
+    **{f"FA_linear_{f}": (f, f, "bf16") for f in ("mxfp8", "mxfp4", "hifp8")},
+}
+
+
+@pytest.fixture(scope="module")
+def origin(tmp_path_factory: pytest.TempPathFactory, trees: dict[str, Path]):
+    return build_fork(tmp_path_factory.mktemp("fork") / "origin", trees["0.13.1"], full=False)
+
+
+@pytest.fixture
+def clone(origin, tmp_path: Path) -> Path:
+    return clone_quant(origin, tmp_path / "Megatron-LM")
+
+
+def _sites(run, root: Path) -> list[dict]:
+    res = run("check", "--json", "--repo", root)
+    assert res.code == 0, res
+    return json.loads(res.out)["sites"]
+
+
+def _attention(sites: list[dict]) -> list[tuple[str, str, str]]:
+    return [(s["role"], s["value"], s["form"]) for s in sites if s["file"] == ATTENTION]
+
+
+def test_headline_set_on_the_clone(run, clone):
+    assert git_out(clone, "branch", "--show-current").strip() == "quant"
+    before = _sites(run, clone)
+    assert _attention(before) == [("qk+pv", "hifp8", "label"), ("qk+pv", "hifp8", "literal")]
+    original = {rel: (clone / rel).read_bytes() for rel in (LINEAR, ATTENTION)}
+
+    res = run("set", "--repo", clone, "--linear", "mxfp8", "--qk", "mxfp8", "--pv", "hifp8")
+    assert res.code == 0, res
+    assert git_out(clone, "branch", "--show-current").strip() == (
+        "quantpatch/linear-mxfp8_qk-mxfp8_pv-hifp8"
+    )
+    # read back: the label takes the value of what it labels (Q.K^T), the shared site is
+    # split right before the P.V dispatch, and only the literals changed
+    after = _sites(run, clone)
+    assert _attention(after) == [
+        ("qk", "mxfp8", "label"),
+        ("qk", "mxfp8", "literal"),
+        ("pv", "hifp8", "literal"),
+    ]
+    text = (clone / ATTENTION).read_text()
+    lines = text.splitlines()
+    pv_line = next(s["line"] for s in after if s["role"] == "pv")
+    assert lines[pv_line].strip() == "if custom_quant_type == 'bf16':"
+    assert "torch.bmm(attention_probs" in "\n".join(lines[pv_line : pv_line + 3])
+    linear = [s for s in after if s["file"] == LINEAR]
+    assert {s["value"] for s in linear} == {"mxfp8"} and len(linear) == 4
+    assert all(s["function"].startswith("CustomLinear") for s in linear)
+    changed = [
+        i
+        for i, (a, b) in enumerate(
+            zip(
+                original[LINEAR].splitlines(),
+                (clone / LINEAR).read_bytes().splitlines(),
+                strict=True,
+            )
+        )
+        if a != b
+    ]
+    assert len(changed) == 4  # the four literals, nothing else
+
+    assert run("restore", "--repo", clone).code == 0
+    assert git_out(clone, "branch", "--show-current").strip() == "quant"
+    assert {rel: (clone / rel).read_bytes() for rel in original} == original
+    assert git_out(clone, "status", "--porcelain") == ""
+
+
+def test_every_fa_scheme_and_no_split(run, clone):
+    for scheme in ("FA_mxfp8", "FA_mxfp4", "FA_hifp8", "FA_linear_mxfp4"):
+        res = run("set", "--repo", clone, "--scheme", scheme)
+        assert res.code == 0, (scheme, res)
+        want = SCHEMES[scheme]
+        roles = json.loads(run("check", "--json", "--repo", clone).out)["roles"]
+        assert (roles["linear"], roles["qk"], roles["pv"]) == want
+    assert run("restore", "--repo", clone).code == 0
+    before = snapshot(clone)
+    res = run("set", "--repo", clone, "--scheme", "FA_mxfp8", "--no-split")
+    governed = next(s for s in _sites(run, clone) if s["form"] == "literal" and "qk" in s["role"])
+    assert res.code == 2 and f"{ATTENTION}:{governed['line']}:" in res.err
+    assert snapshot(clone) == before
+
+
+def test_environment_default_form(run, origin, tmp_path, trees):
+    fork = build_fork(
+        tmp_path / "env-origin",
+        trees["0.13.1"],
+        history=3,
+        layout=Layout(value="hifp8", env=True, label=True),
+        full=False,
+    )
+    root = clone_quant(fork, tmp_path / "env-clone")
+    assert [s[2] for s in _attention(_sites(run, root))] == ["label", "env"]
+    assert run("set", "--repo", root, "--scheme", "FA_linear_hifp8").code == 0
+    text = (root / ATTENTION).read_text()
+    assert text.count("os.environ.get('CUSTOM_QUANT_TYPE', 'hifp8')") == 2
+    assert text.count("os.environ.get('CUSTOM_QUANT_TYPE', 'bf16')") == 1
+    assert [(r, v) for r, v, _ in _attention(_sites(run, root))] == [
+        ("qk", "hifp8"),
+        ("qk", "hifp8"),
+        ("pv", "bf16"),
+    ]
+
+
+def test_every_scheme_worktree_and_run_dry_run(run, clone):
+    before = snapshot(clone)
+    for scheme, (lin, qk, pv) in SCHEMES.items():
+        res = run("worktree", "--repo", clone, "--scheme", scheme, "--path-only")
+        assert res.code == 0, (scheme, res)
+        wt = Path(res.out.strip())
+        check = run("check", "--repo", wt, "--expect", f"linear={lin},qk={qk},pv={pv}")
+        assert check.code == 0, (scheme, check)
+    res = run(
+        "run",
+        "--repo",
+        clone,
+        "--model",
+        "llama32-1b",
+        "--dataset",
+        "wikipedia",
+        "--scheme",
+        "FA_mxfp8",
+        "--profile",
+        "smoke",
+        "--dry-run",
+    )
+    assert res.code == 0, res
+    after = snapshot(clone)
+    assert after["files"] == before["files"] and after["head"] == before["head"]
+
+
+def test_prefix_collision_is_refused_up_front(run, clone):
+    (clone / "quantpatch.toml").write_text('branch_prefix = "quant"\n')
+    before = snapshot(clone)
+    for args in (
+        ("set", "--scheme", "FA_mxfp8"),
+        ("worktree", "--scheme", "FA_mxfp8"),
+    ):
+        res = run(*args[:1], "--repo", clone, *args[1:])
+        assert res.code == 2, res
+        assert "the branch 'quant' exists" in res.err and "branch_prefix" in res.err
+        assert str(clone / "quantpatch.toml") in res.err
+        assert snapshot(clone) == before
+    (clone / "quantpatch.toml").write_text('branch_prefix = "exp/qp"\n')
+    assert run("set", "--repo", clone, "--scheme", "FA_mxfp8").code == 0
+    assert git_out(clone, "branch", "--show-current").strip().startswith("exp/qp/linear-bf16")
+
+
+def test_legacy_quant_prefix_branch_restores(run, make_checkout):
+    """A set made by quantpatch 0.1 (branch quant/..., record without 'pending') restores."""
+    root = make_checkout()
+    repo = git.Repo(root)
+    base = repo.head.commit.hexsha
+    repo.git.checkout("-q", "-b", "quant/linear-mxfp8_qk-bf16_pv-bf16")
+    text = (root / "megatron/core/tensor_parallel/layers.py").read_text()
+    (root / "megatron/core/tensor_parallel/layers.py").write_text(
+        text.replace("custom_quant_type = 'bf16'", "custom_quant_type = 'mxfp8'")
+    )
+    repo.git.commit("-qam", "quantpatch: linear=mxfp8 qk=bf16 pv=bf16")
+    state = {
+        "version": 1,
+        "mode": "branch",
+        "base": {"branch": "main", "commit": base},
+        "current": {"branch": "quant/linear-mxfp8_qk-bf16_pv-bf16", "values": {}},
+        "history": [],
+    }
+    (root / ".git/quantpatch").mkdir(exist_ok=True)
+    (root / ".git/quantpatch/state.json").write_text(json.dumps(state))
+    assert run("restore", "--repo", root).code == 0
+    assert repo.active_branch.name == "main" and repo.head.commit.hexsha == base
+
+
+def test_moving_base_rebuilds_branch_and_worktrees(run, clone):
+    repo = git.Repo(clone)
+    values = {"linear": "mxfp8", "qk": "bf16", "pv": "bf16"}
+    wts = {
+        s: ensure_worktree(clone, dict(zip(("linear", "qk", "pv"), SCHEMES[s], strict=True)))
+        for s in ("FA_mxfp8", "linear_hifp8", "bf16")
+    }
+    assert run("set", "--repo", clone, "--scheme", "linear_mxfp8").code == 0
+    name = repo.active_branch.name
+    first = repo.head.commit.hexsha
+    # the user adds a commit on the scheme branch, then new work on the base
+    (clone / "NOTES.md").write_text("run 1 notes\n")
+    repo.git.add("NOTES.md")
+    repo.git.commit("-qm", "notes for this scheme")
+    assert run("restore", "--repo", clone).code == 0
+    (clone / "README.md").write_text("new work on the base\n")
+    repo.git.commit("-qam", "user: new work on quant")
+    tip = repo.head.commit.hexsha
+
+    res = run("set", "--repo", clone, "--scheme", "linear_mxfp8")
+    assert res.code == 0 and "rebuilt" in res.out, res
+    assert repo.active_branch.name == name
+    chain = [c.summary for c in repo.iter_commits("HEAD", max_count=3)]
+    assert chain == [
+        "notes for this scheme",
+        "quantpatch: linear=mxfp8 qk=bf16 pv=bf16",
+        "user: new work on quant",
+    ]
+    assert repo.head.commit.parents[0].parents[0].hexsha == tip
+    assert (clone / "NOTES.md").read_text() == "run 1 notes\n"
+    assert (clone / "README.md").read_text() == "new work on the base\n"
+    assert repo.head.commit.hexsha != first
+    roles = json.loads(run("check", "--json", "--repo", clone).out)["roles"]
+    assert roles == values
+
+    # the three worktrees made before the move now sit on the new tip
+    for scheme, old in wts.items():
+        new = ensure_worktree(
+            clone, dict(zip(("linear", "qk", "pv"), SCHEMES[scheme], strict=True))
+        )
+        assert new.path == old.path
+        head = git.Repo(new.path).head.commit
+        assert tip in {head.hexsha, *(p.hexsha for p in head.parents)}, scheme
+        assert (new.path / "README.md").read_text() == "new work on the base\n"
+    assert run("restore", "--repo", clone).code == 0
+
+
+def test_user_commit_that_conflicts_is_named(run, clone):
+    repo = git.Repo(clone)
+    assert run("set", "--repo", clone, "--scheme", "FA_hifp8").code == 0
+    (clone / "README.md").write_text("tweak on the scheme branch\n")
+    repo.git.commit("-qam", "tweak README on scheme")
+    assert run("restore", "--repo", clone).code == 0
+    (clone / "README.md").write_text("different tweak on the base\n")
+    repo.git.commit("-qam", "base README")
+    before = snapshot(clone)
+    res = run("set", "--repo", clone, "--scheme", "FA_hifp8")
+    assert res.code == 2 and "'tweak README on scheme'" in res.err and "git rebase" in res.err
+    assert snapshot(clone) == before
+
+
+class _Killed(BaseException):
+    """Stands in for SIGKILL inside the process: unwinds without any rollback."""
+
+
+@pytest.mark.parametrize("step", ["checkout", "final-state"])
+def test_set_killed_between_checkout_and_record(run, clone, monkeypatch, step):
+    from quantpatch import repo as gitrepo
+
+    real_run, real_save = gitrepo.run_git, gitrepo.save_state
+    saves = []
+
+    def run_git(repo, *args, **kw):
+        out = real_run(repo, *args, **kw)
+        if step == "checkout" and args[0] == "checkout":
+            raise _Killed
+        return out
+
+    def save_state(checkout, state):
+        saves.append(state)
+        if step == "final-state" and len(saves) == 2:
+            raise _Killed
+        real_save(checkout, state)
+
+    monkeypatch.setattr(gitrepo, "run_git", run_git)
+    monkeypatch.setattr(gitrepo, "save_state", save_state)
+    with pytest.raises(_Killed):
+        run("set", "--repo", clone, "--scheme", "FA_mxfp8")
+    monkeypatch.undo()
+    repo = git.Repo(clone)
+    assert repo.active_branch.name.startswith("quantpatch/")  # stranded, as after SIGKILL
+    report = run("check", "--repo", clone)
+    assert "base (branch): quant" in report.out and "interrupted" in report.out
+    # a second set records nothing new as the base; restore goes back to the user's branch
+    assert run("set", "--repo", clone, "--scheme", "FA_hifp8").code == 0
+    assert run("restore", "--repo", clone).code == 0
+    assert repo.active_branch.name == "quant"
+
+
+def test_scheme_branch_with_no_record_recovers_the_base(run, clone):
+    """What an older quantpatch left when killed before its record: on a scheme branch
+    with no state. The base comes back from the commit, never the scheme branch itself."""
+    assert run("set", "--repo", clone, "--scheme", "FA_mxfp8").code == 0
+    (clone / ".git/quantpatch/state.json").unlink()
+    res = run("set", "--repo", clone, "--scheme", "FA_hifp8")
+    assert res.code == 0 and "recovered the base quant" in res.err
+    assert run("restore", "--repo", clone).code == 0
+    assert git.Repo(clone).active_branch.name == "quant"
