@@ -9,16 +9,14 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import typer
 from rich.console import Console
 
 from quantpatch import __version__
+from quantpatch.config import QUANT_TYPES
 from quantpatch.errors import CheckFailed, UserError
-
-if TYPE_CHECKING:
-    from quantpatch.switch import CheckReport
 
 app = typer.Typer(
     name="quantpatch",
@@ -32,6 +30,9 @@ out = Console(highlight=False, soft_wrap=True)
 if not out.is_terminal:  # piped or captured: never truncate file paths in tables
     out = Console(highlight=False, soft_wrap=True, width=200)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+VALUES = ", ".join(QUANT_TYPES)
 
 
 class Options:
@@ -59,6 +60,11 @@ def _commit_note(commit: str | None) -> str:
     return f"; commit {commit[:12]}" if commit else ""
 
 
+def _notes(notes: list[str]) -> None:
+    for note in notes:
+        err.print(f"note: {note}", style="yellow", markup=False)
+
+
 def _emit_json(data: Any) -> None:
     sys.stdout.write(json.dumps(data, indent=2, sort_keys=False) + "\n")
 
@@ -81,49 +87,6 @@ def _main(
     OPTS.repo, OPTS.json, OPTS.debug = repo, json_, debug
 
 
-def _print_check(report: CheckReport) -> None:
-    from rich.table import Table
-
-    table = Table(title=f"custom_quant_type sites in {report.root}", title_justify="left")
-    for col in ("role", "file:line", "function", "value", "form"):
-        table.add_column(col)
-    for s in report.sites:
-        table.add_row(s.role, f"{s.file}:{s.line}", s.function, s.value or s.source, s.form)
-    out.print(table)
-    roles = "  ".join(f"{r}={v if v is not None else '?'}" for r, v in report.roles.items())
-    out.print(f"roles: {roles}")
-    if report.git:
-        g = report.git
-        head = g.head[:12] if g.head else "no commit"
-        out.print(
-            f"git: {g.branch or 'detached HEAD'} @ {head} ({'clean' if g.clean else 'dirty'})"
-        )
-    else:
-        out.print("git: not a git repository")
-    if report.base:
-        b = report.base
-        where = f"{b.get('branch') or 'detached'} @ {(b.get('commit') or '')[:12]}"
-        out.print(
-            f"base ({b['mode']}): {where}"
-            if b["mode"] == "branch"
-            else "base: in-place set active (originals kept under the state directory)"
-        )
-        if b.get("moved_to"):
-            out.print(
-                f"note: the base {b.get('branch')} moved on to {b['moved_to'][:12]} since this "
-                "set; run set again to rebuild the scheme branch on it.",
-                style="yellow",
-            )
-        if b.get("interrupted"):
-            out.print(
-                "note: a quantpatch command was interrupted; run set again, or restore.",
-                style="yellow",
-            )
-    else:
-        out.print("base: none (no set active)")
-    out.print(f"tensor saver: {'installed' if report.saver['installed'] else 'not installed'}")
-
-
 @app.command()
 def check(
     expect: str | None = typer.Option(
@@ -136,6 +99,7 @@ def check(
     json_: bool = JsonOpt,
 ) -> None:
     """Show every site (role, file:line, function, value, form), git state, base and saver."""
+    from quantpatch.present import print_check
     from quantpatch.switch import check as run_check
     from quantpatch.switch import parse_expect
 
@@ -145,16 +109,22 @@ def check(
     if json_ or OPTS.json:
         _emit_json({**report.as_json(), "problems": problems})
     else:
-        _print_check(report)
+        print_check(report, out)
     if problems:
         raise CheckFailed(" ".join(problems))
 
 
 @app.command("set")
 def set_(
-    linear: str | None = typer.Option(None, "--linear", help="Value of the linear sites."),
-    qk: str | None = typer.Option(None, "--qk", help="Value of the Q.K^T site(s)."),
-    pv: str | None = typer.Option(None, "--pv", help="Value of the P.V site(s)."),
+    linear: str | None = typer.Option(
+        None, "--linear", help=f"Value of the linear sites: {VALUES}."
+    ),
+    qk: str | None = typer.Option(
+        None, "--qk", help="Value of the Q.K^T site(s): bf16, mxfp8, mxfp4, hifp8."
+    ),
+    pv: str | None = typer.Option(
+        None, "--pv", help="Value of the P.V site(s): bf16, mxfp8, mxfp4, hifp8."
+    ),
     scheme: str | None = typer.Option(
         None,
         "--scheme",
@@ -178,7 +148,7 @@ def set_(
     repo: Path | None = RepoOpt,
     json_: bool = JsonOpt,
 ) -> None:
-    """Rewrite the named roles; in git, on branch quant/linear-X_qk-Y_pv-Z from the base."""
+    """Rewrite the named roles; in git, on branch quantpatch/linear-X_qk-Y_pv-Z on the base."""
     from quantpatch.registry import load_registry
     from quantpatch.switch import SetRequest, set_values
 
@@ -210,8 +180,7 @@ def set_(
             }
         )
         return
-    for note in result.notes:
-        err.print(f"note: {note}", style="yellow", markup=False)
+    _notes(result.notes)
     if dry_run:
         sys.stdout.write(result.diff)
         if not result.diff:
@@ -238,8 +207,7 @@ def restore(repo: Path | None = RepoOpt) -> None:
     from quantpatch.switch import restore as run_restore
 
     result = run_restore(_repo(repo))
-    for note in result.notes:
-        err.print(f"note: {note}", style="yellow", markup=False)
+    _notes(result.notes)
     if result.mode == "branch":
         b = result.base
         out.print(f"restored: {b['branch'] or 'detached HEAD'} @ {b['commit'][:12]}")
@@ -304,6 +272,7 @@ def init_(
     from quantpatch.init_checkout import init
 
     result = init(_repo(repo), remove=remove)
+    _notes(result.notes)
     what = "restored" if result.removed else "initialised"
     out.print(f"{what}: {', '.join(result.files)}{_commit_note(result.commit)}")
 
@@ -319,8 +288,14 @@ def demo(
     from quantpatch.demo import build_checkout, walk
 
     out.rule(f"building {directory} from megatron-core {megatron_core}")
-    build_checkout(directory, megatron_core)
+    with err.status(f"fetching megatron-core {megatron_core} (about 19 MB, once) and building"):
+        build_checkout(directory, megatron_core)
     walk(directory, out)
+    out.rule("next")
+    out.print(
+        f"try: cd {directory} && quantpatch check; quantpatch set --scheme FA_linear_mxfp8; "
+        "quantpatch saver install; quantpatch gen-scripts --out scripts; quantpatch restore"
+    )
 
 
 ConfigOpt = typer.Option(
@@ -430,16 +405,21 @@ def gen_scripts(
 
 @app.command()
 def worktree(
-    linear: str | None = typer.Option(None, "--linear"),
-    qk: str | None = typer.Option(None, "--qk"),
-    pv: str | None = typer.Option(None, "--pv"),
-    scheme: str | None = typer.Option(None, "--scheme"),
+    linear: str | None = typer.Option(
+        None, "--linear", help="Linear value: bf16, mxfp8, mxfp4, hifp8."
+    ),
+    qk: str | None = typer.Option(None, "--qk", help="Q.K^T value: bf16, mxfp8, mxfp4, hifp8."),
+    pv: str | None = typer.Option(None, "--pv", help="P.V value: bf16, mxfp8, mxfp4, hifp8."),
+    scheme: str | None = typer.Option(
+        None, "--scheme", help="A named scheme (see `list`); --linear/--qk/--pv override it."
+    ),
     config: Path | None = ConfigOpt,
     path_only: bool = typer.Option(False, "--path-only", help="Print only the path."),
     repo: Path | None = RepoOpt,
 ) -> None:
-    """The path of a worktree holding these values (its branch is made from the base on
-    first use; the work tree of the checkout itself is never touched)."""
+    """The path of a git worktree holding these values, on the base's current tip.
+
+    Its branch is built from the base without touching the checkout's own work tree."""
     from quantpatch.registry import load_registry
     from quantpatch.worktrees import ensure_worktree
 
@@ -460,9 +440,9 @@ def worktree(
 
 @app.command("run")
 def run_(
-    model: str = typer.Option(..., "--model"),
-    dataset: str = typer.Option(..., "--dataset"),
-    scheme: str = typer.Option(..., "--scheme"),
+    model: str = typer.Option(..., "--model", help="A model of `list` (e.g. llama32-1b)."),
+    dataset: str = typer.Option(..., "--dataset", help="A dataset of `list` (e.g. wikipedia)."),
+    scheme: str = typer.Option(..., "--scheme", help="A scheme of `list` (e.g. FA_mxfp8)."),
     profile: str = typer.Option("full", "--profile", help="full, fast or smoke."),
     dry_run: bool = typer.Option(
         False,
@@ -492,15 +472,26 @@ def run_(
         raise typer.Exit(code)
 
 
+def _full_short_help(command: Any) -> None:
+    """Command summaries in ``--help`` whole (click cuts the docstring's first sentence at
+    45 characters with '...')."""
+    for sub in getattr(command, "commands", {}).values():
+        if not sub.short_help and sub.help:
+            sub.short_help = " ".join(sub.help.strip().split("\n\n")[0].split())
+        _full_short_help(sub)
+
+
 def main() -> None:
     """Entry point: run the app, map errors onto exit codes and one-sentence messages."""
     debug = "--debug" in sys.argv[1:]
+    if debug:
+        OPTS.debug = True
     command = typer.main.get_command(app)
+    _full_short_help(command)
     try:
         code = command.main(args=sys.argv[1:], prog_name="quantpatch", standalone_mode=False)
     except (UserError, CheckFailed) as exc:
-        if debug:
-            raise
+        # a user error is never a traceback, --debug or not: one sentence and its exit code
         label = "error" if isinstance(exc, UserError) else "check failed"
         err.print(
             f"{label}: {exc}", style="red" if isinstance(exc, UserError) else "yellow", markup=False

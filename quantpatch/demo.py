@@ -52,7 +52,7 @@ def build_checkout(
 
 def walk(dest: Path, console: Console) -> None:
     """check -> set -> check -> set (other values, same base) -> restore -> check, printed."""
-    from quantpatch.cli import _print_check
+    from quantpatch.present import print_check
     from quantpatch.switch import SetRequest, check, restore, set_values
 
     targets = Targets()
@@ -62,7 +62,7 @@ def walk(dest: Path, console: Console) -> None:
         console.rule(title)
 
     step("quantpatch check")
-    _print_check(check(dest))
+    print_check(check(dest), console)
     for values in (
         {"linear": "mxfp8", "qk": "mxfp8", "pv": "bf16"},
         {"linear": "hifp8", "qk": "mxfp4", "pv": "mxfp8"},
@@ -77,7 +77,7 @@ def walk(dest: Path, console: Console) -> None:
         )
         console.print(result.diff.rstrip(), markup=False)
         step("quantpatch check")
-        _print_check(check(dest))
+        print_check(check(dest), console)
     step("quantpatch restore")
     restored = restore(dest)
     console.print(f"restored {restored.base['branch']} @ {restored.base['commit'][:12]}")
@@ -86,7 +86,7 @@ def walk(dest: Path, console: Console) -> None:
     repo = git.Repo(dest)
     console.print("branches: " + ", ".join(sorted(h.name for h in repo.heads)))
     step("quantpatch check")
-    _print_check(check(dest))
+    print_check(check(dest), console)
     if not same:  # pragma: no cover - would be a bug in restore
         raise RuntimeError("restore did not reproduce the original bytes")
     step("the patched linear layer on CPU, per format (relative error against bf16)")
@@ -144,7 +144,10 @@ def print_linear_errors(dest: Path, console: Console) -> None:
         return
     from rich.table import Table
 
-    errors = linear_errors(dest)
+    with console.status(
+        "running Megatron's linear layer forward and backward on CPU in each format (~30 s)"
+    ):
+        errors = linear_errors(dest)
     table = Table(
         title="relative error of each GEMM against bf16 (256 tokens, 512 -> 512)",
         title_justify="left",

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import shutil
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ class InstallResult:
     commit: str | None
     removed: bool
     changed: bool = True
+    notes: list[str] = field(default_factory=list)
 
 
 def record_of(checkout: gitrepo.Checkout, name: str) -> dict[str, Any] | None:
@@ -53,7 +54,9 @@ def run_install(
         edits = plan(checkout)
         written = apply_edits(checkout.root, edits)
         _write_record(checkout.state_dir / name, edits, extra or {})
-        return InstallResult(written, _commit(checkout, written, message), removed=False)
+        result = InstallResult(written, _commit(checkout, written, message), removed=False)
+        result.notes = _detached_note(checkout, result.commit)
+        return result
 
 
 def run_remove(
@@ -81,7 +84,19 @@ def run_remove(
             edits.append(Edit(rel, current, original))
         written = apply_edits(checkout.root, edits)
         shutil.rmtree(checkout.state_dir / name)
-        return InstallResult(written, _commit(checkout, written, message), removed=True)
+        result = InstallResult(written, _commit(checkout, written, message), removed=True)
+        result.notes = _detached_note(checkout, result.commit)
+        return result
+
+
+def _detached_note(checkout: gitrepo.Checkout, commit: str | None) -> list[str]:
+    """The warning ``set`` gives too: a commit on a detached HEAD is on no branch."""
+    if commit is None or checkout.repo is None or not checkout.repo.head.is_detached:
+        return []
+    return [
+        f"HEAD is detached: commit {commit[:12]} is on no branch; keep it with "
+        "'git switch -c <branch>'."
+    ]
 
 
 def _preconditions(checkout: gitrepo.Checkout, files: Sequence[str]) -> None:

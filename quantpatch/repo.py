@@ -48,7 +48,7 @@ def _user_state_home() -> Path:
     return Path(base) / "quantpatch"
 
 
-def find_checkout(path: Path | None, *, need_git: bool) -> Checkout:
+def find_checkout(path: Path | None, *, need_git: bool, no_branch_hint: bool = False) -> Checkout:
     """The checkout at ``path`` (default: the git root above the current directory)."""
     start = (path or Path.cwd()).resolve()
     if not start.exists():
@@ -60,9 +60,8 @@ def find_checkout(path: Path | None, *, need_git: bool) -> Checkout:
         repo = None
     if repo is None or repo.working_tree_dir is None:
         if need_git:
-            raise UserError(
-                f"{start}: not inside a git repository; run 'git init' there or use --no-branch."
-            )
+            hint = " or use --no-branch" if no_branch_hint else ""
+            raise UserError(f"{start}: not inside a git repository; run 'git init' there{hint}.")
         digest = hashlib.sha256(str(start).encode()).hexdigest()[:16]
         return Checkout(start, None, _user_state_home() / digest)
     return Checkout(Path(repo.working_tree_dir), repo, Path(repo.git_dir) / "quantpatch")

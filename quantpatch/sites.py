@@ -398,8 +398,15 @@ def parse_source(text: str, rel: str) -> cst.Module:
     try:
         return cst.parse_module(text)
     except cst.ParserSyntaxError as exc:
+        line = exc.raw_line
+        try:  # libcst's tokenizer can report line 1 for a bad character further down
+            compile(text, rel, "exec", dont_inherit=True)
+        except SyntaxError as syn:
+            line = syn.lineno or line
+        except ValueError:  # pragma: no cover - NUL bytes
+            pass
         raise UserError(
-            f"{rel}:{exc.raw_line}: the file does not parse as Python ({exc.message})."
+            f"{rel}:{line}: the file does not parse as Python ({exc.message.splitlines()[0]})."
         ) from None
 
 

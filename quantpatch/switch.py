@@ -80,14 +80,14 @@ def parse_expect(text: str) -> dict[str, str]:
             raise UserError(
                 f"--expect: '{part}' is not role=value with a role among {', '.join(ROLES)}."
             )
-        out[role] = value
+        out[role] = validate_value(value, allow_unknown=False, where=f"--expect {role}")
     return out
 
 
 def _no_sites(targets: Targets) -> UserError:
     return UserError(
-        f"{', '.join(targets.all_files)}: no custom_quant_type sites found; this checkout "
-        "has no fork-layout sites (run 'quantpatch demo' to see one)."
+        f"{', '.join(targets.all_files)}: no custom_quant_type sites found; run "
+        "'quantpatch init' to add them to this stock checkout."
     )
 
 
@@ -229,7 +229,7 @@ def plan_from_base(
 def set_values(path: Path | None, req: SetRequest) -> SetResult:
     for role, value in req.values.items():
         validate_value(value, allow_unknown=req.allow_unknown, where=f"--{role}")
-    checkout = gitrepo.find_checkout(path, need_git=req.branch)
+    checkout = gitrepo.find_checkout(path, need_git=req.branch, no_branch_hint=True)
     targets = load_targets(checkout.root)
     if req.dry_run:
         return _set_unlocked(checkout, targets, req)

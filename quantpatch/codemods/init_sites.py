@@ -126,7 +126,21 @@ def _quant_call(
     if isinstance(last, cst.Comma) and isinstance(
         last.whitespace_after, cst.ParenthesizedWhitespace
     ):
-        extra = [a.with_changes(comma=last) for a in extra]  # one argument per line, as written
+        # one argument per line, as written: the new arguments take the indentation of the
+        # arguments (the comma after a middle one), the closing comma keeps the last line's
+        between = next(
+            (
+                a.comma
+                for a in args[:-1]
+                if isinstance(a.comma, cst.Comma)
+                and isinstance(a.comma.whitespace_after, cst.ParenthesizedWhitespace)
+            ),
+            last,
+        )
+        args[-1] = args[-1].with_changes(comma=between)
+        extra = [a.with_changes(comma=between) for a in extra[:-1]] + [
+            extra[-1].with_changes(comma=last)
+        ]
     args += extra
     for i, arg in enumerate(args[:-1]):
         if arg.comma is cst.MaybeSentinel.DEFAULT:

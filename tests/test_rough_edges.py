@@ -1,0 +1,100 @@
+"""What a new user hit first: exit codes, hints, help, narrow terminals, parse errors."""
+
+from __future__ import annotations
+
+import io
+import re
+
+import git
+from rich.console import Console
+
+from quantpatch.present import print_check
+from quantpatch.switch import check
+
+from .conftest import ATTENTION, LINEAR, snapshot
+
+
+def test_debug_keeps_user_errors_exit_2_without_traceback(run, make_checkout):
+    root = make_checkout()
+    res = run("--debug", "set", "--repo", root, "--qk", "mxfp9")
+    assert res.code == 2 and "Traceback" not in res.err and "unknown quant type" in res.err
+
+
+def test_no_git_hints_match_the_command(run, make_checkout):
+    plain = make_checkout(use_git=False)
+    res = run("set", "--repo", plain, "--qk", "mxfp8")
+    assert res.code == 2 and "--no-branch" in res.err
+    for args in (("worktree", "--scheme", "FA_mxfp8"),):
+        res = run(args[0], "--repo", plain, *args[1:])
+        assert res.code == 2 and "not inside a git repository" in res.err
+        assert "--no-branch" not in res.err
+
+
+def test_expect_with_an_unknown_value_is_a_usage_error(run, make_checkout):
+    root = make_checkout()
+    res = run("check", "--repo", root, "--expect", "linear=mxfp9")
+    assert res.code == 2 and "bf16, mxfp8, mxfp4, hifp8" in res.err
+
+
+def test_stock_checkout_suggests_init(run, make_checkout):
+    res = run("check", "--repo", make_checkout(inject=False))
+    assert res.code == 2 and "quantpatch init" in res.err and "demo" not in res.err
+
+
+def test_init_on_detached_head_warns(run, make_checkout):
+    root = make_checkout(inject=False)
+    git.Repo(root).git.checkout("-q", "--detach")
+    res = run("init", "--repo", root)
+    assert res.code == 0 and "detached" in res.err and "git switch -c" in res.err
+
+
+def test_help_texts(run):
+    top = run("--help").out
+    commands = top.split("Commands:", 1)[1]
+    assert "..." not in commands and "…" not in commands
+    assert "current tip" in top  # the worktree summary is whole
+    set_help = run("set", "--help").out
+    assert "bf16, mxfp8, mxfp4, hifp8" in set_help
+    for command in ("worktree", "run"):
+        text = run(command, "--help").out
+        for option in re.findall(r"^\s+(--[a-z-]+)\s*(\S*)\s*$", text, re.MULTILINE):
+            raise AssertionError(f"{command} {option[0]} has no help text")
+
+
+def test_narrow_terminal_keeps_file_and_line(make_checkout):
+    root = make_checkout()
+    buf = io.StringIO()
+    print_check(check(root), Console(file=buf, width=80, force_terminal=False))
+    text = buf.getvalue()
+    report = check(root)
+    for site in report.sites:
+        assert f"{site.file}:{site.line}" in text, (site.file, site.line)
+    assert max(len(line) for line in text.splitlines()) <= 80
+
+
+def test_parse_error_names_the_real_line(run, make_checkout):
+    root = make_checkout()
+    lines = (root / LINEAR).read_text().splitlines(keepends=True)
+    at = next(i for i, line in enumerate(lines) if i > 700 and line.startswith(("def ", "class ")))
+    lines.insert(at, "x = 1 $ 2\n")  # a character Python has no use for, far down the file
+    (root / LINEAR).write_text("".join(lines))
+    git.Repo(root).git.commit("-qam", "bad character")
+    before = snapshot(root)
+    res = run("check", "--repo", root)
+    assert res.code == 2 and f"{LINEAR}:{at + 1}:" in res.err
+    assert snapshot(root) == before
+
+
+def test_init_indents_the_added_arguments_like_the_others(run, make_checkout):
+    root = make_checkout(inject=False)
+    assert run("init", "--repo", root).code == 0
+    lines = (root / ATTENTION).read_text().splitlines()
+    at = next(i for i, line in enumerate(lines) if "quantpatch_ops.quant_baddbmm(" in line)
+    call = lines[at : at + 10]
+    fmt = next(line for line in call if "fmt=custom_quant_type" in line)
+    alpha = next(line for line in call if "alpha=self.softmax_scale" in line)
+    indent = len(alpha) - len(alpha.lstrip())
+    assert len(fmt) - len(fmt.lstrip()) == indent
+    assert fmt.strip() == "fmt=custom_quant_type,"
+    closing = call[call.index(fmt) + 1]
+    assert closing.strip() == ")" and len(closing) - len(closing.lstrip()) == indent - 4
