@@ -7,7 +7,6 @@ from rich.table import Table
 
 from quantpatch.switch import CheckReport
 
-
 NARROW = 120
 """Below this many columns the sites are listed, not tabled, so ``file:line`` stays whole."""
 
