@@ -90,6 +90,7 @@ def run_install(
     message: str,
     *,
     extra: dict[str, Any] | None = None,
+    idempotent: bool = False,
 ) -> InstallResult:
     """Plan edits (under the lock, after the common checks), write them with a journal,
     record the originals, and commit the written files in a git checkout. A failing commit
@@ -98,6 +99,8 @@ def run_install(
     with gitrepo.locked(checkout):
         gitrepo.recover(checkout)
         finish_interrupted(checkout, name)
+        if idempotent and record_of(checkout, name) is not None:
+            return InstallResult([], None, removed=False, changed=False)
         _preconditions(checkout, files(checkout))
         edits = plan(checkout)
         record_dir = checkout.state_dir / name
@@ -127,7 +130,8 @@ def run_remove(
     checkout = gitrepo.find_checkout(path, need_git=False)
     with gitrepo.locked(checkout):
         gitrepo.recover(checkout)
-        finish_interrupted(checkout, name)
+        if finish_interrupted(checkout, name) == "removed":  # killed after its last change
+            return InstallResult([], None, removed=True)
         record = record_of(checkout, name)
         if record is None:
             if missing_ok:
@@ -170,17 +174,16 @@ def run_remove(
         return result
 
 
-def finish_interrupted(checkout: gitrepo.Checkout, name: str) -> bool:
+def finish_interrupted(checkout: gitrepo.Checkout, name: str) -> str | None:
     """Complete an install or removal that was killed between its record and its commit:
-    the files hold exactly what the record says, so the commit is made now. True when
-    something was finished."""
+    the files hold exactly what the record says, so the commit is made now. Returns
+    ``removed`` when a removal was completed (its record is dropped), else ``None``."""
     data = _read_record(checkout, name)
     if data is None:
-        return False
+        return None
     removed = data.get("state") == "removed"
-    finished = False
     if checkout.repo is not None and gitrepo.head_commit(checkout.repo) is not None:
-        dirty = gitrepo.dirty_paths(checkout.repo, list(data["files"]))
+        dirty = gitrepo.dirty_paths(checkout.repo, list(data["files"]), untracked=True)
         if dirty:
             key = "original_sha" if removed else "written"
             if all(
@@ -189,11 +192,10 @@ def finish_interrupted(checkout: gitrepo.Checkout, name: str) -> bool:
                 for rel in dirty
             ):
                 gitrepo.commit_paths(checkout.repo, dirty, str(data.get("message", name)))
-                finished = True
     if removed:
         shutil.rmtree(checkout.state_dir / name, ignore_errors=True)
-        finished = True
-    return finished
+        return "removed"
+    return None
 
 
 def _sha_of(path: Path) -> str | None:

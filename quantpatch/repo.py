@@ -97,9 +97,11 @@ def git_info(repo: git.Repo) -> GitInfo:
     return GitInfo(active_branch(repo), head_commit(repo), not repo.is_dirty(untracked_files=False))
 
 
-def dirty_paths(repo: git.Repo, paths: Sequence[str]) -> list[str]:
-    """Those of ``paths`` with uncommitted changes (staged or not)."""
-    out = repo.git.status("--porcelain", "--untracked-files=no", "--", *paths)
+def dirty_paths(repo: git.Repo, paths: Sequence[str], *, untracked: bool = False) -> list[str]:
+    """Those of ``paths`` with uncommitted changes (staged or not; new files too when
+    ``untracked``)."""
+    mode = "--untracked-files=all" if untracked else "--untracked-files=no"
+    out = repo.git.status("--porcelain", mode, "--", *paths)
     dirty = []
     for line in out.splitlines():
         name = line[3:]
@@ -156,10 +158,18 @@ def _git_reason(exc: git.GitCommandError) -> str:
     return "\n  ".join(lines) or "unknown error"
 
 
+_READ_ONLY_GIT = frozenset(
+    {"status", "ls-files", "rev-parse", "log", "diff", "show", "cat-file", "merge-base"}
+)
+"""git commands that change nothing: not fault-injection steps."""
+
+
 def run_git(repo: git.Repo, *args: str, env: dict[str, str] | None = None) -> str:
     """``git <args>`` with a git failure turned into a ``UserError`` that keeps git's lines."""
     label = f"git {args[0]}"
-    faults.step(label, done=False)
+    mutating = args[0] not in _READ_ONLY_GIT
+    if mutating:
+        faults.step(label, done=False)
     try:
         with _identity(repo):
             if env:
@@ -169,13 +179,24 @@ def run_git(repo: git.Repo, *args: str, env: dict[str, str] | None = None) -> st
                 out = repo.git.execute(["git", *args])
     except git.GitCommandError as exc:
         raise UserError(f"git {args[0]} failed: {_git_reason(exc)}") from None
-    faults.step(label, done=True)
+    if mutating:
+        faults.step(label, done=True)
     return out
 
 
 def commit_paths(repo: git.Repo, paths: Sequence[str], message: str) -> str:
     """Commit exactly ``paths`` (other staged or dirty files are left as they are)."""
-    run_git(repo, "add", "--", *paths)
+    root = Path(str(repo.working_tree_dir))
+    indexed = set(repo.git.ls_files("--", *paths).splitlines())
+    in_head = set()
+    if head_commit(repo) is not None:
+        in_head = set(repo.git.ls_tree("-r", "--name-only", "HEAD", "--", *paths).splitlines())
+    # git add takes what is on disk or in the index; commit --only also takes a deletion
+    # that is already staged (a new file deleted again is in neither and left out)
+    to_add = [p for p in paths if p in indexed or (root / p).exists()]
+    paths = [p for p in paths if p in to_add or p in in_head]
+    if to_add:
+        run_git(repo, "add", "--", *to_add)
     run_git(repo, "commit", "--no-verify", "--only", "-m", message, "--", *paths)
     return repo.head.commit.hexsha
 

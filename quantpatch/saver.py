@@ -40,10 +40,6 @@ def instrumented_files(targets: Targets) -> dict[str, str]:
 
 
 def install(path: Path | None, *, force: bool = False) -> InstallResult:
-    checkout = gitrepo.find_checkout(path, need_git=False)
-    if record_of(checkout, RECORD) is not None:
-        return InstallResult([], None, removed=False, changed=False)
-
     def files(co: gitrepo.Checkout) -> list[str]:
         return [*instrumented_files(load_targets(co.root)), SAVER_MODULE]
 
@@ -64,7 +60,12 @@ def install(path: Path | None, *, force: bool = False) -> InstallResult:
         return edits
 
     return run_install(
-        path, RECORD, plan, files, "quantpatch saver install: tensor saver and marked calls"
+        path,
+        RECORD,
+        plan,
+        files,
+        "quantpatch saver install: tensor saver and marked calls",
+        idempotent=True,
     )
 
 
