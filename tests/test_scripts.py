@@ -14,22 +14,14 @@ from pathlib import Path
 import git
 import pytest
 
-from quantpatch.registry import load_registry, release_flags
+from quantpatch.registry import load_registry, release_flags, releases
 from quantpatch.scripts import body_matches_header, render_all, script_name, shell_quote
 
 from .conftest import snapshot
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "megatron"
 PROFILES = ("full", "fast", "smoke")
 QUANTPATCH = str(Path(sys.executable).with_name("quantpatch"))
 SHELLCHECK = str(Path(sys.executable).with_name("shellcheck"))
-
-
-def _shared_flags(release: str) -> set[str]:
-    path = SHARED / f"pretrain-flags-{release}.txt"
-    if not path.is_file():  # pragma: no cover - CI always has ../shared
-        pytest.skip("../shared/megatron is not beside this checkout")
-    return {line.strip() for line in path.read_text().splitlines() if line.strip()}
 
 
 def _argument_flags(text: str) -> set[str]:
@@ -39,9 +31,17 @@ def _argument_flags(text: str) -> set[str]:
     return set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", section))
 
 
-def test_packaged_flag_lists_are_the_shared_ones():
-    for release in ("core_v0.11.0", "core_v0.13.1", "main-d98e8a64dd"):
-        assert {f for f in release_flags(release)} == _shared_flags(release)
+def test_bundled_flag_lists():
+    """Facts of the bundled lists (one line per flag of the release's training parser)."""
+    assert releases() == ["core_v0.11.0", "core_v0.13.1", "main-d98e8a64dd"]
+    sizes = {r: len(release_flags(r)) for r in releases()}
+    assert sizes == {"core_v0.11.0": 407, "core_v0.13.1": 502, "main-d98e8a64dd": 400}
+    for release in releases():
+        assert all(re.fullmatch(r"--[A-Za-z0-9][\w-]*", f) for f in release_flags(release))
+    v13 = release_flags("core_v0.13.1")
+    assert {"--transformer-impl", "--no-gradient-accumulation-fusion", "--mtp-num-layers"} <= v13
+    assert "--mtp-num-layers" not in release_flags("core_v0.11.0")
+    assert "--num-layers" not in release_flags("main-d98e8a64dd")
 
 
 @pytest.mark.parametrize("profile", PROFILES)
@@ -50,7 +50,7 @@ def test_all_60_scripts_are_valid(run, tmp_path, profile):
     res = run("gen-scripts", "--out", out, "--profile", profile)
     assert res.code == 0, res
     reg = load_registry()
-    accepted = _shared_flags("core_v0.13.1")
+    accepted = release_flags("core_v0.13.1")
     paths = sorted(out.rglob("*.sh"))
     assert len(paths) == 60
     expected = {
@@ -91,7 +91,7 @@ def test_all_60_scripts_are_valid(run, tmp_path, profile):
 def test_older_release_and_unsupported_release(run, tmp_path):
     res = run("gen-scripts", "--out", tmp_path / "s11", "--megatron-release", "core_v0.11.0")
     assert res.code == 0, res
-    accepted = _shared_flags("core_v0.11.0")
+    accepted = release_flags("core_v0.11.0")
     for path in (tmp_path / "s11").rglob("*.sh"):
         assert _argument_flags(path.read_text()) <= accepted
     res = run("gen-scripts", "--out", tmp_path / "main", "--megatron-release", "main-d98e8a64dd")
