@@ -219,6 +219,13 @@ def _model_args(reg: Registry, model: str, profile: str) -> _Args:
     impl_args = {
         k: v for k, v in reg.common_args.items() if k not in model_args and k not in training_args
     }
+    own = [k for k in (*model_args, *training_args, *impl_args) if k in TEMPLATE_FLAGS]
+    if own:
+        raise UserError(
+            f"{model}/{profile}: {', '.join(own)} must not be set in args: the script passes "
+            f"{'it' if len(own) == 1 else 'them'} itself (parallel sizes from TP/PP/EP, data "
+            "and output flags from the dataset and the environment)."
+        )
     groups = (_flag_pairs(model_args), _flag_pairs(training_args), _flag_pairs(impl_args))
     is_moe = "num-experts" in model_args
     flags = tuple(f for g in groups for f, _ in g) + tuple(

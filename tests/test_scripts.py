@@ -188,6 +188,11 @@ def test_bad_inputs_exit_2_and_write_nothing(run, tmp_path):
         "table": ("[modles.x]\n", "unknown table 'modles'"),
         "toml": ("[models\n", "not valid TOML"),
         "args": ("[models.llama32-1b.args]\n'--num-layers' = 3\n", "args.--num-layers"),
+        "twice": (
+            "[models.llama32-1b.args]\nexpert-model-parallel-size = 2\n",
+            "llama32-1b/full: expert-model-parallel-size must not be set in args: the script "
+            "passes it itself",
+        ),
     }
     for name, (body, message) in configs.items():
         cfg = tmp_path / f"{name}.toml"
@@ -710,3 +715,29 @@ def test_outside_a_checkout_the_bundled_list_is_used(run, tmp_path, make_checkou
     monkeypatch.chdir(root)
     res = run("gen-scripts", "--out", out, "--models", "llama32-1b", "--schemes", "bf16")
     assert res.code == 0 and f"no megatron/training/arguments.py in {root}" in res.out
+
+
+@pytest.mark.parametrize("model", ["llama31-8b", "llama32-1b", "deepseek2_lite"])
+@pytest.mark.parametrize("profile", PROFILES)
+def test_no_script_passes_a_flag_twice(model, profile):
+    """The arrays the script hands to pretrain_gpt.py, as bash builds them, in both data modes
+    and with tensor parallelism on and off."""
+    reg = load_registry()
+    (script,) = render_all(reg, [model], ["dolma"], ["bf16"], profile, "core_v0.13.1")
+    section = script.text.split("# ---- pretrain_gpt.py arguments", 1)[1]
+    section = section.split("# ---- end of arguments", 1)[0]
+    arrays = ("MODEL", "TRAINING", "IMPL", "PARALLEL", "DATA", "OUTPUT")
+    show = "printf '%s\\n' " + " ".join(f'"${{{a}_ARGS[@]}}"' for a in arrays)
+    for mock, tp in ((0, 1), (1, 1), (0, 2), (1, 2)):
+        argv = subprocess.run(
+            ["bash", "-c", section + show],
+            env={"PATH": os.environ["PATH"], "MOCK_DATA": str(mock), "TP": str(tp)},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.splitlines()
+        flags = [a for a in argv if a.startswith("--")]
+        assert flags and len(flags) == len(set(flags)), (mock, tp, flags)
+        assert ("--sequence-parallel" in flags) == (tp > 1)
+        moe = model == "deepseek2_lite"
+        assert flags.count("--expert-model-parallel-size") == (1 if moe else 0)
