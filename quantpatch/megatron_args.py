@@ -19,9 +19,9 @@ Nothing here imports or runs the checkout; every file is read with libcst.
   ``metadata={"argparse_meta": {"arg_names": [...]}}`` names the flags itself. A class that
   cannot be found is listed in ``CheckoutRelease.unresolved``: its flags are unknown.
 
-Anything computed at run time (flag names built in code, ``exclude`` lists built in code) is
-not seen; the result is therefore a lower bound for flags built in code and exact for the
-literal ones, which is what every Megatron-LM release up to core_v0.14 uses throughout.
+Only what is written literally is seen: a flag name built in code is missing (so a script
+using it is refused), and an ``exclude`` list built in code counts as empty (so its fields'
+flags count as accepted). Upstream writes both literally.
 """
 
 from __future__ import annotations
@@ -91,14 +91,10 @@ def _keyword(call: cst.Call, name: str) -> cst.BaseExpression | None:
 
 
 @dataclass
-class _Field:
-    flags: tuple[str, ...]
-
-
-@dataclass
 class _Class:
     bases: list[str]
-    fields: dict[str, _Field]
+    fields: dict[str, tuple[str, ...]]
+    """field name -> the flags it gives"""
 
 
 @dataclass
@@ -212,7 +208,7 @@ class _Reader(cst.CSTVisitor):
     # -- dataclass fields --------------------------------------------------------------
     def _class(self, node: cst.ClassDef) -> _Class:
         bases = [_dotted(b.value) for b in node.bases if b.keyword is None]
-        fields: dict[str, _Field] = {}
+        fields: dict[str, tuple[str, ...]] = {}
         body = node.body.body if isinstance(node.body, cst.IndentedBlock) else ()
         for stmt in body:
             if not isinstance(stmt, cst.SimpleStatementLine):
@@ -224,7 +220,8 @@ class _Reader(cst.CSTVisitor):
                         fields[small.target.value] = made
         return _Class([b for b in bases if b], fields)
 
-    def _field(self, name: str, node: cst.AnnAssign) -> _Field | None:
+    def _field(self, name: str, node: cst.AnnAssign) -> tuple[str, ...] | None:
+        """The flags one dataclass field gives (``None``: it is not an ``__init__`` field)."""
         annotation = "".join(self.module.code_for_node(node.annotation.annotation).split())
         if annotation.startswith(_NOT_FIELDS):
             return None
@@ -240,14 +237,14 @@ class _Reader(cst.CSTVisitor):
             meta = _keyword(call, "metadata")
             names = _arg_names(meta) if meta is not None else None
             if names:
-                return _Field(tuple(n for n in names if n.startswith("--")))
+                return tuple(n for n in names if n.startswith("--"))
             default = _keyword(call, "default")
         flag = name.replace("_", "-")
         if annotation in _BOOL_ANNOTATIONS and not (
             isinstance(default, cst.Name) and default.value == "False"
         ):
-            return _Field((f"--no-{flag}", f"--disable-{flag}"))
-        return _Field((f"--{flag}",))
+            return (f"--no-{flag}", f"--disable-{flag}")
+        return (f"--{flag}",)
 
 
 def _arg_names(meta: cst.BaseExpression) -> list[str] | None:
@@ -314,11 +311,11 @@ class _Checkout:
         found = self.find_class(name, rel)
         if found is None:
             return None
-        fields: dict[str, _Field] = {}
+        fields: dict[str, tuple[str, ...]] = {}
         for cls_rel, cls in self._lineage(found):
             fields.update(cls.fields)
             self.class_files.append(cls_rel)
-        return {flag for n, f in fields.items() if n not in exclude for flag in f.flags}
+        return {flag for n, flags in fields.items() if n not in exclude for flag in flags}
 
     def _lineage(self, found: tuple[str, _Class], depth: int = 0) -> Iterator[tuple[str, _Class]]:
         """Base classes first (as ``dataclasses.fields`` orders them), then the class."""

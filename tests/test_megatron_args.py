@@ -165,10 +165,10 @@ def add_megatron_arguments(parser):
     exclude = ["add_bias_linear", "num_moe_experts"]
     ArgumentGroupFactory(TransformerConfig, exclude=exclude).build_group(parser, "transformer")
 
-    from megatron.training.fork_config import ForkConfig
+    from megatron.training import fork_config
     from megatron.training.config import LoggerConfig
 
-    ArgumentGroupFactory(ForkConfig, ["skipped"]).build_group(parser, "fork")
+    ArgumentGroupFactory(fork_config.ForkConfig, ["skipped"]).build_group(parser, "fork")
     ArgumentGroupFactory(LoggerConfig).build_group(parser, "logging")
     return parser
 """
@@ -184,6 +184,8 @@ class ForkConfig:
     quant_enabled: bool = False
     quant_fused: bool = True
     quant_maybe: Optional[bool] = None
+    quant_off: bool = field(default=False)
+    quant_on: bool = field(default_factory=lambda: True)
     skipped: int = 1
     renamed: str = field(default="x", metadata={"argparse_meta": {"arg_names": ["--old-name"]}})
     derived: int = field(init=False, default=0)
@@ -217,7 +219,9 @@ def test_dataclass_groups_from_the_real_transformer_config(tmp_path, trees):
     assert {"--quant-block", "--quant-enabled", "--no-quant-fused", "--disable-quant-fused"} <= (
         flags
     )
-    assert {"--no-quant-maybe", "--old-name", "--seq-length"} <= flags
+    assert {"--no-quant-maybe", "--old-name", "--seq-length", "--quant-off", "--no-quant-on"} <= (
+        flags
+    )
     assert not {"--skipped", "--renamed", "--derived", "--registry", "--local"} & flags
     assert release.unresolved == ("LoggerConfig",)
     assert release.files == (
