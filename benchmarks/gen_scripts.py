@@ -4,6 +4,10 @@ Usage: python benchmarks/gen_scripts.py [--runs N]
 
 Reports, per profile, the median of a cold write into an empty directory, a no-op rerun (every
 file unchanged) and `--check`, each as a fresh `quantpatch` process, next to `python3 -c pass`.
+Then, inside a Megatron-LM checkout (a synthetic `megatron/training/arguments.py` of upstream's
+shape, ~3150 lines, from the tests' builder): reading its flags in-process (libcst parse and
+walk; libcst's import measured apart), and `gen-scripts` there with the flag cache cold
+(deleted first) and warm.
 """
 
 from __future__ import annotations
@@ -11,11 +15,63 @@ from __future__ import annotations
 import argparse
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from _timing import wall  # benchmarks/_timing.py, beside this script
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests' parser builder
+from tests.megatron_parser import write_parser
+
+READ = """
+import time, sys
+t0 = time.perf_counter()
+import libcst
+t1 = time.perf_counter()
+from quantpatch.megatron_args import read_release
+from pathlib import Path
+times = []
+for _ in range(int(sys.argv[2])):
+    t = time.perf_counter()
+    release = read_release(Path(sys.argv[1]))
+    times.append(time.perf_counter() - t)
+print(t1 - t0, min(times), sorted(times)[len(times) // 2], len(release.flags))
+"""
+
+
+def checkout_rows(tmp: Path, qp: str, runs: int) -> None:
+    root = tmp / "Megatron-LM"
+    path = write_parser(root, extension=["--transformer-impl"])
+    subprocess.run(["git", "init", "-q", str(root)], check=True)
+    n_lines = len(path.read_text().splitlines())
+    out = subprocess.run(
+        [sys.executable, "-c", READ, str(root), str(runs)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    imp, best, median, n_flags = float(out[0]), float(out[1]), float(out[2]), out[3]
+    print(
+        f"read the flags of a {n_lines}-line arguments.py ({n_flags} flags): "
+        f"median {median * 1e3:.0f} ms, best {best * 1e3:.0f} ms in-process "
+        f"(+ {imp * 1e3:.0f} ms to import libcst once)"
+    )
+    cache = root / ".git" / "quantpatch" / "cache"
+    cmd = [qp, "gen-scripts", "--out", str(tmp / "in-checkout")]
+    cold, warm = [], []
+    for _ in range(runs):
+        shutil.rmtree(cache, ignore_errors=True)
+        start = time.perf_counter()
+        subprocess.run(cmd, cwd=root, check=True, capture_output=True)
+        cold.append(time.perf_counter() - start)
+        warm.append(wall(cmd, cwd=root))
+    print(
+        f"gen-scripts inside the checkout (full): {statistics.median(cold) * 1e3:.0f} ms with "
+        f"the flag cache cold, {statistics.median(warm) * 1e3:.0f} ms warm"
+    )
 
 
 def main() -> None:
@@ -42,6 +98,7 @@ def main() -> None:
                 f"{statistics.median(rerun) * 1e3:10.0f} {statistics.median(check) * 1e3:11.0f}"
                 f"   ({n} scripts)"
             )
+        checkout_rows(tmp, qp, args.runs)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -313,9 +313,10 @@ ConfigOpt = typer.Option(
     None, "--config", help="A TOML file adding or overriding models, datasets, schemes or profiles."
 )
 ReleaseOpt = typer.Option(
-    "core_v0.13.1",
+    None,
     "--megatron-release",
-    help="Megatron-LM release whose training flags the scripts must use.",
+    help="Validate flags against this bundled release list (default: the checkout's own "
+    "megatron/training/arguments.py, else core_v0.13.1).",
 )
 
 
@@ -375,8 +376,9 @@ def gen_scripts(
     datasets: str | None = typer.Option(None, "--datasets", help="Comma-separated."),
     schemes: str | None = typer.Option(None, "--schemes", help="Comma-separated."),
     profile: str = typer.Option("full", "--profile", help="full, fast or smoke."),
-    release: str = ReleaseOpt,
+    release: str | None = ReleaseOpt,
     config: Path | None = ConfigOpt,
+    repo: Path | None = RepoOpt,
     force: bool = typer.Option(False, "--force", help="Overwrite scripts edited by hand."),
     check_only: bool = typer.Option(
         False,
@@ -386,18 +388,20 @@ def gen_scripts(
 ) -> None:
     """Write DIR/<model>/pretrain_<model>_<dataset>_<scheme>.sh for every combination."""
     from quantpatch.registry import load_registry
-    from quantpatch.scripts import generate, render_all
+    from quantpatch.scripts import flag_source, generate, render_all
 
     reg = load_registry(config)
+    flags = flag_source(_repo(repo), release)
     scripts = render_all(
         reg,
         reg.pick("models", _csv(models)),
         reg.pick("datasets", _csv(datasets)),
         reg.pick("schemes", _csv(schemes)),
         profile,
-        release,
+        flags,
     )
-    result = generate(out_dir, scripts, profile, release, force=force, check=check_only)
+    result = generate(out_dir, scripts, profile, flags, force=force, check=check_only)
+    out.print(f"validated against {flags.describe()}", markup=False)
     if check_only:
         if result.differing:
             raise CheckFailed(
@@ -408,7 +412,7 @@ def gen_scripts(
         out.print(f"{len(result.unchanged)} file(s) in {out_dir} are up to date.")
         return
     out.print(
-        f"{len(scripts)} scripts ({profile}, Megatron-LM {release}) in {out_dir}: "
+        f"{len(scripts)} scripts ({profile}, Megatron-LM {flags.release}) in {out_dir}: "
         f"{len(result.written)} written, {len(result.unchanged)} unchanged; "
         f"index: {out_dir / 'index.md'}"
     )
@@ -461,23 +465,25 @@ def run_(
         help="Prepare and verify the worktree, "
         "then print the exact training command instead of running it.",
     ),
-    release: str = ReleaseOpt,
+    release: str | None = ReleaseOpt,
     config: Path | None = ConfigOpt,
     repo: Path | None = RepoOpt,
 ) -> None:
     """One combination, one shot: its worktree, verified, then the training command there."""
     from quantpatch.registry import load_registry
-    from quantpatch.scripts import launch, render_all
+    from quantpatch.scripts import flag_source, launch, render_all
 
     reg = load_registry(config)
+    flags = flag_source(_repo(repo), release)
     (script,) = render_all(
         reg,
         reg.pick("models", [model]),
         reg.pick("datasets", [dataset]),
         reg.pick("schemes", [scheme]),
         profile,
-        release,
+        flags,
     )
+    err.print(f"validated against {flags.describe()}", markup=False)
     code = launch(_repo(repo) or Path.cwd(), script, dry_run=dry_run)
     if code:
         raise typer.Exit(code)

@@ -16,7 +16,7 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 from importlib import resources
 from pathlib import Path
@@ -90,6 +90,75 @@ def _environment() -> jinja2.Environment:
 
 
 @dataclass(frozen=True)
+class FlagSource:
+    """The ``--flags`` a script may hand to pretrain_gpt.py, and where that list came from:
+    a bundled release list, or the checkout's own argument parser."""
+
+    release: str
+    """``core_v0.13.1`` (bundled) or the checkout's version (``0.15.0rc3``)."""
+    flags: frozenset[str]
+    files: tuple[str, ...] = ()
+    """The checkout files the flags were read from (empty for a bundled list)."""
+    root: Path | None = None
+    """The checkout whose parser was read (``None`` for a bundled list)."""
+    note: str = ""
+    """Why a bundled list is used although no release was asked for."""
+    unresolved: tuple[str, ...] = ()
+
+    @property
+    def label(self) -> str:
+        """For each script's header and the index."""
+        if self.root is None:
+            return f"Megatron-LM {self.release} (bundled flag list)"
+        return f"Megatron-LM {self.release} (flags read from the checkout's {self.files[0]})"
+
+    def describe(self) -> str:
+        """``the checkout's Megatron 0.15.0rc3 (megatron/training/arguments.py, 512 flags)``."""
+        if self.root is None:
+            note = f"; {self.note}" if self.note else ""
+            return (
+                f"the bundled Megatron-LM {self.release} flag list ({len(self.flags)} flags{note})"
+            )
+        return (
+            f"the checkout's Megatron {self.release} "
+            f"({', '.join(self.files)}, {len(self.flags)} flags)"
+        )
+
+    def where(self) -> str:
+        """What an error names: the file read."""
+        if self.root is None:
+            return f"the bundled flag list pretrain-flags-{self.release}.txt"
+        return str(self.root / self.files[0])
+
+
+def bundled_flags(release: str) -> FlagSource:
+    """A bundled release's list (``quantpatch/data/megatron/pretrain-flags-<release>.txt``)."""
+    return FlagSource(release, release_flags(release))
+
+
+def _source(release: str | FlagSource) -> FlagSource:
+    """Callers may name a bundled release or pass a ``FlagSource``."""
+    return bundled_flags(release) if isinstance(release, str) else release
+
+
+def flag_source(repo: Path | None, release: str | None) -> FlagSource:
+    """The flags scripts are validated against: the bundled list of ``release`` when one is
+    named; else the parser of the checkout at ``repo`` (default: the git root above the
+    current directory) when it has ``megatron/training/arguments.py``; else the bundled
+    default list, saying why."""
+    if release is not None:
+        return bundled_flags(release)
+    from quantpatch import repo as gitrepo
+    from quantpatch.megatron_release import ARGUMENTS, checkout_release
+
+    checkout = gitrepo.find_checkout(repo, need_git=False)
+    found = checkout_release(checkout.root, checkout.state_dir / "cache")
+    if found is None:
+        return replace(bundled_flags(DEFAULT_RELEASE), note=f"no {ARGUMENTS} in {checkout.root}")
+    return FlagSource(found.name, found.flags, found.files, found.root, unresolved=found.unresolved)
+
+
+@dataclass(frozen=True)
 class Script:
     rel: str
     model: str
@@ -131,20 +200,18 @@ def _master_port(run_name: str) -> int:
     return 6000 + int(hashlib.sha256(run_name.encode()).hexdigest(), 16) % 2000
 
 
-def render_script(
-    reg: Registry,
-    model: str,
-    dataset: str,
-    scheme: str,
-    profile: str,
-    release: str = DEFAULT_RELEASE,
-) -> Script:
-    m, d, s, p = (
-        reg.models[model],
-        reg.datasets[dataset],
-        reg.schemes[scheme],
-        reg.profiles[profile],
-    )
+@dataclass(frozen=True)
+class _Args:
+    """A model's pretrain_gpt.py arguments under a profile, in the template's three groups."""
+
+    groups: tuple[list[tuple[str, str | None]], ...]
+    is_moe: bool
+    flags: tuple[str, ...]
+    """Every flag the script can pass (both data modes), without the dashes."""
+
+
+def _model_args(reg: Registry, model: str, profile: str) -> _Args:
+    m, p = reg.models[model], reg.profiles[profile]
     model_args = {**m.args}
     training_args: dict[str, ArgValue] = {}
     for key, value in {**p.args, **m.profile_args.get(profile, {})}.items():
@@ -152,19 +219,80 @@ def render_script(
     impl_args = {
         k: v for k, v in reg.common_args.items() if k not in model_args and k not in training_args
     }
-    groups = [_flag_pairs(model_args), _flag_pairs(training_args), _flag_pairs(impl_args)]
+    own = [k for k in (*model_args, *training_args, *impl_args) if k in TEMPLATE_FLAGS]
+    if own:
+        raise UserError(
+            f"{model}/{profile}: {', '.join(own)} must not be set in args: the script passes "
+            f"{'it' if len(own) == 1 else 'them'} itself (parallel sizes from TP/PP/EP, data "
+            "and output flags from the dataset and the environment)."
+        )
+    groups = (_flag_pairs(model_args), _flag_pairs(training_args), _flag_pairs(impl_args))
     is_moe = "num-experts" in model_args
     flags = tuple(f for g in groups for f, _ in g) + tuple(
         f for f in TEMPLATE_FLAGS if is_moe or f != "expert-model-parallel-size"
     )
-    accepted = release_flags(release)
-    unknown = sorted({f for f in flags if f"--{f}" not in accepted})
-    if unknown:
-        raise UserError(
-            f"{model}/{profile}: Megatron-LM {release} does not accept "
-            f"{', '.join('--' + f for f in unknown)}; choose another --megatron-release or "
-            "override those args in a --config file."
+    return _Args(groups, is_moe, flags)
+
+
+def check_flags(reg: Registry, models: Sequence[str], profile: str, source: FlagSource) -> None:
+    """Every flag the models' scripts pass must be one the target release accepts."""
+    _reject_unaccepted(
+        {f"{m}/{profile}": _model_args(reg, m, profile).flags for m in models}, source
+    )
+
+
+def _reject_unaccepted(used: dict[str, tuple[str, ...]], source: FlagSource) -> None:
+    """One sentence naming the flags the release does not accept, the model/profile using
+    each, and the file the accepted flags came from."""
+    users: dict[str, list[str]] = {}
+    for user, flags in used.items():
+        for flag in flags:
+            if f"--{flag}" not in source.flags:
+                users.setdefault(f"--{flag}", []).append(user)
+    if not users:
+        return
+    by_users: dict[tuple[str, ...], list[str]] = {}
+    for flag, who in sorted(users.items()):
+        by_users.setdefault(tuple(who), []).append(flag)
+    unknown = ", ".join(  # the flags most models use first
+        f"{', '.join(flags)} (used by {', '.join(who)})"
+        for who, flags in sorted(by_users.items(), key=lambda item: (-len(item[0]), item[1]))
+    )
+    if source.root is None:
+        remedy = "choose another --megatron-release or override those args in a --config file"
+    else:
+        remedy = (
+            "override those args in a --config file, or pass --megatron-release to validate "
+            "against a bundled flag list instead"
         )
+    if source.unresolved:
+        remedy += (
+            f" (the parser also builds flags from {', '.join(source.unresolved)}, which "
+            "quantpatch could not find in the checkout)"
+        )
+    raise UserError(
+        f"Megatron-LM {source.release} does not accept {unknown}, checked against "
+        f"{source.where()}; {remedy}."
+    )
+
+
+def render_script(
+    reg: Registry,
+    model: str,
+    dataset: str,
+    scheme: str,
+    profile: str,
+    release: str | FlagSource = DEFAULT_RELEASE,
+) -> Script:
+    source = _source(release)
+    args = _model_args(reg, model, profile)
+    _reject_unaccepted({f"{model}/{profile}": args.flags}, source)
+    m, d, s, p = (
+        reg.models[model],
+        reg.datasets[dataset],
+        reg.schemes[scheme],
+        reg.profiles[profile],
+    )
     run_name = f"{model}_{dataset}_{scheme}_{profile}"
     body = (
         _environment()
@@ -177,10 +305,10 @@ def render_script(
             run_name=run_name,
             data_prefix=_data_prefix(d, m),
             master_port=_master_port(run_name),
-            model_args=groups[0],
-            training_args=groups[1],
-            impl_args=groups[2],
-            is_moe=is_moe,
+            model_args=args.groups[0],
+            training_args=args.groups[1],
+            impl_args=args.groups[2],
+            is_moe=args.is_moe,
         )
     )
     header = "\n".join(
@@ -188,14 +316,14 @@ def render_script(
             "#!/usr/bin/env bash",
             f"# quantpatch launch script: model={model} dataset={dataset} scheme={scheme} "
             f"(linear={s.linear} qk={s.qk} pv={s.pv}) profile={profile}",
-            f"# generated by quantpatch {__version__} for Megatron-LM {release}; regenerate with "
+            f"# generated by quantpatch {__version__} for {source.label}; regenerate with "
             "`quantpatch gen-scripts` rather than editing",
             f"{HASH_PREFIX}{hashlib.sha256(body.encode()).hexdigest()}",
             "",
         ]
     )
     return Script(
-        script_name(model, dataset, scheme), model, dataset, s, profile, header + body, flags
+        script_name(model, dataset, scheme), model, dataset, s, profile, header + body, args.flags
     )
 
 
@@ -214,25 +342,32 @@ def render_all(
     datasets: Sequence[str],
     schemes: Sequence[str],
     profile: str,
-    release: str,
+    release: str | FlagSource,
 ) -> list[Script]:
     if profile not in reg.profiles:
         raise UserError(
             f"--profile: unknown profile '{profile}'; valid: {', '.join(reg.profiles)}."
         )
+    source = _source(release)
+    check_flags(reg, models, profile, source)  # every model at once: one sentence
     return [
-        render_script(reg, m, d, s, profile, release)
+        render_script(reg, m, d, s, profile, source)
         for m in models
         for d in datasets
         for s in schemes
     ]
 
 
-def render_index(scripts: Sequence[Script], profile: str, release: str) -> str:
+def render_index(scripts: Sequence[Script], profile: str, release: str | FlagSource) -> str:
     return (
         _environment()
         .get_template("index.md.j2")
-        .render(scripts=scripts, profile=profile, release=release, version=__version__)
+        .render(
+            scripts=scripts,
+            profile=profile,
+            release=_source(release).label,
+            version=__version__,
+        )
     )
 
 
@@ -261,7 +396,7 @@ def generate(
     out: Path,
     scripts: Sequence[Script],
     profile: str,
-    release: str,
+    release: str | FlagSource,
     *,
     force: bool = False,
     check: bool = False,

@@ -19,6 +19,7 @@ A *site* is an assignment to ``custom_quant_type``. Its role comes from structur
 
 from __future__ import annotations
 
+import ast
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -394,20 +395,23 @@ def _role_from_products(products: set[str], file_kind: str) -> str:
 
 
 def parse_source(text: str, rel: str) -> cst.Module:
-    """Parse with libcst; a syntax error becomes a one-sentence ``UserError``."""
+    """Parse with libcst; a syntax error becomes a one-sentence ``UserError``.
+
+    libcst's error position can be a line late (inside an indented block it points past the
+    statement), so the line and reason come from CPython's own parser (to an AST only: nothing
+    is compiled to code or run); libcst's are kept for the rare source only CPython accepts.
+    """
     try:
         return cst.parse_module(text)
     except cst.ParserSyntaxError as exc:
-        line = exc.raw_line
-        try:  # libcst's tokenizer can report line 1 for a bad character further down
-            compile(text, rel, "exec", dont_inherit=True)
-        except SyntaxError as syn:
-            line = syn.lineno or line
-        except ValueError:  # pragma: no cover - NUL bytes
+        line, reason = exc.raw_line, exc.message
+        try:
+            compile(text, rel, "exec", flags=ast.PyCF_ONLY_AST, dont_inherit=True)
+        except SyntaxError as py_exc:
+            line, reason = py_exc.lineno or line, py_exc.msg
+        except ValueError:  # NUL bytes: libcst's reason stands
             pass
-        raise UserError(
-            f"{rel}:{line}: the file does not parse as Python ({exc.message.splitlines()[0]})."
-        ) from None
+        raise UserError(f"{rel}:{line}: the file does not parse as Python ({reason}).") from None
 
 
 def discover_source(text: str, rel: str, file_kind: str) -> FileSites:

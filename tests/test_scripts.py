@@ -1,5 +1,6 @@
 """Launch scripts: all 60 per profile checked statically, one executed end to end with a stub
-torchrun, concurrency, quoting, and every bad input."""
+torchrun, concurrency, quoting, every bad input, and validation against the checkout's own
+Megatron-LM argument parser (a synthetic one of the real shape, built at test time)."""
 
 from __future__ import annotations
 
@@ -14,22 +15,27 @@ from pathlib import Path
 import git
 import pytest
 
-from quantpatch.registry import load_registry, release_flags
+from quantpatch.registry import load_registry, release_flags, releases
 from quantpatch.scripts import body_matches_header, render_all, script_name, shell_quote
 
 from .conftest import snapshot
+from .megatron_parser import write_parser
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "megatron"
 PROFILES = ("full", "fast", "smoke")
 QUANTPATCH = str(Path(sys.executable).with_name("quantpatch"))
 SHELLCHECK = str(Path(sys.executable).with_name("shellcheck"))
+BUNDLED = "Megatron-LM core_v0.13.1 (bundled flag list)"
+CHECKOUT = "Megatron-LM 0.15.0rc3 (flags read from the checkout's megatron/training/arguments.py)"
 
 
-def _shared_flags(release: str) -> set[str]:
-    path = SHARED / f"pretrain-flags-{release}.txt"
-    if not path.is_file():  # pragma: no cover - CI always has ../shared
-        pytest.skip("../shared/megatron is not beside this checkout")
-    return {line.strip() for line in path.read_text().splitlines() if line.strip()}
+@pytest.fixture(autouse=True)
+def _outside_any_checkout(tmp_path, monkeypatch):
+    """Every test starts outside a checkout (as a newcomer's run would), with its own state
+    home, so the bundled default applies unless a test builds a checkout."""
+    work = tmp_path / "cwd"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
 
 
 def _argument_flags(text: str) -> set[str]:
@@ -39,9 +45,17 @@ def _argument_flags(text: str) -> set[str]:
     return set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", section))
 
 
-def test_packaged_flag_lists_are_the_shared_ones():
-    for release in ("core_v0.11.0", "core_v0.13.1", "main-d98e8a64dd"):
-        assert {f for f in release_flags(release)} == _shared_flags(release)
+def test_bundled_flag_lists():
+    """Facts of the bundled lists (one line per flag of the release's training parser)."""
+    assert releases() == ["core_v0.11.0", "core_v0.13.1", "main-d98e8a64dd"]
+    sizes = {r: len(release_flags(r)) for r in releases()}
+    assert sizes == {"core_v0.11.0": 407, "core_v0.13.1": 502, "main-d98e8a64dd": 400}
+    for release in releases():
+        assert all(re.fullmatch(r"--[A-Za-z0-9][\w-]*", f) for f in release_flags(release))
+    v13 = release_flags("core_v0.13.1")
+    assert {"--transformer-impl", "--no-gradient-accumulation-fusion", "--mtp-num-layers"} <= v13
+    assert "--mtp-num-layers" not in release_flags("core_v0.11.0")
+    assert "--num-layers" not in release_flags("main-d98e8a64dd")
 
 
 @pytest.mark.parametrize("profile", PROFILES)
@@ -49,8 +63,9 @@ def test_all_60_scripts_are_valid(run, tmp_path, profile):
     out = tmp_path / "scripts"
     res = run("gen-scripts", "--out", out, "--profile", profile)
     assert res.code == 0, res
+    assert "validated against the bundled Megatron-LM core_v0.13.1 flag list (502 flags" in res.out
     reg = load_registry()
-    accepted = _shared_flags("core_v0.13.1")
+    accepted = release_flags("core_v0.13.1")
     paths = sorted(out.rglob("*.sh"))
     assert len(paths) == 60
     expected = {
@@ -64,6 +79,7 @@ def test_all_60_scripts_are_valid(run, tmp_path, profile):
         text = path.read_text()
         assert os.access(path, os.X_OK)
         assert body_matches_header(text)
+        assert f"for {BUNDLED};" in text.split("\n", 3)[2]
         flags = _argument_flags(text)
         assert "--num-layers" in flags and "--transformer-impl" in flags
         assert flags <= accepted, sorted(flags - accepted)
@@ -81,6 +97,7 @@ def test_all_60_scripts_are_valid(run, tmp_path, profile):
     )
     assert sc.returncode == 0, sc.stdout[-2000:]
     index = (out / "index.md").read_text()
+    assert f"for {BUNDLED}, profile `{profile}`" in index
     assert index.count("\n| `") == 60
     assert (
         "| `deepseek2_lite/pretrain_deepseek2_lite_dolma_FA_linear_mxfp4.sh` | "
@@ -91,12 +108,16 @@ def test_all_60_scripts_are_valid(run, tmp_path, profile):
 def test_older_release_and_unsupported_release(run, tmp_path):
     res = run("gen-scripts", "--out", tmp_path / "s11", "--megatron-release", "core_v0.11.0")
     assert res.code == 0, res
-    accepted = _shared_flags("core_v0.11.0")
+    accepted = release_flags("core_v0.11.0")
     for path in (tmp_path / "s11").rglob("*.sh"):
         assert _argument_flags(path.read_text()) <= accepted
     res = run("gen-scripts", "--out", tmp_path / "main", "--megatron-release", "main-d98e8a64dd")
-    assert res.code == 2 and "main-d98e8a64dd does not accept" in res.err
+    assert res.code == 2 and "Megatron-LM main-d98e8a64dd does not accept" in res.err
     assert "--num-layers," in res.err
+    assert "checked against the bundled flag list pretrain-flags-main-d98e8a64dd.txt" in res.err
+    # one sentence for all models: flags used by every model, then those of deepseek2_lite
+    assert "(used by llama31-8b/full, llama32-1b/full, deepseek2_lite/full)" in res.err
+    assert "--moe-router-topk" in res.err and "(used by deepseek2_lite/full)" in res.err
     assert not (tmp_path / "main").exists()
     res = run("gen-scripts", "--out", tmp_path / "x", "--megatron-release", "v9")
     assert res.code == 2 and "unknown release 'v9'" in res.err
@@ -167,6 +188,11 @@ def test_bad_inputs_exit_2_and_write_nothing(run, tmp_path):
         "table": ("[modles.x]\n", "unknown table 'modles'"),
         "toml": ("[models\n", "not valid TOML"),
         "args": ("[models.llama32-1b.args]\n'--num-layers' = 3\n", "args.--num-layers"),
+        "twice": (
+            "[models.llama32-1b.args]\nexpert-model-parallel-size = 2\n",
+            "llama32-1b/full: expert-model-parallel-size must not be set in args: the script "
+            "passes it itself",
+        ),
     }
     for name, (body, message) in configs.items():
         cfg = tmp_path / f"{name}.toml"
@@ -504,6 +530,7 @@ def test_two_scripts_at_once_from_one_checkout(make_checkout, tmp_path, stub_env
 def test_run_dry_run_prints_the_command(make_checkout, tmp_path, stub_env):
     env, stub_dir = stub_env
     root = make_checkout()
+    write_parser(root)  # the checkout's own parser (untracked: worktrees need not hold it)
     res = subprocess.run(
         [
             QUANTPATCH,
@@ -524,6 +551,7 @@ def test_run_dry_run_prints_the_command(make_checkout, tmp_path, stub_env):
         text=True,
     )
     assert res.returncode == 0, res.stderr
+    assert "validated against the checkout's Megatron 0.15.0rc3" in res.stderr
     line = res.stdout.strip().splitlines()[-1]
     assert line.startswith("cd ") and " && torchrun --nproc_per_node 1 " in line
     assert "--moe-layer-freq \\(\\[0\\]\\*1+\\[1\\]\\*1\\)" in line
@@ -562,3 +590,154 @@ def test_rendering_is_deterministic_with_spread_ports():
     )
     assert [s.text for s in a] == [s.text for s in b]
     assert len({s.text.split("MASTER_PORT=")[1][:4] for s in a}) > 30  # spread-out ports
+
+
+# -- the checkout's own Megatron-LM release ------------------------------------------------
+
+
+def _megatron_checkout(root: Path, **parser: object) -> Path:
+    """A git checkout whose parser accepts the bundled core_v0.13.1 flags (some of them from a
+    fork's extension module) and says it is 0.15.0rc3."""
+    write_parser(root, extension=["--transformer-impl", "--num-layers"], **parser)
+    (root / "README.md").write_text("a Megatron-LM checkout\n")
+    repo = git.Repo.init(root, initial_branch="main")
+    with repo.config_writer() as cw:
+        cw.set_value("user", "name", "Test")
+        cw.set_value("user", "email", "test@example.com")
+    repo.git.add("-A")
+    repo.git.commit("-qm", "fixture")
+    return root
+
+
+def test_gen_scripts_inside_a_checkout_uses_its_own_parser(run, tmp_path, monkeypatch):
+    root = _megatron_checkout(tmp_path / "Megatron-LM")
+    monkeypatch.chdir(root / "megatron" / "training")  # the git root above is found
+    out = tmp_path / "scripts"
+    res = run("gen-scripts", "--out", out)
+    assert res.code == 0, res
+    assert (
+        "validated against the checkout's Megatron 0.15.0rc3 (megatron/training/arguments.py, "
+        "megatron/training/quant_extension_args.py, 502 flags)" in res.out
+    )
+    assert "60 scripts (full, Megatron-LM 0.15.0rc3)" in res.out
+    paths = sorted(out.rglob("*.sh"))
+    assert len(paths) == 60
+    for path in paths:
+        header = path.read_text().split("\n", 3)[2]
+        assert header.startswith("# generated by quantpatch ") and f"for {CHECKOUT};" in header
+    assert f"for {CHECKOUT}, profile `full`" in (out / "index.md").read_text()
+    assert len(list((root / ".git" / "quantpatch" / "cache").glob("flags-*.json"))) == 1
+    assert run("gen-scripts", "--out", out, "--check").code == 0
+    # an explicit release keeps using the bundled list (and is recorded as such)
+    res = run("gen-scripts", "--out", out, "--megatron-release", "core_v0.13.1")
+    assert res.code == 0 and "the bundled Megatron-LM core_v0.13.1 flag list" in res.out
+    assert f"for {BUNDLED};" in paths[0].read_text()
+    res = run("gen-scripts", "--out", out, "--check")
+    assert res.code == 1  # the recorded release differs from the checkout's
+    # --repo names the checkout from anywhere
+    monkeypatch.chdir(tmp_path)
+    res = run("gen-scripts", "--out", out, "--repo", root)
+    assert res.code == 0 and "checkout's Megatron 0.15.0rc3" in res.out
+    assert f"for {CHECKOUT};" in paths[0].read_text()
+
+
+def test_warm_gen_scripts_in_a_checkout_never_loads_libcst(tmp_path):
+    root = _megatron_checkout(tmp_path / "Megatron-LM")
+    code = (
+        "import sys; from quantpatch.cli import main\n"
+        f"sys.argv = ['quantpatch', 'gen-scripts', '--out', {str(tmp_path / 's')!r}]\n"
+        "try:\n    main()\nexcept SystemExit as exc:\n    assert not exc.code, exc.code\n"
+        "print('libcst' in sys.modules)\n"
+    )
+    cold, warm = (
+        subprocess.run(
+            [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True
+        ).stdout.split()[-1]
+        for _ in range(2)
+    )
+    assert (cold, warm) == ("True", "False")
+
+
+def test_a_flag_the_checkout_does_not_accept(run, tmp_path, monkeypatch):
+    root = _megatron_checkout(
+        tmp_path / "Megatron-LM", drop=["--no-gradient-accumulation-fusion", "--mscale"]
+    )
+    monkeypatch.chdir(root)
+    out = tmp_path / "scripts"
+    res = run("gen-scripts", "--out", out)
+    assert res.code == 2
+    assert res.err.startswith(
+        "error: Megatron-LM 0.15.0rc3 does not accept --no-gradient-accumulation-fusion "
+        "(used by llama31-8b/full, llama32-1b/full, deepseek2_lite/full), --mscale (used by "
+        f"deepseek2_lite/full), checked against {root / 'megatron/training/arguments.py'}; "
+        "override those args in a --config file, or pass --megatron-release"
+    ), res.err
+    assert res.err.count(". ") == 0 and res.err.rstrip().endswith(".")
+    assert not out.exists()
+    res = run("gen-scripts", "--out", out, "--models", "llama32-1b", "--profile", "smoke")
+    assert res.code == 2 and "(used by llama32-1b/smoke), checked" in res.err
+    # overriding the arg in a --config file is the way out
+    cfg = tmp_path / "mine.toml"
+    cfg.write_text("[common.args]\nno-gradient-accumulation-fusion = false\n")
+    res = run("gen-scripts", "--out", out, "--models", "llama32-1b", "--config", cfg)
+    assert res.code == 0, res
+    # run refuses the same way before anything is launched
+    res = run("run", "--model", "llama32-1b", "--dataset", "dolma", "--scheme", "bf16", "--dry-run")
+    assert res.code == 2 and "does not accept --no-gradient-accumulation-fusion" in res.err
+
+
+def test_a_parser_that_does_not_parse_names_file_and_line(run, tmp_path, monkeypatch):
+    root = _megatron_checkout(tmp_path / "Megatron-LM")
+    path = root / "megatron" / "training" / "arguments.py"
+    lines = path.read_text().splitlines(keepends=True)
+    bad = next(i for i, line in enumerate(lines) if "'--seq-length'" in line)
+    lines[bad] = lines[bad].replace("'--seq-length',", "'--seq-length' type=int,")
+    path.write_text("".join(lines))
+    monkeypatch.chdir(root)
+    out = tmp_path / "scripts"
+    res = run("gen-scripts", "--out", out)
+    assert res.code == 2
+    assert f"error: {path}:{bad + 1}: the file does not parse as Python" in res.err, res.err
+    assert not out.exists()
+
+
+def test_outside_a_checkout_the_bundled_list_is_used(run, tmp_path, make_checkout, monkeypatch):
+    out = tmp_path / "s"
+    res = run("gen-scripts", "--out", out, "--models", "llama32-1b", "--schemes", "bf16")
+    assert res.code == 0
+    assert (
+        "validated against the bundled Megatron-LM core_v0.13.1 flag list (502 flags; "
+        f"no megatron/training/arguments.py in {Path.cwd()})" in res.out
+    )
+    assert all(f"for {BUNDLED};" in p.read_text() for p in out.rglob("*.sh"))
+    # a git checkout without megatron/training/arguments.py (a megatron-core tree) likewise
+    root = make_checkout()
+    monkeypatch.chdir(root)
+    res = run("gen-scripts", "--out", out, "--models", "llama32-1b", "--schemes", "bf16")
+    assert res.code == 0 and f"no megatron/training/arguments.py in {root}" in res.out
+
+
+@pytest.mark.parametrize("model", ["llama31-8b", "llama32-1b", "deepseek2_lite"])
+@pytest.mark.parametrize("profile", PROFILES)
+def test_no_script_passes_a_flag_twice(model, profile):
+    """The arrays the script hands to pretrain_gpt.py, as bash builds them, in both data modes
+    and with tensor parallelism on and off."""
+    reg = load_registry()
+    (script,) = render_all(reg, [model], ["dolma"], ["bf16"], profile, "core_v0.13.1")
+    section = script.text.split("# ---- pretrain_gpt.py arguments", 1)[1]
+    section = section.split("# ---- end of arguments", 1)[0]
+    arrays = ("MODEL", "TRAINING", "IMPL", "PARALLEL", "DATA", "OUTPUT")
+    show = "printf '%s\\n' " + " ".join(f'"${{{a}_ARGS[@]}}"' for a in arrays)
+    for mock, tp in ((0, 1), (1, 1), (0, 2), (1, 2)):
+        argv = subprocess.run(
+            ["bash", "-c", section + show],
+            env={"PATH": os.environ["PATH"], "MOCK_DATA": str(mock), "TP": str(tp)},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.splitlines()
+        flags = [a for a in argv if a.startswith("--")]
+        assert flags and len(flags) == len(set(flags)), (mock, tp, flags)
+        assert ("--sequence-parallel" in flags) == (tp > 1)
+        moe = model == "deepseek2_lite"
+        assert flags.count("--expert-model-parallel-size") == (1 if moe else 0)

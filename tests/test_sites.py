@@ -125,6 +125,24 @@ def test_bare_literal_line_does_not_parse_and_names_the_line(trees):
         discover_source(broken, ATTENTION, "attention")
 
 
+def test_syntax_error_names_the_real_line(trees):
+    """Inside an indented block libcst's own error position is a line late; the reported line
+    is the one that holds the error (and each form gets CPython's reason)."""
+    text = _inject(trees, "0.13.1", ATTENTION, Layout())
+    lines = text.splitlines(keepends=True)
+    bad = next(i for i, line in enumerate(lines) if "custom_quant_type = 'bf16'" in line)
+    lines[bad] = lines[bad].replace("= 'bf16'", "= = 'bf16'")
+    with pytest.raises(UserError) as exc:
+        discover_source("".join(lines), ATTENTION, "attention")
+    assert str(exc.value) == (
+        f"{ATTENTION}:{bad + 1}: the file does not parse as Python (invalid syntax)."
+    )
+    lines = text.splitlines(keepends=True)
+    lines[bad] = lines[bad].replace("= 'bf16'", "= ('bf16'")
+    with pytest.raises(UserError, match=rf":{bad + 1}: .*\('\(' was never closed\)"):
+        discover_source("".join(lines), ATTENTION, "attention")
+
+
 def test_role_values_flag_disagreement(trees):
     text = _inject(trees, "0.13.1", LINEAR, Layout())
     text = text.replace("custom_quant_type = 'bf16'", "custom_quant_type = 'mxfp8'", 1)
