@@ -97,6 +97,10 @@ def load_targets(root: Path) -> Targets:
             data = tomllib.loads(path.read_text(encoding="utf-8"))
         except tomllib.TOMLDecodeError as exc:
             raise UserError(f"{path}: not valid TOML ({exc}).") from None
+        except RecursionError:
+            raise UserError(f"{path}: nested too deeply to be valid configuration.") from None
+        except UnicodeDecodeError:
+            raise UserError(f"{path}: not UTF-8 text.") from None
         found = data.get("tool", {}).get("quantpatch")
         if found is None and name == "quantpatch.toml":
             found = data  # quantpatch.toml may hold the keys at top level

@@ -26,6 +26,7 @@ from quantpatch.edits import (
     write_exact,
 )
 from quantpatch.errors import UserError
+from quantpatch.site_model import refuse_links
 
 
 @dataclass
@@ -223,6 +224,7 @@ def _detached_note(checkout: gitrepo.Checkout, commit: str | None) -> list[str]:
 
 
 def _preconditions(checkout: gitrepo.Checkout, files: Sequence[str]) -> None:
+    refuse_links(checkout.root, files)
     if gitrepo.load_state(checkout):
         raise UserError("a quantpatch set is active; run 'quantpatch restore' first.")
     if checkout.repo is not None:

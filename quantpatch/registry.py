@@ -8,6 +8,7 @@ a new entry must be complete. Every problem names the file, the entry and the fi
 
 from __future__ import annotations
 
+import re
 import sys
 from dataclasses import dataclass, field
 from functools import cache
@@ -158,6 +159,11 @@ def _merge(
     return merged
 
 
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+"""Model, dataset, profile and scheme names: they become paths and lines of shell scripts,
+so no '/', '..', whitespace, newline or quote can get in."""
+
+
 def _read_toml(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise UserError(f"{path}: config file not found.")
@@ -167,6 +173,8 @@ def _read_toml(path: Path) -> dict[str, Any]:
         raise UserError(f"{path}: not valid TOML ({exc}).") from None
     except UnicodeDecodeError:
         raise UserError(f"{path}: not UTF-8 text.") from None
+    except RecursionError:
+        raise UserError(f"{path}: nested too deeply to be a quantpatch config.") from None
 
 
 def _package_data(name: str) -> dict[str, Any]:
@@ -192,6 +200,12 @@ def load_registry(extra: Path | None = None) -> Registry:
                     f"{where}: unknown table '{top}' (known: {', '.join([*raw, 'common'])})."
                 )
             for name, entry in table.items():
+                if not isinstance(name, str) or not NAME_RE.fullmatch(name):
+                    raise UserError(
+                        f"{where}: {top} name {name!r} is not an identifier (letters, digits "
+                        "and '_.-', starting with a letter or digit, at most 64): names become "
+                        "file names and script lines."
+                    )
                 raw[top][name] = _merge(top, name, raw[top].get(name), entry, where)
     schemes = {}
     for name, e in raw["schemes"].items():

@@ -20,7 +20,7 @@ from quantpatch import __version__
 from quantpatch.config import SITE_NAME, Targets
 from quantpatch.site_model import Site, read_target
 
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2
 KEEP = 64
 
 
@@ -34,13 +34,31 @@ def _entry(cache_dir: Path, rel: str, kind: str, text: str) -> Path:
 
 
 def load(cache_dir: Path | None, rel: str, kind: str, text: str) -> list[Site] | None:
+    """The cached sites of ``text``, or ``None`` on a miss or on any doubt: an entry is
+    trusted only when it names this very text (its full key) and every site it lists
+    stands in the text as recorded (the line holds the site name and the value as written,
+    and the value is the one in that expression). ``check --expect``, which every launch
+    script relies on, must never report a value the file does not hold."""
     if cache_dir is None:
         return None
     try:
         data = json.loads(_entry(cache_dir, rel, kind, text).read_text(encoding="utf-8"))
-        return [Site.from_dict(d) for d in data]
-    except (OSError, ValueError, TypeError, KeyError):
+        if data.get("key") != cache_key(rel, kind, text):
+            return None
+        sites = [Site.from_dict(d) for d in data["sites"]]
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
         return None
+    lines = text.splitlines()
+    for site in sites:
+        if not 0 < site.line <= len(lines) or site.file != rel:
+            return None
+        line = lines[site.line - 1]
+        first = site.source.splitlines()[0] if site.source else ""
+        if SITE_NAME not in line or first not in line:
+            return None
+        if site.value is not None and site.value not in site.source:
+            return None
+    return sites
 
 
 def store(cache_dir: Path | None, rel: str, kind: str, text: str, sites: Sequence[Site]) -> None:
@@ -51,7 +69,8 @@ def store(cache_dir: Path | None, rel: str, kind: str, text: str, sites: Sequenc
         cache_dir.mkdir(parents=True, exist_ok=True)
         path = _entry(cache_dir, rel, kind, text)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps([s.to_dict() for s in sites]), encoding="utf-8")
+        entry = {"key": cache_key(rel, kind, text), "sites": [s.to_dict() for s in sites]}
+        tmp.write_text(json.dumps(entry), encoding="utf-8")
         os.replace(tmp, path)
         entries = sorted(cache_dir.glob("sites-*.json"), key=lambda p: p.stat().st_mtime)
         for old in entries[:-KEEP]:

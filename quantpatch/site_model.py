@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -85,3 +86,15 @@ def read_target(root: Path, rel: str) -> str:
     if text is None:
         raise UserError(f"{rel}: target file not found under {root}.")
     return text
+
+
+def refuse_links(root: Path, rels: Sequence[str]) -> None:
+    """Writing commands edit regular files only: writing through a symbolic link would
+    change a file elsewhere, and replacing the link would break it."""
+    for rel in rels:
+        path = root / rel
+        if path.is_symlink():
+            raise UserError(
+                f"{rel}: is a symbolic link (to {os.readlink(path)}); quantpatch edits regular "
+                "files only: point the [tool.quantpatch] paths at the real file."
+            )

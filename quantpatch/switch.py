@@ -31,7 +31,7 @@ from quantpatch.edits import (
 )
 from quantpatch.errors import UserError
 from quantpatch.saver import status as saver_status
-from quantpatch.site_model import Site, role_values
+from quantpatch.site_model import Site, refuse_links, role_values
 
 if TYPE_CHECKING:  # libcst is imported only by the commands that rewrite
     from quantpatch.sites import FileSites
@@ -254,6 +254,7 @@ def set_values(path: Path | None, req: SetRequest) -> SetResult:
 
 
 def _set_unlocked(checkout: gitrepo.Checkout, targets: Targets, req: SetRequest) -> SetResult:
+    refuse_links(checkout.root, targets.all_files)
     current_files = _discover_checked(checkout.root, targets)
     values = _resolve_values(req.values, [s for f in current_files for s in f.sites])
     state = gitrepo.load_state(checkout)

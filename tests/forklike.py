@@ -25,6 +25,8 @@ import libcst as cst
 from quantpatch.codemods.init_sites import LINEAR_CLASS_SUFFIX, Layout, inject_sites
 from quantpatch.config import DEFAULT_ATTENTION_FILE, DEFAULT_LINEAR_FILE
 
+from .megatron_parser import write_parser
+
 LINEAR = DEFAULT_LINEAR_FILE
 ATTENTION = DEFAULT_ATTENTION_FILE
 SAVER = "megatron/core/tensor_saver.py"
@@ -258,58 +260,6 @@ def fork_attention(stock: str, layout: Layout) -> str:
     return module.visit(_InClass()).code
 
 
-def package_info(stock: str, version: tuple[int, int, int, str] = FORK_VERSION) -> str:
-    major, minor, patch, pre = version
-    lines = []
-    for line in stock.splitlines(keepends=True):
-        for name, val in (("MAJOR", major), ("MINOR", minor), ("PATCH", patch)):
-            if line.startswith(f"{name} = "):
-                line = f"{name} = {val}\n"
-        if line.startswith("PRE_RELEASE = "):
-            line = f"PRE_RELEASE = '{pre}'\n"
-        lines.append(line)
-    return "".join(lines)
-
-
-def arguments_py(flags: list[str]) -> str:
-    """A ``megatron/training/arguments.py`` of the real shape: ``parse_args`` calls one
-    ``_add_*_args`` function per group, each declaring its flags with ``add_argument``."""
-    groups: dict[str, list[str]] = {}
-    for flag in flags:
-        groups.setdefault(flag.lstrip("-").split("-")[0], []).append(flag)
-    out = [
-        '"""Megatron arguments (shape of the real parser)."""',
-        "",
-        "import argparse",
-        "",
-        "",
-        "def parse_args(extra_args_provider=None, ignore_unknown_args=False):",
-        "    parser = argparse.ArgumentParser(description='Megatron-LM Arguments',",
-        "                                     allow_abbrev=False)",
-    ]
-    names = [f"_add_{g.replace('.', '_')}_args" for g in groups]
-    out += [f"    parser = {n}(parser)" for n in names]
-    out += ["    return parser.parse_known_args()[0]", ""]
-    for name, (group, members) in zip(names, groups.items(), strict=True):
-        out += [
-            "",
-            f"def {name}(parser):",
-            f"    group = parser.add_argument_group(title='{group}')",
-        ]
-        for flag in members:
-            if flag.startswith("--no-"):
-                dest = flag[len("--no-") :].replace("-", "_")
-                out.append(
-                    f"    group.add_argument('{flag}', action='store_false',\n"
-                    f"                       help='Disable {dest}.', dest='{dest}')"
-                )
-            else:
-                out.append(f"    group.add_argument('{flag}', type=str, default=None,")
-                out.append(f"                       help='{flag[2:]}')")
-        out.append("    return parser")
-    return "\n".join(out) + "\n"
-
-
 @dataclass
 class Fork:
     origin: Path
@@ -389,12 +339,7 @@ def build_fork(
     (dest / TRAINING).parent.mkdir(parents=True, exist_ok=True)
     (dest / TRAINING).write_text(FORK_TRAINING_SOURCE, encoding="utf-8")
     (dest / "megatron/training/__init__.py").write_text("")
-    from quantpatch.registry import release_flags
-
-    flags = sorted(release_flags("core_v0.13.1"))
-    (dest / ARGUMENTS).write_text(arguments_py(flags), encoding="utf-8")
-    info = (tree.parent / PACKAGE_INFO).read_text(encoding="utf-8")
-    (dest / PACKAGE_INFO).write_text(package_info(info), encoding="utf-8")
+    write_parser(dest, version=FORK_VERSION)  # arguments.py and package_info.py, 0.15.0rc3
     _commit_all(dest, "quant: tensor saver, training hooks, megatron 0.15.0rc3")
     git(dest, "branch", "dev")
     return Fork(dest, history)

@@ -302,3 +302,20 @@ def test_scheme_branch_with_no_record_recovers_the_base(run, clone):
     assert res.code == 0 and "recovered the base quant" in res.err
     assert run("restore", "--repo", clone).code == 0
     assert git.Repo(clone).active_branch.name == "quant"
+
+
+def test_gen_scripts_for_the_clones_own_release(run, clone, tmp_path):
+    out = tmp_path / "scripts"
+    res = run("gen-scripts", "--repo", clone, "--out", out)
+    assert res.code == 0, res
+    assert "0.15.0rc3" in res.out + res.err
+    scripts = sorted(out.rglob("*.sh"))
+    assert len(scripts) == 60
+    for script in scripts:
+        text = script.read_text()
+        assert "0.15.0rc3" in text.split("set -euo pipefail")[0], script
+        assert (
+            "--expert-model-parallel-size" not in text
+            or text.count("--expert-model-parallel-size") == 1
+        )
+    assert git_out(clone, "status", "--porcelain") == ""

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import libcst as cst
 import libcst.matchers as m
 
+from quantpatch.codemods.set_value import keep_bom
 from quantpatch.config import SITE_NAME
 from quantpatch.errors import UserError
 from quantpatch.sites import parse_source
@@ -304,4 +305,4 @@ def inject_sites(text: str, rel: str, kind: str, layout: Layout | None = None) -
         )
     if layout.env:
         new = _ensure_import_os(new)
-    return new.code
+    return keep_bom(text, new.code)

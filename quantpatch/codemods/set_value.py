@@ -152,7 +152,14 @@ def plan_values(fs: FileSites, values: Mapping[str, str], *, split: bool = True)
     # and dispatch lives); the rest of the module is kept as the very same nodes
     rewrite = _Rewrite(by_node, inserts)
     body = [stmt.visit(rewrite) if id(stmt) in fs.chunks else stmt for stmt in fs.module.body]
-    return fs.module.with_changes(body=body).code
+    return keep_bom(fs.text, fs.module.with_changes(body=body).code)
+
+
+def keep_bom(original: str, code: str) -> str:
+    """libcst drops a leading UTF-8 byte-order mark; every byte outside the literal stays."""
+    if original.startswith("\ufeff") and not code.startswith("\ufeff"):
+        return "\ufeff" + code
+    return code
 
 
 def verify_rewrite(
