@@ -202,11 +202,22 @@ def set_(
 
 
 @app.command()
-def restore(repo: Path | None = RepoOpt) -> None:
+def restore(
+    forget: bool = typer.Option(
+        False,
+        "--forget",
+        help="Drop quantpatch's record (an unreadable one, say) without touching files or "
+        "branches.",
+    ),
+    repo: Path | None = RepoOpt,
+) -> None:
     """Put the checkout back on the recorded base, byte-identical, and clear the record."""
     from quantpatch.switch import restore as run_restore
 
-    result = run_restore(_repo(repo))
+    result = run_restore(_repo(repo), forget=forget)
+    if result.mode == "forget":
+        _notes(result.notes)
+        return
     _notes(result.notes)
     if result.mode == "branch":
         b = result.base

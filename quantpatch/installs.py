@@ -15,8 +15,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from quantpatch import faults
 from quantpatch import repo as gitrepo
-from quantpatch.edits import Edit, apply_edits, read_exact, sha256_text, write_exact
+from quantpatch.edits import (
+    Edit,
+    apply_edits,
+    journaled,
+    read_exact,
+    sha256_text,
+    write_exact,
+)
 from quantpatch.errors import UserError
 
 
@@ -29,12 +37,49 @@ class InstallResult:
     notes: list[str] = field(default_factory=list)
 
 
-def record_of(checkout: gitrepo.Checkout, name: str) -> dict[str, Any] | None:
-    path = checkout.state_dir / name / "record.json"
+def _record_path(checkout: gitrepo.Checkout, name: str) -> Path:
+    return checkout.state_dir / name / "record.json"
+
+
+def _read_record(checkout: gitrepo.Checkout, name: str) -> dict[str, Any] | None:
+    path = _record_path(checkout, name)
     if not path.is_file():
         return None
-    data: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
+    try:
+        data = json.loads(path.read_bytes().decode("utf-8"))
+        if not isinstance(data, dict) or not isinstance(data.get("files"), dict):
+            raise ValueError
+    except (ValueError, UnicodeDecodeError):
+        raise UserError(
+            f"{path}: the record of 'quantpatch {name}' is unreadable; check the files it "
+            "instrumented against git, then remove that directory."
+        ) from None
     return data
+
+
+def record_of(checkout: gitrepo.Checkout, name: str) -> dict[str, Any] | None:
+    """The install's record, ``None`` when not installed (or its removal was completed)."""
+    data = _read_record(checkout, name)
+    return None if data is None or data.get("state") == "removed" else data
+
+
+def _record_text(edits: Sequence[Edit], extra: dict[str, Any], message: str, state: str) -> str:
+    files = {
+        e.rel: {
+            "existed": e.old is not None,
+            "written": sha256_text(e.new or ""),
+            "original_sha": None if e.old is None else sha256_text(e.old),
+        }
+        for e in edits
+    }
+    body = {"files": files, **extra, "message": message, "state": state}
+    return json.dumps(body, indent=2) + "\n"
+
+
+def _write_record_text(checkout: gitrepo.Checkout, name: str, text: str) -> None:
+    faults.step(f"write {name} record", done=False)
+    write_exact(_record_path(checkout, name), text)
+    faults.step(f"write {name} record", done=True)
 
 
 def run_install(
@@ -46,15 +91,31 @@ def run_install(
     *,
     extra: dict[str, Any] | None = None,
 ) -> InstallResult:
-    """Plan edits (under the lock, after the common checks), write them, record the originals,
-    and commit the written files in a git checkout."""
+    """Plan edits (under the lock, after the common checks), write them with a journal,
+    record the originals, and commit the written files in a git checkout. A failing commit
+    puts every file, the index and the record back as they were."""
     checkout = gitrepo.find_checkout(path, need_git=False)
     with gitrepo.locked(checkout):
+        gitrepo.recover(checkout)
+        finish_interrupted(checkout, name)
         _preconditions(checkout, files(checkout))
         edits = plan(checkout)
-        written = apply_edits(checkout.root, edits)
-        _write_record(checkout.state_dir / name, edits, extra or {})
-        result = InstallResult(written, _commit(checkout, written, message), removed=False)
+        record_dir = checkout.state_dir / name
+        for e in edits:  # the original bytes, kept before anything is replaced
+            if e.old is not None:
+                write_exact(record_dir / "originals" / e.rel, e.old)
+        text = _record_text(edits, extra or {}, message, "installed")
+        journal = gitrepo.journal_dir(checkout)
+        with journaled(journal, checkout.root, edits, _record_path(checkout, name), text):
+            written = apply_edits(checkout.root, edits)
+            _write_record_text(checkout, name, text)
+        try:
+            commit = _commit(checkout, written, message)
+        except UserError as exc:
+            _undo(checkout, edits, written)
+            shutil.rmtree(record_dir, ignore_errors=True)
+            raise UserError(f"{exc}\nNothing was changed.") from None
+        result = InstallResult(written, commit, removed=False)
         result.notes = _detached_note(checkout, result.commit)
         return result
 
@@ -65,6 +126,8 @@ def run_remove(
     """Restore the original bytes of a recorded install (refusing files changed since)."""
     checkout = gitrepo.find_checkout(path, need_git=False)
     with gitrepo.locked(checkout):
+        gitrepo.recover(checkout)
+        finish_interrupted(checkout, name)
         record = record_of(checkout, name)
         if record is None:
             if missing_ok:
@@ -80,13 +143,71 @@ def run_remove(
                 )
             original = None
             if info["existed"]:
-                original = read_exact(checkout.state_dir / name / "originals" / rel)
+                kept = checkout.state_dir / name / "originals" / rel
+                original = read_exact(kept)
+                want = info.get("original_sha")
+                if original is None or (want and sha256_text(original) != want):
+                    raise UserError(
+                        f"{kept}: the kept original of {rel} is missing or altered; "
+                        f"{rel} was left as it is."
+                    )
             edits.append(Edit(rel, current, original))
-        written = apply_edits(checkout.root, edits)
+        installed_text = _record_path(checkout, name).read_text(encoding="utf-8")
+        removed_text = json.dumps({**record, "state": "removed"}, indent=2) + "\n"
+        journal = gitrepo.journal_dir(checkout)
+        with journaled(journal, checkout.root, edits, _record_path(checkout, name), removed_text):
+            written = apply_edits(checkout.root, edits)
+            _write_record_text(checkout, name, removed_text)
+        try:
+            commit = _commit(checkout, written, message)
+        except UserError as exc:
+            _undo(checkout, edits, written)
+            _write_record_text(checkout, name, installed_text)
+            raise UserError(f"{exc}\nNothing was changed.") from None
         shutil.rmtree(checkout.state_dir / name)
-        result = InstallResult(written, _commit(checkout, written, message), removed=True)
+        result = InstallResult(written, commit, removed=True)
         result.notes = _detached_note(checkout, result.commit)
         return result
+
+
+def finish_interrupted(checkout: gitrepo.Checkout, name: str) -> bool:
+    """Complete an install or removal that was killed between its record and its commit:
+    the files hold exactly what the record says, so the commit is made now. True when
+    something was finished."""
+    data = _read_record(checkout, name)
+    if data is None:
+        return False
+    removed = data.get("state") == "removed"
+    finished = False
+    if checkout.repo is not None and gitrepo.head_commit(checkout.repo) is not None:
+        dirty = gitrepo.dirty_paths(checkout.repo, list(data["files"]))
+        if dirty:
+            key = "original_sha" if removed else "written"
+            if all(
+                _sha_of(checkout.root / rel) == data["files"][rel].get(key)
+                or (removed and key == "original_sha" and not data["files"][rel]["existed"])
+                for rel in dirty
+            ):
+                gitrepo.commit_paths(checkout.repo, dirty, str(data.get("message", name)))
+                finished = True
+    if removed:
+        shutil.rmtree(checkout.state_dir / name, ignore_errors=True)
+        finished = True
+    return finished
+
+
+def _sha_of(path: Path) -> str | None:
+    text = read_exact(path)
+    return None if text is None else sha256_text(text)
+
+
+def _undo(checkout: gitrepo.Checkout, edits: Sequence[Edit], written: Sequence[str]) -> None:
+    """Put the written files back and take them out of the index again (only those paths:
+    the user's own staged changes are never touched)."""
+    back = [Edit(e.rel, e.new, e.old) for e in edits if e.rel in written]
+    apply_edits(checkout.root, back)
+    if checkout.repo is not None and written and gitrepo.head_commit(checkout.repo):
+        gitrepo.run_git(checkout.repo, "reset", "--quiet", "--", *written)
 
 
 def _detached_note(checkout: gitrepo.Checkout, commit: str | None) -> list[str]:
@@ -108,20 +229,6 @@ def _preconditions(checkout: gitrepo.Checkout, files: Sequence[str]) -> None:
             raise UserError(
                 f"uncommitted changes to {', '.join(dirty)}; commit or stash them first."
             )
-
-
-def _write_record(record_dir: Path, edits: Sequence[Edit], extra: dict[str, Any]) -> None:
-    """The original bytes and the hash of what was written (after the write succeeded)."""
-    for e in edits:
-        if e.old is not None:
-            write_exact(record_dir / "originals" / e.rel, e.old)
-    files = {
-        e.rel: {"existed": e.old is not None, "written": sha256_text(e.new or "")} for e in edits
-    }
-    record_dir.mkdir(parents=True, exist_ok=True)
-    (record_dir / "record.json").write_text(
-        json.dumps({"files": files, **extra}, indent=2) + "\n", encoding="utf-8"
-    )
 
 
 def _commit(checkout: gitrepo.Checkout, written: Sequence[str], message: str) -> str | None:

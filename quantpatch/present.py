@@ -61,6 +61,8 @@ def print_check(report: CheckReport, out: Console) -> None:
     else:
         out.print("base: none (no set active)")
     out.print(f"tensor saver: {saver_line(report.saver)}")
+    for warning in report.warnings:
+        out.print(f"warning: {warning}", style="yellow", markup=False)
 
 
 def saver_line(saver: dict[str, object]) -> str:

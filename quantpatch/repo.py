@@ -13,6 +13,7 @@ import fcntl
 import hashlib
 import json
 import os
+import shutil
 import socket
 import time
 from collections.abc import Iterator, Sequence
@@ -22,6 +23,7 @@ from typing import Any
 
 import git
 
+from quantpatch import faults
 from quantpatch.errors import UserError
 
 STATE_VERSION = 1
@@ -156,6 +158,8 @@ def _git_reason(exc: git.GitCommandError) -> str:
 
 def run_git(repo: git.Repo, *args: str, env: dict[str, str] | None = None) -> str:
     """``git <args>`` with a git failure turned into a ``UserError`` that keeps git's lines."""
+    label = f"git {args[0]}"
+    faults.step(label, done=False)
     try:
         with _identity(repo):
             if env:
@@ -163,9 +167,10 @@ def run_git(repo: git.Repo, *args: str, env: dict[str, str] | None = None) -> st
                     out: str = repo.git.execute(["git", *args])
             else:
                 out = repo.git.execute(["git", *args])
-            return out
     except git.GitCommandError as exc:
         raise UserError(f"git {args[0]} failed: {_git_reason(exc)}") from None
+    faults.step(label, done=True)
+    return out
 
 
 def commit_paths(repo: git.Repo, paths: Sequence[str], message: str) -> str:
@@ -178,33 +183,119 @@ def commit_paths(repo: git.Repo, paths: Sequence[str], message: str) -> str:
 # -- state --------------------------------------------------------------------------------
 
 
+FORGET = "quantpatch restore --forget"
+
+
+def _bad_record(path: Path, why: str) -> UserError:
+    return UserError(
+        f"{path}: the quantpatch record {why}; '{FORGET}' drops it (your files and branches "
+        "stay as they are)."
+    )
+
+
 def load_state(checkout: Checkout) -> dict[str, Any] | None:
+    """The record of the active set, checked before it is trusted: a record that is not
+    what quantpatch writes is a one-sentence error naming the repair, never a traceback."""
     path = checkout.state_dir / "state.json"
-    if not path.is_file():
-        return None
     try:
-        data: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError:
-        raise UserError(f"{path}: the quantpatch record is corrupt; remove it by hand.") from None
+        if not path.is_file():
+            if path.exists() or (checkout.state_dir.exists() and not checkout.state_dir.is_dir()):
+                raise _bad_record(path, "is not a regular file")
+            return None
+        raw = path.read_bytes()
+    except PermissionError:
+        raise UserError(f"{path}: cannot read the quantpatch record (permission denied).") from None
+    except NotADirectoryError:
+        raise _bad_record(path, f"directory {checkout.state_dir} is not a directory") from None
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        raise _bad_record(path, "is not valid JSON") from None
+    if not isinstance(data, dict):
+        raise _bad_record(path, "is not a JSON object")
+    mode = data.get("mode")
+    base = data.get("base")
+    if mode not in ("branch", "in-place") or not isinstance(base, dict):
+        raise _bad_record(path, "lacks its mode or base")
+    if mode == "branch":
+        commit = base.get("commit")
+        branch = base.get("branch")
+        if not isinstance(commit, str) or (branch is not None and not isinstance(branch, str)):
+            raise _bad_record(path, "names no base commit")
+        if checkout.repo is not None:
+            try:
+                checkout.repo.commit(commit)
+            except (ValueError, git.BadName, git.BadObject):
+                raise _bad_record(
+                    path, f"names a base commit {commit[:12]} git does not have"
+                ) from None
+    elif not isinstance(data.get("files"), dict) or not all(
+        isinstance(v, dict) and isinstance(v.get("written"), str) and "original" in v
+        for v in data["files"].values()
+    ):
+        raise _bad_record(path, "lacks the files of the in-place set")
+    if not isinstance(data.get("history", []), list):
+        raise _bad_record(path, "has a malformed history")
     return data
 
 
+def state_text(state: dict[str, Any]) -> str:
+    return json.dumps({"version": STATE_VERSION, **state}, indent=2, sort_keys=True) + "\n"
+
+
+def _state_dir_ready(checkout: Checkout) -> None:
+    try:
+        checkout.state_dir.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise UserError(
+            f"{checkout.state_dir}: exists and is not a directory; move it away (quantpatch keeps "
+            "its record there)."
+        ) from None
+    except OSError as exc:
+        raise UserError(
+            f"{checkout.state_dir}: cannot create quantpatch's state directory ({exc.strerror})."
+        ) from None
+
+
 def save_state(checkout: Checkout, state: dict[str, Any]) -> None:
-    checkout.state_dir.mkdir(parents=True, exist_ok=True)
-    state = {"version": STATE_VERSION, **state}
+    _state_dir_ready(checkout)
     tmp = checkout.state_dir / "state.json.tmp"
-    tmp.write_text(json.dumps(state, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    os.replace(tmp, checkout.state_dir / "state.json")
+    faults.step("write record", done=False)
+    try:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.write(state_text(state))
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, checkout.state_dir / "state.json")
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise UserError(
+            f"{checkout.state_dir / 'state.json'}: cannot write the quantpatch record "
+            f"({exc.strerror}); nothing was changed."
+        ) from None
+    faults.step("write record", done=True)
 
 
 def clear_state(checkout: Checkout) -> None:
+    faults.step("clear record", done=False)
     with contextlib.suppress(FileNotFoundError):
         (checkout.state_dir / "state.json").unlink()
+    faults.step("clear record", done=True)
     originals = checkout.state_dir / "originals"
     if originals.is_dir():
-        for f in sorted(originals.rglob("*"), reverse=True):
-            f.unlink() if f.is_file() else f.rmdir()
-        originals.rmdir()
+        shutil.rmtree(originals, ignore_errors=True)
+
+
+def journal_dir(checkout: Checkout) -> Path:
+    return checkout.state_dir / "journal"
+
+
+def recover(checkout: Checkout) -> list[str]:
+    """Finish an interrupted multi-file write (under the lock, before any new work)."""
+    from quantpatch.edits import recover_journal
+
+    return recover_journal(journal_dir(checkout), checkout.root)
 
 
 # -- lock ---------------------------------------------------------------------------------
@@ -219,8 +310,8 @@ def locked(checkout: Checkout, wait: float = 0.0) -> Iterator[None]:
     file itself is never removed (removing it would let a second process lock a new inode).
     A held lock is refused (exit 2) or, with ``wait``, waited for up to that many seconds.
     """
+    _state_dir_ready(checkout)
     try:
-        checkout.state_dir.mkdir(parents=True, exist_ok=True)
         fd = os.open(checkout.state_dir / "lock", os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as exc:
         raise UserError(

@@ -10,6 +10,7 @@ without ever forcing. ``restore`` checks the base out again and clears the recor
 
 from __future__ import annotations
 
+import shutil
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from quantpatch.config import ROLES, Targets, load_targets, validate_value
 from quantpatch.edits import (
     Edit,
     apply_edits,
+    journaled,
     read_exact,
     sha256_text,
     unified_diff,
@@ -47,6 +49,8 @@ class CheckReport:
     git: gitrepo.GitInfo | None
     base: dict[str, Any] | None
     saver: dict[str, Any]
+    warnings: list[str] = field(default_factory=list)
+    """What is wrong around the sites (an unreadable record, an interrupted write)."""
 
     def problems(self, expect: Mapping[str, str] | None = None) -> list[str]:
         """Why the check does not hold (empty when it does)."""
@@ -68,6 +72,7 @@ class CheckReport:
             "git": self.git.as_json() if self.git else None,
             "base": self.base,
             "saver": self.saver,
+            "warnings": self.warnings,
         }
 
 
@@ -108,7 +113,16 @@ def check(path: Path | None) -> CheckReport:
     if not sites:
         raise _no_sites(targets)
     roles, mismatched = role_values(sites)
-    state = gitrepo.load_state(checkout)
+    problems_found: list[str] = []
+    try:
+        state = gitrepo.load_state(checkout)
+    except UserError as exc:  # a read-only command still reports what it can
+        state = None
+        problems_found.append(str(exc))
+    if gitrepo.journal_dir(checkout).exists():
+        problems_found.append(
+            "a quantpatch write was interrupted; the next set or restore finishes it."
+        )
     base = None
     if state:
         base = {
@@ -130,6 +144,7 @@ def check(path: Path | None) -> CheckReport:
         git=gitrepo.git_info(checkout.repo) if checkout.repo else None,
         base=base,
         saver=saver_status(checkout).as_json(),
+        warnings=problems_found,
     )
 
 
@@ -234,6 +249,7 @@ def set_values(path: Path | None, req: SetRequest) -> SetResult:
     if req.dry_run:
         return _set_unlocked(checkout, targets, req)
     with gitrepo.locked(checkout):
+        gitrepo.recover(checkout)
         return _set_unlocked(checkout, targets, req)
 
 
@@ -343,12 +359,23 @@ def _set_branch(
     # the intent before the first visible change: whatever happens next, the record names
     # the real base
     gitrepo.save_state(checkout, {**record, "pending": {"op": "set", "branch": name}})
-    if gitrepo.active_branch(repo) == name:
-        if plan.moves:  # rebuilt under the user's feet: move with their local changes kept
-            gitrepo.run_git(repo, "reset", "--quiet", "--keep", plan.commit)
-    else:
-        scheme_branch.move_ref(repo, plan)
-        gitrepo.run_git(repo, "checkout", "--quiet", name)
+    try:
+        if gitrepo.active_branch(repo) == name:
+            if plan.moves:  # rebuilt under the user's feet: move with their local changes kept
+                gitrepo.run_git(repo, "reset", "--quiet", "--keep", plan.commit)
+        else:
+            scheme_branch.move_ref(repo, plan)
+            gitrepo.run_git(repo, "checkout", "--quiet", name)
+    except UserError as exc:
+        if gitrepo.active_branch(repo) == name and gitrepo.head_commit(repo) == plan.commit:
+            # git switched and then a hook of the user's failed: the switch stands
+            notes.append(f"{exc} (the branch was checked out all the same)")
+        else:  # nothing visible happened: the record goes back to what it was
+            if state:
+                gitrepo.save_state(checkout, state)
+            else:
+                gitrepo.clear_state(checkout)
+            raise UserError(f"{exc}\nNothing was changed.") from None
     result.commit = plan.commit
     result.reused = plan.state == "reused"
     result.how = plan.state
@@ -392,28 +419,34 @@ def _set_in_place(
     result = SetResult(values=values, edits=edits, diff=unified_diff(edits))
     if req.dry_run:
         return result
-    files_state = dict((state or {}).get("files", {}))
+    files_state = {k: dict(v) for k, v in (state or {}).get("files", {}).items()}
     if not state:
         originals = checkout.state_dir / "originals"
         for fs in current_files:
             dest = originals / fs.rel
             write_exact(dest, fs.text)
-            files_state[fs.rel] = {"original": str(dest.relative_to(checkout.state_dir))}
-    apply_edits(checkout.root, edits)
+            files_state[fs.rel] = {
+                "original": str(dest.relative_to(checkout.state_dir)),
+                "original_sha": sha256_text(fs.text),
+            }
     for rel, text in planned.items():
         files_state[rel]["written"] = sha256_text(text)
-    history = (state or {}).get("history", [])
-    history.append({"time": time.time(), "values": values})
-    gitrepo.save_state(
-        checkout,
-        {
-            "mode": "in-place",
-            "base": {"branch": None, "commit": None},
-            "current": {"branch": None, "values": values},
-            "files": files_state,
-            "history": history,
-        },
-    )
+    history = [*(state or {}).get("history", []), {"time": time.time(), "values": values}]
+    new_state = {
+        "mode": "in-place",
+        "base": {"branch": None, "commit": None},
+        "current": {"branch": None, "values": values},
+        "files": files_state,
+        "history": history,
+    }
+    # journal (old texts + the record that marks completion) before the first replacement:
+    # a kill anywhere below is rolled back, or found complete, by the next command
+    record = checkout.state_dir / "state.json"
+    with journaled(
+        gitrepo.journal_dir(checkout), checkout.root, edits, record, gitrepo.state_text(new_state)
+    ):
+        apply_edits(checkout.root, edits)
+        gitrepo.save_state(checkout, new_state)
     return result
 
 
@@ -428,19 +461,39 @@ class RestoreResult:
     notes: list[str] = field(default_factory=list)
 
 
-def restore(path: Path | None) -> RestoreResult:
+def restore(path: Path | None, *, forget: bool = False) -> RestoreResult:
+    """Back to the recorded base; with ``forget``, drop an unreadable or unwanted record and
+    change no file or branch (the repair the state errors name)."""
     checkout = gitrepo.find_checkout(path, need_git=False)
     with gitrepo.locked(checkout):
+        if forget:
+            return _forget(checkout)
+        gitrepo.recover(checkout)
         state = gitrepo.load_state(checkout)
         if not state:
             raise UserError(f"{checkout.root}: nothing to restore (no active quantpatch set).")
         targets = load_targets(checkout.root)
         if state["mode"] == "in-place":
-            result = _restore_in_place(checkout, state)
-        else:
-            result = _restore_branch(checkout, targets, state)
+            return _restore_in_place(checkout, state)
+        result = _restore_branch(checkout, targets, state)
         gitrepo.clear_state(checkout)
         return result
+
+
+def _forget(checkout: gitrepo.Checkout) -> RestoreResult:
+    record = checkout.state_dir / "state.json"
+    if not record.exists() and not gitrepo.journal_dir(checkout).exists():
+        raise UserError(f"{checkout.root}: no quantpatch record to forget.")
+    gone = []
+    if record.is_dir():
+        shutil.rmtree(record)
+    elif record.exists():
+        record.unlink()
+    gone.append(str(record))
+    if gitrepo.journal_dir(checkout).exists():
+        shutil.rmtree(gitrepo.journal_dir(checkout))
+        gone.append(str(gitrepo.journal_dir(checkout)))
+    return RestoreResult("forget", {}, [], [f"dropped {', '.join(gone)}"])
 
 
 def _restore_in_place(checkout: gitrepo.Checkout, state: dict[str, Any]) -> RestoreResult:
@@ -449,8 +502,21 @@ def _restore_in_place(checkout: gitrepo.Checkout, state: dict[str, Any]) -> Rest
         current = read_exact(checkout.root / rel)
         if current is None or sha256_text(current) != info["written"]:
             raise UserError(f"{rel} changed since quantpatch wrote it; revert it first.")
-        edits.append(Edit(rel, current, read_exact(checkout.state_dir / info["original"])))
-    written = apply_edits(checkout.root, edits)
+        original_path = checkout.state_dir / info["original"]
+        original = read_exact(original_path)
+        if original is None or (
+            info.get("original_sha") and sha256_text(original) != info["original_sha"]
+        ):
+            # a missing or altered copy is an error, never a reason to delete the file
+            raise UserError(
+                f"{original_path}: the kept original of {rel} is missing or altered, so "
+                f"quantpatch cannot restore it; {rel} was left as it is."
+            )
+        edits.append(Edit(rel, current, original))
+    record = checkout.state_dir / "state.json"
+    with journaled(gitrepo.journal_dir(checkout), checkout.root, edits, record, None):
+        written = apply_edits(checkout.root, edits)
+        gitrepo.clear_state(checkout)
     return RestoreResult("in-place", state["base"], written)
 
 

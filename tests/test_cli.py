@@ -270,7 +270,7 @@ def test_injected_failure_during_set_leaves_files_and_refs(run, make_checkout, m
     calls = []
 
     def flaky(src, dst):
-        if str(dst).endswith((LINEAR, ATTENTION)):
+        if str(dst).endswith((LINEAR, ATTENTION)) and ".git" not in str(dst):
             calls.append(dst)
             if len(calls) == 2:  # the first target file is already replaced
                 raise OSError(28, "No space left on device", str(dst))
