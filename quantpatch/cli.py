@@ -271,7 +271,9 @@ def saver_status_cmd(repo: Path | None = RepoOpt, json_: bool = JsonOpt) -> None
         note = "" if st.module_matches else " (module differs from this quantpatch's)"
         out.print(f"installed: {st.module}{note}; instrumented: {', '.join(st.files)}")
     else:
-        out.print("not installed")
+        from quantpatch.present import saver_line
+
+        out.print(saver_line(st.as_json()))
 
 
 @app.command("init")

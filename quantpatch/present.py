@@ -66,6 +66,8 @@ def print_check(report: CheckReport, out: Console) -> None:
 
 
 def saver_line(saver: dict[str, object]) -> str:
+    if saver.get("installed") and saver.get("replaced"):
+        return "installed (in place of the checkout's own)"
     if saver.get("installed"):
         return "installed"
     if saver.get("other"):

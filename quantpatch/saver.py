@@ -4,6 +4,8 @@
 ``megatron/core/tensor_saver.py`` and instruments the linear file, the attention file and
 ``transformer_layer.py`` beside the attention file; ``remove`` restores every byte.
 Both are idempotent, refused while a ``set`` is active, and committed like ``set``.
+A checkout's own saver is replaced only with ``--force``, and only when the installed module
+serves every use of it in the checkout (``saver_callers``).
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ def install(path: Path | None, *, force: bool = False) -> InstallResult:
                 "--force replaces it (remove puts it back)."
             )
         edits.append(Edit(SAVER_MODULE, current, saver_source()))
+        _refuse_unserved_callers(co.root, edits)
         return edits
 
     return run_install(
@@ -67,6 +70,21 @@ def install(path: Path | None, *, force: bool = False) -> InstallResult:
         "quantpatch saver install: tensor saver and marked calls",
         idempotent=True,
     )
+
+
+def _refuse_unserved_callers(root: Path, edits: list[Edit]) -> None:
+    """Every import of the saver module and every call in the checkout (as it will be) must be
+    served by the installed module; otherwise nothing is written."""
+    from quantpatch.saver_callers import served_api, unserved_uses
+
+    texts = {e.rel: e.new for e in edits}
+    uses = unserved_uses(root, served_api(saver_source()), texts, skip=SAVER_MODULE)
+    if uses:
+        raise UserError(
+            f"{SAVER_MODULE}: the tensor saver quantpatch installs does not serve "
+            f"{len(uses)} use(s) of the one it would replace: "
+            f"{', '.join(map(str, uses))}; nothing was changed."
+        )
 
 
 def remove(path: Path | None) -> InstallResult:
@@ -81,6 +99,8 @@ class SaverStatus:
     module: str
     module_matches: bool
     files: list[str]
+    other: bool = False  # a tensor saver quantpatch did not install (the checkout's own)
+    replaced: bool = False  # installed in place of such a saver (remove puts it back)
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -88,6 +108,8 @@ class SaverStatus:
             "module": self.module,
             "module_matches": self.module_matches,
             "files": self.files,
+            "other": self.other,
+            "replaced": self.replaced,
         }
 
 
@@ -96,7 +118,13 @@ def status(checkout: gitrepo.Checkout) -> SaverStatus:
     alone: no parsing, so ``check`` stays fast."""
     record = record_of(checkout, RECORD)
     current = read_exact(checkout.root / SAVER_MODULE)
-    files = sorted((record or {}).get("files", {}))
+    files = (record or {}).get("files", {})
+    installed = record is not None and current is not None
     return SaverStatus(
-        record is not None and current is not None, SAVER_MODULE, current == saver_source(), files
+        installed,
+        SAVER_MODULE,
+        current == saver_source(),
+        sorted(files),
+        other=current is not None and not installed,
+        replaced=installed and bool(files.get(SAVER_MODULE, {}).get("existed")),
     )

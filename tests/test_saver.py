@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import collections
+import errno
 import json
 import os
 import re
+import subprocess
+import sys
+import textwrap
 import threading
 from pathlib import Path
 
@@ -301,7 +305,13 @@ def test_flush_writes_everything_bit_exact(saver_module, tmp_path):
     for i, t in enumerate(tensors):
         ts.save_linear_tensors(t, None, "mxfp8", "forward", i, {"module_kind": "fc1"})
     report = ts.flush()
-    assert report == {"files": 20, "bytes": 20 * 64 * 32 * 2, "dropped": 0, "errors": []}
+    assert report == {
+        "files": 20,
+        "bytes": 20 * 64 * 32 * 2,
+        "dropped": 0,
+        "failed": 0,
+        "errors": [],
+    }
     saved = sorted((tmp_path / "t").glob("*.pt"))
     for path, t in zip(saved, tensors, strict=True):
         assert torch.equal(torch.load(path)["tensor"], t)
@@ -345,7 +355,8 @@ def test_selection_parsing_and_kind_names():
     pytest.importorskip("torch")
     from quantpatch.runtime import tensor_saver as ts
 
-    assert ts._ranges("0-1,5, 7-8") == {0, 1, 5, 7, 8} and ts._ranges("") is None
+    assert ts._ranges("0-1,5, 7-8") == ((0, 1), (5, 5), (7, 8)) and ts._ranges("") is None
+    assert [x for x in range(10) if ts._in(ts._ranges("0-1,5, 7-8"), x)] == [0, 1, 5, 7, 8]
     assert ts._kind_from_name("self_attention.linear_qkv.weight") == "qkv"
     assert ts._kind_from_name("mlp.linear_fc2.weight") == "fc2"
     assert ts._kind_from_name("mlp.experts.local_experts.3.linear_fc1.weight") == "expert_fc1"
@@ -403,3 +414,164 @@ def test_byte_cap_and_selection_in_process(saver_module, capsys):
     ts.save_tensor(torch.ones(10), "linear", "forward", None, "input", 2)
     assert ts.flush()["files"] == 2
     assert capsys.readouterr().err.count("TENSOR_SAVE_MAX_BYTES=100 reached") == 1
+
+
+# -- the saver never stops training ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("TENSOR_SAVE_STEPS", "abc"),
+        ("TENSOR_SAVE_LAYERS", "1-x"),
+        ("TENSOR_SAVE_MAX_BYTES", "-5"),
+        ("TENSOR_SAVE_STEPS", "5-1"),
+        ("TENSOR_SAVE_KINDS", ",,"),
+        ("TENSOR_SAVE_QUEUE", "many"),
+        ("TENSOR_SAVE_STATS_ONLY", "maybe"),
+        ("TENSOR_SAVE_ENABLED", "ture"),
+    ],
+)
+def test_a_bad_variable_turns_saving_off_in_one_line(saver_module, capsys, tmp_path, name, value):
+    import torch
+
+    ts = saver_module(**{name: value})  # configure() reads it: no exception
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("[tensor_saver]")]
+    assert len(lines) == 1, err
+    assert f"{name}={value!r}" in lines[0] and "expected" in lines[0]
+    assert "saving is off" in lines[0]
+    assert ts.ENABLED is False and ts.get_tensor_saver().enabled is False
+    ts.save_linear_tensors(torch.ones(4), torch.ones(4), None, "forward", 1)  # training goes on
+    ts.save_tensor(torch.ones(4), "linear", "forward", None, "input", 1)
+    assert ts.flush()["files"] == 0 and not (tmp_path / "t").exists()
+    assert capsys.readouterr().err == ""  # said once, at configuration
+
+
+def test_bad_variables_are_quiet_while_saving_is_off(saver_module, capsys):
+    ts = saver_module(TENSOR_SAVE_ENABLED="false", TENSOR_SAVE_STEPS="abc")
+    assert ts.ENABLED is False and capsys.readouterr().err == ""
+
+
+def test_a_huge_step_range_stays_a_range(tmp_path):
+    """``0-3000000000`` once built a set of three billion numbers; under a 1 GiB address
+    space limit it must configure, select and save at once."""
+    pytest.importorskip("torch")
+    code = textwrap.dedent(
+        """
+        import os, resource, sys
+        import torch
+        from quantpatch.runtime import tensor_saver as ts
+        with open("/proc/self/status") as fh:
+            vm = next(int(x.split()[1]) * 1024 for x in fh if x.startswith("VmSize:"))
+        resource.setrlimit(resource.RLIMIT_AS, (vm + (1 << 30), resource.RLIM_INFINITY))
+        os.environ.update(TENSOR_SAVE_ENABLED="true", TENSOR_SAVE_DIR=sys.argv[1],
+                          TENSOR_SAVE_STEPS="0-3000000000", TENSOR_SAVE_LAYERS="2-2000000000")
+        ts.configure()
+        ts.save_tensor(torch.ones(4), "linear", "forward", None, "input", 1)
+        ts.save_tensor(torch.ones(4), "linear", "forward", None, "input", 2)
+        print(ts.flush()["files"])
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TENSOR_SAVE")}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+    res = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "t")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert res.returncode == 0 and res.stdout.strip() == "1", res.stderr[-2000:]
+
+
+def test_an_unwritable_directory_is_reported_once_with_a_count(saver_module, tmp_path, capsys):
+    import torch
+
+    (tmp_path / "file").write_text("not a directory\n")
+    target = tmp_path / "file" / "logs"
+    ts = saver_module(TENSOR_SAVE_DIR=str(target))
+    for layer in range(5):
+        ts.save_tensor(torch.ones(4), "linear", "forward", None, "input", layer)
+    report = ts.flush()
+    assert report["files"] == 0 and report["failed"] == 5 and report["bytes"] == 0
+    assert len(report["errors"]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and "5 file(s) could not be written" in err[0] and str(target) in err[0]
+    assert ts.flush()["failed"] == 5 and capsys.readouterr().err == ""  # not said again
+
+
+class _TorchWithFullDisk:
+    """``torch`` whose ``save`` writes part of a file and then finds the disk full."""
+
+    def __init__(self, torch):
+        self._torch = torch
+
+    def __getattr__(self, name):
+        return getattr(self._torch, name)
+
+    @staticmethod
+    def save(obj, path):
+        with open(path, "wb") as fh:
+            fh.write(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_a_full_disk_leaves_no_partial_file_and_counts_no_bytes(
+    saver_module, monkeypatch, tmp_path, capsys
+):
+    import torch
+
+    ts = saver_module(TENSOR_SAVE_MAX_BYTES="1000")
+    monkeypatch.setattr(ts, "torch", _TorchWithFullDisk(torch))
+    for layer in range(3):
+        ts.save_tensor(torch.ones(100), "linear", "forward", None, "input", layer)  # 400 bytes
+        report = ts.flush()
+    assert report["failed"] == 3 and report["files"] == 0 and report["bytes"] == 0
+    assert sorted(p.name for p in (tmp_path / "t").iterdir()) == []
+    assert "No space left on device" in capsys.readouterr().err
+    # the failed writes did not use up the cap: once the disk has room, saving goes on
+    monkeypatch.setattr(ts, "torch", torch)
+    for layer in range(2):
+        ts.save_tensor(torch.ones(100), "linear", "forward", None, "input", layer)
+    assert ts.flush()["files"] == 2 and "MAX_BYTES" not in capsys.readouterr().err
+
+
+def test_a_full_disk_cuts_a_partial_stats_line(saver_module, monkeypatch, tmp_path):
+    import torch
+
+    ts = saver_module(TENSOR_SAVE_STATS_ONLY="true")
+    ts.save_tensor(torch.ones(4), "linear", "forward", None, "input", 1)
+    assert ts.flush()["files"] == 1
+    path = tmp_path / "t" / "stats_rank0.jsonl"
+    whole = path.read_bytes()
+
+    class _Os:
+        def __getattr__(self, name):
+            return getattr(os, name)
+
+        @staticmethod
+        def write(fd, data):
+            os.write(fd, data[:10])
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ts, "os", _Os())
+    ts.save_tensor(torch.ones(4), "linear", "forward", None, "input", 2)
+    assert ts.flush()["failed"] == 1
+    assert path.read_bytes() == whole
+
+
+def test_an_error_inside_the_saver_turns_saving_off(saver_module, monkeypatch, capsys):
+    import torch
+
+    ts = saver_module()
+
+    def broken(self, *args):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(ts._Saver, "_capture", broken)
+    for layer in range(3):
+        ts.save_tensor(torch.ones(4), "linear", "forward", None, "input", layer)
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and "boom" in err[0] and "saving is off" in err[0]
+    assert ts.ENABLED is False

@@ -1,6 +1,8 @@
 """Insert (marked) tensor-saver calls into Megatron sources.
 
-* the linear autograd function: before its forward GEMM (the gathered input and the weight;
+* every linear autograd function that holds a ``custom_quant_type`` dispatch (a fork's renamed
+  ``CustomLinear...`` copy is the one that runs; the stock class only where no class holds a
+  dispatch): before its forward GEMM (the gathered input and the weight;
   the layer number and module kind are stashed on ``ctx`` for the backward pass) and before its
   input-gradient GEMM (the output gradient and the weight);
 * ``DotProductAttention.forward``: before Q.K^T (query, key) and before P.V (value and the
@@ -53,7 +55,7 @@ class _FindTargets(ScopedVisitor):
     def __init__(self, kind: str) -> None:
         super().__init__()
         self.kind = kind
-        self.found: dict[str, _Target] = {}
+        self.found: dict[str, dict[str, _Target]] = {}  # class -> product -> target
         self.layer_forward: cst.FunctionDef | None = None
 
     def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
@@ -79,7 +81,8 @@ class _FindTargets(ScopedVisitor):
         if not self._in_scope():
             return
         product = product_of(node, self.functions[-1].name.value)
-        if product is None or product.name in self.found or product.name == "wgrad":
+        found = self.found.setdefault(self.classes[-1], {})
+        if product is None or product.name in found or product.name == "wgrad":
             return
         if (self.kind == "linear") == (product.name in ("qk", "pv")):
             return
@@ -92,7 +95,16 @@ class _FindTargets(ScopedVisitor):
                 target, governed = ancestor, True
                 break
         assert isinstance(node.body[0], cst.Assign) and isinstance(node.body[0].value, cst.Call)
-        self.found[product.name] = _Target(target, governed, node.body[0].value)
+        found[product.name] = _Target(target, governed, node.body[0].value)
+
+    def chosen(self) -> dict[str, dict[str, _Target]]:
+        """The classes to instrument: every one that holds a dispatch (a fork's renamed copy
+        of the linear autograd function is the one that runs), else the stock one."""
+        with_products = {c: t for c, t in self.found.items() if t}
+        governed = {c: t for c, t in with_products.items() if any(x.governed for x in t.values())}
+        if governed:
+            return governed
+        return dict(list(with_products.items())[:1])
 
 
 def _block(lines: list[str]) -> cst.BaseStatement:
@@ -190,18 +202,21 @@ def instrument(text: str, rel: str, kind: str) -> str:
         anchor = stmts[1] if doc and len(stmts) > 1 else stmts[0]
         inserts[id(anchor)] = [_block(["if _qp_saver.ENABLED:", "_qp_saver.enter_layer(self)"])]
     else:
-        missing = [p for p in _EXPECTED[kind] if p not in finder.found]
-        if missing:
-            raise UserError(
-                f"{rel}: cannot find the {', '.join(missing)} product(s) to "
-                "instrument; the file is not a supported Megatron layout."
-            )
-        for name in _EXPECTED[kind]:
-            t = finder.found[name]
-            stmt = (
-                _linear_calls(t, "forward" if name == "forward" else "backward")
-                if kind == "linear"
-                else _attention_calls(t, name)
-            )
-            inserts.setdefault(id(t.node), []).append(stmt)
+        chosen = finder.chosen() or {"": {}}
+        for cls, found in chosen.items():
+            missing = [p for p in _EXPECTED[kind] if p not in found]
+            if missing:
+                where = f"{cls}: " if len(chosen) > 1 else ""
+                raise UserError(
+                    f"{rel}: {where}cannot find the {', '.join(missing)} product(s) to "
+                    "instrument; the file is not a supported Megatron layout."
+                )
+            for name in _EXPECTED[kind]:
+                t = found[name]
+                stmt = (
+                    _linear_calls(t, "forward" if name == "forward" else "backward")
+                    if kind == "linear"
+                    else _attention_calls(t, name)
+                )
+                inserts.setdefault(id(t.node), []).append(stmt)
     return insert_before(_with_import(module), inserts)

@@ -19,18 +19,34 @@ Environment (read at import; ``configure()`` reads it again):
 ``TENSOR_SAVE_DROP``      ``true``: drop (and count) when the queue is full instead of waiting
 ``QUANTPATCH_SOURCE_COMMIT`` the source commit to record (default: ``git rev-parse HEAD``)
 
+The saver never stops training: a variable it cannot read is reported in one line (name,
+value, accepted syntax) and saving stays off; files that cannot be written are counted and
+reported once at ``flush()`` / exit, and leave no partial file behind.
+
 File name: ``{timestamp}_{counter:04d}_{layer_type}_L{layer_idx}_{operation}_{quant_type}
 [_rank{r}]_{tensor_name}.pt`` holding ``{"tensor", "tensor_info", "metadata"}``.
 
 On CUDA the training stream never waits for the host: statistics are computed on the device,
 the tensor is copied into pinned host memory on a side stream, and a background thread waits
 for that copy and writes the file. A micro-step ends when a forward tensor of the same layer,
-operation and name is seen again (recomputed activations count as a new micro-step).
+operation and name is seen again (recomputed activations count as a new micro-step). A tensor
+handed over twice in one micro-step under the same layer, operation and name (the same
+storage, unchanged) is saved once.
+
+The API of a fork's own ``tensor_saver.py`` is served too, so that a checkout's existing
+callers keep working when this module replaces it: the keywords ``phase``, ``component``,
+``rank`` and ``attention_weights`` (and the same order when passed positionally after
+``layer_idx``), ``get_tensor_saver()`` and ``TensorSaver`` (``save_tensor``, ``set_iteration``,
+``enabled``, ``save_dir``, ``counter``, ``iteration``). Their calls are saved like the inserted
+ones (asynchronously, with the layer number and module kind of a linear layer's weight); the
+``save_*`` functions return the path each file will have once written (``None`` when a
+tensor is not saved).
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import queue
@@ -38,49 +54,122 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
-
-def _flag(name: str, default: bool = False) -> bool:
-    value = os.environ.get(name)
-    if value is None:
-        return default
-    return value.strip().lower() in ("1", "true", "yes", "on")
+_T = TypeVar("_T")
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
 
 
-def _ranges(text: str | None) -> set[int] | None:
-    if not text:
-        return None
-    out: set[int] = set()
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        lo, _, hi = part.partition("-")
-        out.update(range(int(lo), int(hi or lo) + 1))
-    return out
+class _Invalid(ValueError):
+    """A saver variable that cannot be read; the message is the accepted syntax."""
 
 
-ENABLED = _flag("TENSOR_SAVE_ENABLED")
-"""The one test every inserted call makes."""
+def _parse_flag(text: str) -> bool:
+    value = text.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise _Invalid("expected true or false (also 1/0, yes/no, on/off)")
+
+
+def _positive(example: str) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text.strip())
+        except ValueError:
+            value = 0
+        if value <= 0:
+            raise _Invalid(f"expected a positive whole number, e.g. {example}")
+        return value
+
+    return parse
+
+
+def _parse_ranges(text: str) -> tuple[tuple[int, int], ...]:
+    """``0-1,5`` as ``((0, 1), (5, 5))``: ranges stay ranges, whatever their length."""
+    syntax = "expected numbers or low-high ranges separated by commas, e.g. 0-1,100"
+    spans = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        lo, sep, hi = part.partition("-")
+        try:
+            low = int(lo)
+            high = int(hi) if sep else low
+        except ValueError:
+            raise _Invalid(syntax) from None
+        if low < 0 or high < low:
+            raise _Invalid(f"{syntax}, each with low <= high")
+        spans.append((low, high))
+    if not spans:
+        raise _Invalid(syntax)
+    return tuple(spans)
+
+
+def _ranges(text: str | None) -> tuple[tuple[int, int], ...] | None:
+    """The selection in ``text`` (``None``: everything); raises ``_Invalid``."""
+    return _parse_ranges(text) if text and text.strip() else None
+
+
+def _in(spans: tuple[tuple[int, int], ...], value: int | None) -> bool:
+    return value is not None and any(lo <= value <= hi for lo, hi in spans)
+
+
+def _parse_kinds(text: str) -> frozenset[str]:
+    names = frozenset(k.strip() for k in text.split(",") if k.strip())
+    if not names or not all(n.isidentifier() for n in names):
+        raise _Invalid(
+            "expected tensor names separated by commas, e.g. input,grad_output (input, "
+            "weight, grad_output, query, key, value, attention_probs)"
+        )
+    return names
 
 
 class _Config:
     def __init__(self) -> None:
-        self.save_dir = Path(os.environ.get("TENSOR_SAVE_DIR", "./tensor_logs"))
+        self.errors: list[str] = []
+        self.enabled = self._read("TENSOR_SAVE_ENABLED", _parse_flag, False)
+        raw = os.environ.get("TENSOR_SAVE_ENABLED", "").strip().lower()
+        self.wanted = bool(raw) and raw not in _FALSE
+        self.save_dir = Path(os.environ.get("TENSOR_SAVE_DIR") or "./tensor_logs")
         self.default_quant = os.environ.get("CUSTOM_QUANT_TYPE") or "bf16"
-        self.steps = _ranges(os.environ.get("TENSOR_SAVE_STEPS"))
-        self.layers = _ranges(os.environ.get("TENSOR_SAVE_LAYERS"))
-        kinds = os.environ.get("TENSOR_SAVE_KINDS")
-        self.kinds = {k.strip() for k in kinds.split(",") if k.strip()} if kinds else None
-        cap = os.environ.get("TENSOR_SAVE_MAX_BYTES")
-        self.max_bytes = int(cap) if cap else None
-        self.stats_only = _flag("TENSOR_SAVE_STATS_ONLY")
-        self.queue_size = int(os.environ.get("TENSOR_SAVE_QUEUE", "64"))
-        self.drop = _flag("TENSOR_SAVE_DROP")
+        self.steps = self._read("TENSOR_SAVE_STEPS", _parse_ranges, None)
+        self.layers = self._read("TENSOR_SAVE_LAYERS", _parse_ranges, None)
+        self.kinds = self._read("TENSOR_SAVE_KINDS", _parse_kinds, None)
+        self.max_bytes = self._read("TENSOR_SAVE_MAX_BYTES", _positive("2000000000"), None)
+        self.stats_only = self._read("TENSOR_SAVE_STATS_ONLY", _parse_flag, False)
+        self.queue_size = self._read("TENSOR_SAVE_QUEUE", _positive("64"), 64)
+        self.drop = self._read("TENSOR_SAVE_DROP", _parse_flag, False)
+
+    def _read(self, name: str, parse: Callable[[str], _T], default: _T) -> _T:
+        raw = os.environ.get(name)
+        if raw is None or not raw.strip():
+            return default
+        try:
+            return parse(raw)
+        except _Invalid as exc:
+            self.errors.append(f"{name}={raw!r} is not valid ({exc})")
+            return default
 
 
-_CFG = _Config()
+def _load_config() -> tuple[_Config, bool]:
+    """The settings and whether saving is on: never when a variable is unreadable (each one
+    is reported in one line, once, when saving was asked for)."""
+    cfg = _Config()
+    if cfg.errors and cfg.wanted:
+        for err in cfg.errors:
+            print(f"[tensor_saver] {err}; tensor saving is off for this run.", file=sys.stderr)
+    return cfg, cfg.enabled and not cfg.errors
+
+
+_CFG, ENABLED = _load_config()
+"""``ENABLED``: the one test every inserted call makes."""
 
 
 def _rank_info() -> tuple[int, int]:
@@ -163,8 +252,27 @@ def _stats(t: torch.Tensor) -> torch.Tensor:
     return torch.stack([f.min(), f.max(), f.mean(), std])
 
 
+def _identity(t: torch.Tensor) -> tuple[Any, ...]:
+    """What makes two tensors the same data: storage, offset, dtype, version, and the elements
+    they address in order (dimensions of size 1 dropped and mergeable ones merged, so that a
+    view that only reshapes is the same tensor)."""
+    try:
+        ptr: Any = t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError, AttributeError):
+        ptr = id(t)
+    layout: list[tuple[int, int]] = []
+    for size, stride in zip(t.shape, t.stride(), strict=True):
+        if size == 1:
+            continue
+        if layout and layout[-1][1] == size * stride:
+            layout[-1] = (layout[-1][0] * size, stride)
+        else:
+            layout.append((size, stride))
+    return (ptr, t.storage_offset(), t.dtype, t._version, tuple(layout))
+
+
 class _Item:
-    __slots__ = ("event", "host", "meta", "name", "nbytes", "stats")
+    __slots__ = ("cost", "directory", "event", "host", "meta", "name", "stats")
 
     def __init__(
         self,
@@ -173,26 +281,31 @@ class _Item:
         stats: torch.Tensor | None,
         event: Any,
         meta: dict[str, Any],
-        nbytes: int,
+        cost: int,
+        directory: Path,
     ) -> None:
         self.name, self.host, self.stats, self.event = name, host, stats, event
-        self.meta, self.nbytes = meta, nbytes
+        self.meta, self.cost, self.directory = meta, cost, directory
 
 
 class _Saver:
     def __init__(self) -> None:
         self.counter = 0
-        self.queue: queue.Queue[_Item | None] = queue.Queue(maxsize=max(1, _CFG.queue_size))
+        self.queue: queue.Queue[_Item | None] = queue.Queue(maxsize=_CFG.queue_size)
         self.thread: threading.Thread | None = None
         self.lock = threading.Lock()
-        self.written_bytes = 0
+        self.written_bytes = 0  # on disk
+        self.pending_bytes = 0  # queued, counted against the cap until written or dropped
         self.files = 0
         self.dropped = 0
         self.drops_reported = 0
+        self.failed = 0
+        self.failures_reported = 0
+        self.failure: tuple[Path, str] | None = None  # the first failed write since reported
         self.cap_reported = False
-        self.errors: list[str] = []
         self.micro_step = 0
         self.seen_forward: set[tuple[Any, ...]] = set()
+        self.last_saved: dict[tuple[Any, ...], tuple[tuple[Any, ...], int]] = {}
         self.stream: Any = None
 
     # micro-steps: a forward tensor seen again starts the next one
@@ -205,20 +318,21 @@ class _Saver:
         return self.micro_step
 
     def _selected(self, step: int, layer_idx: int | None, name: str) -> bool:
-        if _CFG.steps is not None and step not in _CFG.steps:
+        if _CFG.steps is not None and not _in(_CFG.steps, step):
             return False
-        if _CFG.layers is not None and layer_idx not in _CFG.layers:
+        if _CFG.layers is not None and not _in(_CFG.layers, layer_idx):
             return False
         return _CFG.kinds is None or name in _CFG.kinds
 
-    def _capped(self, nbytes: int) -> bool:
-        if _CFG.max_bytes is None or self.written_bytes + nbytes <= _CFG.max_bytes:
+    def _capped(self, cost: int) -> bool:
+        total = self.written_bytes + self.pending_bytes
+        if _CFG.max_bytes is None or total + cost <= _CFG.max_bytes:
             return False
         if not self.cap_reported:
             self.cap_reported = True
             print(
                 f"[tensor_saver] TENSOR_SAVE_MAX_BYTES={_CFG.max_bytes} reached after "
-                f"{self.written_bytes} bytes; no more tensors are saved.",
+                f"{total} bytes; no more tensors are saved.",
                 file=sys.stderr,
             )
         return True
@@ -231,22 +345,36 @@ class _Saver:
         quant_type: str | None,
         tensor_name: str,
         layer_idx: int | None,
-        metadata: dict[str, Any] | None,
-    ) -> None:
+        metadata: Mapping[str, Any] | None,
+        save_dir: Path | None = None,
+    ) -> str | None:
+        """Queue one tensor; the path its file will have, or ``None`` when not saved."""
         quant = quant_type or _CFG.default_quant
-        kind = (metadata or {}).get("module_kind")
-        step = self._step_for((layer_type, layer_idx, kind, tensor_name), operation)
-        if not self._selected(step, layer_idx, tensor_name):
-            return
+        md = dict(metadata or {})
+        kind = md.get("module_kind")
         t = tensor.detach()
+        # the same data handed over again in this micro-step with the same label (a fork's
+        # own call next to an inserted one) is saved once
+        same = (layer_type, layer_idx, kind, operation, tensor_name, quant)
+        ident = _identity(t)
+        if self.last_saved.get(same) == (ident, self.micro_step):
+            return None
+        step_key = (layer_type, layer_idx, kind, tensor_name, md.get("phase"), md.get("component"))
+        step = self._step_for(step_key, operation)
+        self.last_saved[same] = (ident, step)
+        if not self._selected(step, layer_idx, tensor_name):
+            return None
         nbytes = t.numel() * t.element_size()
+        cost = 0 if _CFG.stats_only else nbytes
         with self.lock:
-            if self._capped(nbytes):
-                return
-            self.written_bytes += 0 if _CFG.stats_only else nbytes
+            if self._capped(cost):
+                return None
+            self.pending_bytes += cost
             self.counter += 1
             counter = self.counter
         rank, world = _rank_info()
+        if md.get("rank") is not None:
+            rank = md["rank"]
         stamp = time.strftime("%Y%m%d_%H%M%S")
         rank_part = f"_rank{rank}" if world > 1 else ""
         name = (
@@ -254,7 +382,7 @@ class _Saver:
             f"{rank_part}_{tensor_name}"
         )
         meta: dict[str, Any] = {
-            **(metadata or {}),
+            **md,
             "layer_type": layer_type,
             "operation": operation,
             "quant_type": quant,
@@ -273,7 +401,10 @@ class _Saver:
                 "is_leaf": tensor.is_leaf,
             },
         }
-        item = self._capture(t, name, meta, nbytes)
+        if _ITERATION is not None:
+            meta["iteration"] = _ITERATION
+        directory = save_dir or _CFG.save_dir
+        item = self._capture(t, name, meta, cost, directory)
         self._start()
         if _CFG.drop:
             try:
@@ -281,17 +412,21 @@ class _Saver:
             except queue.Full:
                 with self.lock:
                     self.dropped += 1
-                    self.written_bytes -= 0 if _CFG.stats_only else nbytes
+                    self.pending_bytes -= cost
+                return None
         else:
             self.queue.put(item)
+        return None if _CFG.stats_only else str(directory / f"{name}.pt")
 
-    def _capture(self, t: torch.Tensor, name: str, meta: dict[str, Any], nbytes: int) -> _Item:
+    def _capture(
+        self, t: torch.Tensor, name: str, meta: dict[str, Any], cost: int, directory: Path
+    ) -> _Item:
         """Statistics on the tensor's device, and (unless stats-only) a host copy; on CUDA
         both leave on a side stream so the training stream does not wait."""
         if t.device.type != "cuda":
             # on the host the copy is the only work done here; the writer thread computes
             # the statistics from it
-            return _Item(name, t.clone(), None, None, meta, nbytes)
+            return _Item(name, t.clone(), None, None, meta, cost, directory)
         stats = _stats(t)
         if self.stream is None:
             self.stream = torch.cuda.Stream(device=t.device)  # type: ignore[no-untyped-call]
@@ -308,7 +443,7 @@ class _Saver:
             event.record(self.stream)
         t.record_stream(self.stream)  # the caching allocator must not reuse t before the copy
         stats.record_stream(self.stream)
-        return _Item(name, host, host_stats, event, meta, nbytes)
+        return _Item(name, host, host_stats, event, meta, cost, directory)
 
     def _start(self) -> None:
         if self.thread is None or not self.thread.is_alive():
@@ -321,9 +456,19 @@ class _Saver:
             try:
                 if item is None:
                     return
-                self._write(item)
-            except Exception as exc:  # keep training alive; report at flush
-                self.errors.append(f"{item.name if item else '?'}: {exc}")
+                try:
+                    self._write(item)
+                except Exception as exc:  # keep training alive; counted, reported at flush
+                    with self.lock:
+                        self.pending_bytes -= item.cost
+                        self.failed += 1
+                        if self.failure is None:
+                            self.failure = (item.directory, f"{type(exc).__name__}: {exc}")
+                else:
+                    with self.lock:
+                        self.pending_bytes -= item.cost
+                        self.written_bytes += item.cost
+                        self.files += 1
             finally:
                 self.queue.task_done()
 
@@ -335,18 +480,19 @@ class _Saver:
             item.stats = _stats(item.host)
         mn, mx, mean, std = (float(v) for v in item.stats.tolist())
         info = {**item.meta.pop("info"), "min": mn, "max": mx, "mean": mean, "std": std}
-        _CFG.save_dir.mkdir(parents=True, exist_ok=True)
+        item.directory.mkdir(parents=True, exist_ok=True)
         if _CFG.stats_only:
             line = json.dumps({"name": item.name, "tensor_info": info, "metadata": item.meta})
-            path = _CFG.save_dir / f"stats_rank{item.meta['rank']}.jsonl"
-            with open(path, "a", encoding="utf-8") as fh:
-                fh.write(line + "\n")
-        else:
-            tmp = _CFG.save_dir / f".{item.name}.pt.tmp"
+            _append(item.directory / f"stats_rank{item.meta['rank']}.jsonl", line + "\n")
+            return
+        tmp = item.directory / f".{item.name}.pt.tmp"
+        try:
             torch.save({"tensor": item.host, "tensor_info": info, "metadata": item.meta}, tmp)
-            os.replace(tmp, _CFG.save_dir / f"{item.name}.pt")
-        with self.lock:
-            self.files += 1
+            os.replace(tmp, item.directory / f"{item.name}.pt")
+        except BaseException:
+            with contextlib.suppress(OSError):  # a full disk must not keep a partial file
+                tmp.unlink()
+            raise
 
     def stop(self) -> None:
         """End the writer thread (after ``flush``)."""
@@ -357,26 +503,53 @@ class _Saver:
     def flush(self) -> dict[str, Any]:
         if self.thread is not None and self.thread.is_alive():
             self.queue.join()
-        report = {
-            "files": self.files,
-            "bytes": self.written_bytes,
-            "dropped": self.dropped,
-            "errors": list(self.errors),
-        }
-        if self.dropped != self.drops_reported:
+        with self.lock:
+            report = {
+                "files": self.files,
+                "bytes": self.written_bytes,
+                "dropped": self.dropped,
+                "failed": self.failed,
+                "errors": [self.failure[1]] if self.failure else [],
+            }
+            failure, self.failure = self.failure, None
+            new_failures = self.failed - self.failures_reported
+            self.failures_reported = self.failed
+            new_drops = self.dropped != self.drops_reported
             self.drops_reported = self.dropped
+        if new_drops:
             print(
                 f"[tensor_saver] dropped {self.dropped} tensor(s): the writer queue was full "
                 "(TENSOR_SAVE_QUEUE / TENSOR_SAVE_DROP).",
                 file=sys.stderr,
             )
-        for err in self.errors:
-            print(f"[tensor_saver] write failed: {err}", file=sys.stderr)
-        self.errors.clear()
+        if new_failures and failure is not None:
+            print(
+                f"[tensor_saver] {new_failures} file(s) could not be written to {failure[0]} "
+                f"and were dropped (first error: {failure[1]}).",
+                file=sys.stderr,
+            )
         return report
 
 
+def _append(path: Path, text: str) -> None:
+    """Append ``text`` whole or not at all (a failed write is cut off again)."""
+    data = text.encode("utf-8")
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        start = os.fstat(fd).st_size
+        try:
+            done = 0
+            while done < len(data):
+                done += os.write(fd, data[done:])
+        except BaseException:
+            os.ftruncate(fd, start)
+            raise
+    finally:
+        os.close(fd)
+
+
 _SAVER = _Saver()
+_ITERATION: int | None = None
 
 
 def configure() -> None:
@@ -385,9 +558,80 @@ def configure() -> None:
     global ENABLED, _CFG, _SAVER
     flush()
     _SAVER.stop()
-    ENABLED = _flag("TENSOR_SAVE_ENABLED")
-    _CFG = _Config()
+    _CFG, ENABLED = _load_config()
     _SAVER = _Saver()
+
+
+_FAILED = False
+
+
+def _save(
+    tensor: torch.Tensor | None,
+    layer_type: str,
+    operation: str,
+    quant_type: str | None,
+    tensor_name: str,
+    layer_idx: int | None,
+    metadata: Mapping[str, Any] | None,
+    save_dir: Path | None = None,
+) -> str | None:
+    """Hand one tensor to the saver; an error inside it turns saving off, never training."""
+    global ENABLED, _FAILED
+    if tensor is None:
+        return None
+    try:
+        if save_dir is None:
+            return _SAVER.save(
+                tensor, layer_type, operation, quant_type, tensor_name, layer_idx, metadata
+            )
+        return _SAVER.save(
+            tensor, layer_type, operation, quant_type, tensor_name, layer_idx, metadata, save_dir
+        )
+    except Exception as exc:
+        ENABLED = False
+        if not _FAILED:
+            _FAILED = True
+            print(
+                f"[tensor_saver] saving {layer_type} {operation} {tensor_name} failed "
+                f"({type(exc).__name__}: {exc}); tensor saving is off for the rest of this run.",
+                file=sys.stderr,
+            )
+        return None
+
+
+# -- the public API: quantpatch's, and the one a fork's own saver has ------------------------
+
+_FORK_ORDER = ("phase", "component", "rank", "metadata")
+
+
+def _caller_order(
+    func: str, extra: tuple[Any, ...], keywords: dict[str, Any], order: tuple[str, ...]
+) -> dict[str, Any]:
+    """The keywords, completed by the positional arguments after ``layer_idx``: one mapping
+    (or ``None``) there is quantpatch's ``metadata``; anything else is in the order of a
+    fork's saver (``phase, component, rank, metadata[, attention_weights]``)."""
+    if not extra:
+        return keywords
+    if len(extra) == 1 and (extra[0] is None or isinstance(extra[0], Mapping)):
+        order = ("metadata",)
+    if len(extra) > len(order):
+        raise TypeError(f"{func}() got {len(extra)} positional arguments after layer_idx")
+    out = dict(keywords)
+    for name, value in zip(order, extra, strict=False):
+        if out.get(name) is not None:
+            raise TypeError(f"{func}() got multiple values for argument '{name}'")
+        out[name] = value
+    return out
+
+
+def _metadata(
+    metadata: Mapping[str, Any] | None, phase: Any, component: Any, rank: Any
+) -> dict[str, Any]:
+    out = dict(metadata or {})
+    for key, value in (("phase", phase), ("component", component), ("rank", rank)):
+        if value is not None:
+            out[key] = value
+    return out
 
 
 def save_tensor(
@@ -397,25 +641,59 @@ def save_tensor(
     quant_type: str | None,
     tensor_name: str,
     layer_idx: int | None = None,
-    metadata: dict[str, Any] | None = None,
-) -> None:
-    if ENABLED and tensor is not None:
-        _SAVER.save(tensor, layer_type, operation, quant_type, tensor_name, layer_idx, metadata)
+    *args: Any,
+    metadata: Mapping[str, Any] | None = None,
+    phase: str | None = None,
+    component: str | None = None,
+    rank: int | None = None,
+) -> str | None:
+    """Save one tensor; the path its file will have (``None``: not saved)."""
+    if not ENABLED or tensor is None:
+        return None
+    kw = _caller_order(
+        "save_tensor",
+        args,
+        {"metadata": metadata, "phase": phase, "component": component, "rank": rank},
+        _FORK_ORDER,
+    )
+    md = _metadata(kw["metadata"], kw["phase"], kw["component"], kw["rank"])
+    return _save(tensor, layer_type, operation, quant_type, tensor_name, layer_idx, md)
 
 
 def save_linear_tensors(
     input_tensor: torch.Tensor | None,
     weight: torch.Tensor | None,
     quant_type: str | None,
-    operation: str,
+    operation: str = "forward",
     layer_idx: int | None = None,
-    metadata: dict[str, Any] | None = None,
-) -> None:
+    *args: Any,
+    metadata: Mapping[str, Any] | None = None,
+    phase: str | None = None,
+    component: str | None = None,
+    rank: int | None = None,
+) -> dict[str, str | None]:
     """The operands of a linear GEMM: ``input`` and ``weight`` in the forward pass,
-    ``grad_output`` and ``weight`` in the backward pass."""
+    ``grad_output`` and ``weight`` in the backward pass. Without a ``layer_idx`` the layer
+    number and module kind are those of the layer that owns ``weight``."""
     first = "input" if operation == "forward" else "grad_output"
-    save_tensor(input_tensor, "linear", operation, quant_type, first, layer_idx, metadata)
-    save_tensor(weight, "linear", operation, quant_type, "weight", layer_idx, metadata)
+    if not ENABLED:
+        return {first: None, "weight": None}
+    kw = _caller_order(
+        "save_linear_tensors",
+        args,
+        {"metadata": metadata, "phase": phase, "component": component, "rank": rank},
+        _FORK_ORDER,
+    )
+    md = _metadata(kw["metadata"], kw["phase"], kw["component"], kw["rank"])
+    if weight is not None and (layer_idx is None or "module_kind" not in md):
+        found = linear_meta(weight)  # a fork's call names no layer: the weight's owner does
+        if layer_idx is None:
+            layer_idx = found["layer_idx"]
+        md = {"module_kind": found["module_kind"], **md}
+    return {
+        first: _save(input_tensor, "linear", operation, quant_type, first, layer_idx, md),
+        "weight": _save(weight, "linear", operation, quant_type, "weight", layer_idx, md),
+    }
 
 
 def save_attention_tensors(
@@ -423,16 +701,140 @@ def save_attention_tensors(
     key: torch.Tensor | None,
     value: torch.Tensor | None,
     quant_type: str | None,
-    operation: str,
+    operation: str = "forward",
     layer_idx: int | None = None,
-    metadata: dict[str, Any] | None = None,
-) -> None:
-    for name, tensor in (("query", query), ("key", key), ("value", value)):
-        save_tensor(tensor, "attention", operation, quant_type, name, layer_idx, metadata)
+    *args: Any,
+    metadata: Mapping[str, Any] | None = None,
+    phase: str | None = None,
+    component: str | None = None,
+    rank: int | None = None,
+    attention_weights: torch.Tensor | None = None,
+) -> dict[str, str | None]:
+    """The operands of attention (``attention_weights``: the attention probabilities, saved
+    as ``attention_probs``)."""
+    names = ("query", "key", "value", "attention_weights")
+    if not ENABLED:
+        return dict.fromkeys(names)
+    kw = _caller_order(
+        "save_attention_tensors",
+        args,
+        {
+            "metadata": metadata,
+            "phase": phase,
+            "component": component,
+            "rank": rank,
+            "attention_weights": attention_weights,
+        },
+        (*_FORK_ORDER, "attention_weights"),
+    )
+    md = {"module_kind": "core_attention"}
+    md.update(_metadata(kw["metadata"], kw["phase"], kw["component"], kw["rank"]))
+    tensors = (query, key, value, kw["attention_weights"])
+    return {
+        name: _save(
+            tensor,
+            "attention",
+            operation,
+            quant_type,
+            "attention_probs" if name == "attention_weights" else name,
+            layer_idx,
+            md,
+        )
+        for name, tensor in zip(names, tensors, strict=True)
+    }
+
+
+class TensorSaver:
+    """The object API of a fork's saver over this module: ``get_tensor_saver()`` returns the
+    shared one (whose ``enabled`` and ``save_dir`` are this module's settings); one made
+    directly may have its own directory and switch."""
+
+    def __init__(self, save_dir: str | os.PathLike[str] | None = None, enabled: Any = None):
+        self._save_dir = Path(save_dir) if save_dir else None
+        self._enabled = None if enabled is None else bool(enabled)
+
+    @property
+    def enabled(self) -> bool:
+        return ENABLED if self._enabled is None else self._enabled
+
+    @enabled.setter
+    def enabled(self, value: Any) -> None:
+        global ENABLED
+        if self is _SHARED:
+            ENABLED = bool(value)
+        else:
+            self._enabled = bool(value)
+
+    @property
+    def save_dir(self) -> str:
+        return str(self._save_dir or _CFG.save_dir)
+
+    @save_dir.setter
+    def save_dir(self, value: str | os.PathLike[str]) -> None:
+        if self is _SHARED:
+            _CFG.save_dir = Path(value)
+        else:
+            self._save_dir = Path(value)
+
+    @property
+    def counter(self) -> int:
+        return _SAVER.counter
+
+    @property
+    def iteration(self) -> int:
+        return _ITERATION or 0
+
+    @iteration.setter
+    def iteration(self, value: int) -> None:
+        self.set_iteration(value)
+
+    def set_iteration(self, iteration: int) -> None:
+        """The training iteration, recorded in the metadata of every file from now on."""
+        global _ITERATION
+        _ITERATION = iteration
+
+    def save_tensor(
+        self,
+        tensor: torch.Tensor | None,
+        layer_type: str,
+        operation: str,
+        quant_type: str | None,
+        tensor_name: str,
+        layer_idx: int | None = None,
+        *args: Any,
+        metadata: Mapping[str, Any] | None = None,
+        phase: str | None = None,
+        component: str | None = None,
+        rank: int | None = None,
+    ) -> str | None:
+        if not self.enabled or tensor is None:
+            return None
+        kw = _caller_order(
+            "save_tensor",
+            args,
+            {"metadata": metadata, "phase": phase, "component": component, "rank": rank},
+            _FORK_ORDER,
+        )
+        md = _metadata(kw["metadata"], kw["phase"], kw["component"], kw["rank"])
+        return _save(
+            tensor, layer_type, operation, quant_type, tensor_name, layer_idx, md, self._save_dir
+        )
+
+    def flush(self) -> dict[str, Any]:
+        return flush()
+
+
+_SHARED = TensorSaver()
+
+
+def get_tensor_saver() -> TensorSaver:
+    """The shared saver object (a fork's API)."""
+    return _SHARED
 
 
 def flush() -> dict[str, Any]:
-    """Wait until every queued tensor is on disk; report files, bytes and drops."""
+    """Wait until every queued tensor is on disk; report files, bytes, drops and failed
+    writes (each kind of loss said once on stderr)."""
     return _SAVER.flush()
 
 
