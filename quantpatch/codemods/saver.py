@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import libcst as cst
 
 from quantpatch.codemods.init_sites import ATTENTION_CLASS, LINEAR_CLASS_SUFFIX, product_of
-from quantpatch.codemods.set_value import insert_before
+from quantpatch.codemods.set_value import insert_before, keep_bom
 from quantpatch.config import SITE_NAME
 from quantpatch.errors import UserError
 from quantpatch.sites import ScopedVisitor, find_all, parse_source
@@ -219,4 +219,4 @@ def instrument(text: str, rel: str, kind: str) -> str:
                     else _attention_calls(t, name)
                 )
                 inserts.setdefault(id(t.node), []).append(stmt)
-    return insert_before(_with_import(module), inserts)
+    return keep_bom(text, insert_before(_with_import(module), inserts))
