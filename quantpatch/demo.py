@@ -31,7 +31,7 @@ def build_checkout(
     dest.mkdir(parents=True, exist_ok=True)
     shutil.copytree(tree, dest / "megatron", ignore=_IGNORE)
     (dest / ".gitignore").write_text("__pycache__/\n*.pyc\ntensor_logs/\n")
-    repo = git.Repo.init(dest, initial_branch="main")
+    repo = git.Repo.init(dest, initial_branch="main", expand_vars=False)
     gitrepo.commit_paths(repo, [".gitignore", "megatron"], f"megatron-core {version}, unmodified")
     if inject and layout is None:
         from quantpatch.init_checkout import init
@@ -83,7 +83,7 @@ def walk(dest: Path, console: Console) -> None:
     console.print(f"restored {restored.base['branch']} @ {restored.base['commit'][:12]}")
     same = all((dest / rel).read_bytes() == data for rel, data in before.items())
     console.print(f"target files byte-identical to before the first set: {'yes' if same else 'NO'}")
-    repo = git.Repo(dest)
+    repo = gitrepo.open_repo(dest)
     console.print("branches: " + ", ".join(sorted(h.name for h in repo.heads)))
     step("quantpatch check")
     print_check(check(dest), console)

@@ -50,14 +50,24 @@ def _user_state_home() -> Path:
     return Path(base) / "quantpatch"
 
 
+def open_repo(path: Path, *, search_parent_directories: bool = False) -> git.Repo:
+    """A GitPython ``Repo`` that takes ``path`` literally: a '$VAR' in it is part of a
+    directory name, never a variable (GitPython expands variables in the repository path
+    unless told not to, and always in the working directory of its git commands, so that a
+    checkout at ``ev/$QPX`` would run git in ``ev/victim``)."""
+    repo = git.Repo(path, search_parent_directories=search_parent_directories, expand_vars=False)
+    if repo.working_tree_dir is not None:
+        repo.git._working_dir = str(repo.working_tree_dir)
+    return repo
+
+
 def find_checkout(path: Path | None, *, need_git: bool, no_branch_hint: bool = False) -> Checkout:
     """The checkout at ``path`` (default: the git root above the current directory)."""
     start = (path or Path.cwd()).resolve()
     if not start.exists():
         raise UserError(f"{start}: no such directory.")
     try:
-        # expand_vars=False: a '$VAR' in the path is a directory name, never another repository
-        repo = git.Repo(start, search_parent_directories=True, expand_vars=False)
+        repo = open_repo(start, search_parent_directories=True)
     except (git.InvalidGitRepositoryError, git.NoSuchPathError):
         repo = None
     if repo is None or repo.working_tree_dir is None:

@@ -18,6 +18,7 @@ be recovered from the branch alone.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import tempfile
@@ -150,11 +151,21 @@ def _commit_tree(
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             fh.write(message)
+        sign = ["-S"] if _wants_signing(repo) else []  # commit-tree ignores commit.gpgSign
         return gitrepo.run_git(
-            repo, "commit-tree", tree, "-p", parent, "-F", msg_path, env=env
+            repo, "commit-tree", *sign, tree, "-p", parent, "-F", msg_path, env=env
         ).strip()
     finally:
         os.unlink(msg_path)
+
+
+def _wants_signing(repo: git.Repo) -> bool:
+    """The user's ``commit.gpgSign``: quantpatch's commits are signed like their own."""
+    try:
+        value = repo.config_reader().get_value("commit", "gpgsign", False)
+    except Exception:
+        return False
+    return value is True or str(value).lower() in ("true", "yes", "on", "1")
 
 
 def _author_env(commit: git.Commit) -> dict[str, str]:
@@ -303,6 +314,18 @@ def move_ref(repo: git.Repo, plan: SchemeCommit) -> None:
         return
     old = plan.old_tip or "0" * 40
     gitrepo.run_git(repo, "update-ref", f"refs/heads/{plan.name}", plan.commit, old)
+
+
+def unmove_ref(repo: git.Repo, plan: SchemeCommit) -> None:
+    """Undo ``move_ref`` (best effort: only while the branch still points where we put it)."""
+    if not plan.moves:
+        return
+    ref = f"refs/heads/{plan.name}"
+    with contextlib.suppress(UserError):
+        if plan.old_tip is None:
+            gitrepo.run_git(repo, "update-ref", "-d", ref, plan.commit)
+        else:
+            gitrepo.run_git(repo, "update-ref", ref, plan.old_tip, plan.commit)
 
 
 def values_at(repo: git.Repo, commit: str, targets: Targets) -> dict[str, str | None]:

@@ -406,7 +406,8 @@ def parse_source(text: str, rel: str) -> cst.Module:
     except cst.ParserSyntaxError as exc:
         line, reason = exc.raw_line, exc.message
         try:
-            compile(text, rel, "exec", flags=ast.PyCF_ONLY_AST, dont_inherit=True)
+            source = text.removeprefix("\ufeff")  # a BOM is fine in a file, not in a str
+            compile(source, rel, "exec", flags=ast.PyCF_ONLY_AST, dont_inherit=True)
         except SyntaxError as py_exc:
             line, reason = py_exc.lineno or line, py_exc.msg
         except ValueError:  # NUL bytes: libcst's reason stands

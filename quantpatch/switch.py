@@ -371,7 +371,8 @@ def _set_branch(
         if gitrepo.active_branch(repo) == name and gitrepo.head_commit(repo) == plan.commit:
             # git switched and then a hook of the user's failed: the switch stands
             notes.append(f"{exc} (the branch was checked out all the same)")
-        else:  # nothing visible happened: the record goes back to what it was
+        else:  # nothing visible happened: the branch and the record go back as they were
+            scheme_branch.unmove_ref(repo, plan)
             if state:
                 gitrepo.save_state(checkout, state)
             else:

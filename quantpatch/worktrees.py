@@ -121,7 +121,7 @@ def _place_worktree(repo: git.Repo, wt_path: Path, commit: str) -> bool:
         shutil.rmtree(wt_path)  # ours, under the git dir: an add that never finished
     gitrepo.run_git(repo, "worktree", "prune")
     if (wt_path / ".git").is_file():
-        wt = git.Repo(wt_path, expand_vars=False)
+        wt = gitrepo.open_repo(wt_path)
         if wt.head.commit.hexsha != commit:
             gitrepo.run_git(wt, "checkout", "--quiet", "--detach", commit)
         return False

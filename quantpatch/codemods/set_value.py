@@ -168,7 +168,7 @@ def verify_rewrite(
     """Re-read a planned source and prove it is what was asked: it parses and compiles, the
     roles hold the requested values, and no site appeared or vanished except split ones."""
     try:
-        compile(new_text, old.rel, "exec", dont_inherit=True)
+        compile(new_text.removeprefix("\ufeff"), old.rel, "exec", dont_inherit=True)
     except SyntaxError as exc:  # pragma: no cover - libcst and CPython agree on our output
         raise UserError(f"{old.rel}:{exc.lineno}: the rewrite would not compile.") from None
     new = discover_source(new_text, old.rel, file_kind)  # parses: refuses what does not
