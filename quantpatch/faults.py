@@ -4,7 +4,8 @@ Every internal step that changes something (each git command, each file swap, ea
 write) calls ``step(label)``. With ``QUANTPATCH_FAULT_AT=n`` the n-th step of the process
 fails: ``QUANTPATCH_FAULT_KIND=kill`` (default) sends the process SIGKILL *after* the step has
 taken effect, as a power cut or ``kill -9`` would; ``fail`` raises the error a failing git
-command or a full disk gives *instead of* the step. ``QUANTPATCH_FAULT_TRACE=FILE`` appends
+command or a full disk gives *instead of* the step; ``interrupt`` raises ``KeyboardInterrupt``
+right after it, as Ctrl-C does. ``QUANTPATCH_FAULT_TRACE=FILE`` appends
 each step's label to FILE, so a test can count the steps of a command and hit every one.
 """
 
@@ -38,3 +39,5 @@ def step(label: str, *, done: bool) -> None:
         raise UserError(f"{label} failed (injected fault at step {_count}).")
     if kind == "kill" and done:
         os.kill(os.getpid(), signal.SIGKILL)
+    if kind == "interrupt" and done:
+        raise KeyboardInterrupt

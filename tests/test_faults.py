@@ -200,6 +200,10 @@ SCENARIOS = [
 ]
 
 
+CTRL_C = ("set", "set-no-branch", "saver-install", "restore-in-place")
+"""Scenarios also interrupted (KeyboardInterrupt after each step, as Ctrl-C)."""
+
+
 @pytest.fixture
 def template(make_checkout, tmp_path: Path):
     def build(sc: Scenario) -> tuple[Path, dict[str, object]]:
@@ -232,7 +236,8 @@ def test_every_step_killed_or_failed_is_recoverable(
     assert steps, "the command changed nothing?"
     user = user_view(root, sc.use_git)
     recovered = 0
-    for kind in ("kill", "fail"):
+    kinds = ("kill", "fail", "interrupt") if sc.name in CTRL_C else ("kill", "fail")
+    for kind in kinds:
         for n in range(1, len(steps) + 1):
             case = tmp_path / f"{kind}-{n}"
             shutil.copytree(root, case, symlinks=True)
@@ -243,10 +248,10 @@ def test_every_step_killed_or_failed_is_recoverable(
             else:
                 monkeypatch.setattr(faults, "_count", 0)
                 monkeypatch.setenv("QUANTPATCH_FAULT_AT", str(n))
-                monkeypatch.setenv("QUANTPATCH_FAULT_KIND", "fail")
+                monkeypatch.setenv("QUANTPATCH_FAULT_KIND", kind)
                 hit_res = run("--repo", case, *sc.command)
                 monkeypatch.delenv("QUANTPATCH_FAULT_AT")
-                assert hit_res.code in (0, 2), (where, hit_res)
+                assert hit_res.code in ((0, 2) if kind == "fail" else (130,)), (where, hit_res)
                 assert "internal error" not in hit_res.err, (where, hit_res.err)
             assert user_view(case, sc.use_git) == user, where
             seen = run("--repo", case, "check")
@@ -271,4 +276,4 @@ def test_every_step_killed_or_failed_is_recoverable(
             recovered += 1
             shutil.rmtree(case)
     # the count for the closing note: steps x fault kinds, all recovered
-    print(f"{sc.name}: {len(steps)} steps x 2 kinds = {recovered} faults recovered")
+    print(f"{sc.name}: {len(steps)} steps x {len(kinds)} kinds = {recovered} faults recovered")
