@@ -109,16 +109,9 @@ def run_install(
             if e.old is not None:
                 write_exact(record_dir / "originals" / e.rel, e.old)
         text = _record_text(edits, extra or {}, message, "installed")
-        journal = gitrepo.journal_dir(checkout)
-        with journaled(journal, checkout.root, edits, _record_path(checkout, name), text):
-            written = apply_edits(checkout.root, edits)
-            _write_record_text(checkout, name, text)
-        try:
-            commit = _commit(checkout, written, message)
-        except UserError as exc:
-            _undo(checkout, edits, written)
-            shutil.rmtree(record_dir, ignore_errors=True)
-            raise UserError(f"{exc}\nNothing was changed.") from None
+        written, commit = _write_and_commit(
+            checkout, name, edits, text, message, lambda: shutil.rmtree(record_dir)
+        )
         result = InstallResult(written, commit, removed=False)
         result.notes = _detached_note(checkout, result.commit)
         return result
@@ -159,20 +152,40 @@ def run_remove(
             edits.append(Edit(rel, current, original))
         installed_text = _record_path(checkout, name).read_text(encoding="utf-8")
         removed_text = json.dumps({**record, "state": "removed"}, indent=2) + "\n"
-        journal = gitrepo.journal_dir(checkout)
-        with journaled(journal, checkout.root, edits, _record_path(checkout, name), removed_text):
-            written = apply_edits(checkout.root, edits)
-            _write_record_text(checkout, name, removed_text)
-        try:
-            commit = _commit(checkout, written, message)
-        except UserError as exc:
-            _undo(checkout, edits, written)
-            _write_record_text(checkout, name, installed_text)
-            raise UserError(f"{exc}\nNothing was changed.") from None
+        written, commit = _write_and_commit(
+            checkout,
+            name,
+            edits,
+            removed_text,
+            message,
+            lambda: _write_record_text(checkout, name, installed_text),
+        )
         shutil.rmtree(checkout.state_dir / name)
         result = InstallResult(written, commit, removed=True)
         result.notes = _detached_note(checkout, result.commit)
         return result
+
+
+def _write_and_commit(
+    checkout: gitrepo.Checkout,
+    name: str,
+    edits: Sequence[Edit],
+    record_text: str,
+    message: str,
+    undo_record: Callable[[], None],
+) -> tuple[list[str], str | None]:
+    """Write the edits and the record under a journal, then commit. A failing commit puts
+    the files and the index back and calls ``undo_record``: nothing was changed."""
+    journal = gitrepo.journal_dir(checkout)
+    with journaled(journal, checkout.root, edits, _record_path(checkout, name), record_text):
+        written = apply_edits(checkout.root, edits)
+        _write_record_text(checkout, name, record_text)
+    try:
+        return written, _commit(checkout, written, message)
+    except UserError as exc:
+        _undo(checkout, edits, written)
+        undo_record()
+        raise UserError(f"{exc}\nNothing was changed.") from None
 
 
 def finish_interrupted(checkout: gitrepo.Checkout, name: str) -> str | None:

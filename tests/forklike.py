@@ -260,6 +260,22 @@ def fork_attention(stock: str, layout: Layout) -> str:
     return module.visit(_InClass()).code
 
 
+def package_info(stock: str, version: tuple[int, int, int, str] = FORK_VERSION) -> str:
+    """The real ``package_info.py`` with the fork's (newer) version numbers."""
+    major, minor, patch, pre = version
+    values = {
+        "MAJOR": str(major),
+        "MINOR": str(minor),
+        "PATCH": str(patch),
+        "PRE_RELEASE": repr(pre),
+    }
+    lines = []
+    for line in stock.splitlines(keepends=True):
+        name = line.split(" = ", 1)[0]
+        lines.append(f"{name} = {values[name]}\n" if name in values else line)
+    return "".join(lines)
+
+
 @dataclass
 class Fork:
     origin: Path
@@ -339,7 +355,9 @@ def build_fork(
     (dest / TRAINING).parent.mkdir(parents=True, exist_ok=True)
     (dest / TRAINING).write_text(FORK_TRAINING_SOURCE, encoding="utf-8")
     (dest / "megatron/training/__init__.py").write_text("")
-    write_parser(dest, version=FORK_VERSION)  # arguments.py and package_info.py, 0.15.0rc3
+    write_parser(dest, version=None)  # megatron/training/arguments.py of the real shape
+    info = (tree.parent / PACKAGE_INFO).read_text(encoding="utf-8")
+    (dest / PACKAGE_INFO).write_text(package_info(info), encoding="utf-8")  # 0.15.0rc3
     _commit_all(dest, "quant: tensor saver, training hooks, megatron 0.15.0rc3")
     git(dest, "branch", "dev")
     return Fork(dest, history)

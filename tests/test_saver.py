@@ -575,3 +575,20 @@ def test_an_error_inside_the_saver_turns_saving_off(saver_module, monkeypatch, c
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and "boom" in err[0] and "saving is off" in err[0]
     assert ts.ENABLED is False
+
+
+def test_a_new_tensor_at_a_freed_address_is_saved(saver_module, monkeypatch):
+    """The allocator reuses a freed block for the next tensor: same address, other data."""
+    import gc
+
+    import torch
+
+    ts = saver_module()
+    monkeypatch.setattr(ts, "_identity", lambda t: ("one address",))
+    first = torch.ones(8)
+    ts.save_tensor(first, "linear", "forward", None, "input", 0)
+    assert ts.flush()["files"] == 1
+    del first
+    gc.collect()
+    ts.save_tensor(torch.zeros(8), "linear", "forward", None, "input", 0)
+    assert ts.flush()["files"] == 2  # saved (files are counted since configure())

@@ -521,8 +521,8 @@ def test_two_scripts_at_once_from_one_checkout(make_checkout, tmp_path, stub_env
     assert len(records) == 3
     cwds = sorted({cwd for _, cwd, _ in records})
     assert [Path(c).name for c in cwds] == [
-        "quant__linear-hifp8_qk-hifp8_pv-bf16",
-        "quant__linear-mxfp4_qk-bf16_pv-bf16",
+        "quantpatch__linear-hifp8_qk-hifp8_pv-bf16",
+        "quantpatch__linear-mxfp4_qk-bf16_pv-bf16",
     ]
     assert git.Repo(root).active_branch.name == "main" and not git.Repo(root).is_dirty()
 

@@ -37,7 +37,7 @@ def test_corrupt_entry_is_rediscovered(make_checkout, tmp_path):
         entry.write_text("{not json")
     assert site_cache.read_sites(root, Targets(), cache) == good
     for entry in cache.glob("sites-*.json"):
-        assert isinstance(json.loads(entry.read_text()), list)
+        assert isinstance(json.loads(entry.read_text())["sites"], list)
 
 
 def test_cache_is_pruned(tmp_path):

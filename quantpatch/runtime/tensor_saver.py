@@ -54,6 +54,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
@@ -305,7 +306,7 @@ class _Saver:
         self.cap_reported = False
         self.micro_step = 0
         self.seen_forward: set[tuple[Any, ...]] = set()
-        self.last_saved: dict[tuple[Any, ...], tuple[tuple[Any, ...], int]] = {}
+        self.last_saved: dict[tuple[Any, ...], tuple[Any, ...]] = {}
         self.stream: Any = None
 
     # micro-steps: a forward tensor seen again starts the next one
@@ -357,11 +358,18 @@ class _Saver:
         # own call next to an inserted one) is saved once
         same = (layer_type, layer_idx, kind, operation, tensor_name, quant)
         ident = _identity(t)
-        if self.last_saved.get(same) == (ident, self.micro_step):
+        before = self.last_saved.get(same)
+        # an address means the same data only while the tensor seen there is alive: a freed
+        # block is reused by the allocator for the next, different tensor
+        if (
+            before is not None
+            and before[:2] == (ident, self.micro_step)
+            and before[2]() is not None
+        ):
             return None
         step_key = (layer_type, layer_idx, kind, tensor_name, md.get("phase"), md.get("component"))
         step = self._step_for(step_key, operation)
-        self.last_saved[same] = (ident, step)
+        self.last_saved[same] = (ident, step, weakref.ref(tensor))
         if not self._selected(step, layer_idx, tensor_name):
             return None
         nbytes = t.numel() * t.element_size()
@@ -650,14 +658,26 @@ def save_tensor(
     """Save one tensor; the path its file will have (``None``: not saved)."""
     if not ENABLED or tensor is None:
         return None
+    md = _save_tensor_metadata(args, metadata, phase, component, rank)
+    return _save(tensor, layer_type, operation, quant_type, tensor_name, layer_idx, md)
+
+
+def _save_tensor_metadata(
+    args: tuple[Any, ...],
+    metadata: Mapping[str, Any] | None,
+    phase: str | None,
+    component: str | None,
+    rank: int | None,
+) -> dict[str, Any]:
+    """The metadata of a ``save_tensor`` call, whichever order (the contract's or the
+    fork's) its positional arguments after ``layer_idx`` follow."""
     kw = _caller_order(
         "save_tensor",
         args,
         {"metadata": metadata, "phase": phase, "component": component, "rank": rank},
         _FORK_ORDER,
     )
-    md = _metadata(kw["metadata"], kw["phase"], kw["component"], kw["rank"])
-    return _save(tensor, layer_type, operation, quant_type, tensor_name, layer_idx, md)
+    return _metadata(kw["metadata"], kw["phase"], kw["component"], kw["rank"])
 
 
 def save_linear_tensors(
@@ -809,13 +829,7 @@ class TensorSaver:
     ) -> str | None:
         if not self.enabled or tensor is None:
             return None
-        kw = _caller_order(
-            "save_tensor",
-            args,
-            {"metadata": metadata, "phase": phase, "component": component, "rank": rank},
-            _FORK_ORDER,
-        )
-        md = _metadata(kw["metadata"], kw["phase"], kw["component"], kw["rank"])
+        md = _save_tensor_metadata(args, metadata, phase, component, rank)
         return _save(
             tensor, layer_type, operation, quant_type, tensor_name, layer_idx, md, self._save_dir
         )
