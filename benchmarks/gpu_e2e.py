@@ -23,6 +23,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from _timing import worker_pythonpath  # benchmarks/_timing.py, beside this script
+
 WORKER = r"""
 import json, os, statistics, sys, time, torch
 cfg = json.loads(sys.argv[1])
@@ -162,7 +164,7 @@ def _worker(path: Path, cfg: dict, env: dict[str, str]) -> dict:
     out = subprocess.run(
         [sys.executable, "-c", WORKER, json.dumps(cfg)],
         cwd=path,
-        env={**env, "PYTHONPATH": str(path)},
+        env={**env, "PYTHONPATH": worker_pythonpath(path)},
         capture_output=True,
         text=True,
     )

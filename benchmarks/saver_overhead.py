@@ -26,6 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from _timing import worker_pythonpath  # benchmarks/_timing.py, beside this script
+
 WORKER = r"""
 import json, os, sys, time, statistics, torch
 args = json.loads(sys.argv[1])
@@ -88,7 +90,7 @@ print(json.dumps({"step": statistics.median(times), "flush": statistics.median(f
 
 def run_variant(checkout: Path, variant: str, cfg: dict, logdir: Path) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TENSOR_SAVE")}
-    env["PYTHONPATH"] = str(checkout)
+    env["PYTHONPATH"] = worker_pythonpath(checkout)
     if variant in ("enabled", "stats_only", "sync_reference"):
         env.update(TENSOR_SAVE_ENABLED="true", TENSOR_SAVE_DIR=str(logdir / variant))
     if variant == "stats_only":
@@ -230,8 +232,11 @@ def _check_files(files: list[Path], cfg: dict) -> bool:
     import torch
 
     torch.manual_seed(0)
-    h = cfg["hidden"]
-    ws = [(torch.randn(h, h) * h**-0.5).to(torch.bfloat16) for _ in range(cfg["layers"])]
+    h, dev = cfg["hidden"], cfg["device"]  # CUDA's generator differs from the CPU's
+    ws = [
+        (torch.randn(h, h, device=dev) * h**-0.5).to(torch.bfloat16).cpu()
+        for _ in range(cfg["layers"])
+    ]
     weights = [torch.load(f)["tensor"] for f in sorted(files) if f.name.endswith("_weight.pt")]
     return bool(weights) and all(any(torch.equal(w, r) for r in ws) for w in weights)
 

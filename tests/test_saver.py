@@ -592,3 +592,24 @@ def test_a_new_tensor_at_a_freed_address_is_saved(saver_module, monkeypatch):
     gc.collect()
     ts.save_tensor(torch.zeros(8), "linear", "forward", None, "input", 0)
     assert ts.flush()["files"] == 2  # saved (files are counted since configure())
+
+
+@pytest.mark.skipif(
+    not __import__("torch").cuda.is_available(), reason="CUDA-only: the device snapshot"
+)
+def test_cuda_tensor_written_after_the_call_is_saved_as_it_was(saver_module):
+    """Training may write into a tensor right after handing it over (a reused all-gather
+    buffer, an in-place update): the file holds the values at the call."""
+    import torch
+
+    ts = saver_module()
+    t = torch.arange(1 << 22, device="cuda", dtype=torch.float32)
+    want = t.cpu()
+    for _ in range(4):
+        ts.save_tensor(t, "linear", "forward", None, "input", 1)
+        t.add_(1.0)  # queued on the training stream right behind the call
+        want_now = want.clone()
+        report = ts.flush()
+        saved = sorted(Path(ts._CFG.save_dir).glob("*_input.pt"))[-1]
+        assert torch.equal(torch.load(saved)["tensor"], want_now), report
+        want = want + 1.0
