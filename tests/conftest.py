@@ -43,11 +43,15 @@ def make_checkout(tmp_path: Path, trees: dict[str, Path]) -> MakeCheckout:
         inject: bool = True,
         use_git: bool = True,
         full: bool = False,
+        extra: tuple[str, ...] = (),
     ) -> Path:
         root = tmp_path / f"checkout{next(counter)}"
         src = trees[version]
         if full:
             shutil.copytree(src, root / "megatron")
+        for rel in extra:  # more real files, as they are (e.g. transformer_layer.py)
+            (root / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(src.parent / rel, root / rel)
         for rel in (LINEAR, ATTENTION):
             dest = root / rel
             dest.parent.mkdir(parents=True, exist_ok=True)

@@ -17,6 +17,7 @@ def test_demo_walks_and_restores_byte_identical(run, tmp_path):
     assert res.code == 0, res
     assert "target files byte-identical to before the first set: yes" in res.out
     assert "quantpatch/linear-hifp8_qk-mxfp4_pv-mxfp8" in res.out
+    assert res.out.rstrip().splitlines()[-1].startswith(f"try: cd {dest}")  # what to try next
     repo = git.Repo(dest)
     assert repo.active_branch.name == "main" and not repo.is_dirty()
     walked = {

@@ -28,6 +28,7 @@ from .conftest import ATTENTION, LINEAR
 pytestmark = pytest.mark.slow
 
 TARGETS = (LINEAR, ATTENTION)
+LAYER = "megatron/core/transformer/transformer_layer.py"
 USER_FILES = ("README.md", "staged.txt", "untracked.txt")
 
 
@@ -86,8 +87,8 @@ class Scenario:
     command: tuple[str, ...]
     inject: bool = True
     use_git: bool = True
-    full: bool = False
-    """The whole megatron tree (the saver instruments transformer_layer.py too)."""
+    extra: tuple[str, ...] = ()
+    """More real files (the saver instruments transformer_layer.py too)."""
     undo_commits: bool = False
     """The undo is a new commit (init --remove, saver remove): HEAD moves on, bytes return."""
     prepare: tuple[tuple[str, ...], ...] = ()
@@ -168,7 +169,7 @@ SCENARIOS = [
     Scenario(
         "saver-install",
         ("saver", "install"),
-        full=True,
+        extra=(LAYER,),
         done=_saver(True),
         undo=("saver", "remove"),
         undo_commits=True,
@@ -176,7 +177,7 @@ SCENARIOS = [
     Scenario(
         "saver-remove",
         ("saver", "remove"),
-        full=True,
+        extra=(LAYER,),
         prepare=(("saver", "install"),),
         done=_saver(False),
         undo=None,
@@ -200,14 +201,14 @@ SCENARIOS = [
 ]
 
 
-CTRL_C = ("set", "set-no-branch", "saver-install", "restore-in-place")
+CTRL_C = ("set", "set-no-branch", "saver-install")
 """Scenarios also interrupted (KeyboardInterrupt after each step, as Ctrl-C)."""
 
 
 @pytest.fixture
 def template(make_checkout, tmp_path: Path):
     def build(sc: Scenario) -> tuple[Path, dict[str, object]]:
-        root = make_checkout(inject=sc.inject, use_git=sc.use_git, full=sc.full)
+        root = make_checkout(inject=sc.inject, use_git=sc.use_git, extra=sc.extra)
         start = start_view(root, sc.use_git)
         for prep in sc.prepare:
             res = qp(root, *prep)

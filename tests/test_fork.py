@@ -134,21 +134,22 @@ def test_every_scheme_worktree_and_run_dry_run(run, clone):
         wt = Path(res.out.strip())
         check = run("check", "--repo", wt, "--expect", f"linear={lin},qk={qk},pv={pv}")
         assert check.code == 0, (scheme, check)
-    res = run(
-        "run",
-        "--repo",
-        clone,
-        "--model",
-        "llama32-1b",
-        "--dataset",
-        "wikipedia",
-        "--scheme",
-        "FA_mxfp8",
-        "--profile",
-        "smoke",
-        "--dry-run",
-    )
-    assert res.code == 0, res
+        res = run(
+            "run",
+            "--repo",
+            clone,
+            "--model",
+            "llama32-1b",
+            "--dataset",
+            "wikipedia",
+            "--scheme",
+            scheme,
+            "--profile",
+            "smoke",
+            "--dry-run",
+        )
+        assert res.code == 0, (scheme, res)
+        assert str(wt) in res.out and "pretrain_gpt.py" in res.out, (scheme, res.out)
     after = snapshot(clone)
     assert after["files"] == before["files"] and after["head"] == before["head"]
 
