@@ -73,11 +73,13 @@ def install(path: Path | None, *, force: bool = False) -> InstallResult:
 
 
 def _refuse_unserved_callers(root: Path, edits: list[Edit]) -> None:
-    """Every import of the saver module and every call in the checkout (as it will be) must be
-    served by the installed module; otherwise nothing is written."""
+    """Every import of the saver module and every call in the checkout must be served by the
+    installed module; otherwise nothing is written. The files are read as they are now: the
+    calls quantpatch inserts use its own module by construction, and a file that does not
+    mention the saver (a stock checkout's) is then never parsed."""
     from quantpatch.saver_callers import served_api, unserved_uses
 
-    texts = {e.rel: e.new for e in edits}
+    texts = {e.rel: e.old for e in edits}
     uses = unserved_uses(root, served_api(saver_source()), texts, skip=SAVER_MODULE)
     if uses:
         raise UserError(
