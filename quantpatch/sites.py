@@ -20,6 +20,7 @@ A *site* is an assignment to ``custom_quant_type``. Its role comes from structur
 from __future__ import annotations
 
 import ast
+import io
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -415,22 +416,67 @@ def parse_source(text: str, rel: str) -> cst.Module:
         raise UserError(f"{rel}:{line}: the file does not parse as Python ({reason}).") from None
 
 
+def _site_chunks(module: cst.Module, text: str) -> Sequence[tuple[cst.BaseStatement, int]]:
+    """The top-level statements that mention the site name, each with the number of lines
+    before it. Where a statement starts comes from CPython's own parser (an AST only, in C:
+    no code generation of the whole module); any disagreement with libcst's tree falls back
+    to generating each statement's code."""
+    starts = _chunk_starts(module, text)
+    if starts is None:
+        out: list[tuple[cst.BaseStatement, int]] = []
+        offset = len(module.header)
+        for stmt in module.body:
+            code = module.code_for_node(stmt)
+            if SITE_NAME in code:
+                out.append((stmt, offset))
+            offset += code.count("\n")
+        return out
+    lines = io.StringIO(text, newline="").readlines()  # \n, \r\n and \r, as Python splits
+    bounds = [*starts, len(lines)]
+    return [
+        (stmt, bounds[i])
+        for i, stmt in enumerate(module.body)
+        if SITE_NAME in "".join(lines[bounds[i] : bounds[i + 1]])
+    ]
+
+
+def _chunk_starts(module: cst.Module, text: str) -> list[int] | None:
+    """For each top-level statement of ``module``, the lines before its code (its leading
+    comments and blank lines included), or ``None`` when CPython's AST and libcst's tree do
+    not line up one to one."""
+    try:
+        nodes = ast.parse(text.removeprefix("\ufeff")).body
+    except (SyntaxError, ValueError):
+        return None
+    starts: list[int] = []
+    i = 0
+    for stmt in module.body:
+        k = len(stmt.body) if isinstance(stmt, cst.SimpleStatementLine) else 1
+        if i + k > len(nodes):
+            return None
+        first = nodes[i]
+        line = min([first.lineno, *(d.lineno for d in getattr(first, "decorator_list", ()))])
+        starts.append(line - 1 - len(stmt.leading_lines))
+        i += k
+    if i != len(nodes) or (starts and starts[0] != len(module.header)):
+        return None
+    if any(b <= a for a, b in itertools.pairwise(starts)):
+        return None
+    return starts
+
+
 def discover_source(text: str, rel: str, file_kind: str) -> FileSites:
     """All sites of one file's source text; ``file_kind`` is ``linear`` or ``attention``."""
     module = parse_source(text, rel)
     if SITE_NAME not in text:
         return FileSites(rel, text, module, [], [], [], frozenset())
     collector = _Collector(file_kind)
-    offset = len(module.header)
     chunks: set[int] = set()
-    for stmt in module.body:
-        code = module.code_for_node(stmt)
-        if SITE_NAME in code:
-            chunks.add(id(stmt))
-            chunk = module.with_changes(header=(), body=(stmt,), footer=())
-            collector.line_offset = offset
-            MetadataWrapper(chunk, unsafe_skip_copy=True).visit(collector)
-        offset += code.count("\n")
+    for stmt, offset in _site_chunks(module, text):
+        chunks.add(id(stmt))
+        chunk = module.with_changes(header=(), body=(stmt,), footer=())
+        collector.line_offset = offset
+        MetadataWrapper(chunk, unsafe_skip_copy=True).visit(collector)
     collector.done.append(collector.module_frame)
 
     found: list[tuple[_RawSite, Site, list[cst.If]]] = []

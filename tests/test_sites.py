@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import libcst as cst
 import pytest
 
 from quantpatch.codemods.init_sites import Layout, inject_sites
@@ -169,3 +170,23 @@ def test_injection_refuses_unknown_layout():
             ATTENTION,
             "attention",
         )
+
+
+@pytest.mark.parametrize("version", ["0.11.0", "0.13.1"])
+def test_chunk_starts_from_the_ast_match_libcst_code(trees, version):
+    """Where each top-level statement starts (read from CPython's AST) is exactly where
+    libcst's generated code puts it, on the real files and on the fork's layout."""
+    from quantpatch.sites import _chunk_starts
+
+    for rel, kind in ((LINEAR, "linear"), (ATTENTION, "attention")):
+        stock = (trees[version].parent / rel).read_text()
+        for text in (stock, inject_sites(stock, rel, kind, Layout(comments=True, nested=True))):
+            for variant in (text, text.replace("\n", "\r\n"), "\ufeff# top\n\n" + text):
+                module = cst.parse_module(variant)
+                starts = _chunk_starts(module, variant)
+                assert starts is not None, (rel, version)
+                offset, want = len(module.header), []
+                for stmt in module.body:
+                    want.append(offset)
+                    offset += module.code_for_node(stmt).count("\n")
+                assert starts == want, (rel, version)
