@@ -66,8 +66,9 @@ saved = None
 if os.environ.get("TENSOR_SAVE_ENABLED") == "true":
     from megatron.core import tensor_saver
     saved = tensor_saver.flush()
+from megatron.core import quantpatch_ops
 print(json.dumps({"losses": losses, "step": statistics.median(times[2:] or times),
-                  "saved": saved}))
+                  "saved": saved, "kernels": quantpatch_ops.kernels_in_use(dev)}))
 """
 
 SCHEMES = ("bf16", "FA_mxfp8", "linear_mxfp4", "FA_linear_hifp8", "FA_linear_mxfp8")
@@ -85,6 +86,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--megatron-core", default="0.13.1")
+    ap.add_argument("--json", type=Path, help="also write the figures to this file")
+    ap.add_argument("--no-saving-run", action="store_true", help="skip the tensor-saver run")
     args = ap.parse_args()
     gpu = args.device == "cuda"
     cfg = {
@@ -117,11 +120,15 @@ def main() -> None:
             f"{'final loss':>11s} {'step ms':>9s}"
         )
         steps: dict[str, float] = {}
+        losses: dict[str, list[float]] = {}
+        kernels: set[str] = set()
         for name in SCHEMES:
             s = schemes[name]
             wt = ensure_worktree(root, s.values())
             res = _worker(wt.path, cfg, env)
             steps[name] = res["step"]
+            losses[name] = res["losses"]
+            kernels.add(res["kernels"])
             finite = all(map(_finite, res["losses"]))
             print(
                 f"{name:18s} {s.linear:>7s} {s.qk:>6s} {s.pv:>6s} {res['losses'][0]:11.4f} "
@@ -129,6 +136,22 @@ def main() -> None:
                 f"{'' if finite else '  NON-FINITE LOSS'}"
             )
         print(f"step time FA_linear_mxfp8 / bf16: {steps['FA_linear_mxfp8'] / steps['bf16']:.2f}")
+        print(f"fake quant on {args.device} tensors: {', '.join(sorted(kernels))}")
+        if args.json:
+            args.json.write_text(
+                json.dumps(
+                    {
+                        "config": cfg,
+                        "kernels": sorted(kernels),
+                        "step_s": steps,
+                        "step_vs_bf16": {k: v / steps["bf16"] for k, v in steps.items()},
+                        "losses": losses,
+                        "all_finite": all(_finite(x) for ls in losses.values() for x in ls),
+                    }
+                )
+            )
+        if args.no_saving_run:
+            return
         logs = tmp / "tensor_logs"
         wt = ensure_worktree(root, schemes["bf16"].values())
         saving = _worker(

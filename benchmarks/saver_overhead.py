@@ -149,6 +149,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=None)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=3, help="runs of the two disabled variants")
+    ap.add_argument("--json", type=Path, help="also write the figures to this file")
     args = ap.parse_args()
     gpu = args.device == "cuda"
     cfg = {
@@ -223,6 +224,27 @@ def main() -> None:
         expected = (args.steps + 1) * cfg["layers"] * 4
         exact = _check_files(files, cfg)
         print(f"files after flush: {len(files)} of {expected} expected; bit-exact: {exact}")
+        if args.json:
+            args.json.write_text(
+                json.dumps(
+                    {
+                        "config": cfg,
+                        "bytes_per_step": nbytes,
+                        "step_not_installed_s": base,
+                        "step_disabled_s": disabled,
+                        "disabled_overhead_pct": 100 * (disabled / base - 1),
+                        "guard_pct_of_step": 100 * guard * guards / base,
+                        "stall_s": stall,
+                        "copy_s": copy_s,
+                        "stall_vs_copy": stall / copy_s,
+                        "raw_write_s": write_s,
+                        "writer_pct_of_raw_write": 100 * (nbytes / writer_s) / (nbytes / write_s),
+                        "files": len(files),
+                        "files_expected": expected,
+                        "bit_exact": exact,
+                    }
+                )
+            )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

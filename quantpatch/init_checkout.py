@@ -1,9 +1,10 @@
 """``quantpatch init``: make a stock Megatron checkout a quantization test bed, and undo it.
 
 ``init`` inserts fork-layout sites (value ``bf16``, so the checkout computes exactly as before)
-into the two target files and installs ``megatron/core/quantpatch_ops.py`` (a verbatim copy of
-``quantpatch/runtime/quantpatch_ops.py``): a recorded install, so ``init --remove`` restores
-the original bytes exactly.
+into the two target files and installs ``megatron/core/quantpatch_ops.py`` and
+``megatron/core/quantpatch_kernels.py`` (verbatim copies of ``quantpatch/runtime/``: the ops
+and their fused Triton kernels for CUDA tensors): a recorded install, so ``init --remove``
+restores the original bytes exactly.
 """
 
 from __future__ import annotations
@@ -20,15 +21,25 @@ from quantpatch.installs import InstallResult, record_of, run_install, run_remov
 from quantpatch.site_model import read_target
 
 OPS_MODULE = "megatron/core/quantpatch_ops.py"
+KERNELS_MODULE = "megatron/core/quantpatch_kernels.py"
+# installed path -> the runtime module it copies
+RUNTIME_MODULES = {
+    OPS_MODULE: "runtime/quantpatch_ops.py",
+    KERNELS_MODULE: "runtime/quantpatch_kernels.py",
+}
 RECORD = "init"
 
 
+def runtime_source(installed: str) -> str:
+    return resources.files("quantpatch").joinpath(RUNTIME_MODULES[installed]).read_text("utf-8")
+
+
 def ops_source() -> str:
-    return resources.files("quantpatch").joinpath("runtime/quantpatch_ops.py").read_text("utf-8")
+    return runtime_source(OPS_MODULE)
 
 
 def _files(checkout: gitrepo.Checkout) -> list[str]:
-    return [*load_targets(checkout.root).all_files, OPS_MODULE]
+    return [*load_targets(checkout.root).all_files, *RUNTIME_MODULES]
 
 
 def _plan(checkout: gitrepo.Checkout) -> list[Edit]:
@@ -40,10 +51,11 @@ def _plan(checkout: gitrepo.Checkout) -> list[Edit]:
     for rel in targets.all_files:
         text = read_target(root, rel)
         edits.append(Edit(rel, text, inject_sites(text, rel, targets.kind_of(rel))))
-    current = read_exact(root / OPS_MODULE)
-    if current is not None and current != ops_source():
-        raise UserError(f"{OPS_MODULE}: a different file is already there; move it away first.")
-    edits.append(Edit(OPS_MODULE, current, ops_source()))
+    for installed in RUNTIME_MODULES:
+        current, source = read_exact(root / installed), runtime_source(installed)
+        if current is not None and current != source:
+            raise UserError(f"{installed}: a different file is already there; move it away first.")
+        edits.append(Edit(installed, current, source))
     return edits
 
 
@@ -55,6 +67,6 @@ def init(path: Path | None, *, remove: bool = False) -> InstallResult:
         RECORD,
         _plan,
         _files,
-        "quantpatch init: fork-layout custom_quant_type sites (bf16) and "
-        "megatron/core/quantpatch_ops.py",
+        "quantpatch init: fork-layout custom_quant_type sites (bf16), "
+        "megatron/core/quantpatch_ops.py and its Triton kernels",
     )

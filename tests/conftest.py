@@ -17,6 +17,23 @@ from quantpatch.codemods.init_sites import Layout, inject_sites
 from quantpatch.config import Targets
 from quantpatch.megatron_source import megatron_tree
 
+
+def _interpret_triton_without_a_gpu() -> None:
+    """Triton reads ``TRITON_INTERPRET`` when it is first imported (its own library functions
+    are decorated then), and torch may import it early: set it before any test module loads,
+    so that without a GPU the kernels run in the interpreter on CPU tensors."""
+    if "TRITON_INTERPRET" in os.environ:
+        return
+    try:
+        import torch
+    except ImportError:
+        return
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+
+
+_interpret_triton_without_a_gpu()
+
 VERSIONS = ("0.11.0", "0.13.1")
 LINEAR = Targets().linear[0]
 ATTENTION = Targets().attention[0]

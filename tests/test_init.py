@@ -8,7 +8,7 @@ from pathlib import Path
 import git
 import pytest
 
-from quantpatch.init_checkout import OPS_MODULE, ops_source
+from quantpatch.init_checkout import KERNELS_MODULE, OPS_MODULE, ops_source, runtime_source
 
 from .conftest import ATTENTION, LINEAR, VERSIONS, run_probe, snapshot
 
@@ -30,6 +30,7 @@ def test_init_and_remove_round_trip(run, make_checkout, version):
         ("pv", "bf16"),
     ]
     assert (root / OPS_MODULE).read_text() == ops_source()
+    assert (root / KERNELS_MODULE).read_text() == runtime_source(KERNELS_MODULE)
     repo = git.Repo(root)
     assert repo.head.commit.message.startswith("quantpatch init:") and not repo.is_dirty()
     assert run("init", "--repo", root).code == 2

@@ -22,7 +22,14 @@ All arithmetic is exact float32 work on powers of two (``frexp``/``ldexp``), so 
 the same on CPU and CUDA and for bf16, fp16 and fp32 inputs. NaN and +-Inf pass through
 unchanged; they do not disturb the scale of the rest of their block.
 
-``QUANTPATCH_COMPILE=1`` runs each quantizer through ``torch.compile`` (one fused kernel per
+On CUDA tensors ``fake_quant`` runs one fused Triton kernel per call
+(``quantpatch_kernels.py``, installed beside this file; bit-identical to the code here, tested
+in Triton's interpreter). ``QUANTPATCH_KERNELS`` chooses: ``auto`` (default: the kernels for
+CUDA tensors when triton imports, this PyTorch code otherwise), ``reference`` (always this
+code), ``triton`` (always the kernels: CPU tensors too, with ``TRITON_INTERPRET=1``).
+``kernels_in_use()`` says which path a CUDA tensor takes and why.
+
+``QUANTPATCH_COMPILE=1`` runs the PyTorch code through ``torch.compile`` (one fused kernel per
 format instead of ~30 elementwise passes; bit-identical results, tested).
 """
 
@@ -70,6 +77,8 @@ def _round_element(p: torch.Tensor, elem: tuple[int, int, float, int]) -> torch.
 
 
 def _mx(x: torch.Tensor, dim: int, elem: tuple[int, int, float, int]) -> torch.Tensor:
+    if x.dim() == 0:  # a scalar is a block of one
+        return _mx(x.reshape(1), 0, elem).reshape(())
     v = x.to(torch.float32).movedim(dim, -1)
     n = v.shape[-1]
     pad = (-n) % BLOCK
@@ -106,6 +115,58 @@ def _hifp8(x: torch.Tensor) -> torch.Tensor:
     return out.to(x.dtype)
 
 
+_KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_kernels_module: Any = None
+_kernels_error: str | None = None
+
+
+def _kernels() -> Any:
+    """The Triton kernels module beside this one, or None (the reason kept) when it cannot be
+    imported (no triton, or this file loaded outside its package)."""
+    global _kernels_module, _kernels_error
+    if _kernels_module is None and _kernels_error is None:
+        try:
+            from . import quantpatch_kernels  # megatron.core or quantpatch.runtime
+        except Exception as exc:  # no triton, no package, a broken install: the reference runs
+            _kernels_error = f"{type(exc).__name__}: {exc}"
+        else:
+            _kernels_module = quantpatch_kernels
+    return _kernels_module
+
+
+def _kernel_mode() -> str:
+    mode = os.environ.get("QUANTPATCH_KERNELS", "auto")
+    if mode not in ("auto", "reference", "triton"):
+        raise ValueError(f"QUANTPATCH_KERNELS={mode!r}; expected auto, reference or triton")
+    return mode
+
+
+def kernels_in_use(device: str = "cuda") -> str:
+    """Which path ``fake_quant`` takes for a tensor on ``device``: ``triton`` or
+    ``reference (why)``."""
+    mode = _kernel_mode()
+    if mode == "reference":
+        return "reference (QUANTPATCH_KERNELS=reference)"
+    if mode == "auto" and device != "cuda":
+        return "reference (CPU tensors)"
+    if _kernels() is None:
+        return f"reference (no Triton kernels: {_kernels_error})"
+    return "triton"
+
+
+def _use_kernels(x: torch.Tensor) -> bool:
+    mode = _kernel_mode()
+    if mode == "reference" or x.dtype not in _KERNEL_DTYPES:
+        return False
+    if mode == "auto" and not x.is_cuda:
+        return False
+    if _kernels() is None:
+        if mode == "triton":
+            raise RuntimeError(f"QUANTPATCH_KERNELS=triton, but {_kernels_error}")
+        return False
+    return True
+
+
 _COMPILE = os.environ.get("QUANTPATCH_COMPILE", "0") == "1"
 _COMPILED: dict[tuple[str, bool], Callable[[torch.Tensor, int], torch.Tensor]] = {}
 
@@ -116,6 +177,11 @@ def fake_quant(x: torch.Tensor, fmt: str, *, dim: int = -1, backward: bool = Fal
         return x
     if fmt not in FORMATS:
         raise ValueError(f"unknown quantization format {fmt!r}; expected one of {FORMATS}")
+    if x.numel() == 0:
+        return x.clone()
+    if _use_kernels(x):
+        out: torch.Tensor = _kernels_module.fake_quant(x, fmt, dim, backward)
+        return out
     if _COMPILE:
         key = (fmt, backward)
         if key not in _COMPILED:  # one compiled function per format and direction
