@@ -1,0 +1,1 @@
+"""Reading what training runs leave behind: saved tensors and training logs."""

@@ -1,0 +1,155 @@
+"""Finding and reading saved tensors: our saver's ``.pt`` files and stats-only JSONL, and the
+fork's saver output (the same dict layout, its own names, often under ``<dir>/<format>/``).
+
+Every ``.pt`` is loaded with ``torch.load(weights_only=True, mmap=True)``: a file that needs
+more than tensors and plain containers (a pickle that would run code) is refused, never
+executed; a file that cannot be read is reported and skipped. Metadata comes from the file's
+dict first, its name second, its folder (a format name) last.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from quantpatch.config import QUANT_TYPES
+
+# {timestamp}_{counter}_{layer_type}_L{layer}_{operation}_{quant}[_rank{r}]_{tensor}.pt, the
+# name our saver and the fork's write (a file name, not Python source)
+_NAME = re.compile(
+    r"^(?P<stamp>\d{8}_\d{6})_(?P<counter>\d+)_(?P<layer_type>.+?)_L(?P<layer>\d+|None)_"
+    r"(?P<operation>forward|backward)_(?P<quant>[A-Za-z0-9]+)(?:_rank(?P<rank>\d+))?_"
+    r"(?P<tensor>.+)$"
+)
+GROUPS = ("layer", "kind", "operation", "tensor", "format", "rank", "step")
+
+
+@dataclass
+class TensorMeta:
+    """What a saved tensor is: the grouping keys of ``tensors summary``/``formats``."""
+
+    path: str
+    layer: int | None = None
+    kind: str | None = None  # module kind (qkv, proj, fc1, fc2, core_attention, ...)
+    operation: str | None = None  # forward / backward
+    tensor: str | None = None  # input, weight, grad_output, query, key, value, ...
+    format: str | None = None  # the quant type in force when it was saved
+    rank: int | None = None
+    step: int | None = None  # micro-step
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def key(self, by: tuple[str, ...]) -> tuple[Any, ...]:
+        return tuple(getattr(self, g) for g in by)
+
+
+@dataclass
+class Skipped:
+    path: str
+    reason: str
+
+
+def discover(root: Path) -> tuple[list[Path], list[Path]]:
+    """``.pt`` files and ``.jsonl`` stats files under ``root``, sorted (symbolic links to
+    directories are not followed)."""
+    pts: list[Path] = []
+    jsonl: list[Path] = []
+    for dirpath, _dirs, files in os.walk(root):
+        for name in files:
+            if name.endswith(".pt"):
+                pts.append(Path(dirpath) / name)
+            elif name.endswith(".jsonl"):
+                jsonl.append(Path(dirpath) / name)
+    return sorted(pts), sorted(jsonl)
+
+
+def _int(value: Any) -> int | None:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def meta_of(path: Path, metadata: dict[str, Any] | None, root: Path | None = None) -> TensorMeta:
+    md = metadata if isinstance(metadata, dict) else {}
+    m = _NAME.match(path.stem)
+    parsed = m.groupdict() if m else {}
+    fmt = md.get("quant_type") or parsed.get("quant")
+    if not fmt and path.parent.name in QUANT_TYPES and path.parent != root:
+        fmt = path.parent.name
+    layer = md.get("layer_idx", md.get("layer", parsed.get("layer")))
+    return TensorMeta(
+        path=str(path if root is None else path.relative_to(root)),
+        layer=_int(layer),
+        kind=md.get("module_kind") or md.get("layer_type") or parsed.get("layer_type"),
+        operation=md.get("operation") or parsed.get("operation"),
+        tensor=md.get("tensor_name") or parsed.get("tensor"),
+        format=str(fmt) if fmt else None,
+        rank=_int(md.get("rank", parsed.get("rank"))),
+        step=_int(md.get("micro_step", md.get("iteration"))),
+    )
+
+
+def load_tensor(path: Path) -> tuple[Any, dict[str, Any]]:
+    """The tensor of a saved file and its metadata dict. Raises ``ValueError`` with a reason
+    for anything that is not a safely loadable tensor file."""
+    import pickle
+
+    import torch
+
+    try:
+        try:
+            obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as exc:
+            if "mmap" not in str(exc):
+                raise
+            # a legacy (non-zip) file cannot be memory-mapped: read it whole
+            obj = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+        why = next((ln for ln in lines if "Unsupported global" in ln), lines[0] if lines else "")
+        raise ValueError(f"refused: it would run code to load ({why[:160]})") from None
+    except Exception as exc:  # cut short, or a file of another kind
+        raise ValueError(f"unreadable ({_first_line(exc)})") from None
+    if isinstance(obj, torch.Tensor):
+        return obj, {}
+    if not isinstance(obj, dict) or not isinstance(obj.get("tensor"), torch.Tensor):
+        raise ValueError("not a saved tensor (expected a dict with a 'tensor')")
+    md = obj.get("metadata")
+    return obj["tensor"], md if isinstance(md, dict) else {}
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return (text.splitlines()[0] if text else type(exc).__name__)[:160]
+
+
+@dataclass
+class StatsRecord:
+    meta: TensorMeta
+    info: dict[str, Any]
+
+
+def read_stats_lines(path: Path, root: Path) -> Iterator[StatsRecord | Skipped]:
+    """Stats-only records (``stats_rank{r}.jsonl``): one JSON object per line; a bad line is
+    skipped with its number."""
+    rel = str(path.relative_to(root))
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        for n, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+                info = rec["tensor_info"]
+                md = rec.get("metadata") or {}
+                name = str(rec.get("name", ""))
+            except (ValueError, KeyError, TypeError):
+                yield Skipped(f"{rel}:{n}", "not a stats record")
+                continue
+            meta = meta_of(path.with_name(name + ".jsonl") if name else path, md, None)
+            meta.path = f"{rel}:{n}"
+            yield StatsRecord(meta, info if isinstance(info, dict) else {})

@@ -1,0 +1,236 @@
+"""Statistics of one saved tensor, and what each candidate format does to it, as mergeable sums
+(so groups of tensors combine exactly). Uses torch; imported only by the analysis commands.
+
+Format metrics are computed with the quant ops that training runs (``fake_quant``), along the
+reduction dimension the tensor has in its GEMM, with the element type of its direction (E5M2
+for gradients under ``mxfp8``): not against fixed ranges. The names follow Transformer
+Engine's debug statistics where they coincide (``underflows %``, ``overflows %``, ``mse``,
+``dynamic_range``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+from quantpatch.runtime import quantpatch_ops as ops
+
+# tensor name -> (reduction dimension in its GEMM, backward element type)
+REDUCTION: dict[str, tuple[int, bool]] = {
+    "input": (-1, False),  # linear forward: input [s, b, h_in] . W^T, reduced along h_in
+    "weight": (-1, False),  # W [out, in], reduced along in
+    "grad_output": (-1, True),  # dgrad: grad_output [s, b, out] . W, reduced along out
+    "query": (-1, False),  # Q.K^T reduces along the head dimension
+    "key": (-1, False),
+    "value": (0, False),  # P.V: value [sk, b, np, hn] reduced along sk
+    "attention_probs": (-1, False),  # P [b, np, sq, sk] reduced along sk
+}
+_MX_ELEMENTS = {  # (fmt, backward) -> (largest normal, emax_elem)
+    ("mxfp8", False): (ops._E4M3[2], ops._E4M3[3]),
+    ("mxfp8", True): (ops._E5M2[2], ops._E5M2[3]),
+    ("mxfp4", False): (ops._E2M1[2], ops._E2M1[3]),
+    ("mxfp4", True): (ops._E2M1[2], ops._E2M1[3]),
+}
+HIFP8_MAX = 32768.0
+
+
+def reduction_of(tensor: str | None, operation: str | None) -> tuple[int, bool]:
+    if tensor in REDUCTION:
+        return REDUCTION[tensor]
+    return -1, operation == "backward"
+
+
+@dataclass
+class TensorSums:
+    """Sums over the elements of one or more tensors."""
+
+    tensors: int = 0
+    numel: int = 0
+    finite: int = 0
+    zeros: int = 0
+    nonfinite: int = 0
+    total: float = 0.0
+    total_sq: float = 0.0
+    absmax: float = 0.0
+    absmin_nonzero: float = math.inf
+
+    def merge(self, o: TensorSums) -> None:
+        for f in fields(self):
+            a, b = getattr(self, f.name), getattr(o, f.name)
+            if f.name == "absmax":
+                setattr(self, f.name, max(a, b))
+            elif f.name == "absmin_nonzero":
+                setattr(self, f.name, min(a, b))
+            else:
+                setattr(self, f.name, a + b)
+
+    def summary(self) -> dict[str, Any]:
+        n = self.finite
+        mean = self.total / n if n else math.nan
+        var = max(self.total_sq / n - mean * mean, 0.0) if n else math.nan
+        rng = (
+            math.log2(self.absmax / self.absmin_nonzero)
+            if self.absmax > 0 and math.isfinite(self.absmin_nonzero)
+            else 0.0
+        )
+        return {
+            "tensors": self.tensors,
+            "numel": self.numel,
+            "absmax": self.absmax,
+            "mean": mean,
+            "std": math.sqrt(var) if n else math.nan,
+            "zeros %": 100 * self.zeros / self.numel if self.numel else 0.0,
+            "nan/inf %": 100 * self.nonfinite / self.numel if self.numel else 0.0,
+            "dynamic_range": rng,  # binades between the smallest and largest nonzero |x|
+        }
+
+
+def tensor_sums(t: torch.Tensor) -> TensorSums:
+    x = t.detach().reshape(-1).float()
+    finite = torch.isfinite(x)
+    nf = int(finite.sum())
+    x0 = torch.where(finite, x, torch.zeros((), dtype=x.dtype))
+    a = x0.abs()
+    nonzero = a > 0
+    return TensorSums(
+        tensors=1,
+        numel=x.numel(),
+        finite=nf,
+        zeros=int((x == 0).sum()),
+        nonfinite=x.numel() - nf,
+        total=float(x0.sum(dtype=torch.float64)),
+        total_sq=float((x0.double() ** 2).sum()),
+        absmax=float(a.max()) if x.numel() else 0.0,
+        absmin_nonzero=float(torch.where(nonzero, a, math.inf).min()) if x.numel() else math.inf,
+    )
+
+
+def sums_from_info(info: dict[str, Any]) -> TensorSums | None:
+    """What a stats-only record (min, max, mean, std, shape) gives: absmax, mean and std; the
+    zero and NaN counts are not recorded there."""
+    try:
+        shape = info.get("shape") or []
+        n = math.prod(int(s) for s in shape) if shape else int(info.get("numel", 0))
+        mean, std = float(info["mean"]), float(info["std"])
+        absmax = max(abs(float(info["min"])), abs(float(info["max"])))
+    except (KeyError, TypeError, ValueError):
+        return None
+    return TensorSums(
+        tensors=1,
+        numel=n,
+        finite=n,
+        total=mean * n,
+        total_sq=(std * std + mean * mean) * n,
+        absmax=absmax,
+    )
+
+
+@dataclass
+class FormatSums:
+    """What one format does to one or more tensors, as sums."""
+
+    finite: int = 0
+    nonzero: int = 0
+    underflows: int = 0  # nonzero values that became zero
+    overflows: int = 0  # |x| above the largest magnitude representable at its scale (clamped)
+    blocks: int = 0
+    blocks_saturated: int = 0  # MX blocks with at least one clamped value
+    blocks_scale_clipped: int = 0  # MX blocks whose E8M0 scale left [2^-127, 2^127]
+    signal: float = 0.0  # sum x^2
+    noise: float = 0.0  # sum (x - q)^2
+    dot: float = 0.0  # sum x q
+    quant_sq: float = 0.0  # sum q^2
+
+    def merge(self, o: FormatSums) -> None:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(o, f.name))
+
+    def summary(self) -> dict[str, Any]:
+        sqnr = (
+            math.inf
+            if self.noise == 0
+            else 10 * math.log10(self.signal / self.noise)
+            if self.signal > 0
+            else -math.inf
+        )
+        denom = math.sqrt(self.signal * self.quant_sq)
+        return {
+            "underflows %": 100 * self.underflows / self.nonzero if self.nonzero else 0.0,
+            "overflows %": 100 * self.overflows / self.finite if self.finite else 0.0,
+            "blocks saturated %": 100 * self.blocks_saturated / self.blocks
+            if self.blocks
+            else None,
+            "blocks scale clipped %": (
+                100 * self.blocks_scale_clipped / self.blocks if self.blocks else None
+            ),
+            "sqnr_db": sqnr,
+            "rel_error": math.sqrt(self.noise / self.signal) if self.signal > 0 else 0.0,
+            "cosine": self.dot / denom if denom > 0 else (1.0 if self.noise == 0 else 0.0),
+            "mse": self.noise / self.finite if self.finite else 0.0,
+        }
+
+
+def sample_rows(t: torch.Tensor, dim: int, limit: int | None) -> tuple[torch.Tensor, int]:
+    """At most about ``limit`` elements of ``t``: whole rows along ``dim`` (so MX blocks stay
+    whole), evenly spaced. Returns the tensor and the dimension to reduce along."""
+    if limit is None or t.numel() <= limit or t.dim() == 0:
+        return t, dim
+    rows = t.movedim(dim, -1).reshape(-1, t.shape[dim])
+    keep = max(1, limit // max(1, rows.shape[1]))
+    idx = torch.unique(torch.linspace(0, rows.shape[0] - 1, keep).round().long())
+    return rows[idx], -1
+
+
+def _mx_blocks(x: torch.Tensor, dim: int, vmax: float, emax: int) -> tuple[int, int, int, int]:
+    """(overflows, blocks, blocks saturated, blocks whose scale clips) of float32 ``x`` whose
+    non-finite values are already zero, in blocks of 32 along ``dim``."""
+    v = x.movedim(dim, -1)
+    n = v.shape[-1]
+    pad = (-n) % ops.BLOCK
+    if pad:
+        v = torch.nn.functional.pad(v, (0, pad))
+    b = v.reshape(-1, ops.BLOCK).abs()
+    amax = b.amax(dim=-1)
+    nonzero = amax > 0
+    _, exp = torch.frexp(torch.where(nonzero, amax, torch.ones_like(amax)))
+    shared = (exp - 1) - emax
+    clipped = nonzero & ((shared < ops._SCALE_MIN) | (shared > ops._SCALE_MAX))
+    shared = torch.clamp(shared, ops._SCALE_MIN, ops._SCALE_MAX).double()
+    limit = vmax * torch.exp2(shared)
+    over = b.double() > limit[:, None]
+    per_block = over.sum(dim=-1)
+    return int(per_block.sum()), b.shape[0], int((per_block > 0).sum()), int(clipped.sum())
+
+
+def format_sums(t: torch.Tensor, fmt: str, dim: int = -1, backward: bool = False) -> FormatSums:
+    if t.dim() == 0:
+        t, dim = t.reshape(1), 0
+    q = ops.fake_quant(t.detach(), fmt, dim=dim, backward=backward)
+    x = t.detach().float()
+    finite = torch.isfinite(x)
+    zero = torch.zeros((), dtype=torch.float32)
+    x0 = torch.where(finite, x, zero)
+    q0 = torch.where(finite, q.float(), zero)
+    err = (x0 - q0).double()
+    xd, qd = x0.double(), q0.double()
+    nonzero = x0 != 0
+    out = FormatSums(
+        finite=int(finite.sum()),
+        nonzero=int(nonzero.sum()),
+        underflows=int((nonzero & (q0 == 0)).sum()),
+        signal=float((xd * xd).sum()),
+        noise=float((err * err).sum()),
+        dot=float((xd * qd).sum()),
+        quant_sq=float((qd * qd).sum()),
+    )
+    if fmt in ("mxfp8", "mxfp4"):
+        vmax, emax = _MX_ELEMENTS[(fmt, backward)]
+        out.overflows, out.blocks, out.blocks_saturated, out.blocks_scale_clipped = _mx_blocks(
+            x0, dim, vmax, emax
+        )
+    elif fmt == "hifp8":
+        out.overflows = int((x0.abs() > HIFP8_MAX).sum())
+    return out

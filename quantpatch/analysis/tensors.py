@@ -1,0 +1,268 @@
+"""``quantpatch tensors summary | formats``: plain functions over a directory of saved tensors.
+
+Files are streamed one at a time (memory holds a few tensors whatever the directory's size),
+optionally in ``jobs`` worker processes; each file gives small sums that merge exactly into
+groups (``--by``). Nothing is written anywhere.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from quantpatch.analysis.tensor_files import (
+    GROUPS,
+    Skipped,
+    StatsRecord,
+    TensorMeta,
+    discover,
+    load_tensor,
+    meta_of,
+    read_stats_lines,
+)
+from quantpatch.errors import UserError
+
+FORMATS = ("mxfp8", "mxfp4", "hifp8")
+Progress = Callable[[int, int], None]  # (files done, files in all)
+
+
+@dataclass
+class Inventory:
+    files: int = 0
+    stats_records: int = 0
+    bytes: int = 0
+    skipped: list[Skipped] = field(default_factory=list)
+    layers: set[int] = field(default_factory=set)
+    steps: set[int] = field(default_factory=set)
+    ranks: set[int] = field(default_factory=set)
+    formats: set[str] = field(default_factory=set)
+
+    def see(self, meta: TensorMeta) -> None:
+        for attr, values in (("layer", self.layers), ("step", self.steps), ("rank", self.ranks)):
+            v = getattr(meta, attr)
+            if v is not None:
+                values.add(v)
+        if meta.format:
+            self.formats.add(meta.format)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "files": self.files,
+            "stats_records": self.stats_records,
+            "bytes": self.bytes,
+            "skipped": [{"path": s.path, "reason": s.reason} for s in self.skipped],
+            "layers": sorted(self.layers),
+            "micro_steps": sorted(self.steps),
+            "ranks": sorted(self.ranks),
+            "formats": sorted(self.formats),
+        }
+
+
+def parse_by(value: str | None, default: tuple[str, ...]) -> tuple[str, ...]:
+    if not value:
+        return default
+    by = tuple(v.strip() for v in value.split(",") if v.strip())
+    bad = [b for b in by if b not in GROUPS]
+    if bad or not by:
+        raise UserError(
+            f"--by {value!r}: unknown grouping {', '.join(bad) or '(empty)'}; "
+            f"choose from {', '.join(GROUPS)}."
+        )
+    return by
+
+
+def parse_formats(value: str | None) -> tuple[str, ...]:
+    if not value:
+        return FORMATS
+    fmts = tuple(v.strip() for v in value.split(",") if v.strip())
+    bad = [f for f in fmts if f not in FORMATS]
+    if bad or not fmts:
+        raise UserError(
+            f"--formats {value!r}: unknown format {', '.join(bad) or '(empty)'}; "
+            f"choose from {', '.join(FORMATS)}."
+        )
+    return fmts
+
+
+def _check_dir(root: Path) -> Path:
+    if not root.is_dir():
+        raise UserError(f"{root}: no such directory.")
+    return root.resolve()
+
+
+# -- per-file work (run in worker processes with --jobs) -----------------------------------------
+
+
+def _summarise_file(args: tuple[str, str]) -> tuple[TensorMeta, Any, int] | Skipped:
+    from quantpatch.analysis.tensor_metrics import tensor_sums
+
+    path, root = Path(args[0]), Path(args[1])
+    try:
+        t, md = load_tensor(path)
+    except ValueError as exc:
+        return Skipped(str(path.relative_to(root)), str(exc))
+    meta = meta_of(path, md, root)
+    return meta, tensor_sums(t), path.stat().st_size
+
+
+def _formats_file(
+    args: tuple[str, str, tuple[str, ...], int | None],
+) -> tuple[TensorMeta, dict[str, Any], int] | Skipped:
+    from quantpatch.analysis.tensor_metrics import format_sums, reduction_of, sample_rows
+
+    path, root, fmts, sample = Path(args[0]), Path(args[1]), args[2], args[3]
+    try:
+        t, md = load_tensor(path)
+    except ValueError as exc:
+        return Skipped(str(path.relative_to(root)), str(exc))
+    meta = meta_of(path, md, root)
+    if not t.is_floating_point():
+        return Skipped(meta.path, f"not a floating-point tensor ({t.dtype})")
+    dim, backward = reduction_of(meta.tensor, meta.operation)
+    if t.dim() and not -t.dim() <= dim < t.dim():
+        dim = -1
+    t, dim = sample_rows(t, dim if t.dim() else 0, sample)
+    return meta, {f: format_sums(t, f, dim, backward) for f in fmts}, path.stat().st_size
+
+
+def _init_worker(threads: int) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+def _map(fn: Callable[[Any], Any], items: list[Any], jobs: int) -> Iterator[Any]:
+    if jobs <= 1 or len(items) < 2:
+        yield from map(fn, items)
+        return
+    threads = max(1, (os.cpu_count() or 1) // jobs)
+    with ProcessPoolExecutor(jobs, initializer=_init_worker, initargs=(threads,)) as pool:
+        yield from pool.map(fn, items, chunksize=1)
+
+
+@dataclass
+class SummaryResult:
+    inventory: Inventory
+    by: tuple[str, ...]
+    rows: list[dict[str, Any]]
+
+
+def summary(
+    root: Path,
+    by: tuple[str, ...] = ("kind", "tensor"),
+    jobs: int = 1,
+    progress: Progress | None = None,
+) -> SummaryResult:
+    """What is in ``root`` and grouped statistics of every tensor (and stats-only record)."""
+    from quantpatch.analysis.tensor_metrics import TensorSums, sums_from_info
+
+    root = _check_dir(root)
+    pts, jsonl = discover(root)
+    inv = Inventory()
+    groups: dict[tuple[Any, ...], TensorSums] = {}
+
+    def add(meta: TensorMeta, sums: TensorSums) -> None:
+        inv.see(meta)
+        groups.setdefault(meta.key(by), TensorSums()).merge(sums)
+
+    total = len(pts)
+    for done, res in enumerate(_map(_summarise_file, [(str(p), str(root)) for p in pts], jobs), 1):
+        if isinstance(res, Skipped):
+            inv.skipped.append(res)
+        else:
+            meta, sums, size = res
+            inv.files += 1
+            inv.bytes += size
+            add(meta, sums)
+        if progress:
+            progress(done, total)
+    for path in jsonl:
+        inv.bytes += path.stat().st_size
+        for rec in read_stats_lines(path, root):
+            if isinstance(rec, StatsRecord):
+                s = sums_from_info(rec.info)
+                if s is None:
+                    inv.skipped.append(
+                        Skipped(rec.meta.path, "stats record without min/max/mean/std")
+                    )
+                    continue
+                inv.stats_records += 1
+                add(rec.meta, s)
+            else:
+                inv.skipped.append(rec)
+    rows = [
+        {**dict(zip(by, key, strict=True)), **groups[key].summary()}
+        for key in sorted(groups, key=_sort_key)
+    ]
+    return SummaryResult(inv, by, rows)
+
+
+def _sort_key(key: tuple[Any, ...]) -> tuple[Any, ...]:
+    return tuple((v is None, v if isinstance(v, int) else str(v)) for v in key)
+
+
+@dataclass
+class FormatsResult:
+    inventory: Inventory
+    by: tuple[str, ...]
+    formats: tuple[str, ...]
+    sample: int | None
+    rows: list[dict[str, Any]]  # worst first (lowest SQNR)
+
+
+def formats(
+    root: Path,
+    fmts: tuple[str, ...] = FORMATS,
+    by: tuple[str, ...] = ("layer", "kind", "operation", "tensor"),
+    sample: int | None = None,
+    jobs: int = 1,
+    progress: Progress | None = None,
+) -> FormatsResult:
+    """What each candidate format does to the tensors in ``root``, grouped, worst first."""
+    from quantpatch.analysis.tensor_metrics import FormatSums
+
+    root = _check_dir(root)
+    if sample is not None and sample < 1:
+        raise UserError(f"--sample {sample}: give a positive number of elements per tensor.")
+    pts, jsonl = discover(root)
+    inv = Inventory()
+    groups: dict[tuple[Any, ...], dict[str, FormatSums]] = {}
+    items = [(str(p), str(root), fmts, sample) for p in pts]
+    for done, res in enumerate(_map(_formats_file, items, jobs), 1):
+        if isinstance(res, Skipped):
+            inv.skipped.append(res)
+        else:
+            meta, per_fmt, size = res
+            inv.files += 1
+            inv.bytes += size
+            inv.see(meta)
+            g = groups.setdefault(meta.key(by), {f: FormatSums() for f in fmts})
+            for f, s in per_fmt.items():
+                g[f].merge(s)
+        if progress:
+            progress(done, len(items))
+    for path in jsonl:  # stats-only records hold no values to quantize
+        n = 0
+        for rec in read_stats_lines(path, root):
+            if isinstance(rec, StatsRecord):
+                n += 1
+            else:
+                inv.skipped.append(rec)
+        inv.stats_records += n
+        if n:
+            inv.skipped.append(Skipped(str(path.relative_to(root)), f"{n} stats-only records"))
+    rows = []
+    for key, per_fmt in groups.items():
+        for f, s in per_fmt.items():
+            rows.append({**dict(zip(by, key, strict=True)), "candidate": f, **s.summary()})
+    rows.sort(key=lambda r: (_finite_or(r["sqnr_db"]), -r["overflows %"], -r["underflows %"]))
+    return FormatsResult(inv, by, fmts, sample, rows)
+
+
+def _finite_or(v: float) -> float:
+    return v if not math.isnan(v) else math.inf

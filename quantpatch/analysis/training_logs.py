@@ -1,0 +1,316 @@
+"""``quantpatch runs``: Megatron training logs read by field name, compared with bf16.
+
+Megatron's ``training_log`` prints one line per logging interval::
+
+    [2026-11-22 11:25:39] iteration       10/      30 | consumed samples: 80 | elapsed time per
+    iteration (ms): 96.9 | ... | lm loss: 9.889642E+00 | loss scale: 1.0 | grad norm: 2.105 |
+    number of skipped iterations:   0 | number of nan iterations:   0 |
+
+Releases add or drop fields (``--log-throughput`` adds ``throughput per GPU (TFLOP/s/GPU)``),
+so fields are found by name, never by position. For speed, the field names of a log's first
+iteration line become one pattern matched over the whole file in C; lines with another set of
+fields (a skipped interval without a loss, say) are parsed one by one. The launch scripts'
+header (``[quantpatch] model / dataset / scheme (profile): linear=... qk=... pv=...``) and
+closing line (``training exited with status N``) give the run's identity and status; a log
+without them is keyed from its path where the run folder's name allows.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import statistics
+from collections.abc import Callable, Iterable
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from quantpatch.errors import UserError
+
+_ITERATION = re.compile(rb"iteration\s+(\d+)\s*/\s*(\d+)\s*\|")
+_HEADER = re.compile(
+    rb"\[quantpatch\] (?P<model>\S+) / (?P<dataset>\S+) / (?P<scheme>\S+) \((?P<profile>\S+)\):"
+    rb" linear=(?P<linear>\S+) qk=(?P<qk>\S+) pv=(?P<pv>\S+)"
+)
+_EXIT = re.compile(rb"\[quantpatch\] training exited with status (\d+)")
+_CRASH = re.compile(rb"Traceback \(most recent call last\)|\b\w*Error: |Segmentation fault|Killed")
+FIELDS = {  # Megatron's field name -> ours
+    "lm loss": "loss",
+    "elapsed time per iteration (ms)": "step_ms",
+    "grad norm": "grad_norm",
+    "loss scale": "loss_scale",
+    "number of skipped iterations": "skipped",
+    "number of nan iterations": "nan",
+    "throughput per GPU (TFLOP/s/GPU)": "tflops",
+}
+PROFILES = ("full", "fast", "smoke")
+
+
+@dataclass
+class Run:
+    path: str
+    model: str | None = None
+    dataset: str | None = None
+    scheme: str | None = None
+    profile: str | None = None
+    values: dict[str, str] = field(default_factory=dict)  # linear / qk / pv from the header
+    iterations: list[int] = field(default_factory=list)
+    series: dict[str, list[float]] = field(default_factory=dict)  # ours -> one value a line
+    total_iterations: int | None = None
+    exit_status: int | None = None
+    crashed: bool = False
+    garbage: int = 0  # iteration-like lines that could not be read (cut, interleaved)
+    nonfinite_loss: int = 0  # intervals whose loss was printed as nan or inf
+    duplicates: int = 0  # the same iteration printed again (several ranks)
+
+    @property
+    def status(self) -> str:
+        if self.exit_status == 0:
+            return "finished"
+        if self.exit_status is not None:
+            return f"failed (exit {self.exit_status})"
+        if self.crashed:
+            return "crashed"
+        return "no exit line (running, or killed)"
+
+    def column(self, name: str) -> list[float]:
+        return self.series.get(name, [math.nan] * len(self.iterations))
+
+
+def _number(raw: bytes) -> float:
+    try:
+        return float(raw)
+    except ValueError:
+        return math.nan  # 'nan', 'inf' parse; anything else is missing
+
+
+def _fields_of(rest: bytes) -> dict[str, bytes]:
+    out = {}
+    for part in rest.split(b"|"):
+        name, sep, value = part.partition(b":")
+        if sep:
+            out[name.strip().decode("ascii", "replace")] = value.strip()
+    return out
+
+
+def _template(names: list[str]) -> re.Pattern[bytes]:
+    """One pattern for iteration lines whose fields are exactly ``names`` in this order."""
+    parts = [rb"iteration\s+(\d+)\s*/\s*(\d+)\s*\|"]
+    for n in names:
+        parts.append(rb"\s*" + re.escape(n.encode()) + rb":\s*([^|\n]*?)\s*\|")
+    return re.compile(b"".join(parts) + rb"[ \t\r]*$", re.M)
+
+
+def parse_log(path: Path) -> Run:
+    data = path.read_bytes()
+    run = Run(path=str(path))
+    head = _HEADER.search(data, 0, 65536)
+    if head:
+        g = {k: v.decode("utf-8", "replace") for k, v in head.groupdict().items()}
+        run.model, run.dataset, run.scheme, run.profile = (
+            g["model"], g["dataset"], g["scheme"], g["profile"],
+        )  # fmt: skip
+        run.values = {r: g[r] for r in ("linear", "qk", "pv")}
+    ex = _EXIT.search(data, max(0, len(data) - 65536))
+    if ex:
+        run.exit_status = int(ex.group(1))
+    rows: dict[int, dict[str, float]] = {}
+    first = _ITERATION.search(data)
+    if first is not None:
+        eol = data.find(b"\n", first.end())
+        names = [n for n in _fields_of(data[first.end() : eol if eol >= 0 else len(data)]) if n]
+        template = _template(names)
+        wanted = [(i, FIELDS[n]) for i, n in enumerate(names) if n in FIELDS]
+        matched = 0
+        for m in template.findall(data):
+            matched += 1
+            it = int(m[0])
+            run.total_iterations = int(m[1])
+            if it in rows:
+                run.duplicates += 1
+                continue
+            rows[it] = {ours: _number(m[2 + i]) for i, ours in wanted}
+        if matched != data.count(b" iteration "):  # other field sets, cut or garbled lines
+            _slow_path(data, rows, run)
+    last_iteration_at = data.rfind(b" iteration ")
+    run.crashed = run.exit_status is None and bool(_CRASH.search(data, max(0, last_iteration_at)))
+    run.iterations = sorted(rows)
+    run.nonfinite_loss = sum(
+        1 for r in rows.values() if "loss" in r and not math.isfinite(r["loss"])
+    )
+    for ours in sorted({k for r in rows.values() for k in r}):
+        run.series[ours] = [rows[i].get(ours, math.nan) for i in run.iterations]
+    return run
+
+
+def _slow_path(data: bytes, rows: dict[int, dict[str, float]], run: Run) -> None:
+    """Iteration lines the template did not take, read field by field."""
+    seen = set(rows)
+    for line in data.splitlines():
+        m = _ITERATION.search(line)
+        if m is None:
+            continue
+        it = int(m.group(1))
+        if it in seen:
+            continue
+        raw = _fields_of(line[m.end() :])
+        if not line.rstrip().endswith(b"|") or not raw:
+            run.garbage += 1  # cut short (still being written) or interleaved
+            continue
+        rows[it] = {FIELDS[n]: _number(v) for n, v in raw.items() if n in FIELDS}
+        run.total_iterations = int(m.group(2))
+        seen.add(it)
+
+
+def key_from_path(run: Run, models: Iterable[str], datasets: Iterable[str]) -> None:
+    """Fill the identity of a run without a header from its folder name
+    ``<model>_<dataset>_<scheme>_<profile>`` (the launch scripts' ``RUN_NAME``)."""
+    if run.model:
+        return
+    for part in reversed(Path(run.path).parts[:-1]):
+        for model in sorted(models, key=len, reverse=True):
+            for dataset in datasets:
+                prefix = f"{model}_{dataset}_"
+                if not part.startswith(prefix):
+                    continue
+                rest = part[len(prefix) :]
+                scheme, _, profile = rest.rpartition("_")
+                if scheme and profile in PROFILES:
+                    run.model, run.dataset, run.scheme, run.profile = (
+                        model,
+                        dataset,
+                        scheme,
+                        profile,
+                    )
+                    return
+
+
+def find_logs(paths: list[Path]) -> list[Path]:
+    out: list[Path] = []
+    for p in paths:
+        if p.is_dir():
+            out += sorted(q for q in p.rglob("*.log") if q.is_file())
+        elif p.is_file():
+            out.append(p)
+        else:
+            raise UserError(f"{p}: no such file or directory.")
+    return out
+
+
+def default_paths() -> list[Path]:
+    root = os.environ.get("OUTPUT_ROOT") or str(Path.home() / "quantpatch-runs")
+    return [Path(root)]
+
+
+# -- comparison ---------------------------------------------------------------------------------
+
+
+def _finite(values: Iterable[float]) -> list[float]:
+    return [v for v in values if math.isfinite(v)]
+
+
+def _window(n: int) -> int:
+    return max(1, min(20, math.ceil(n / 10)))
+
+
+def last_window_loss(run: Run) -> float:
+    losses = _finite(run.column("loss"))
+    return statistics.fmean(losses[-_window(len(losses)) :]) if losses else math.nan
+
+
+def step_time(run: Run) -> float:
+    """Median step time, the first tenth of the intervals (warm-up) left out."""
+    times = _finite(run.column("step_ms"))
+    return statistics.median(times[len(times) // 10 :]) if times else math.nan
+
+
+def diverged(run: Run) -> bool:
+    """A loss printed as NaN or Inf, or the last window's mean loss 5 % above the best
+    window's."""
+    if run.nonfinite_loss:
+        return True
+    finite = _finite(run.column("loss"))
+    w = _window(len(finite))
+    if len(finite) < 2 * w:
+        return False
+    means = [statistics.fmean(finite[i : i + w]) for i in range(0, len(finite) - w + 1, w)]
+    return means[-1] > 1.05 * min(means)
+
+
+def matched_delta(run: Run, ref: Run) -> tuple[float, float, int]:
+    """(mean loss difference, relative difference, iterations compared) over the last window
+    of the iterations both runs logged with a finite loss."""
+    a = dict(zip(run.iterations, run.column("loss"), strict=True))
+    b = dict(zip(ref.iterations, ref.column("loss"), strict=True))
+    common = sorted(i for i in a.keys() & b.keys() if math.isfinite(a[i]) and math.isfinite(b[i]))
+    if not common:
+        return math.nan, math.nan, 0
+    last = common[-_window(len(common)) :]
+    ma, mb = statistics.fmean(a[i] for i in last), statistics.fmean(b[i] for i in last)
+    return ma - mb, (ma - mb) / mb if mb else math.nan, len(last)
+
+
+@dataclass
+class RunsResult:
+    runs: list[Run]
+    rows: list[dict[str, Any]]
+    logs: int
+
+
+def _parse_many(paths: list[Path], jobs: int) -> list[Run]:
+    if jobs <= 1 or len(paths) < 2:
+        return [parse_log(p) for p in paths]
+    with ProcessPoolExecutor(jobs) as pool:
+        return list(pool.map(parse_log, paths, chunksize=1))
+
+
+def runs(
+    paths: list[Path] | None = None,
+    jobs: int = 1,
+    names: tuple[Iterable[str], Iterable[str]] | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> RunsResult:
+    logs = find_logs(paths or default_paths())
+    parsed = _parse_many(logs, jobs)
+    if progress:
+        progress(len(logs), len(logs))
+    if names:
+        for r in parsed:
+            key_from_path(r, *names)
+    ref: dict[tuple[Any, ...], Run] = {}
+    for r in parsed:
+        if r.scheme == "bf16" and r.iterations:
+            k = (r.model, r.dataset, r.profile)
+            if k not in ref or r.iterations[-1] > ref[k].iterations[-1]:
+                ref[k] = r
+    rows = []
+    for r in parsed:
+        base = ref.get((r.model, r.dataset, r.profile))
+        delta, rel, n = matched_delta(r, base) if base else (math.nan, math.nan, 0)
+        st, base_st = step_time(r), step_time(base) if base else math.nan
+        rows.append(
+            {
+                "model": r.model,
+                "dataset": r.dataset,
+                "scheme": r.scheme,
+                "profile": r.profile,
+                "iterations": r.iterations[-1] if r.iterations else 0,
+                "of": r.total_iterations,
+                "loss": last_window_loss(r),
+                "loss_delta_vs_bf16": delta,
+                "rel_delta_vs_bf16": rel,
+                "matched_iterations": n,
+                "step_ms": st,
+                "step_vs_bf16": st / base_st if base_st and math.isfinite(base_st) else math.nan,
+                "skipped": int(sum(_finite(r.column("skipped")))),
+                "nan_iterations": int(sum(_finite(r.column("nan")))),
+                "diverged": diverged(r),
+                "status": r.status,
+                "unreadable_lines": r.garbage,
+                "path": r.path,
+            }
+        )
+    rows.sort(key=lambda x: tuple(str(x[k]) for k in ("model", "dataset", "profile", "scheme")))
+    return RunsResult(parsed, rows, len(logs))

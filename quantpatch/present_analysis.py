@@ -1,0 +1,122 @@
+"""Rendering of the analysis results (``tensors``, ``runs``, ``report``) as rich tables, CSV
+or JSON, and the progress display; the CLI calls these and nothing else."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+from rich.table import Table
+
+
+@contextmanager
+def progress_bar(err: Console, what: str) -> Iterator[Callable[[int, int], None]]:
+    """A progress callback ``(done, total)``; the bar appears only on a terminal and only
+    once the work has taken more than a second."""
+    bar = Progress(
+        "[progress.description]{task.description}",
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=err,
+        transient=True,
+    )
+    task = bar.add_task(what, total=None)
+    started = False
+
+    def update(done: int, total: int) -> None:
+        nonlocal started
+        bar.update(task, completed=done, total=total)
+        if not started and err.is_terminal and bar.tasks[0].elapsed and bar.tasks[0].elapsed > 1:
+            bar.start()
+            started = True
+
+    bar.start_task(task)
+    try:
+        yield update
+    finally:
+        if started:
+            bar.stop()
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "-"
+        if math.isinf(v):
+            return "inf" if v > 0 else "-inf"
+        return f"{v:.4g}"
+    return str(v)
+
+
+def _json_safe(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return None if math.isnan(v) else ("inf" if v > 0 else "-inf")
+    if isinstance(v, dict):
+        return {k: _json_safe(x) for k, x in v.items()}
+    if isinstance(v, list | tuple):
+        return [_json_safe(x) for x in v]
+    return v
+
+
+def emit_json(data: Any) -> None:
+    sys.stdout.write(json.dumps(_json_safe(data), indent=2) + "\n")
+
+
+def emit_csv(rows: list[dict[str, Any]]) -> None:
+    if not rows:
+        return
+    w = csv.DictWriter(sys.stdout, fieldnames=list(rows[0]), lineterminator="\n")
+    w.writeheader()
+    for r in rows:
+        w.writerow({k: ("" if v is None else v) for k, v in r.items()})
+
+
+def print_rows(out: Console, title: str, rows: list[dict[str, Any]], limit: int = 0) -> None:
+    if not rows:
+        out.print(f"{title}: nothing to show.", markup=False)
+        return
+    table = Table(title=title, title_justify="left")
+    for c in rows[0]:
+        table.add_column(c, justify="left" if isinstance(rows[0][c], str) else "right")
+    shown = rows if not limit else rows[:limit]
+    for r in shown:
+        table.add_row(*(_fmt(v) for v in r.values()))
+    out.print(table)
+    if limit and len(rows) > limit:
+        out.print(
+            f"... {len(rows) - limit} more rows (--all, --json or --csv for all)", style="dim"
+        )
+
+
+def print_count(err: Console, inv: Any) -> None:
+    err.print(
+        f"read {inv.files} tensor files and {inv.stats_records} stats records "
+        f"({inv.bytes / 1e6:.1f} MB); skipped {len(inv.skipped)}",
+        markup=False,
+    )
+    for s in inv.skipped[:20]:
+        err.print(f"  skipped {s.path}: {s.reason}", style="yellow", markup=False)
+    if len(inv.skipped) > 20:
+        err.print(f"  ... and {len(inv.skipped) - 20} more", style="yellow", markup=False)
+
+
+def print_inventory(out: Console, inv: Any) -> None:
+    out.print(
+        f"{inv.files} tensor files, {inv.stats_records} stats records, "
+        f"{inv.bytes / 1e6:.1f} MB; layers {sorted(inv.layers) or '-'}; "
+        f"micro-steps {sorted(inv.steps) or '-'}; ranks {sorted(inv.ranks) or '-'}; "
+        f"saved under {', '.join(sorted(inv.formats)) or '-'}",
+        markup=False,
+    )

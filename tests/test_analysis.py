@@ -1,0 +1,361 @@
+"""``tensors``, ``runs`` and ``report`` on real inputs: tensors our saver wrote inside a tiny
+megatron-core training run, files in the fork's dict layout and naming, and training logs in
+the exact format of Megatron's ``training_log``; format metrics against independent oracles."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+np = pytest.importorskip("numpy")
+pytest.importorskip("ml_dtypes")
+
+from quantpatch.analysis import tensors, training_logs  # noqa: E402
+from quantpatch.analysis.tensor_metrics import format_sums, tensor_sums  # noqa: E402
+from tests.test_quant_ops import hif8_oracle, mx_oracle  # noqa: E402
+from tests.test_saver import _probe, saver_checkout  # noqa: E402, F401
+
+# -- format metrics against independent oracles -------------------------------------------------
+
+
+def _oracle_metrics(x: np.ndarray, fmt: str, backward: bool) -> dict[str, float]:
+    """Underflows, overflows, SQNR from ml_dtypes / the HiF8 table, rows of 32-blocks."""
+    if fmt == "hifp8":
+        q = hif8_oracle(x)
+        over = np.abs(x) > 32768
+    else:
+        q = mx_oracle(x, fmt, backward)
+        vmax, emax = {("mxfp8", False): (448, 8), ("mxfp8", True): (57344, 15)}.get(
+            (fmt, backward), (6, 2)
+        )
+        blocks = x.reshape(-1, 32)
+        amax = np.abs(blocks).max(axis=1, keepdims=True)
+        shared = np.where(amax > 0, np.floor(np.log2(np.where(amax > 0, amax, 1))) - emax, -127)
+        over = (np.abs(blocks) > vmax * 2.0 ** np.clip(shared, -127, 127)).reshape(x.shape)
+    nz = x != 0
+    return {
+        "underflows": int((nz & (q == 0)).sum()),
+        "overflows": int(over.sum()),
+        "sqnr": 10 * math.log10((x**2).sum() / ((x - q) ** 2).sum()),
+    }
+
+
+@pytest.mark.parametrize(
+    ("fmt", "backward"), [("mxfp8", False), ("mxfp8", True), ("mxfp4", False), ("hifp8", False)]
+)
+def test_format_metrics_match_the_oracles(fmt, backward):
+    gen = np.random.default_rng(4)
+    x = gen.standard_normal((16, 64)) * 2.0 ** gen.integers(-12, 12, size=(16, 1))
+    x[0, :32] = 0
+    x[1, 5] = 2.0**-30  # far below every MX block's reach: an underflow
+    x[2, 0], x[2, 1] = 480.0, 1.0  # E4M3: scale 1, 480 > 448 is clamped
+    x[3, 7] = 50000.0  # HiF8: above 2^15
+    x = x.astype(np.float32).astype(np.float64)
+    got = format_sums(torch.tensor(x, dtype=torch.float32), fmt, -1, backward)
+    want = _oracle_metrics(x, fmt, backward)
+    assert got.underflows == want["underflows"] and got.overflows == want["overflows"]
+    assert got.summary()["sqnr_db"] == pytest.approx(want["sqnr"], rel=1e-9)
+    assert got.underflows > 0 and got.overflows > 0
+    assert got.nonzero == int((x != 0).sum()) and got.finite == x.size
+
+
+def test_known_counts_on_one_block():
+    x = torch.zeros(32)
+    x[0], x[1], x[2] = 480.0, 2.0**-11, 1.0  # scale 2^0: 480 clamps to 448, 2^-11 flushes
+    s = format_sums(x, "mxfp8").summary()
+    assert s["overflows %"] == pytest.approx(100 / 32)
+    assert s["underflows %"] == pytest.approx(100 / 3)
+    assert s["blocks saturated %"] == 100.0 and s["blocks scale clipped %"] == 0.0
+    tiny = torch.full((32,), 2.0**-140)  # amax 2^-140: the E8M0 scale clips at 2^-127
+    assert format_sums(tiny, "mxfp8").summary()["blocks scale clipped %"] == 100.0
+    st = tensor_sums(torch.tensor([0.0, 2.0**-4, -4.0, float("nan")])).summary()
+    assert st["dynamic_range"] == 6.0 and st["absmax"] == 4.0
+    assert st["zeros %"] == 25.0 and st["nan/inf %"] == 25.0
+
+
+# -- tensors on what our saver wrote inside training --------------------------------------------
+
+
+@pytest.fixture
+def saved(saver_checkout, tmp_path, run):  # noqa: F811 - the fixture imported above
+    root = saver_checkout
+    assert (
+        run("set", "--repo", root, "--linear", "mxfp8", "--qk", "hifp8", "--pv", "mxfp4").code == 0
+    )
+    logs = tmp_path / "logs"
+    _probe(root, tmp_path / "q.pt", 2, TENSOR_SAVE_ENABLED="1", TENSOR_SAVE_DIR=str(logs))
+    stats = tmp_path / "stats"
+    _probe(
+        root,
+        tmp_path / "s.pt",
+        1,
+        TENSOR_SAVE_ENABLED="1",
+        TENSOR_SAVE_DIR=str(stats),
+        TENSOR_SAVE_STATS_ONLY="true",
+    )
+    return logs, stats
+
+
+def test_tensors_on_the_savers_output(saved, run, tmp_path):
+    logs, stats = saved
+    res = run("tensors", "summary", logs, "--by", "format,tensor", "--json")
+    assert res.code == 0, res
+    data = json.loads(res.out)
+    inv = data["inventory"]
+    assert inv["files"] == 2 * 44 and inv["skipped"] == [] and inv["micro_steps"] == [0, 1]
+    assert inv["formats"] == ["hifp8", "mxfp4", "mxfp8"] and 1 in inv["layers"]
+    groups = {(g["format"], g["tensor"]): g for g in data["groups"]}
+    assert set(groups) >= {("mxfp8", "weight"), ("hifp8", "query"), ("mxfp4", "value")}
+    w = groups[("mxfp8", "weight")]
+    assert w["absmax"] > 0 and w["std"] > 0 and w["nan/inf %"] == 0
+    # statistics equal a direct computation over the same files
+    direct = [torch.load(p)["tensor"] for p in logs.glob("*.pt")]
+    direct = [t for t in direct if t is not None]
+    assert sum(g["numel"] for g in data["groups"]) == sum(t.numel() for t in direct)
+    # formats: every group and candidate, finite numbers, worst first
+    res = run("tensors", "formats", logs, "--json", "--sample", "4096")
+    assert res.code == 0, res
+    rows = json.loads(res.out)["rows"]
+    assert {r["candidate"] for r in rows} == {"mxfp8", "mxfp4", "hifp8"}
+    sq = [r["sqnr_db"] for r in rows]
+    assert sq == sorted(sq) and all(isinstance(v, float) for v in sq)
+    assert all(0 <= r["cosine"] <= 1.0000001 for r in rows)
+    by_fmt = {f: min(r["sqnr_db"] for r in rows if r["candidate"] == f) for f in ("mxfp8", "mxfp4")}
+    assert by_fmt["mxfp4"] < by_fmt["mxfp8"]  # 4 bits lose more than 8
+    # CSV and the table
+    res = run("tensors", "formats", logs, "--csv", "--formats", "mxfp8", "--by", "tensor")
+    assert res.code == 0 and res.out.splitlines()[0].startswith("tensor,candidate,underflows %")
+    # stats-only records: summary reads them, formats says why it cannot use them
+    res = run("tensors", "summary", stats, "--json")
+    assert json.loads(res.out)["inventory"]["stats_records"] == 44
+    res = run("tensors", "formats", stats, "--json")
+    assert "44 stats-only records" in json.dumps(json.loads(res.out)["inventory"]["skipped"])
+
+
+def test_plot_and_report_write_only_under_out(saved, run, tmp_path):
+    pytest.importorskip("matplotlib")
+    logs, _ = saved
+    before = sorted(p for p in tmp_path.rglob("*"))
+    res = run("tensors", "plot", logs, "--out", tmp_path / "figs", "--sample", "2048")
+    assert res.code == 0, res
+    pngs = sorted(p.name for p in (tmp_path / "figs").glob("*.png"))
+    assert {"sqnr_heatmap.png", "underflow_overflow.png", "hist_weight.png"} <= set(pngs)
+    assert all((tmp_path / "figs" / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
+    runs_dir = tmp_path / "runs"
+    _write_sweep(runs_dir)
+    res = run("report", "--tensors", logs, "--runs", runs_dir, "--out", tmp_path / "r.html")
+    assert res.code == 0, res
+    html = (tmp_path / "r.html").read_text()
+    assert "<script" not in html and "http" not in html.replace("http-equiv", "")
+    assert html.count("data:image/png;base64,") >= 5 and "FA_mxfp8" in html
+    after = sorted(p for p in tmp_path.rglob("*"))
+    new = {p for p in after if p not in before}
+    assert all(
+        p.is_relative_to(tmp_path / "figs") or p.is_relative_to(runs_dir) or p.name == "r.html"
+        for p in new
+    )
+
+
+# -- the fork's layout and bad inputs -----------------------------------------------------------
+
+
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol:UserWarning")
+def test_fork_layout_and_bad_files(run, tmp_path):
+    d = tmp_path / "tensor_logs"
+    (d / "hifp8").mkdir(parents=True)
+    (d / "mxfp8").mkdir()
+    gen = torch.Generator().manual_seed(0)
+    for fmt in ("hifp8", "mxfp8"):
+        for i, name in enumerate(("query", "key", "value")):
+            t = torch.randn(8, 2, 2, 32, generator=gen).to(torch.bfloat16)
+            fname = f"20250908_091143_{i:04d}_attention_L{i % 2}_forward_{fmt}_{name}.pt"
+            # the fork's dict layout, metadata without the names our saver adds
+            torch.save({"tensor": t, "tensor_info": {"shape": list(t.shape)}, "metadata": {}},
+                       d / fmt / fname)  # fmt: skip
+    torch.save({"tensor": torch.randn(4, 32), "metadata": {}}, d / "mxfp8" / "unnamed.pt")
+    marker = tmp_path / "PWNED"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    with open(d / "evil.pt", "wb") as fh:
+        pickle.dump({"tensor": Evil()}, fh)
+    torch.save({"tensor": Evil()}, d / "evil_zip.pt")
+    good = next((d / "hifp8").glob("*query.pt")).read_bytes()
+    (d / "truncated.pt").write_bytes(good[: len(good) // 2])
+    torch.save({"not": "a tensor"}, d / "dict.pt")
+    torch.save([1, 2, 3], d / "list.pt")
+    (d / "stats_rank0.jsonl").write_text('{"name": "x"}\nnot json\n')
+    res = run("tensors", "summary", d, "--by", "layer,format,tensor", "--json")
+    assert res.code == 0, res
+    inv = json.loads(res.out)["inventory"]
+    assert not marker.exists()
+    assert inv["files"] == 7 and inv["formats"] == ["hifp8", "mxfp8"] and inv["layers"] == [0, 1]
+    reasons = {s["path"]: s["reason"] for s in inv["skipped"]}
+    assert reasons["evil.pt"].startswith("refused") and reasons["evil_zip.pt"].startswith("refused")
+    assert "unreadable" in reasons["truncated.pt"] and "not a saved tensor" in reasons["dict.pt"]
+    assert "not a saved tensor" in reasons["list.pt"]
+    assert {"stats_rank0.jsonl:1", "stats_rank0.jsonl:2"} <= set(reasons)
+    groups = json.loads(res.out)["groups"]
+    assert {(g["layer"], g["format"], g["tensor"]) for g in groups} >= {
+        (0, "hifp8", "query"),
+        (1, "mxfp8", "key"),
+    }
+    res = run("tensors", "formats", d)
+    assert res.code == 0 and "skipped 7" in res.err and "evil.pt: refused" in res.err
+    assert not marker.exists()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    res = run("tensors", "summary", empty)
+    assert res.code == 0 and "read 0 tensor files" in res.err
+    res = run("tensors", "summary", tmp_path / "missing")
+    assert res.code == 2 and "no such directory" in res.err
+    res = run("tensors", "formats", d, "--formats", "mxfp9")
+    assert res.code == 2 and "unknown format mxfp9" in res.err
+    res = run("tensors", "summary", d, "--by", "colour")
+    assert res.code == 2 and "unknown grouping colour" in res.err
+
+
+def test_jobs_give_the_same_numbers(tmp_path):
+    d = tmp_path / "t"
+    d.mkdir()
+    gen = torch.Generator().manual_seed(1)
+    for i in range(6):
+        t = torch.randn(64, 96, generator=gen) * (i + 1)
+        torch.save({"tensor": t, "metadata": {"tensor_name": "input", "layer_idx": i % 3}},
+                   d / f"{i}.pt")  # fmt: skip
+    one = tensors.formats(d, by=("layer",), jobs=1).rows
+    two = tensors.formats(d, by=("layer",), jobs=2).rows
+    assert one == two
+
+
+# -- training logs ------------------------------------------------------------------------------
+
+# Megatron core_v0.13.1 training_log, one line (fields by name; values filled per line)
+LINE = (
+    " [2026-11-22 11:25:39] iteration {it:8d}/{total:8d} | consumed samples: {cs:12d} | "
+    "elapsed time per iteration (ms): {ms:.1f} | learning rate: 6.666667E-05 | "
+    "global batch size:     8 | lm loss: {loss} | loss scale: 1.0 | grad norm: 2.105 | "
+    "number of skipped iterations: {sk:3d} | number of nan iterations: {nan:3d} |"
+)
+# another release: throughput added, grad norm dropped, fields in another order
+LINE_OTHER = (
+    " [2026-11-22 11:25:39] iteration {it:8d}/{total:8d} | consumed samples: {cs:12d} | "
+    "lm loss: {loss} | elapsed time per iteration (ms): {ms:.1f} | "
+    "throughput per GPU (TFLOP/s/GPU): 123.4 | learning rate: 6.666667E-05 | "
+    "global batch size:     8 | loss scale: 1.0 | "
+    "number of skipped iterations: {sk:3d} | number of nan iterations: {nan:3d} |"
+)
+
+
+def _loss(scheme: str, it: int) -> float:
+    return 10 * it**-0.25 * {"bf16": 1.0, "FA_mxfp8": 1.01, "linear_mxfp4": 1.05}.get(scheme, 1)
+
+
+def _log(path: Path, scheme: str, n: int, *, line: str = LINE, end: str = "ok", ms: float = 100):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    out = [
+        "using world size: 1",
+        f"[quantpatch] llama32-1b / wikipedia / {scheme} (smoke): linear=bf16 qk=bf16 pv=bf16",
+        "[quantpatch] source commit abc in /w",
+    ]
+    for it in range(10, 10 * n + 1, 10):
+        loss = f"{_loss(scheme, it):.6E}"
+        if end == "nan" and it > 10 * n // 2:
+            loss = "nan"
+        out.append(
+            line.format(
+                it=it, total=10 * n, cs=it * 8, ms=ms, loss=loss, sk=0, nan=int(loss == "nan")
+            )
+        )
+    if end == "ok":
+        out.append("[quantpatch] training exited with status 0")
+    elif end == "crash":
+        out += ["Traceback (most recent call last):", "RuntimeError: CUDA error: out of memory"]
+    elif end == "cut":
+        out.append(
+            line.format(it=10 * n + 10, total=10 * n, cs=0, ms=ms, loss="1.0", sk=0, nan=0)[:90]
+        )
+    path.write_text("\n".join(out) + ("\n" if end != "cut" else ""))
+
+
+def _write_sweep(root: Path) -> None:
+    base = root / "llama32-1b_wikipedia_{}_smoke" / "logs" / "20261122-112539_{}.log"
+    _log(Path(str(base).format("bf16", "bf16")), "bf16", 30)
+    _log(Path(str(base).format("FA_mxfp8", "FA_mxfp8")), "FA_mxfp8", 30, ms=110)
+    _log(Path(str(base).format("linear_mxfp4", "x")), "linear_mxfp4", 30, line=LINE_OTHER, ms=150)
+    _log(Path(str(base).format("FA_hifp8", "x")), "FA_hifp8", 30, end="nan")
+    _log(Path(str(base).format("FA_linear_mxfp8", "x")), "FA_linear_mxfp8", 20, end="crash")
+    _log(Path(str(base).format("FA_linear_hifp8", "x")), "FA_linear_hifp8", 25, end="cut")
+
+
+def test_runs_against_bf16(run, tmp_path):
+    root = tmp_path / "runs"
+    _write_sweep(root)
+    # two ranks printing the same lines, interleaved, and garbage in between
+    inter = root / "llama32-1b_wikipedia_linear_hifp8_smoke" / "logs" / "a.log"
+    _log(inter, "linear_hifp8", 10)
+    lines = inter.read_text().splitlines()
+    mixed = lines[:3] + [x for ln in lines[3:-1] for x in (ln, ln, "garbage | lm loss: 3")]
+    inter.write_text("\n".join([*mixed, lines[-1]]) + "\n")
+    res = run("runs", root, "--json")
+    assert res.code == 0, res
+    rows = {r["scheme"]: r for r in json.loads(res.out)["runs"]}
+    assert set(rows) == {
+        "bf16", "FA_mxfp8", "linear_mxfp4", "FA_hifp8", "FA_linear_mxfp8", "FA_linear_hifp8",
+        "linear_hifp8",
+    }  # fmt: skip
+    b, fa = rows["bf16"], rows["FA_mxfp8"]
+    assert b["iterations"] == 300 and b["status"] == "finished" and b["loss_delta_vs_bf16"] == 0
+    # matched iterations: the last window (3 of 30 points) of both, exactly
+    last = [280, 290, 300]
+    want = sum(_loss("FA_mxfp8", i) for i in last) / 3 - sum(_loss("bf16", i) for i in last) / 3
+    assert fa["loss_delta_vs_bf16"] == pytest.approx(want, rel=1e-5)
+    assert fa["rel_delta_vs_bf16"] == pytest.approx(0.01, rel=1e-4)
+    assert fa["step_vs_bf16"] == pytest.approx(1.1) and not fa["diverged"]
+    other = rows["linear_mxfp4"]  # another release's fields, by name
+    assert other["step_vs_bf16"] == pytest.approx(1.5)
+    assert other["rel_delta_vs_bf16"] == pytest.approx(0.05, rel=1e-4)
+    assert rows["FA_hifp8"]["diverged"] and rows["FA_hifp8"]["nan_iterations"] == 15
+    assert rows["FA_linear_mxfp8"]["status"] == "crashed"
+    cut = rows["FA_linear_hifp8"]
+    assert cut["status"].startswith("no exit line") and cut["iterations"] == 250
+    assert cut["unreadable_lines"] == 1
+    inter_row = rows["linear_hifp8"]
+    assert inter_row["iterations"] == 100 and inter_row["matched_iterations"] == 1
+    # the table and the plots
+    res = run("runs", root)
+    assert res.code == 0 and "FA_mxfp8" in res.out and "read 7 logs" in res.err
+    if _has_matplotlib():
+        res = run("runs", root, "--plot", tmp_path / "p")
+        assert res.code == 0, res
+        assert (tmp_path / "p" / "step_time.png").is_file()
+        assert (tmp_path / "p" / "loss_llama32-1b_wikipedia_smoke.png").is_file()
+    assert run("runs", tmp_path / "nothing").code == 2
+
+
+def test_runs_keyed_from_the_path_without_a_header(tmp_path):
+    p = tmp_path / "llama32-1b_wikipedia_FA_linear_mxfp8_fast" / "logs" / "x.log"
+    p.parent.mkdir(parents=True)
+    p.write_text(LINE.format(it=10, total=10, cs=8, ms=1.0, loss="2.0", sk=0, nan=0) + "\n")
+    res = training_logs.runs([tmp_path], names=(["llama32-1b"], ["wikipedia"]))
+    (row,) = res.rows
+    assert (row["model"], row["dataset"], row["scheme"], row["profile"]) == (
+        "llama32-1b", "wikipedia", "FA_linear_mxfp8", "fast",
+    )  # fmt: skip
+    assert row["loss"] == 2.0
+
+
+def _has_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
