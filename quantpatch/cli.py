@@ -626,8 +626,9 @@ def runs_cmd(
         pa.emit_csv(res.rows)
     else:
         err.print(f"read {res.logs} logs", markup=False)
-        rows = [{k: v for k, v in r.items() if k != "path"} for r in res.rows]
-        pa.print_rows(out, "runs against bf16 (same model, dataset, profile)", rows)
+        pa.print_rows(
+            out, "runs against bf16 (same model, dataset, profile)", pa.runs_display(res.rows)
+        )
     if plot is not None:
         plot.mkdir(parents=True, exist_ok=True)
         for p in plots.plot_runs(res, plot):

@@ -120,3 +120,19 @@ def print_inventory(out: Console, inv: Any) -> None:
         f"saved under {', '.join(sorted(inv.formats)) or '-'}",
         markup=False,
     )
+
+
+_RUN_LABELS = {
+    "loss_delta_vs_bf16": "Δloss",
+    "rel_delta_vs_bf16": "Δloss rel",
+    "matched_iterations": "matched",
+    "step_ms": "step ms",
+    "step_vs_bf16": "step/bf16",
+    "nan_iterations": "nan",
+    "unreadable_lines": "bad lines",
+}
+
+
+def runs_display(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The runs rows with short column names for a terminal (JSON and CSV keep the long)."""
+    return [{_RUN_LABELS.get(k, k): v for k, v in r.items() if k != "path"} for r in rows]

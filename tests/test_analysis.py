@@ -60,7 +60,7 @@ def test_format_metrics_match_the_oracles(fmt, backward):
     got = format_sums(torch.tensor(x, dtype=torch.float32), fmt, -1, backward)
     want = _oracle_metrics(x, fmt, backward)
     assert got.underflows == want["underflows"] and got.overflows == want["overflows"]
-    assert got.summary()["sqnr_db"] == pytest.approx(want["sqnr"], rel=1e-9)
+    assert got.summary()["sqnr_db"] == pytest.approx(want["sqnr"], rel=1e-6)
     assert got.underflows > 0 and got.overflows > 0
     assert got.nonzero == int((x != 0).sum()) and got.finite == x.size
 

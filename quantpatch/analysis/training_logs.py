@@ -7,9 +7,13 @@ Megatron's ``training_log`` prints one line per logging interval::
     number of skipped iterations:   0 | number of nan iterations:   0 |
 
 Releases add or drop fields (``--log-throughput`` adds ``throughput per GPU (TFLOP/s/GPU)``),
-so fields are found by name, never by position. For speed, the field names of a log's first
-iteration line become one pattern matched over the whole file in C; lines with another set of
-fields (a skipped interval without a loss, say) are parsed one by one. The launch scripts'
+so fields are found by name, never by position. For speed (a sweep's logs hold millions of
+lines), numpy locates every ``| <name>:`` and every ``] iteration`` in the file at once and
+assigns each value to the iteration on its line; a line missing a field gets NaN for it, a
+line cut short (still being written, or two ranks interleaved) is counted and ignored. Without
+numpy, or for logs whose iteration lines carry no timestamp, the field names of the first
+iteration line become one pattern matched over the file in C, and lines with another set of
+fields are parsed one by one. The launch scripts'
 header (``[quantpatch] model / dataset / scheme (profile): linear=... qk=... pv=...``) and
 closing line (``training exited with status N``) give the run's identity and status; a log
 without them is keyed from its path where the run folder's name allows.
@@ -116,6 +120,9 @@ def parse_log(path: Path) -> Run:
     ex = _EXIT.search(data, max(0, len(data) - 65536))
     if ex:
         run.exit_status = int(ex.group(1))
+    if _numpy_columns(data, run):
+        _finish(data, run)
+        return run
     rows: dict[int, dict[str, float]] = {}
     first = _ITERATION.search(data)
     if first is not None:
@@ -132,17 +139,96 @@ def parse_log(path: Path) -> Run:
                 run.duplicates += 1
                 continue
             rows[it] = {ours: _number(m[2 + i]) for i, ours in wanted}
-        if matched != data.count(b" iteration "):  # other field sets, cut or garbled lines
+        lines = data.count(b" iteration ") - data.count(b" per iteration (")
+        if matched != lines:  # other field sets, cut or garbled lines
             _slow_path(data, rows, run)
-    last_iteration_at = data.rfind(b" iteration ")
-    run.crashed = run.exit_status is None and bool(_CRASH.search(data, max(0, last_iteration_at)))
     run.iterations = sorted(rows)
     run.nonfinite_loss = sum(
         1 for r in rows.values() if "loss" in r and not math.isfinite(r["loss"])
     )
     for ours in sorted({k for r in rows.values() for k in r}):
         run.series[ours] = [rows[i].get(ours, math.nan) for i in run.iterations]
+    _finish(data, run)
     return run
+
+
+def _finish(data: bytes, run: Run) -> None:
+    last_iteration_at = data.rfind(b" iteration ")
+    run.crashed = run.exit_status is None and bool(_CRASH.search(data, max(0, last_iteration_at)))
+
+
+def _numpy_columns(data: bytes, run: Run) -> bool:
+    """Every iteration line's fields, vectorised; False when numpy is missing or the log's
+    iteration lines are not all of the form ``] iteration N/ M |`` (then the regex path)."""
+    try:
+        import numpy as np
+    except ImportError:
+        return False
+    marker = b"] iteration "
+    n_lines = data.count(marker)
+    # every iteration line carries the timestamp (" iteration " also names the step time)
+    if n_lines == 0 or n_lines != data.count(b" iteration ") - data.count(b" per iteration ("):
+        return False
+    arr = np.frombuffer(data, np.uint8)
+    pad = np.concatenate([arr, np.zeros(64, np.uint8)])
+
+    def find(positions: Any, needle: bytes) -> Any:
+        for j, byte in enumerate(needle):
+            positions = positions[pad[positions + j] == byte]
+        return positions
+
+    def numbers(starts: Any, width: int = 24) -> Any:
+        win = pad[np.minimum(starts, len(arr))[:, None] + np.arange(width)]
+        stop = (win == 124) | (win == 10) | (win == 13) | (win == 47)
+        stop[:, -1] = True
+        win[np.arange(width) >= stop.argmax(axis=1)[:, None]] = 0
+        text = np.ascontiguousarray(win).view(f"S{width}").ravel()
+        try:
+            return text.astype(np.float64)
+        except ValueError:  # garbage inside a field: parse one by one
+            return np.array([_number(t) for t in text.tolist()], dtype=np.float64)
+
+    newlines = np.flatnonzero(arr == 10)
+    its = find(np.flatnonzero(arr == marker[0]), marker)
+    line_of_it = np.searchsorted(newlines, its)
+    ends = np.append(newlines, len(arr))[line_of_it]  # each iteration line's end
+    # a complete line ends with '|' (spaces and a carriage return may follow)
+    last = np.full(len(its), 0, np.uint8)
+    for back in (1, 2, 3):
+        c = pad[np.maximum(ends - back, 0)]
+        last = np.where((last == 0) & (c != 32) & (c != 13), c, last)
+    whole = last == 124
+    iteration = numbers(its + len(marker))
+    slash = find(np.flatnonzero(arr == 47), b"/")
+    total = numbers(slash[np.searchsorted(slash, its)] + 1) if len(slash) else iteration
+    bars = np.flatnonzero(arr == 124)
+    bars = bars[pad[bars + 1] == 32]  # "| " starts a field
+    initial = pad[bars + 2]  # the first letter of each field's name
+    columns: dict[str, Any] = {}
+    for name, ours in FIELDS.items():
+        key = name.encode() + b":"
+        pos = bars[initial == key[0]]
+        for j, byte in enumerate(key[1:], 3):
+            pos = pos[pad[pos + j] == byte]
+        if not len(pos):
+            continue
+        values = numbers(pos + len(key) + 2, 20)
+        if ours == "loss":  # printed as nan/inf (a missing loss has no field on its line)
+            run.nonfinite_loss = int((~np.isfinite(values)).sum())
+        by_line = np.full(len(newlines) + 1, np.nan)
+        by_line[np.searchsorted(newlines, pos)] = values
+        columns[ours] = by_line[line_of_it]
+    ok = whole & np.isfinite(iteration)
+    run.garbage = int((~ok).sum())
+    kept_its = iteration[ok].astype(np.int64)
+    order, first = np.unique(kept_its, return_index=True)
+    run.duplicates = int(ok.sum()) - len(order)
+    run.iterations = order.tolist()
+    if len(first):
+        run.total_iterations = int(total[ok][first[-1]])
+    for ours, col in columns.items():
+        run.series[ours] = col[ok][first].tolist()
+    return True
 
 
 def _slow_path(data: bytes, rows: dict[int, dict[str, float]], run: Run) -> None:

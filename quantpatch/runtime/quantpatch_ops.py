@@ -192,7 +192,35 @@ def fake_quant(x: torch.Tensor, fmt: str, *, dim: int = -1, backward: bool = Fal
     return _fake_quant(x, fmt, dim, backward)
 
 
+_CHUNK = 1 << 18  # elements per slice on CPU: the ~30 temporaries stay in cache
+
+
 def _fake_quant(x: torch.Tensor, fmt: str, dim: int, backward: bool) -> torch.Tensor:
+    if x.device.type == "cpu" and x.numel() > 2 * _CHUNK and x.dim() >= 1:
+        return _sliced(x, fmt, dim, backward)
+    return _whole(x, fmt, dim, backward)
+
+
+def _sliced(x: torch.Tensor, fmt: str, dim: int, backward: bool) -> torch.Tensor:
+    """The same arithmetic slice by slice into one output: on CPU the temporaries of a slice
+    fit in cache and their memory is reused, where a whole large tensor makes every pass a
+    fresh allocation (page faults) and a trip to main memory. Slices never cut an MX block:
+    they run along another dimension, or along ``dim`` in multiples of 32."""
+    d = dim % x.dim()
+    others = [i for i in range(x.dim()) if i != d]
+    split = max(others, key=lambda i: x.shape[i]) if others else d
+    per_index = x.numel() // x.shape[split]
+    step = max(1, _CHUNK // max(1, per_index))
+    if split == d:
+        step = max(BLOCK, step - step % BLOCK)
+    out = torch.empty_like(x)
+    for start in range(0, x.shape[split], step):
+        n = min(step, x.shape[split] - start)
+        out.narrow(split, start, n).copy_(_whole(x.narrow(split, start, n), fmt, dim, backward))
+    return out
+
+
+def _whole(x: torch.Tensor, fmt: str, dim: int, backward: bool) -> torch.Tensor:
     if fmt == "mxfp8":
         return _mx(x, dim, _E5M2 if backward else _E4M3)
     if fmt == "mxfp4":
