@@ -344,3 +344,20 @@ def test_compiled_path_is_bit_identical(tmp_path):
         timeout=600,
     )
     assert "EQUAL" in res.stdout, res.stderr[-2000:]
+
+
+@pytest.mark.parametrize(
+    ("fmt", "backward"), [("mxfp8", False), ("mxfp4", False), ("hifp8", False)]
+)
+def test_large_cpu_tensors_are_sliced_bit_identically(fmt, backward):
+    """Above 2 x 2^18 elements the CPU path works slice by slice; it must equal the whole."""
+    from quantpatch.runtime import quantpatch_ops as ops
+
+    gen = torch.Generator().manual_seed(9)
+    x = (torch.randn(700, 1000, generator=gen) * 4).to(torch.bfloat16)
+    assert x.numel() > 2 * ops._CHUNK
+    for t, dim in ((x, -1), (x, 0), (x.reshape(-1), 0), (x.t(), -1)):
+        whole = ops._whole(t, fmt, dim, backward)
+        assert torch.equal(
+            ops._fake_quant(t, fmt, dim, backward).view(torch.int16), whole.view(torch.int16)
+        )

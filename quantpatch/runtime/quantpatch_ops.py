@@ -58,7 +58,12 @@ def _floor_log2(a: torch.Tensor) -> torch.Tensor:
 
 
 def _pow2(e: torch.Tensor) -> torch.Tensor:
-    return torch.ldexp(torch.ones_like(e, dtype=torch.float32), e.to(torch.int32))
+    """2^e as float32 for int32 e in [-149, 127], built from its bits (subnormals too): a few
+    integer passes where ``ldexp`` computes a power."""
+    e = e.to(torch.int32)
+    normal = (e + 127) << 23
+    subnormal = torch.ones_like(e) << (e + 149).clamp(0, 22)
+    return torch.where(e >= -126, normal, subnormal).view(torch.float32)
 
 
 def _round_element(p: torch.Tensor, elem: tuple[int, int, float, int]) -> torch.Tensor:
@@ -103,11 +108,14 @@ def _hifp8(x: torch.Tensor) -> torch.Tensor:
     a = v.abs()
     finite = torch.isfinite(v)
     positive = finite & (a > 0)
-    e = _floor_log2(torch.where(positive, a, torch.ones_like(a)))
+    # the exponent field: subnormals read -127 and zero, Inf, NaN are replaced below
+    e = ((a.view(torch.int32) >> 23) & 0xFF) - 127
     ae = e.abs()
-    mbits = torch.where(ae <= 3, 3, torch.where(ae <= 7, 2, torch.where(ae <= 15, 1, 0)))
-    mbits = mbits.to(torch.int32)
-    q = torch.floor(a * _pow2(mbits - e) + 0.5) * _pow2(e - mbits)  # ties away from zero
+    mbits = 3 - (ae > 3).to(torch.int32) - (ae > 7).to(torch.int32) - (ae > 15).to(torch.int32)
+    # exponents beyond float32's normal range only occur where the value saturates anyway
+    up = _pow2((mbits - e).clamp(-126, 127))
+    down = _pow2((e - mbits).clamp(-126, 127))
+    q = torch.floor(a * up + 0.5) * down  # ties away from zero
     # below the smallest denormal 2^-22: nearest of {0, 2^-22}, the tie going away from zero
     q = torch.where(e < -22, torch.where(a >= 2.0**-23, 2.0**-22, 0.0), q)
     q = torch.clamp(q, max=2.0**15)  # saturate: the code above 2^15 is infinity
