@@ -104,7 +104,7 @@ def check(
     from quantpatch.switch import parse_expect
 
     wanted = parse_expect(expect) if expect else None
-    report = run_check(_repo(repo))
+    report = run_check(_repo(repo), fresh=wanted is not None)
     problems = report.problems(wanted)
     if json_ or OPTS.json:
         _emit_json({**report.as_json(), "problems": problems})

@@ -99,7 +99,14 @@ def run_install(
     checkout = gitrepo.find_checkout(path, need_git=False)
     with gitrepo.locked(checkout):
         gitrepo.recover(checkout)
-        finish_interrupted(checkout, name)
+        if finish_interrupted(checkout, name) == "installed":
+            # the same command, killed between its record and its commit: now complete
+            head = gitrepo.head_commit(checkout.repo) if checkout.repo is not None else None
+            done = InstallResult([], head, removed=False)
+            done.notes = [
+                f"completed the interrupted 'quantpatch {name}' (its commit was made now)."
+            ]
+            return done
         if idempotent and record_of(checkout, name) is not None:
             return InstallResult([], None, removed=False, changed=False)
         _preconditions(checkout, files(checkout))
@@ -183,8 +190,8 @@ def _write_and_commit(
     try:
         return written, _commit(checkout, written, message)
     except UserError as exc:
+        undo_record()  # first: whatever the undo meets, no record claims the install
         _undo(checkout, edits, written)
-        undo_record()
         raise UserError(f"{exc}\nNothing was changed.") from None
 
 
@@ -196,6 +203,7 @@ def finish_interrupted(checkout: gitrepo.Checkout, name: str) -> str | None:
     if data is None:
         return None
     removed = data.get("state") == "removed"
+    completed = False
     if checkout.repo is not None and gitrepo.head_commit(checkout.repo) is not None:
         dirty = gitrepo.dirty_paths(checkout.repo, list(data["files"]), untracked=True)
         if dirty:
@@ -206,10 +214,11 @@ def finish_interrupted(checkout: gitrepo.Checkout, name: str) -> str | None:
                 for rel in dirty
             ):
                 gitrepo.commit_paths(checkout.repo, dirty, str(data.get("message", name)))
+                completed = True
     if removed:
         shutil.rmtree(checkout.state_dir / name, ignore_errors=True)
         return "removed"
-    return None
+    return "installed" if completed else None
 
 
 def _sha_of(path: Path) -> str | None:
@@ -223,7 +232,13 @@ def _undo(checkout: gitrepo.Checkout, edits: Sequence[Edit], written: Sequence[s
     back = [Edit(e.rel, e.new, e.old) for e in edits if e.rel in written]
     apply_edits(checkout.root, back)
     if checkout.repo is not None and written and gitrepo.head_commit(checkout.repo):
-        gitrepo.run_git(checkout.repo, "reset", "--quiet", "--", *written)
+        try:
+            gitrepo.run_git(checkout.repo, "reset", "--quiet", "--", *written)
+        except UserError as exc:  # the files are back; say what git could not unstage
+            raise UserError(
+                f"{exc}\nThe files are back as they were, but git could not unstage "
+                f"{', '.join(written)}: run 'git reset -- {' '.join(written)}'."
+            ) from None
 
 
 def _detached_note(checkout: gitrepo.Checkout, commit: str | None) -> list[str]:
@@ -238,6 +253,8 @@ def _detached_note(checkout: gitrepo.Checkout, commit: str | None) -> list[str]:
 
 def _preconditions(checkout: gitrepo.Checkout, files: Sequence[str]) -> None:
     refuse_links(checkout.root, files)
+    if checkout.repo is not None:
+        gitrepo.refuse_index_lock(checkout.repo)
     if gitrepo.load_state(checkout):
         raise UserError("a quantpatch set is active; run 'quantpatch restore' first.")
     if checkout.repo is not None:

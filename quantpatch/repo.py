@@ -121,6 +121,18 @@ def dirty_paths(repo: git.Repo, paths: Sequence[str], *, untracked: bool = False
     return dirty
 
 
+def refuse_index_lock(repo: git.Repo) -> None:
+    """A leftover ``index.lock`` (a git killed mid-write) makes every index change fail: say
+    so up front, with git's own advice, before anything is written."""
+    lock = Path(repo.git_dir) / "index.lock"
+    if lock.exists():
+        raise UserError(
+            f"{lock} exists: another git process seems to be running in this repository. "
+            "If no git process is running, a git crashed in it earlier: remove the file "
+            "manually to continue. Nothing was changed."
+        )
+
+
 def read_at(repo: git.Repo, commit: str, rel: str) -> str:
     try:
         blob = repo.commit(commit).tree / rel
@@ -267,6 +279,18 @@ def load_state(checkout: Checkout) -> dict[str, Any] | None:
         raise _bad_record(path, "lacks the files of the in-place set")
     if not isinstance(data.get("history", []), list):
         raise _bad_record(path, "has a malformed history")
+    current = data.get("current")
+    if current is not None and not (
+        isinstance(current, dict)
+        and all(isinstance(current.get(k), str | None) for k in ("branch", "commit"))
+        and isinstance(current.get("values", {}), dict)
+    ):
+        raise _bad_record(path, "has a malformed current set")
+    for rel in data.get("files", {}) if mode == "in-place" else ():
+        # a record names target files inside the checkout, never a path that leaves it
+        parts = Path(rel).parts
+        if Path(rel).is_absolute() or ".." in parts or not parts:
+            raise _bad_record(path, f"names a file outside the checkout ({rel!r})")
     return data
 
 
@@ -342,8 +366,12 @@ def locked(checkout: Checkout, wait: float = 0.0) -> Iterator[None]:
     A held lock is refused (exit 2) or, with ``wait``, waited for up to that many seconds.
     """
     _state_dir_ready(checkout)
+    lock = checkout.state_dir / "lock"
+    if lock.is_symlink():  # quantpatch's own file: never follow a link planted in its place
+        with contextlib.suppress(OSError):
+            lock.unlink()
     try:
-        fd = os.open(checkout.state_dir / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
     except OSError as exc:
         raise UserError(
             f"{checkout.state_dir}: cannot create quantpatch's lock file ({exc.strerror})."

@@ -243,7 +243,8 @@ def plan_scheme_commit(
     if old_tip is None:
         return SchemeCommit(name, new, None, "created")
     carried = []
-    for commit in _user_commits(repo, tip, old_tip):
+    own = _user_commits(repo, tip, old_tip)
+    for commit in own:
         parent = commit.parents[0].hexsha if commit.parents else tip
         tree = _merge_trees(repo, parent, new, commit.hexsha)
         if tree is None:
@@ -255,6 +256,8 @@ def plan_scheme_commit(
             )
         new = _commit_tree(repo, tree, new, str(commit.message), env=_author_env(commit))
         carried.append(new)
+    if carried:  # a carried commit that changes a site would run other values than asked
+        _refuse_user_edits(repo, name, new, own, planned)
     return SchemeCommit(name, new, old_tip, "rebuilt", carried)
 
 

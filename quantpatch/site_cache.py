@@ -20,7 +20,7 @@ from quantpatch import __version__
 from quantpatch.config import SITE_NAME, Targets
 from quantpatch.site_model import Site, read_target
 
-CACHE_FORMAT = 2
+CACHE_FORMAT = 3
 KEEP = 64
 
 
@@ -43,14 +43,15 @@ def load(cache_dir: Path | None, rel: str, kind: str, text: str) -> list[Site] |
         return None
     try:
         data = json.loads(_entry(cache_dir, rel, kind, text).read_text(encoding="utf-8"))
-        if data.get("key") != cache_key(rel, kind, text):
-            return None
+        key = cache_key(rel, kind, text)
+        if data.get("key") != key or data.get("digest") != _digest(key, data["sites"]):
+            return None  # not this text, or an entry changed since quantpatch wrote it
         sites = [Site.from_dict(d) for d in data["sites"]]
     except (OSError, ValueError, TypeError, KeyError, AttributeError):
         return None
     lines = text.splitlines()
     for site in sites:
-        if not 0 < site.line <= len(lines) or site.file != rel:
+        if not _well_formed(site) or not 0 < site.line <= len(lines) or site.file != rel:
             return None
         line = lines[site.line - 1]
         first = site.source.splitlines()[0] if site.source else ""
@@ -61,6 +62,21 @@ def load(cache_dir: Path | None, rel: str, kind: str, text: str) -> list[Site] |
     return sites
 
 
+def _digest(key: str, sites: object) -> str:
+    """A checksum over an entry's content, so a corrupted or hand-edited entry is a miss."""
+    body = json.dumps(sites, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(f"{key}\0{body}".encode()).hexdigest()
+
+
+def _well_formed(site: Site) -> bool:
+    return (
+        isinstance(site.line, int)
+        and not isinstance(site.line, bool)
+        and all(isinstance(v, str) for v in (site.role, site.file, site.form, site.source))
+        and isinstance(site.value, str | None)
+    )
+
+
 def store(cache_dir: Path | None, rel: str, kind: str, text: str, sites: Sequence[Site]) -> None:
     """Best effort: a cache that cannot be written only costs time."""
     if cache_dir is None:
@@ -69,7 +85,9 @@ def store(cache_dir: Path | None, rel: str, kind: str, text: str, sites: Sequenc
         cache_dir.mkdir(parents=True, exist_ok=True)
         path = _entry(cache_dir, rel, kind, text)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        entry = {"key": cache_key(rel, kind, text), "sites": [s.to_dict() for s in sites]}
+        key = cache_key(rel, kind, text)
+        dicts = [s.to_dict() for s in sites]
+        entry = {"key": key, "digest": _digest(key, dicts), "sites": dicts}
         tmp.write_text(json.dumps(entry), encoding="utf-8")
         os.replace(tmp, path)
         entries = sorted(cache_dir.glob("sites-*.json"), key=lambda p: p.stat().st_mtime)

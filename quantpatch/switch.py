@@ -105,10 +105,14 @@ def _discover_checked(root: Path, targets: Targets) -> list[FileSites]:
     return files
 
 
-def check(path: Path | None) -> CheckReport:
+def check(path: Path | None, *, fresh: bool = False) -> CheckReport:
+    """The sites and state of a checkout. ``fresh`` reads every target file anew instead of
+    believing the discovery cache: what ``check --expect`` (the verification each launch
+    script runs) does, so no cache entry, however it was altered, can make it pass."""
     checkout = gitrepo.find_checkout(path, need_git=False)
     targets = load_targets(checkout.root)
-    per_file = site_cache.read_sites(checkout.root, targets, checkout.state_dir / "cache")
+    cache = None if fresh else checkout.state_dir / "cache"
+    per_file = site_cache.read_sites(checkout.root, targets, cache)
     sites = [s for file_sites in per_file for s in file_sites]
     if not sites:
         raise _no_sites(targets)
@@ -360,6 +364,7 @@ def _set_branch(
     # the intent before the first visible change: whatever happens next, the record names
     # the real base
     gitrepo.save_state(checkout, {**record, "pending": {"op": "set", "branch": name}})
+    previous = gitrepo.active_branch(repo)
     try:
         if gitrepo.active_branch(repo) == name:
             if plan.moves:  # rebuilt under the user's feet: move with their local changes kept
@@ -367,6 +372,7 @@ def _set_branch(
         else:
             scheme_branch.move_ref(repo, plan)
             gitrepo.run_git(repo, "checkout", "--quiet", name)
+            _written_or_back(repo, targets, previous, head)
     except UserError as exc:
         if gitrepo.active_branch(repo) == name and gitrepo.head_commit(repo) == plan.commit:
             # git switched and then a hook of the user's failed: the switch stands
@@ -467,6 +473,12 @@ def restore(path: Path | None, *, forget: bool = False) -> RestoreResult:
     """Back to the recorded base; with ``forget``, drop an unreadable or unwanted record and
     change no file or branch (the repair the state errors name)."""
     checkout = gitrepo.find_checkout(path, need_git=False)
+    state_dir = checkout.state_dir
+    if forget and (state_dir.is_symlink() or (state_dir.exists() and not state_dir.is_dir())):
+        # quantpatch's state directory replaced by a file: set it aside (never deleted)
+        aside = state_dir.with_name(f"{state_dir.name}.not-a-directory.{int(time.time())}")
+        state_dir.rename(aside)
+        return RestoreResult("forget", {}, [], [f"moved {state_dir} aside to {aside}"])
     with gitrepo.locked(checkout):
         if forget:
             return _forget(checkout)
@@ -543,5 +555,39 @@ def _restore_branch(
                 )
     # never --force: the user's uncommitted changes in other files are carried as git does
     if gitrepo.active_branch(repo) != target:
+        previous, before = gitrepo.active_branch(repo), gitrepo.head_commit(repo)
         gitrepo.run_git(repo, "checkout", "--quiet", target)
+        try:
+            _written_or_back(repo, targets, previous, str(before))
+        except UserError as exc:
+            raise UserError(f"{exc} Nothing was restored; the record is kept.") from None
     return RestoreResult("branch", base, list(targets.all_files), notes)
+
+
+def _written_or_back(repo: Any, targets: Targets, previous: str | None, before: str) -> None:
+    """After a checkout from commit ``before``: git reports success even when it could not
+    replace a file (a read-only directory), so the target files are compared with the new
+    HEAD. When one was not written, HEAD and the index go back to ``previous`` (a branch, or
+    the commit itself) without touching that file (it still holds ``before``'s bytes); the
+    files the checkout did write, which differ between the two commits and so held no change
+    of the user's, are put back too. Then refuse, naming the file."""
+    stale = gitrepo.dirty_paths(repo, targets.all_files)
+    if not stale:
+        return
+    now = gitrepo.head_commit(repo)
+    changed = [
+        p for p in gitrepo.run_git(repo, "diff", "--name-only", before, str(now)).splitlines() if p
+    ]
+    if previous is not None and gitrepo.branch_exists(repo, previous):
+        gitrepo.run_git(repo, "symbolic-ref", "HEAD", f"refs/heads/{previous}")
+    else:
+        gitrepo.run_git(repo, "update-ref", "--no-deref", "HEAD", before)
+    if changed:
+        gitrepo.run_git(repo, "reset", "--quiet", "--", *changed)
+    written = [p for p in changed if p not in stale]
+    if written:
+        gitrepo.run_git(repo, "checkout", "--quiet", before, "--", *written)
+    raise UserError(
+        f"git switched branches but could not write {', '.join(stale)} (is its directory "
+        "read-only?); switched back."
+    )

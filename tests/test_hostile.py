@@ -320,3 +320,177 @@ def test_a_byte_order_mark_survives(run, make_checkout, mode):
         assert data.startswith(b"\xef\xbb\xbf") and data.count(b"\xef\xbb\xbf") == 1
     assert run("restore", "--repo", root).code == 0
     assert {t: (root / t).read_bytes() for t in start} == start
+
+
+# -- found by an adversarial pass over the finished crash-safety work ---------------------------
+
+
+def test_a_checkout_git_could_not_write_is_refused_and_switched_back(run, make_checkout):
+    """git exits 0 when it cannot replace a file (a read-only directory): a post-checkout
+    hook that puts the old bytes back stands in for it (root ignores permissions)."""
+    root = make_checkout()
+    user = _user_work(root)
+    hooks = root / ".git" / "hooks"
+    hooks.mkdir(exist_ok=True)
+    old = (root / ATTENTION).read_bytes()
+    keep = root.parent / "old_attention.py"
+    keep.write_bytes(old)
+    hook = hooks / "post-checkout"
+    hook.write_text(f"#!/bin/sh\ncp '{keep}' '{root / ATTENTION}'\n")
+    hook.chmod(0o755)
+    before = snapshot(root)
+    res = run("set", "--repo", root, "--scheme", "FA_mxfp8")
+    assert res.code == 2 and f"could not write {ATTENTION}" in res.err, res
+    assert "Nothing was changed" in res.err
+    assert git_out(root, "branch", "--show-current").strip() == "main"
+    assert snapshot(root)["files"] == before["files"] and _user_view(root) == user
+    assert not (root / ".git/quantpatch/state.json").exists()
+    hook.unlink()
+    assert run("set", "--repo", root, "--scheme", "FA_mxfp8").code == 0
+    # restore meets the same: refused, still on the scheme branch, the record kept
+    hook.write_text(f"#!/bin/sh\n[ \"$3\" = 1 ] && cp '{root / LINEAR}' /dev/null\n"
+                    f"git show quantpatch/linear-bf16_qk-mxfp8_pv-bf16:{ATTENTION} "
+                    f"> '{root / ATTENTION}'\n")  # fmt: skip
+    hook.chmod(0o755)
+    res = run("restore", "--repo", root)
+    assert res.code == 2 and "record is kept" in res.err, res
+    assert git_out(root, "branch", "--show-current").startswith("quantpatch/")
+    hook.unlink()
+    assert run("restore", "--repo", root).code == 0
+    assert _user_view(root) == user
+
+
+def test_check_expect_never_believes_the_cache(run, make_checkout):
+    """Even an entry rewritten with a valid checksum cannot make --expect pass."""
+    from quantpatch import site_cache
+
+    root = make_checkout()
+    assert run("set", "--repo", root, "--pv", "mxfp8").code == 0
+    assert run("check", "--repo", root).code == 0
+    for entry in (root / ".git/quantpatch/cache").glob("sites-*.json"):
+        data = json.loads(entry.read_text())
+        qk = [s for s in data["sites"] if s["role"] == "qk"]
+        pv = [s for s in data["sites"] if s["role"] == "pv"]
+        if qk and pv:
+            qk[0].update(line=pv[0]["line"], value=pv[0]["value"], source=pv[0]["source"])
+            data["digest"] = site_cache._digest(data["key"], data["sites"])
+            entry.write_text(json.dumps(data))
+    res = run("check", "--repo", root, "--expect", "qk=mxfp8")
+    assert res.code == 1 and "qk is bf16" in res.err, res
+    # a malformed entry is a miss, never a crash
+    for entry in (root / ".git/quantpatch/cache").glob("sites-*.json"):
+        data = json.loads(entry.read_text())
+        data["sites"][0]["line"] = "x"
+        data["digest"] = site_cache._digest(data["key"], data["sites"])
+        entry.write_text(json.dumps(data))
+    res = run("check", "--repo", root)
+    assert res.code == 0 and "internal error" not in res.err, res
+
+
+@pytest.mark.parametrize("current", ['"x"', "[1]", '{"branch": 3}'])
+def test_a_malformed_current_set_is_one_sentence(run, make_checkout, current):
+    root = make_checkout()
+    assert run("set", "--repo", root, "--qk", "mxfp8").code == 0
+    path = root / ".git/quantpatch/state.json"
+    data = json.loads(path.read_text())
+    path.write_text(json.dumps({**data, "current": json.loads(current)}))
+    for args in (("check",), ("restore",)):
+        res = run(*args, "--repo", root)
+        assert res.code in (0, 2) and "internal error" not in res.err, res
+        assert "restore --forget" in res.err + res.out
+
+
+def test_a_record_cannot_send_restore_outside_the_checkout(run, make_checkout, tmp_path):
+    root = make_checkout()
+    assert run("set", "--repo", root, "--no-branch", "--qk", "mxfp8").code == 0
+    path = root / ".git/quantpatch/state.json"
+    data = json.loads(path.read_text())
+    outside = root.parent / "outside.txt"
+    outside.write_text("precious\n")
+    info = next(iter(data["files"].values()))
+    data["files"] = {"../outside.txt": info}
+    path.write_text(json.dumps(data))
+    res = run("restore", "--repo", root)
+    assert res.code == 2 and "outside the checkout" in res.err, res
+    assert outside.read_text() == "precious\n"
+
+
+def test_a_lock_file_planted_as_a_link_is_never_written_through(run, make_checkout):
+    root = make_checkout()
+    (root / ".git/quantpatch").mkdir(parents=True, exist_ok=True)
+    victim = root.parent / "victim.txt"
+    victim.write_text("keep me\n")
+    (root / ".git/quantpatch/lock").symlink_to(victim)
+    assert run("set", "--repo", root, "--qk", "mxfp8").code == 0
+    assert victim.read_text() == "keep me\n"
+    assert not (root / ".git/quantpatch/lock").is_symlink()
+
+
+def test_saver_install_with_a_stale_index_lock_changes_nothing(run, make_checkout):
+    root = make_checkout(full=True)
+    lock = root / ".git/index.lock"
+    lock.write_text("")
+    before = snapshot(root)
+    res = run("saver", "install", "--repo", root)
+    assert res.code == 2 and "index.lock" in res.err and "Nothing was changed" in res.err, res
+    assert snapshot(root) == before and not (root / ".git/quantpatch/saver").exists()
+    lock.unlink()
+    assert run("saver", "install", "--repo", root).code == 0
+    assert run("saver", "remove", "--repo", root).code == 0
+    assert snapshot(root)["files"] == before["files"]
+
+
+def test_a_carried_commit_that_changes_a_site_is_refused_on_rebuild(run, make_checkout):
+    root = make_checkout()
+    repo = git.Repo(root)
+    assert run("set", "--repo", root, "--scheme", "FA_mxfp8").code == 0
+    p = root / ATTENTION
+    p.write_text(p.read_text().replace("'mxfp8'", "'hifp8'", 1))
+    repo.git.commit("-qam", "qk by hand")
+    assert run("restore", "--repo", root).code == 0
+    (root / "README.md").write_text("the base moves on\n")
+    repo.git.add("README.md")
+    repo.git.commit("-qm", "base moved")
+    branches = git_out(root, "for-each-ref", "--format=%(refname) %(objectname)", "refs/heads")
+    res = run("set", "--repo", root, "--scheme", "FA_mxfp8")
+    assert res.code == 2 and "'qk by hand'" in res.err and f"changes {ATTENTION}" in res.err, res
+    assert git_out(root, "for-each-ref", "--format=%(refname) %(objectname)", "refs/heads") == (
+        branches
+    )
+    assert git_out(root, "branch", "--show-current").strip() == "main"
+
+
+def test_init_killed_between_its_record_and_its_commit_completes_on_rerun(make_checkout, tmp_path):
+    root = make_checkout(inject=False)
+    trace = tmp_path / "trace"
+    env = {**os.environ, "QUANTPATCH_FAULT_TRACE": str(trace)}
+    probe = make_checkout(inject=False)
+    cmd = [sys.executable, "-m", "quantpatch", "init", "--repo"]
+    subprocess.run([*cmd, str(probe)], env=env, check=True, capture_output=True)
+    steps = trace.read_text().splitlines()
+    at = next(int(s.split()[0]) for s in steps if "commit" in s)
+    killed = subprocess.run(
+        [*cmd, str(root)],
+        env={**os.environ, "QUANTPATCH_FAULT_AT": str(at - 1), "QUANTPATCH_FAULT_KIND": "kill"},
+        capture_output=True,
+        text=True,
+    )
+    assert killed.returncode == -9
+    again = subprocess.run([*cmd, str(root)], capture_output=True, text=True)
+    assert again.returncode == 0, again.stderr
+    assert "completed the interrupted" in again.stderr + again.stdout
+    assert git_out(root, "status", "--porcelain", "--untracked-files=no") == ""
+    assert git_out(root, "log", "-1", "--format=%s").startswith("quantpatch init")
+
+
+def test_a_state_directory_that_is_a_file_is_set_aside_by_forget(run, make_checkout):
+    root = make_checkout()
+    (root / ".git/quantpatch").write_text("not a directory\n")
+    res = run("check", "--repo", root)
+    assert res.code == 0 and "restore --forget" in res.out, res
+    res = run("restore", "--repo", root, "--forget")
+    assert res.code == 0, res
+    assert (root / ".git/quantpatch").exists() is False or (root / ".git/quantpatch").is_dir()
+    aside = list((root / ".git").glob("quantpatch.not-a-directory.*"))
+    assert len(aside) == 1 and aside[0].read_text() == "not a directory\n"
+    assert run("set", "--repo", root, "--qk", "mxfp8").code == 0
