@@ -148,7 +148,7 @@ def markdown(r: dict[str, Any]) -> str:
                 k = e.get(f"{p}_kernels", "n/a")
                 m = e.get(f"{p}_extra_vs_output")
                 mem = f"{m:.2f}" if m is not None else "n/a"
-                return f"{e[f'{p}_gbs']:.1f} | {e[f'{p}_pct_of_copy']:.1f} | {k} | {mem}"
+                return f"{e[f'{p}_gbs']:.3g} | {e[f'{p}_pct_of_copy']:.3g} | {k} | {mem}"
 
             lines.append(f"| {e['op']} | {cells('triton')} | {cells('reference')} |")
         lines.append("")

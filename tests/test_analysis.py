@@ -359,3 +359,27 @@ def _has_matplotlib() -> bool:
     except ImportError:
         return False
     return True
+
+
+def test_logs_without_timestamps_take_the_pattern_path(tmp_path, monkeypatch):
+    """Older releases print iteration lines without the '[date]' prefix; numpy missing has
+    the same effect: the field names of the first line become one pattern, other field
+    sets are read line by line, by name."""
+    p = tmp_path / "old.log"
+    lines = [
+        LINE.format(it=i, total=40, cs=8 * i, ms=50.0, loss=f"{4 - i / 100:.6E}", sk=0, nan=0)
+        for i in range(10, 41, 10)
+    ]
+    lines = [ln.replace(" [2026-11-22 11:25:39]", "") for ln in lines]
+    lines.insert(2, LINE_OTHER.format(it=25, total=40, cs=0, ms=60.0, loss="nan", sk=1, nan=1))
+    lines.append(lines[-1])  # printed twice
+    lines.append(lines[0].replace("      10/", "      50/")[:60])  # cut short
+    p.write_text("\n".join(lines) + "\n")
+    for numpy_ok in (True, False):
+        if not numpy_ok:
+            monkeypatch.setattr(training_logs, "_numpy_columns", lambda data, run: False)
+        run = training_logs.parse_log(p)
+        assert run.iterations == [10, 20, 25, 30, 40]
+        assert run.series["loss"][0] == pytest.approx(3.9) and math.isnan(run.series["loss"][2])
+        assert run.series["step_ms"][2] == 60.0 and run.nonfinite_loss == 1
+        assert run.garbage == 1 and training_logs.diverged(run)
