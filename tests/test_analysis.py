@@ -383,3 +383,25 @@ def test_logs_without_timestamps_take_the_pattern_path(tmp_path, monkeypatch):
         assert run.series["loss"][0] == pytest.approx(3.9) and math.isnan(run.series["loss"][2])
         assert run.series["step_ms"][2] == 60.0 and run.nonfinite_loss == 1
         assert run.garbage == 1 and training_logs.diverged(run)
+
+
+def test_sliced_metrics_equal_the_whole(monkeypatch):
+    from quantpatch.analysis import tensor_metrics
+
+    gen = torch.Generator().manual_seed(3)
+    t = (torch.randn(600, 1000, generator=gen) * 3).to(torch.bfloat16)
+    t[5, 7] = float("nan")
+    fmts = ("mxfp8", "mxfp4", "hifp8")
+    for dim in (-1, 0):
+        sliced = tensor_metrics.formats_sums(t, fmts, dim)
+        monkeypatch.setattr(tensor_metrics, "_SLICE", 1 << 30)
+        whole = tensor_metrics.formats_sums(t, fmts, dim)
+        monkeypatch.undo()
+        for f in fmts:
+            a, b = sliced[f], whole[f]
+            assert (a.underflows, a.overflows, a.blocks, a.blocks_saturated, a.finite) == (
+                b.underflows, b.overflows, b.blocks, b.blocks_saturated, b.finite,
+            )  # fmt: skip
+            n, other = (1000, 600) if dim == -1 else (600, 1000)
+            assert a.noise == pytest.approx(b.noise, rel=1e-9)
+            assert a.blocks == (math.ceil(n / 32) * other if f != "hifp8" else 0)

@@ -184,57 +184,96 @@ def sample_rows(t: torch.Tensor, dim: int, limit: int | None) -> tuple[torch.Ten
     return rows[idx], -1
 
 
-def _mx_blocks(x: torch.Tensor, dim: int, vmax: float, emax: int) -> tuple[int, int, int, int]:
-    """(overflows, blocks, blocks saturated, blocks whose scale clips) of float32 ``x`` whose
-    non-finite values are already zero, in blocks of 32 along ``dim``."""
-    v = x.movedim(dim, -1)
-    n = v.shape[-1]
-    pad = (-n) % ops.BLOCK
-    if pad:
-        v = torch.nn.functional.pad(v, (0, pad))
-    b = v.reshape(-1, ops.BLOCK).abs()
-    amax = b.amax(dim=-1)
+def _mx_blocks(
+    blocks: torch.Tensor, amax: torch.Tensor, vmax: float, emax: int
+) -> tuple[int, int, int, int]:
+    """(overflows, blocks, blocks saturated, blocks whose scale clips) of ``blocks`` (|x| in
+    rows of 32, non-finite values zeroed) with their ``amax``."""
     nonzero = amax > 0
     _, exp = torch.frexp(torch.where(nonzero, amax, torch.ones_like(amax)))
     shared = (exp - 1) - emax
     clipped = nonzero & ((shared < ops._SCALE_MIN) | (shared > ops._SCALE_MAX))
     shared = torch.clamp(shared, ops._SCALE_MIN, ops._SCALE_MAX).double()
-    limit = vmax * torch.exp2(shared)
-    over = b.double() > limit[:, None]
-    per_block = over.sum(dim=-1)
-    return int(per_block.sum()), b.shape[0], int((per_block > 0).sum()), int(clipped.sum())
+    limit = vmax * torch.exp2(shared)  # float64: 448 x 2^127 does not fit a float32
+    per_block = (blocks > limit[:, None]).sum(dim=-1)
+    return int(per_block.sum()), blocks.shape[0], int((per_block > 0).sum()), int(clipped.sum())
+
+
+_SLICE = 1 << 18  # elements per slice: the temporaries of a slice stay in cache
+
+
+def formats_sums(
+    t: torch.Tensor, fmts: tuple[str, ...], dim: int = -1, backward: bool = False
+) -> dict[str, FormatSums]:
+    """What each of ``fmts`` does to ``t``, as sums. Large tensors are worked slice by slice
+    along a dimension other than ``dim`` (every sum adds up exactly, MX blocks stay whole),
+    and what every format shares (the float32 values, their block maxima, the signal) is
+    computed once per slice."""
+    if t.dim() == 0:
+        t, dim = t.reshape(1), 0
+    t = t.detach()
+    out = {f: FormatSums() for f in fmts}
+    d = dim % t.dim()
+    others = [i for i in range(t.dim()) if i != d]
+    if t.numel() <= 2 * _SLICE or not others:
+        _add_slice(t, fmts, d, backward, out)
+        return out
+    split = max(others, key=lambda i: t.shape[i])
+    step = max(1, _SLICE // max(1, t.numel() // t.shape[split]))
+    for start in range(0, t.shape[split], step):
+        piece = t.narrow(split, start, min(step, t.shape[split] - start))
+        _add_slice(piece, fmts, d, backward, out)
+    return out
+
+
+def _add_slice(
+    t: torch.Tensor, fmts: tuple[str, ...], dim: int, backward: bool, out: dict[str, FormatSums]
+) -> None:
+    f64 = torch.float64  # products in float32, sums in float64: no float64 copies of x
+
+    def total(v: torch.Tensor) -> float:
+        return float(v.sum(dtype=f64))
+
+    x = t.float()
+    finite = torch.isfinite(x)
+    all_finite = bool(finite.all())
+    zero = torch.zeros((), dtype=torch.float32)
+    x0 = x if all_finite else torch.where(finite, x, zero)
+    nonzero = x0 != 0
+    n_finite, n_nonzero = int(finite.sum()), int(nonzero.sum())
+    signal = total(x0 * x0)
+    blocks = amax = None
+    if any(f in ("mxfp8", "mxfp4") for f in fmts):
+        v = x0.abs().movedim(dim, -1)
+        pad = (-v.shape[-1]) % ops.BLOCK
+        if pad:
+            v = torch.nn.functional.pad(v, (0, pad))
+        blocks = v.reshape(-1, ops.BLOCK)
+        amax = blocks.amax(dim=-1)
+    for fmt in fmts:
+        q = ops.fake_quant(t, fmt, dim=dim, backward=backward).float()
+        q0 = q if all_finite else torch.where(finite, q, zero)
+        err = x0 - q0  # exact in float32 wherever q is within a factor 2 of x (Sterbenz)
+        s = FormatSums(
+            finite=n_finite,
+            nonzero=n_nonzero,
+            underflows=int((nonzero & (q0 == 0)).sum()),
+            signal=signal,
+            noise=total(err * err),
+            dot=total(x0 * q0),
+            quant_sq=total(q0 * q0),
+        )
+        if fmt in ("mxfp8", "mxfp4"):
+            assert blocks is not None and amax is not None
+            vmax, emax = _MX_ELEMENTS[(fmt, backward)]
+            s.overflows, s.blocks, s.blocks_saturated, s.blocks_scale_clipped = _mx_blocks(
+                blocks, amax, vmax, emax
+            )
+        elif fmt == "hifp8":
+            s.overflows = int((x0.abs() > HIFP8_MAX).sum())
+        out[fmt].merge(s)
 
 
 def format_sums(t: torch.Tensor, fmt: str, dim: int = -1, backward: bool = False) -> FormatSums:
-    if t.dim() == 0:
-        t, dim = t.reshape(1), 0
-    q = ops.fake_quant(t.detach(), fmt, dim=dim, backward=backward)
-    x = t.detach().float()
-    finite = torch.isfinite(x)
-    zero = torch.zeros((), dtype=torch.float32)
-    x0 = torch.where(finite, x, zero)
-    q0 = torch.where(finite, q.float(), zero)
-    err = x0 - q0  # exact in float32 wherever q is within a factor 2 of x (Sterbenz)
-    f64 = torch.float64  # products in float32, sums in float64: no float64 copies of x
-
-    def total(t: torch.Tensor) -> float:
-        return float(t.sum(dtype=f64))
-
-    nonzero = x0 != 0
-    out = FormatSums(
-        finite=int(finite.sum()),
-        nonzero=int(nonzero.sum()),
-        underflows=int((nonzero & (q0 == 0)).sum()),
-        signal=total(x0 * x0),
-        noise=total(err * err),
-        dot=total(x0 * q0),
-        quant_sq=total(q0 * q0),
-    )
-    if fmt in ("mxfp8", "mxfp4"):
-        vmax, emax = _MX_ELEMENTS[(fmt, backward)]
-        out.overflows, out.blocks, out.blocks_saturated, out.blocks_scale_clipped = _mx_blocks(
-            x0, dim, vmax, emax
-        )
-    elif fmt == "hifp8":
-        out.overflows = int((x0.abs() > HIFP8_MAX).sum())
-    return out
+    """What ``fmt`` does to ``t`` (see :func:`formats_sums`)."""
+    return formats_sums(t, (fmt,), dim, backward)[fmt]

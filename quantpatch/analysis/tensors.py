@@ -113,7 +113,7 @@ def _summarise_file(args: tuple[str, str]) -> tuple[TensorMeta, Any, int] | Skip
 def _formats_file(
     args: tuple[str, str, tuple[str, ...], int | None],
 ) -> tuple[TensorMeta, dict[str, Any], int] | Skipped:
-    from quantpatch.analysis.tensor_metrics import format_sums, reduction_of, sample_rows
+    from quantpatch.analysis.tensor_metrics import formats_sums, reduction_of, sample_rows
 
     path, root, fmts, sample = Path(args[0]), Path(args[1]), args[2], args[3]
     try:
@@ -127,7 +127,7 @@ def _formats_file(
     if t.dim() and not -t.dim() <= dim < t.dim():
         dim = -1
     t, dim = sample_rows(t, dim if t.dim() else 0, sample)
-    return meta, {f: format_sums(t, f, dim, backward) for f in fmts}, path.stat().st_size
+    return meta, formats_sums(t, fmts, dim, backward), path.stat().st_size
 
 
 def _init_worker(threads: int) -> None:
