@@ -379,7 +379,7 @@ def test_logs_without_timestamps_take_the_pattern_path(tmp_path, monkeypatch):
         if not numpy_ok:
             monkeypatch.setattr(training_logs, "_numpy_columns", lambda data, run: False)
         run = training_logs.parse_log(p)
-        assert run.iterations == [10, 20, 25, 30, 40]
+        assert list(run.iterations) == [10, 20, 25, 30, 40]
         assert run.series["loss"][0] == pytest.approx(3.9) and math.isnan(run.series["loss"][2])
         assert run.series["step_ms"][2] == 60.0 and run.nonfinite_loss == 1
         assert run.garbage == 1 and training_logs.diverged(run)

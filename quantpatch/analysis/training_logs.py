@@ -25,7 +25,8 @@ import math
 import os
 import re
 import statistics
-from collections.abc import Callable, Iterable
+from array import array
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,8 +61,9 @@ class Run:
     scheme: str | None = None
     profile: str | None = None
     values: dict[str, str] = field(default_factory=dict)  # linear / qk / pv from the header
-    iterations: list[int] = field(default_factory=list)
-    series: dict[str, list[float]] = field(default_factory=dict)  # ours -> one value a line
+    # compact arrays: a run crosses a process boundary (--jobs) as bytes, not as objects
+    iterations: Sequence[int] = field(default_factory=lambda: array("q"))
+    series: dict[str, Sequence[float]] = field(default_factory=dict)  # ours -> one per line
     total_iterations: int | None = None
     exit_status: int | None = None
     crashed: bool = False
@@ -79,8 +81,8 @@ class Run:
             return "crashed"
         return "no exit line (running, or killed)"
 
-    def column(self, name: str) -> list[float]:
-        return self.series.get(name, [math.nan] * len(self.iterations))
+    def column(self, name: str) -> Sequence[float]:
+        return self.series.get(name, array("d", [math.nan]) * len(self.iterations))
 
 
 def _number(raw: bytes) -> float:
@@ -142,12 +144,12 @@ def parse_log(path: Path) -> Run:
         lines = data.count(b" iteration ") - data.count(b" per iteration (")
         if matched != lines:  # other field sets, cut or garbled lines
             _slow_path(data, rows, run)
-    run.iterations = sorted(rows)
+    run.iterations = array("q", sorted(rows))
     run.nonfinite_loss = sum(
         1 for r in rows.values() if "loss" in r and not math.isfinite(r["loss"])
     )
     for ours in sorted({k for r in rows.values() for k in r}):
-        run.series[ours] = [rows[i].get(ours, math.nan) for i in run.iterations]
+        run.series[ours] = array("d", [rows[i].get(ours, math.nan) for i in run.iterations])
     _finish(data, run)
     return run
 
@@ -223,11 +225,11 @@ def _numpy_columns(data: bytes, run: Run) -> bool:
     kept_its = iteration[ok].astype(np.int64)
     order, first = np.unique(kept_its, return_index=True)
     run.duplicates = int(ok.sum()) - len(order)
-    run.iterations = order.tolist()
+    run.iterations = array("q", order.astype(np.int64).tobytes())
     if len(first):
         run.total_iterations = int(total[ok][first[-1]])
     for ours, col in columns.items():
-        run.series[ours] = col[ok][first].tolist()
+        run.series[ours] = array("d", col[ok][first].astype(np.float64).tobytes())
     return True
 
 
