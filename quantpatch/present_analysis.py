@@ -46,7 +46,8 @@ def progress_bar(err: Console, what: str) -> Iterator[Callable[[int, int], None]
             bar.stop()
 
 
-def _fmt(v: Any) -> str:
+def format_value(v: Any) -> str:
+    """One cell: 4 significant digits, '-' for missing, inf spelled out."""
     if v is None:
         return "-"
     if isinstance(v, bool):
@@ -92,7 +93,7 @@ def print_rows(out: Console, title: str, rows: list[dict[str, Any]], limit: int 
         table.add_column(c, justify="left" if isinstance(rows[0][c], str) else "right")
     shown = rows if not limit else rows[:limit]
     for r in shown:
-        table.add_row(*(_fmt(v) for v in r.values()))
+        table.add_row(*(format_value(v) for v in r.values()))
     out.print(table)
     if limit and len(rows) > limit:
         out.print(

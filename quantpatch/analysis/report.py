@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import base64
 import html
-import math
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -23,15 +22,9 @@ img{max-width:100%;border:1px solid #eee;margin:.5em 0}
 
 
 def _cell(v: Any) -> str:
-    if isinstance(v, bool):
-        return "yes" if v else ""
-    if isinstance(v, float):
-        if math.isnan(v):
-            return "-"
-        if math.isinf(v):
-            return "inf" if v > 0 else "-inf"
-        return f"{v:.4g}"
-    return html.escape("" if v is None else str(v))
+    from quantpatch.present_analysis import format_value
+
+    return html.escape(format_value(v))
 
 
 def table(rows: list[dict[str, Any]], columns: list[str], bad: str | None = None) -> str:

@@ -63,30 +63,28 @@ class Inventory:
         }
 
 
-def parse_by(value: str | None, default: tuple[str, ...]) -> tuple[str, ...]:
+def _choices(
+    value: str | None, allowed: tuple[str, ...], option: str, what: str
+) -> tuple[str, ...]:
+    """A comma list of names from ``allowed`` (``allowed`` itself when empty or absent)."""
     if not value:
-        return default
-    by = tuple(v.strip() for v in value.split(",") if v.strip())
-    bad = [b for b in by if b not in GROUPS]
-    if bad or not by:
+        return allowed
+    picked = tuple(v.strip() for v in value.split(",") if v.strip())
+    bad = [v for v in picked if v not in allowed]
+    if bad or not picked:
         raise UserError(
-            f"--by {value!r}: unknown grouping {', '.join(bad) or '(empty)'}; "
-            f"choose from {', '.join(GROUPS)}."
+            f"{option} {value!r}: unknown {what} {', '.join(bad) or '(empty)'}; "
+            f"choose from {', '.join(allowed)}."
         )
-    return by
+    return picked
+
+
+def parse_by(value: str | None, default: tuple[str, ...]) -> tuple[str, ...]:
+    return _choices(value, GROUPS, "--by", "grouping") if value else default
 
 
 def parse_formats(value: str | None) -> tuple[str, ...]:
-    if not value:
-        return FORMATS
-    fmts = tuple(v.strip() for v in value.split(",") if v.strip())
-    bad = [f for f in fmts if f not in FORMATS]
-    if bad or not fmts:
-        raise UserError(
-            f"--formats {value!r}: unknown format {', '.join(bad) or '(empty)'}; "
-            f"choose from {', '.join(FORMATS)}."
-        )
-    return fmts
+    return _choices(value, FORMATS, "--formats", "format")
 
 
 def _check_dir(root: Path) -> Path:
