@@ -465,9 +465,13 @@ def _chunk_starts(module: cst.Module, text: str) -> list[int] | None:
     return starts
 
 
-def discover_source(text: str, rel: str, file_kind: str) -> FileSites:
-    """All sites of one file's source text; ``file_kind`` is ``linear`` or ``attention``."""
-    module = parse_source(text, rel)
+def discover_source(
+    text: str, rel: str, file_kind: str, *, module: cst.Module | None = None
+) -> FileSites:
+    """All sites of one file's source text; ``file_kind`` is ``linear`` or ``attention``.
+    ``module`` is ``text`` already parsed (or the tree ``text`` was generated from)."""
+    if module is None:
+        module = parse_source(text, rel)
     if SITE_NAME not in text:
         return FileSites(rel, text, module, [], [], [], frozenset())
     collector = _Collector(file_kind)

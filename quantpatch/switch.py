@@ -204,13 +204,16 @@ def _plan(
     cache_dir: Path,
 ) -> dict[str, str]:
     """New text per file, each proven by re-discovery (whose result primes the cache)."""
-    from quantpatch.codemods.set_value import plan_values, verify_rewrite
+    from quantpatch.codemods.set_value import keep_bom, plan_module, verify_rewrite
 
     planned = {}
     for fs in files:
-        new_text = plan_values(fs, values, split=split)
+        module = plan_module(fs, values, split=split)
+        new_text = fs.text if module is None else keep_bom(fs.text, module.code)
         kind = targets.kind_of(fs.rel)
-        new = verify_rewrite(fs, new_text, values, kind) if new_text != fs.text else fs
+        new = (
+            verify_rewrite(fs, new_text, values, kind, module=module) if new_text != fs.text else fs
+        )
         site_cache.store(cache_dir, fs.rel, kind, new_text, new.sites)
         planned[fs.rel] = new_text
     return planned

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from quantpatch.codemods.init_sites import Layout, inject_sites
-from quantpatch.codemods.set_value import plan_values, requote, verify_rewrite
+from quantpatch.codemods.set_value import plan_module, plan_values, requote, verify_rewrite
 from quantpatch.config import QUANT_TYPES
 from quantpatch.errors import UserError
 from quantpatch.sites import discover_source, role_values
@@ -50,9 +50,14 @@ def _changed_lines(a: str, b: str) -> list[tuple[str, str]]:
 def test_only_the_literal_changes(trees, version, layout):
     for rel in (LINEAR, ATTENTION):
         fs = _fs(trees, version, rel, layout)
-        new = plan_values(fs, {"linear": "mxfp4", "qk": "hifp8", "pv": "mxfp8"})
+        values = {"linear": "mxfp4", "qk": "hifp8", "pv": "mxfp8"}
+        new = plan_values(fs, values)
         kind = "linear" if rel == LINEAR else "attention"
-        verify_rewrite(fs, new, {"linear": "mxfp4", "qk": "hifp8", "pv": "mxfp8"}, kind)
+        parsed = verify_rewrite(fs, new, values, kind)
+        # verifying on the rewritten tree (what set does) finds exactly what a re-parse finds
+        module = plan_module(fs, values)
+        assert module is not None and module.code == new.removeprefix("\ufeff")
+        assert verify_rewrite(fs, new, values, kind, module=module).sites == parsed.sites
         changes = _changed_lines(fs.text, new)
         assert len(changes) == len(fs.sites)
         for old, new_line in changes:

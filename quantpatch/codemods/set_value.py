@@ -103,7 +103,17 @@ def _strings(node: cst.CSTNode) -> list[cst.SimpleString]:
 
 
 def plan_values(fs: FileSites, values: Mapping[str, str], *, split: bool = True) -> str:
-    """The source of ``fs`` with every site of the roles in ``values`` set to its value.
+    """The source of ``fs`` with every site of the roles in ``values`` set to its value (see
+    :func:`plan_module`)."""
+    module = plan_module(fs, values, split=split)
+    return fs.text if module is None else keep_bom(fs.text, module.code)
+
+
+def plan_module(
+    fs: FileSites, values: Mapping[str, str], *, split: bool = True
+) -> cst.Module | None:
+    """The module of ``fs`` with every site of the roles in ``values`` set to its value, or
+    ``None`` when nothing changes.
 
     A ``qk+pv`` site given different qk and pv values is split (an assignment for P.V is
     inserted right before its P.V dispatch) or, with ``split=False``, refused. A label site
@@ -147,12 +157,12 @@ def plan_values(fs: FileSites, values: Mapping[str, str], *, split: bool = True)
             continue
         by_node[id(literal)] = wanted[0]
     if not by_node and not inserts:
-        return fs.text
+        return None
     # transform only the top-level statements that mention the site name (where every site
     # and dispatch lives); the rest of the module is kept as the very same nodes
     rewrite = _Rewrite(by_node, inserts)
     body = [stmt.visit(rewrite) if id(stmt) in fs.chunks else stmt for stmt in fs.module.body]
-    return keep_bom(fs.text, fs.module.with_changes(body=body).code)
+    return fs.module.with_changes(body=body)
 
 
 def keep_bom(original: str, code: str) -> str:
@@ -163,15 +173,22 @@ def keep_bom(original: str, code: str) -> str:
 
 
 def verify_rewrite(
-    old: FileSites, new_text: str, values: Mapping[str, str], file_kind: str
+    old: FileSites,
+    new_text: str,
+    values: Mapping[str, str],
+    file_kind: str,
+    module: cst.Module | None = None,
 ) -> FileSites:
     """Re-read a planned source and prove it is what was asked: it parses and compiles, the
-    roles hold the requested values, and no site appeared or vanished except split ones."""
+    roles hold the requested values, and no site appeared or vanished except split ones.
+    ``module`` is the tree ``new_text`` was generated from (libcst's code generation is the
+    exact inverse of its parser): discovery then runs on it instead of parsing the text
+    again, while CPython's compiler still proves the text parses."""
     try:
         compile(new_text.removeprefix("\ufeff"), old.rel, "exec", dont_inherit=True)
     except SyntaxError as exc:  # pragma: no cover - libcst and CPython agree on our output
         raise UserError(f"{old.rel}:{exc.lineno}: the rewrite would not compile.") from None
-    new = discover_source(new_text, old.rel, file_kind)  # parses: refuses what does not
+    new = discover_source(new_text, old.rel, file_kind, module=module)
     got, _ = role_values(new.sites)
     for role, value in values.items():
         if any(role in s.roles for s in new.sites) and got.get(role) != value:
