@@ -4,19 +4,19 @@ Heavy modules (libcst, GitPython, the codemods) are imported inside the commands
 ``quantpatch --help`` stays fast; torch is never imported by the CLI.
 """
 
-from __future__ import annotations
-
-import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import typer
-from rich.console import Console
 
 from quantpatch import __version__
 from quantpatch.config import QUANT_TYPES
 from quantpatch.errors import CheckFailed, UserError
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 app = typer.Typer(
     name="quantpatch",
@@ -26,10 +26,39 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
 )
-out = Console(highlight=False, soft_wrap=True)
-if not out.is_terminal:  # piped or captured: never truncate file paths in tables
-    out = Console(highlight=False, soft_wrap=True, width=200)
-err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+class _OnFirstUse:
+    """A rich ``Console`` made when something is first printed: importing rich costs about
+    15 ms, which ``--help`` and a usage error never need."""
+
+    def __init__(self, make: "Callable[[], Console]") -> None:
+        self._make = make
+        self._console: Console | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        if self._console is None:
+            self._console = self._make()
+        return getattr(self._console, name)
+
+
+def _make_out() -> "Console":
+    from rich.console import Console
+
+    console = Console(highlight=False, soft_wrap=True)
+    if not console.is_terminal:  # piped or captured: never truncate file paths in tables
+        console = Console(highlight=False, soft_wrap=True, width=200)
+    return console
+
+
+def _make_err() -> "Console":
+    from rich.console import Console
+
+    return Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+out = cast("Console", _OnFirstUse(_make_out))
+err = cast("Console", _OnFirstUse(_make_err))
 
 
 VALUES = ", ".join(QUANT_TYPES)
@@ -66,6 +95,8 @@ def _notes(notes: list[str]) -> None:
 
 
 def _emit_json(data: Any) -> None:
+    import json
+
     sys.stdout.write(json.dumps(data, indent=2, sort_keys=False) + "\n")
 
 
@@ -666,13 +697,85 @@ def _full_short_help(command: Any) -> None:
         _full_short_help(sub)
 
 
+_VALUE_OPTIONS = frozenset({"--repo"})
+"""Options of the top-level callback that take a value (the word after them is no command)."""
+
+
+def _command_word(argv: list[str]) -> str | None:
+    """The subcommand named on the command line, if any."""
+    words = iter(argv)
+    for word in words:
+        if word in _VALUE_OPTIONS:
+            next(words, None)
+        elif not word.startswith("-"):
+            return word
+    return None
+
+
+def _name_of(info: Any) -> str:
+    return str(info.name or typer.main.get_command_name(info.callback.__name__))
+
+
+def _listing(full: typer.Typer) -> Any:
+    """The top-level group as ``--help`` shows it, each plain command built without its
+    parameters (typer builds every command's parameters up front, about 13 ms for all of
+    them, and the listing shows only names and summaries). A test holds the text equal to
+    the fully built group's."""
+    import copy
+    import inspect
+
+    from typer.core import TyperCommand
+
+    bare = copy.copy(full)
+    bare.registered_commands = []
+    group: Any = typer.main.get_command(bare)  # the callback's options and the sub-groups
+    groups = dict(group.commands)
+    group.commands.clear()
+    for info in full.registered_commands:  # typer lists commands first, then groups
+        doc = info.help
+        group.add_command(
+            TyperCommand(
+                name=_name_of(info),
+                help=inspect.getdoc(info.callback) if doc is None else inspect.cleandoc(doc),
+                short_help=info.short_help,
+                hidden=info.hidden,
+                deprecated=info.deprecated,
+                rich_markup_mode=None,
+                rich_help_panel=info.rich_help_panel,
+            )
+        )
+    group.commands.update(groups)
+    return group
+
+
+def command_for(argv: list[str]) -> Any:
+    """The click command to run ``argv``: only the command being run is built (typer builds
+    the parameters of every registered command up front, which one command never needs);
+    the top-level listing gets names and summaries only; an unknown word gets the whole app,
+    so its "no such command" message is unchanged."""
+    import copy
+
+    word = _command_word(argv)
+    if not argv or (word is None and "--help" in argv):
+        command = _listing(app)
+    else:
+        commands = [c for c in app.registered_commands if word == _name_of(c)]
+        groups = [g for g in app.registered_groups if word is not None and g.name == word]
+        only = app
+        if commands or groups:
+            only = copy.copy(app)
+            only.registered_commands, only.registered_groups = commands, groups
+        command = typer.main.get_command(only)
+    _full_short_help(command)
+    return command
+
+
 def main() -> None:
     """Entry point: run the app, map errors onto exit codes and one-sentence messages."""
     debug = "--debug" in sys.argv[1:]
     if debug:
         OPTS.debug = True
-    command = typer.main.get_command(app)
-    _full_short_help(command)
+    command = command_for(sys.argv[1:])
     try:
         code = command.main(args=sys.argv[1:], prog_name="quantpatch", standalone_mode=False)
     except (UserError, CheckFailed) as exc:

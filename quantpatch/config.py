@@ -6,15 +6,9 @@ Standard library only, so that every other module (and CLI start-up) can import 
 from __future__ import annotations
 
 import re
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised on 3.10 only
-    import tomli as tomllib
 
 from quantpatch.errors import UserError
 
@@ -87,6 +81,13 @@ def load_targets(root: Path) -> Targets:
     ``quantpatch.toml`` wins when both exist. Unknown keys are refused so that a typo does not
     silently fall back to the defaults.
     """
+    import sys
+
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover - exercised on 3.10 only
+        import tomli as tomllib
+
     table: dict[str, Any] | None = None
     where = ""
     for name in ("quantpatch.toml", "pyproject.toml"):

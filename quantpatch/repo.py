@@ -1,5 +1,8 @@
 """The checkout and its git repository: locating it, reading files at commits, branches,
-commits, the recorded state and the lock. All git work goes through GitPython.
+commits, the recorded state and the lock. Git work that changes something goes through
+GitPython, imported on first use; the read-only facts ``check`` and the start of every command
+need (where the checkout is, HEAD, clean or not, a branch tip) come from one plain ``git`` call
+each, so that a read-only command never pays GitPython's 40 ms import.
 
 State lives in the repository's git directory (``.git/quantpatch/``), never in the work tree;
 for a checkout without git (``--no-branch`` mode only) it lives under
@@ -13,18 +16,21 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
 import socket
+import subprocess
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import git
+from typing import TYPE_CHECKING, Any
 
 from quantpatch import faults
 from quantpatch.errors import UserError
+
+if TYPE_CHECKING:
+    import git
 
 STATE_VERSION = 1
 
@@ -32,12 +38,22 @@ STATE_VERSION = 1
 @dataclass
 class Checkout:
     root: Path
-    repo: git.Repo | None
+    git_dir: Path | None
     state_dir: Path
+    _repo: git.Repo | None = field(default=None, repr=False, compare=False)
 
     @property
     def has_git(self) -> bool:
-        return self.repo is not None
+        return self.git_dir is not None
+
+    @property
+    def repo(self) -> git.Repo | None:
+        """The GitPython ``Repo``, opened (and GitPython imported) on first use."""
+        if self.git_dir is None:
+            return None
+        if self._repo is None:
+            self._repo = open_repo(self.root)
+        return self._repo
 
     def git(self) -> git.Repo:
         if self.repo is None:  # pragma: no cover - callers check has_git first
@@ -55,10 +71,28 @@ def open_repo(path: Path, *, search_parent_directories: bool = False) -> git.Rep
     directory name, never a variable (GitPython expands variables in the repository path
     unless told not to, and always in the working directory of its git commands, so that a
     checkout at ``ev/$QPX`` would run git in ``ev/victim``)."""
+    import git
+
     repo = git.Repo(path, search_parent_directories=search_parent_directories, expand_vars=False)
     if repo.working_tree_dir is not None:
         repo.git._working_dir = str(repo.working_tree_dir)
     return repo
+
+
+def git_plain(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """``git <args>`` run directly in ``cwd`` (taken literally), for read-only facts: no
+    GitPython import, no optional index lock (``--no-optional-locks``, so a read never
+    competes with the user's own git)."""
+    return subprocess.run(
+        ["git", "--no-optional-locks", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+
+
+_NOT_A_CHECKOUT = ("not a git repository", "must be run in a work tree")
 
 
 def find_checkout(path: Path | None, *, need_git: bool, no_branch_hint: bool = False) -> Checkout:
@@ -66,17 +100,25 @@ def find_checkout(path: Path | None, *, need_git: bool, no_branch_hint: bool = F
     start = (path or Path.cwd()).resolve()
     if not start.exists():
         raise UserError(f"{start}: no such directory.")
+    if not start.is_dir():
+        raise UserError(f"{start}: not a directory.")
     try:
-        repo = open_repo(start, search_parent_directories=True)
-    except (git.InvalidGitRepositoryError, git.NoSuchPathError):
-        repo = None
-    if repo is None or repo.working_tree_dir is None:
+        found = git_plain(start, "rev-parse", "--show-toplevel", "--absolute-git-dir")
+    except FileNotFoundError:  # no git installed: only --no-branch work is possible
+        found = None
+    lines = found.stdout.splitlines() if found is not None and found.returncode == 0 else []
+    if len(lines) != 2:
+        why = found.stderr.strip() if found is not None else ""
+        if found is not None and why and not any(m in why for m in _NOT_A_CHECKOUT):
+            # e.g. git's "dubious ownership": its own sentence says what to do
+            raise UserError(f"{start}: git refuses this repository: {why.splitlines()[0]}")
         if need_git:
             hint = " or use --no-branch" if no_branch_hint else ""
             raise UserError(f"{start}: not inside a git repository; run 'git init' there{hint}.")
         digest = hashlib.sha256(str(start).encode()).hexdigest()[:16]
         return Checkout(start, None, _user_state_home() / digest)
-    return Checkout(Path(repo.working_tree_dir), repo, Path(repo.git_dir) / "quantpatch")
+    git_dir = Path(lines[1])
+    return Checkout(Path(lines[0]), git_dir, git_dir / "quantpatch")
 
 
 # -- git facts ----------------------------------------------------------------------------
@@ -103,8 +145,34 @@ def active_branch(repo: git.Repo) -> str | None:
     return None if repo.head.is_detached else repo.active_branch.name
 
 
-def git_info(repo: git.Repo) -> GitInfo:
-    return GitInfo(active_branch(repo), head_commit(repo), not repo.is_dirty(untracked_files=False))
+def git_info(checkout: Checkout) -> GitInfo:
+    """Branch, HEAD and clean-or-not from one ``git status`` (tracked files only)."""
+    done = git_plain(checkout.root, "status", "--porcelain=v2", "--branch", "--untracked-files=no")
+    if done.returncode != 0:
+        raise UserError(f"git status failed: {done.stderr.strip() or 'unknown error'}")
+    branch = head = None
+    clean = True
+    for line in done.stdout.splitlines():
+        if line.startswith("# branch.oid "):
+            oid = line.removeprefix("# branch.oid ")
+            head = None if oid == "(initial)" else oid
+        elif line.startswith("# branch.head "):
+            name = line.removeprefix("# branch.head ")
+            branch = None if name == "(detached)" else name
+        elif not line.startswith("#"):
+            clean = False
+    return GitInfo(branch, head, clean)
+
+
+_HEX_COMMIT = re.compile(r"[0-9a-f]{7,64}")
+
+
+def commit_exists(checkout: Checkout, commit: str) -> bool:
+    """Whether ``commit`` (a hex object name, never an option or a revision expression)
+    names a commit git has."""
+    if not _HEX_COMMIT.fullmatch(commit):
+        return False
+    return git_plain(checkout.root, "cat-file", "-e", f"{commit}^{{commit}}").returncode == 0
 
 
 def dirty_paths(repo: git.Repo, paths: Sequence[str], *, untracked: bool = False) -> list[str]:
@@ -150,6 +218,12 @@ def branch_tip(repo: git.Repo, name: str) -> str | None:
     return repo.heads[name].commit.hexsha if name in repo.heads else None
 
 
+def branch_tip_plain(checkout: Checkout, name: str) -> str | None:
+    """``branch_tip`` for read-only commands, without GitPython."""
+    done = git_plain(checkout.root, "rev-parse", "-q", "--verify", f"refs/heads/{name}^{{commit}}")
+    return (done.stdout.strip() or None) if done.returncode == 0 else None
+
+
 @contextlib.contextmanager
 def _identity(repo: git.Repo) -> Iterator[None]:
     """Commit as the user when git knows who they are, else as ``quantpatch``."""
@@ -168,7 +242,7 @@ def _identity(repo: git.Repo) -> Iterator[None]:
         yield
 
 
-def _git_reason(exc: git.GitCommandError) -> str:
+def _git_reason(exc: Any) -> str:
     """git's own message, every line that says something (the file list of 'would be
     overwritten', the advice about index.lock), without GitPython's decoration."""
     raw = exc.stderr if isinstance(exc.stderr, str) and exc.stderr.strip() else str(exc)
@@ -188,6 +262,8 @@ _READ_ONLY_GIT = frozenset(
 
 def run_git(repo: git.Repo, *args: str, env: dict[str, str] | None = None) -> str:
     """``git <args>`` with a git failure turned into a ``UserError`` that keeps git's lines."""
+    import git
+
     label = f"git {args[0]}"
     mutating = args[0] not in _READ_ONLY_GIT
     if mutating:
@@ -265,13 +341,8 @@ def load_state(checkout: Checkout) -> dict[str, Any] | None:
         branch = base.get("branch")
         if not isinstance(commit, str) or (branch is not None and not isinstance(branch, str)):
             raise _bad_record(path, "names no base commit")
-        if checkout.repo is not None:
-            try:
-                checkout.repo.commit(commit)
-            except (ValueError, git.BadName, git.BadObject):
-                raise _bad_record(
-                    path, f"names a base commit {commit[:12]} git does not have"
-                ) from None
+        if checkout.has_git and not commit_exists(checkout, commit):
+            raise _bad_record(path, f"names a base commit {commit[:12]} git does not have")
     elif not isinstance(data.get("files"), dict) or not all(
         isinstance(v, dict) and isinstance(v.get("written"), str) and "original" in v
         for v in data["files"].values()

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from quantpatch import repo as gitrepo
-from quantpatch import scheme_branch, site_cache
+from quantpatch import site_cache
 from quantpatch.config import ROLES, Targets, load_targets, validate_value
 from quantpatch.edits import (
     Edit,
@@ -136,8 +136,9 @@ def check(path: Path | None, *, fresh: bool = False) -> CheckReport:
             "moved_to": None,
             "interrupted": state.get("pending"),
         }
-        if checkout.repo is not None and state["mode"] == "branch":
-            tip = base_tip(checkout.repo, state["base"])
+        if checkout.has_git and state["mode"] == "branch":
+            branch = state["base"].get("branch")
+            tip = (branch and gitrepo.branch_tip_plain(checkout, branch)) or state["base"]["commit"]
             if tip != state["base"]["commit"]:
                 base["moved_to"] = tip
     return CheckReport(
@@ -145,7 +146,7 @@ def check(path: Path | None, *, fresh: bool = False) -> CheckReport:
         sites=sites,
         roles=roles,
         mismatched=mismatched,
-        git=gitrepo.git_info(checkout.repo) if checkout.repo else None,
+        git=gitrepo.git_info(checkout) if checkout.has_git else None,
         base=base,
         saver=saver_status(checkout).as_json(),
         warnings=problems_found,
@@ -287,6 +288,8 @@ def _base_of(
     """The base of this set: the record's, or the checkout as it is. A scheme branch with no
     record (a set killed before it wrote one, by an older quantpatch) is never taken as the
     base: the base is recovered from its quantpatch commit, or the set is refused."""
+    from quantpatch import scheme_branch  # GitPython: only commands that write load it
+
     if state:
         return dict(state["base"])
     branch = gitrepo.active_branch(repo)
@@ -326,6 +329,8 @@ def _set_branch(
     current_files: Sequence[FileSites],
     state: dict[str, Any] | None,
 ) -> SetResult:
+    from quantpatch import scheme_branch
+
     repo = checkout.git()
     head = gitrepo.head_commit(repo)
     if head is None:

@@ -11,6 +11,7 @@ from pathlib import Path
 import git
 import pytest
 
+from quantpatch import cli
 from quantpatch import edits as edits_mod
 from quantpatch import repo as repo_mod
 from quantpatch.codemods.init_sites import Layout
@@ -362,13 +363,40 @@ def test_version_help_and_no_torch_at_startup(tmp_path):
         "import sys; sys.argv=['quantpatch','--help']\n"
         "from quantpatch.cli import main\n"
         "try:\n    main()\nexcept SystemExit:\n    pass\n"
-        "bad=[m for m in ('torch','libcst','git','megatron') if m in sys.modules]\n"
+        "heavy=('torch','libcst','git','megatron','rich','pydantic')\n"
+        "bad=[m for m in heavy if m in sys.modules]\n"
         "print('LOADED', bad)"
     )
     res = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=False
     )
     assert "LOADED []" in res.stdout, res.stdout + res.stderr
+
+
+def test_lazy_command_building_shows_the_same_help(capsys):
+    """``main`` builds only what a command line needs (the listing without parameters, or
+    the one command named); what the user sees is what the fully built app shows."""
+    import typer
+
+    def shown(command, args):
+        with pytest.raises(SystemExit):
+            command.main(args=args, prog_name="quantpatch")
+        return capsys.readouterr().out
+
+    full = typer.main.get_command(cli.app)
+    cli._full_short_help(full)
+    for args in (
+        ["--help"],
+        [],
+        ["check", "--help"],
+        ["tensors", "--help"],
+        ["--repo", "x", "set", "--help"],
+    ):
+        assert shown(cli.command_for(args), args) == shown(full, args), args
+    listing = cli.command_for(["--help"])
+    assert set(listing.commands) == set(full.commands)
+    assert set(cli.command_for(["--repo", "x", "set"]).commands) == {"set"}
+    assert cli.command_for(["nosuch"]).commands.keys() == full.commands.keys()
 
 
 def test_state_lives_in_git_dir_not_work_tree(run, make_checkout):

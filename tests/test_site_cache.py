@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from quantpatch import site_cache
 from quantpatch.config import Targets
 from quantpatch.sites import discover_source
@@ -46,16 +48,24 @@ def test_cache_is_pruned(tmp_path):
     assert len(list(tmp_path.glob("sites-*.json"))) == site_cache.KEEP
 
 
-def test_warm_check_does_not_import_libcst(run, make_checkout):
+@pytest.mark.parametrize("after_set", [False, True])
+def test_warm_check_imports_no_parser_and_no_gitpython(run, make_checkout, after_set):
+    """A warm check reads the cache and asks git directly: no libcst, no GitPython, no
+    pydantic (start-up bar of issue 13), before a set and with a set's record to verify."""
     root = make_checkout()
-    assert run("check", "--repo", root).code == 0  # primes the cache
+    if after_set:
+        assert run("set", "--repo", root, "--qk", "mxfp4").code == 0  # also primes the cache
+    else:
+        assert run("check", "--repo", root).code == 0  # primes the cache
     code = (
         "import sys\nsys.argv=['quantpatch','check','--repo',sys.argv[1]]\n"
         "from quantpatch.cli import main\n"
         "try:\n    main()\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
-        "print('LIBCST', 'libcst' in sys.modules)\n"
+        "print('LOADED', [m for m in ('libcst','git','pydantic','torch') if m in sys.modules])\n"
     )
     res = subprocess.run(
         [sys.executable, "-c", code, str(root)], capture_output=True, text=True, check=False
     )
-    assert "LIBCST False" in res.stdout, res.stdout + res.stderr
+    assert "LOADED []" in res.stdout, res.stdout + res.stderr
+    if after_set:
+        assert "_qk-mxfp4_" in res.stdout and "base (branch): main @" in res.stdout
