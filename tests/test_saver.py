@@ -511,7 +511,7 @@ class _TorchWithFullDisk:
         return getattr(self._torch, name)
 
     @staticmethod
-    def save(obj, path):
+    def save(obj, path, **kwargs):
         with open(path, "wb") as fh:
             fh.write(b"partial")
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -613,3 +613,78 @@ def test_cuda_tensor_written_after_the_call_is_saved_as_it_was(saver_module):
         saved = sorted(Path(ts._CFG.save_dir).glob("*_input.pt"))[-1]
         assert torch.equal(torch.load(saved)["tensor"], want_now), report
         want = want + 1.0
+
+
+def test_writer_threads_pool_and_format(saver_module, tmp_path):
+    """Several writer threads, snapshot buffers used again, the non-zip ``torch.save``
+    format: every file loads with ``weights_only=True`` and holds exactly what was handed
+    over at the time of the call, even when the caller overwrites its tensor right after."""
+    import zipfile
+
+    import torch
+
+    ts = saver_module(TENSOR_SAVE_WRITERS="3")
+    gen = torch.Generator().manual_seed(1)
+    buf = torch.empty(64, 48, dtype=torch.bfloat16)
+    expected = {}
+    for layer in range(12):  # one buffer rewritten in place between calls
+        buf.copy_(torch.randn(64, 48, generator=gen))
+        expected[layer] = buf.clone()
+        ts.save_tensor(buf, "linear", "forward", "mxfp8", "input", layer)
+        if layer % 4 == 3:
+            assert ts.flush()["failed"] == 0  # buffers go back to the pool, then are reused
+    odd = torch.randn(48, 64, generator=gen).t()  # a non-contiguous view
+    ts.save_tensor(odd, "linear", "forward", "mxfp8", "weight", 99)
+    report = ts.flush()
+    assert report["files"] == 13 and report["failed"] == 0
+    assert len(ts._SAVER.threads) == 3 and ts._SAVER.pool.bytes > 0
+    for path in sorted((tmp_path / "t").glob("*.pt")):
+        assert not zipfile.is_zipfile(path)
+        obj = torch.load(path, weights_only=True)
+        want = odd if obj["metadata"]["layer_idx"] == 99 else expected[obj["metadata"]["layer_idx"]]
+        assert obj["tensor"].dtype == want.dtype and torch.equal(obj["tensor"], want)
+        f = want.float()
+        info = obj["tensor_info"]
+        assert (info["min"], info["max"]) == (f.min().item(), f.max().item())
+        assert info["std"] == pytest.approx(f.std().item(), rel=1e-5)
+        assert info["mean"] == pytest.approx(f.mean().item(), rel=1e-5, abs=1e-7)
+
+
+def test_stats_never_write_the_tensor_and_match_torch(saver_module):
+    import torch
+
+    ts = saver_module()
+    cases = [
+        torch.randn(300, 7) * 3 + 5,  # float32: the copy must be a real copy
+        (torch.randn(1000) * 40).to(torch.bfloat16),
+        torch.randn(40, 30).t(),
+        torch.arange(10, dtype=torch.float64),
+        torch.tensor([2.5]),
+        torch.tensor([]),
+        torch.tensor([1.0, float("nan"), 3.0]),
+        torch.tensor([1.0, float("inf")]),
+    ]
+    for t in cases:
+        before = t.clone()
+        got = ts._stats(t).tolist()
+        assert torch.equal(t, before) or torch.isnan(before).any()
+        f = t.float()
+        if t.numel() == 0:
+            assert got == [0.0, 0.0, 0.0, 0.0]
+            continue
+        want = [f.min().item(), f.max().item(), f.mean().item()]
+        want.append(f.std().item() if t.numel() > 1 else 0.0)
+        for g, w in zip(got, want, strict=True):
+            assert g == pytest.approx(w, rel=1e-5, abs=1e-6, nan_ok=True)
+
+
+def test_stats_only_lines_stay_whole_with_several_writers(saver_module, tmp_path):
+    import torch
+
+    ts = saver_module(TENSOR_SAVE_STATS_ONLY="true", TENSOR_SAVE_WRITERS="4")
+    for layer in range(40):
+        ts.save_tensor(torch.full((50,), float(layer)), "linear", "forward", None, "x", layer)
+    assert ts.flush()["files"] == 40
+    lines = (tmp_path / "t" / "stats_rank0.jsonl").read_text().splitlines()
+    recs = [json.loads(line) for line in lines]
+    assert sorted(r["tensor_info"]["max"] for r in recs) == [float(i) for i in range(40)]

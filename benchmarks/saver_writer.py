@@ -1,0 +1,290 @@
+"""The tensor saver's writer next to the fork's synchronous saver and the disk, in one run.
+
+Usage: python benchmarks/saver_writer.py [--tensors 16] [--side 1024] [--steps 5] [--reps 5]
+                                         [--dir DIR] [--json]
+
+The scenario of issue 13: per step 16 tensors of 1024 x 1024 bf16 (2 MiB each), 5 steps
+(168 MB), on the CPU. Every variant writes the same bytes into a fresh directory of --dir
+(default: a temporary directory on the same disk) after an ``os.sync()`` (so that no variant
+is throttled for another's dirty pages); the variants run interleaved, --reps times, and the
+medians are printed:
+
+- raw sequential write: the same bytes written into one file, 2 MiB at a time (the yardstick;
+  its fsync is timed separately, and not counted against anyone);
+- fork synchronous: the fork's saver, per tensor ``.detach().cpu()``, four ``.item()``
+  statistics and ``torch.save`` of ``{"tensor", "tensor_info"}`` on the training thread;
+- quantpatch: ``save_tensor`` (the training thread's wait) and ``flush()`` (everything on
+  disk), end to end = wait + flush; and the writer alone: the same saves queued first, then
+  the writer threads timed until everything is on disk. Bar: writer >= 50 % of the raw write.
+
+File formats, each writing the same tensors with their statistics from one thread: the
+``torch.save`` dict in the zip format (the fork's) and in the non-zip format quantpatch
+writes (both read by the fork's ``torch.load``), a raw tensor file with a small JSON header
+and safetensors when it is installed (neither of which the fork's readers can load). The
+statistics alone are timed too (quantpatch's vectorised statistics against the fork's four
+reductions, each on its own float copy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from quantpatch.runtime import tensor_saver
+
+
+def _tensors(n: int, side: int, steps: int) -> list[list[torch.Tensor]]:
+    gen = torch.Generator().manual_seed(0)
+    return [
+        [torch.randn(side, side, generator=gen).to(torch.bfloat16) for _ in range(n)]
+        for _ in range(steps)
+    ]
+
+
+def raw_write(data: list[list[torch.Tensor]], where: Path) -> tuple[float, float]:
+    """Seconds to write the bytes sequentially into one file, and then to fsync it."""
+    start = time.perf_counter()
+    with open(where / "raw.bin", "wb") as fh:
+        for step in data:
+            for t in step:
+                fh.write(memoryview(t.view(torch.int16).numpy()).cast("B"))
+        written = time.perf_counter()
+        os.fsync(fh.fileno())
+    return written - start, time.perf_counter() - written
+
+
+def fork_sync(data: list[list[torch.Tensor]], where: Path) -> float:
+    """The fork's saver: everything on the training thread."""
+    start = time.perf_counter()
+    k = 0
+    for step in data:
+        for t in step:
+            c = t.detach().cpu()
+            info = {
+                "min": c.float().min().item(),
+                "max": c.float().max().item(),
+                "mean": c.float().mean().item(),
+                "std": c.float().std().item(),
+            }
+            k += 1
+            torch.save({"tensor": c, "tensor_info": info}, where / f"{k:06d}.pt")
+    return time.perf_counter() - start
+
+
+def quantpatch_saver(data: list[list[torch.Tensor]], where: Path) -> tuple[float, float, int]:
+    """(training-thread wait, flush, files) of quantpatch's saver."""
+    os.environ.update(
+        {
+            "TENSOR_SAVE_ENABLED": "1",
+            "TENSOR_SAVE_DIR": str(where),
+            "QUANTPATCH_SOURCE_COMMIT": "0" * 40,
+            "TENSOR_SAVE_QUEUE": "256",
+        }
+    )
+    tensor_saver.configure()
+    wait = 0.0
+    start = time.perf_counter()
+    for layer, step in enumerate(data):
+        for i, t in enumerate(step):
+            a = time.perf_counter()
+            tensor_saver.save_tensor(t, "linear", "forward", "bf16", f"t{i}", layer)
+            wait += time.perf_counter() - a
+    flushed = time.perf_counter()
+    report = tensor_saver.flush()
+    end = time.perf_counter()
+    del start
+    return wait, end - flushed, int(report["files"])
+
+
+def quantpatch_writer_alone(data: list[list[torch.Tensor]], where: Path) -> float:
+    """Seconds the background writers need for everything once it is queued (the saves run
+    first with the writers held back): the writer's own throughput, without the training
+    thread's snapshot copies competing for the same cores."""
+    os.environ.update({"TENSOR_SAVE_DIR": str(where), "TENSOR_SAVE_QUEUE": str(10**6)})
+    tensor_saver.configure()
+    saver = tensor_saver._SAVER
+    start_writers = saver._start
+    saver._start = lambda: None  # type: ignore[method-assign]
+    for layer, step in enumerate(data):
+        for i, t in enumerate(step):
+            tensor_saver.save_tensor(t, "linear", "forward", "bf16", f"t{i}", layer)
+    begin = time.perf_counter()
+    start_writers()
+    tensor_saver.flush()
+    return time.perf_counter() - begin
+
+
+def _stats_fork(t: torch.Tensor) -> list[float]:
+    return [
+        t.float().min().item(),
+        t.float().max().item(),
+        t.float().mean().item(),
+        t.float().std().item(),
+    ]
+
+
+def _stats_quantpatch(t: torch.Tensor) -> list[float]:
+    return [float(v) for v in tensor_saver._stats(t).tolist()]
+
+
+def _fmt_torch_zip(t: torch.Tensor, info: dict[str, Any], path: Path) -> None:
+    torch.save({"tensor": t, "tensor_info": info, "metadata": {}}, path)
+
+
+def _fmt_torch_legacy(t: torch.Tensor, info: dict[str, Any], path: Path) -> None:
+    obj = {"tensor": t, "tensor_info": info, "metadata": {}}
+    torch.save(obj, path, _use_new_zipfile_serialization=False)
+
+
+def _fmt_raw(t: torch.Tensor, info: dict[str, Any], path: Path) -> None:
+    header = json.dumps({"tensor_info": info, "dtype": str(t.dtype), "shape": list(t.shape)})
+    with open(path, "wb") as fh:
+        fh.write(len(header).to_bytes(8, "little") + header.encode())
+        fh.write(memoryview(t.view(torch.int16).numpy()).cast("B"))
+
+
+def _formats() -> dict[str, Callable[[torch.Tensor, dict[str, Any], Path], None]]:
+    formats = {
+        "torch.save zip (fork's)": _fmt_torch_zip,
+        "torch.save non-zip (kept)": _fmt_torch_legacy,
+        "raw + JSON header": _fmt_raw,
+    }
+    try:
+        from safetensors.torch import save_file
+    except ImportError:
+        return formats
+
+    def _fmt_safetensors(t: torch.Tensor, info: dict[str, Any], path: Path) -> None:
+        save_file({"tensor": t}, str(path), metadata={"tensor_info": json.dumps(info)})
+
+    formats["safetensors"] = _fmt_safetensors
+    return formats
+
+
+def format_time(
+    data: list[list[torch.Tensor]],
+    where: Path,
+    write: Callable[[torch.Tensor, dict[str, Any], Path], None],
+) -> float:
+    start = time.perf_counter()
+    k = 0
+    for step in data:
+        for t in step:
+            k += 1
+            mn, mx, mean, std = _stats_quantpatch(t)
+            write(t, {"min": mn, "max": mx, "mean": mean, "std": std}, where / f"{k:06d}.bin")
+    return time.perf_counter() - start
+
+
+def stats_time(data: list[list[torch.Tensor]], fn: Callable[[torch.Tensor], list[float]]) -> float:
+    start = time.perf_counter()
+    for step in data:
+        for t in step:
+            fn(t)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--tensors", type=int, default=16)
+    ap.add_argument("--side", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--dir", type=Path, default=None)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    data = _tensors(args.tensors, args.side, args.steps)
+    nbytes = sum(t.numel() * t.element_size() for step in data for t in step)
+    count = args.tensors * args.steps
+    root = Path(tempfile.mkdtemp(prefix="qp-writer-", dir=args.dir))
+    rows: dict[str, list[float]] = {}
+    formats = _formats()
+
+    def fresh(name: str) -> Path:
+        d = root / name
+        shutil.rmtree(d, ignore_errors=True)
+        d.mkdir(parents=True)
+        # every variant starts with no dirty pages waiting: the kernel throttles a writer
+        # once enough are pending, which would charge one variant for another's bytes
+        os.sync()
+        return d
+
+    def add(name: str, value: float) -> None:
+        rows.setdefault(name, []).append(value)
+
+    try:
+        for _ in range(args.reps):
+            written, synced = raw_write(data, fresh("raw"))
+            add("raw_write_s", written)
+            add("raw_fsync_s", synced)
+            add("fork_sync_s", fork_sync(data, fresh("fork")))
+            wait, flush_s, files = quantpatch_saver(data, fresh("quantpatch"))
+            if files != count:
+                raise SystemExit(f"quantpatch wrote {files} files, expected {count}")
+            add("quantpatch_wait_s", wait)
+            add("quantpatch_flush_s", flush_s)
+            add("quantpatch_total_s", wait + flush_s)
+            add("quantpatch_writer_alone_s", quantpatch_writer_alone(data, fresh("alone")))
+            for name, write in formats.items():
+                add(f"format {name}", format_time(data, fresh("fmt"), write))
+            add("stats quantpatch", stats_time(data, _stats_quantpatch))
+            add("stats fork (4 reductions)", stats_time(data, _stats_fork))
+        med = {k: statistics.median(v) for k, v in rows.items()}
+        # every file quantpatch wrote loads with weights_only and holds the bytes it was given
+        files = sorted((root / "quantpatch").rglob("*.pt"))
+        by_name = {f"t{i}": i for i in range(args.tensors)}
+        exact = True
+        for f in files:
+            obj = torch.load(f, weights_only=True)
+            meta = obj["metadata"]
+            src = data[meta["layer_idx"]][by_name[meta["tensor_name"]]]
+            exact = exact and torch.equal(obj["tensor"], src) and obj["tensor"].dtype == src.dtype
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    pct = 100 * med["raw_write_s"] / med["quantpatch_total_s"]
+    alone_pct = 100 * med["raw_write_s"] / med["quantpatch_writer_alone_s"]
+    result = {
+        "bytes": nbytes,
+        "tensors": count,
+        "torch_threads": torch.get_num_threads(),
+        "medians_s": med,
+        "end_to_end_pct_of_raw_write": pct,
+        "writer_pct_of_raw_write": alone_pct,
+        "wait_vs_fork": med["quantpatch_wait_s"] / med["fork_sync_s"],
+        "files_exact_weights_only": exact,
+    }
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return
+    mb = nbytes / 1e6
+    print(
+        f"{count} tensors of {args.side}x{args.side} bf16 ({mb:.0f} MB), {args.reps} "
+        f"interleaved repetitions, medians; torch threads {torch.get_num_threads()}"
+    )
+    for name, value in med.items():
+        per = value / count * 1e3
+        print(f"  {name:34s} {value * 1e3:8.1f} ms  {per:6.2f} ms/tensor  {mb / value:7.0f} MB/s")
+    print(
+        f"quantpatch writer alone: {alone_pct:.0f}% of the raw sequential write (bar >= 50%); "
+        f"end to end (saves + flush): {pct:.0f}%; training "
+        f"thread waits {result['wait_vs_fork']:.2f}x as long as with the fork's saver; total "
+        f"{med['quantpatch_total_s'] * 1e3:.0f} ms vs the fork's {med['fork_sync_s'] * 1e3:.0f} "
+        f"ms; files load with weights_only=True and are byte-exact: {exact}"
+    )
+
+
+if __name__ == "__main__":
+    main()
