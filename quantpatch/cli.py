@@ -402,6 +402,23 @@ def list_(config: Path | None = ConfigOpt, json_: bool = JsonOpt) -> None:
         out.print(table)
 
 
+# sizes of a parallel layout: `layout` takes them as text (a script passes its environment),
+# `gen-scripts` as numbers that override the profile's
+def _size_opt(flag: str, what: str) -> Any:
+    return typer.Option(None, flag, help=what)
+
+
+GpusPerNodeOpt = _size_opt("--gpus-per-node", "GPUs per node (default: the profile's).")
+NodesOpt = _size_opt("--nodes", "Nodes (default: the profile's, else 1).")
+TpOpt = _size_opt("--tp", "Tensor-parallel size.")
+PpOpt = _size_opt("--pp", "Pipeline-parallel size.")
+CpOpt = _size_opt("--cp", "Context-parallel size.")
+EpOpt = _size_opt("--ep", "Expert-parallel size.")
+EtpOpt = _size_opt("--etp", "Expert tensor-parallel size (default: TP).")
+VppOpt = _size_opt("--vpp", "Virtual pipeline stages per pipeline rank (interleaving).")
+SpOpt = _size_opt("--sequence-parallel", "auto (on when TP > 1), on or off.")
+
+
 @app.command("gen-scripts")
 def gen_scripts(
     out_dir: Path = typer.Option(Path("scripts"), "--out", help="Output directory."),
@@ -409,6 +426,34 @@ def gen_scripts(
     datasets: str | None = typer.Option(None, "--datasets", help="Comma-separated."),
     schemes: str | None = typer.Option(None, "--schemes", help="Comma-separated."),
     profile: str = typer.Option("full", "--profile", help="full, fast or smoke."),
+    launcher: str = typer.Option(
+        "torchrun",
+        "--launcher",
+        help="torchrun (one script per combination, run on every node), slurm (an sbatch "
+        "script per combination and DIR/sweep.sbatch, a job array over all of them) or swift "
+        "(ms-swift's `megatron pt`).",
+    ),
+    prepare: bool = typer.Option(
+        False,
+        "--prepare",
+        help="Also create every scheme's worktree now (needed before Slurm jobs start: compute "
+        "nodes only look worktrees up).",
+    ),
+    swift_source: Path | None = typer.Option(
+        None,
+        "--swift",
+        help="ms-swift to read its argument names from: a wheel, an unpacked wheel or a "
+        "site-packages directory (default: the installed one, else the bundled list).",
+    ),
+    gpus_per_node: int | None = GpusPerNodeOpt,
+    nodes: int | None = NodesOpt,
+    tp: int | None = TpOpt,
+    pp: int | None = PpOpt,
+    cp: int | None = CpOpt,
+    ep: int | None = EpOpt,
+    etp: int | None = EtpOpt,
+    vpp: int | None = VppOpt,
+    sequence_parallel: str | None = SpOpt,
     release: str | None = ReleaseOpt,
     config: Path | None = ConfigOpt,
     repo: Path | None = RepoOpt,
@@ -419,22 +464,40 @@ def gen_scripts(
         help="Write nothing; exit 1 when the scripts on disk differ from what would be generated.",
     ),
 ) -> None:
-    """Write DIR/<model>/pretrain_<model>_<dataset>_<scheme>.sh for every combination."""
-    from quantpatch.registry import load_registry
-    from quantpatch.scripts import flag_source, generate, render_all
+    """Write a launch script for every model x dataset x scheme (and DIR/index.md)."""
+    from quantpatch.launch_plan import GenRequest, generate_scripts
 
-    reg = load_registry(config)
-    flags = flag_source(_repo(repo), release)
-    scripts = render_all(
-        reg,
-        reg.pick("models", _csv(models)),
-        reg.pick("datasets", _csv(datasets)),
-        reg.pick("schemes", _csv(schemes)),
-        profile,
-        flags,
+    request = GenRequest(
+        out=out_dir,
+        models=_csv(models),
+        datasets=_csv(datasets),
+        schemes=_csv(schemes),
+        profile=profile,
+        launcher=launcher,
+        parallel={
+            "gpus_per_node": gpus_per_node,
+            "nodes": nodes,
+            "tp": tp,
+            "pp": pp,
+            "cp": cp,
+            "ep": ep,
+            "etp": etp,
+            "vpp": vpp,
+            "sequence_parallel": sequence_parallel,
+        },
+        release=release,
+        config=config,
+        repo=_repo(repo),
+        swift=swift_source,
+        force=force,
+        check=check_only,
+        prepare=prepare,
     )
-    result = generate(out_dir, scripts, profile, flags, force=force, check=check_only)
-    out.print(f"validated against {flags.describe()}", markup=False)
+    done = generate_scripts(request, progress=lambda line: err.print(line, markup=False))
+    result, flags = done.result, done.flags
+    out.print(f"validated against {done.validated}", markup=False)
+    for warning in done.warnings:
+        err.print(f"warning: {warning}", style="yellow", markup=False)
     if check_only:
         if result.differing:
             raise CheckFailed(
@@ -444,11 +507,88 @@ def gen_scripts(
             )
         out.print(f"{len(result.unchanged)} file(s) in {out_dir} are up to date.")
         return
+    sweep = f"; job array: {out_dir / 'sweep.sbatch'}" if launcher == "slurm" else ""
     out.print(
-        f"{len(scripts)} scripts ({profile}, Megatron-LM {flags.release}) in {out_dir}: "
-        f"{len(result.written)} written, {len(result.unchanged)} unchanged; "
-        f"index: {out_dir / 'index.md'}"
+        f"{len(result.scripts)} {launcher} scripts ({profile}, Megatron-LM {flags.release}) in "
+        f"{out_dir}: {len(result.written)} written, {len(result.unchanged)} unchanged; "
+        f"index: {out_dir / 'index.md'}{sweep}"
     )
+    for prepared in done.prepared:
+        out.print(f"worktree ready: {prepared}", markup=False)
+
+
+@app.command("layout")
+def layout_(
+    model: str | None = typer.Option(
+        None, "--model", help="A model of `list`: its layers, heads, groups, experts."
+    ),
+    profile: str = typer.Option(
+        "full", "--profile", help="Batch sizes, sequence length and sizes from this profile."
+    ),
+    config: Path | None = ConfigOpt,
+    gpus: str | None = typer.Option(None, "--gpus", help="GPUs in all (sets the nodes)."),
+    gpus_per_node: str | None = GpusPerNodeOpt,
+    nodes: str | None = NodesOpt,
+    tp: str | None = TpOpt,
+    pp: str | None = PpOpt,
+    cp: str | None = CpOpt,
+    ep: str | None = EpOpt,
+    etp: str | None = EtpOpt,
+    vpp: str | None = VppOpt,
+    sequence_parallel: str | None = SpOpt,
+    micro_batch: str | None = typer.Option(None, "--micro-batch", help="Micro batch size."),
+    global_batch: str | None = typer.Option(None, "--global-batch", help="Global batch size."),
+    num_layers: str | None = typer.Option(None, "--num-layers", help="Transformer layers."),
+    heads: str | None = typer.Option(None, "--heads", help="Attention heads."),
+    query_groups: str | None = typer.Option(None, "--query-groups", help="Query groups (GQA)."),
+    experts: str | None = typer.Option(None, "--experts", help="Experts (MoE)."),
+    seq_length: str | None = typer.Option(None, "--seq-length", help="Sequence length."),
+    transformer_impl: str | None = typer.Option(
+        None, "--transformer-impl", help="local (default) or transformer_engine."
+    ),
+    line: bool = typer.Option(
+        False, "--line", help="Print only the one-line summary (what the scripts log)."
+    ),
+    json_: bool = JsonOpt,
+) -> None:
+    """The parallel layout Megatron would build (DP, accumulation steps), or why it refuses."""
+    from quantpatch.launch_plan import resolve_layout
+
+    layout = resolve_layout(
+        model,
+        profile,
+        config,
+        gpus,
+        {
+            "gpus_per_node": gpus_per_node,
+            "nodes": nodes,
+            "tp": tp,
+            "pp": pp,
+            "cp": cp,
+            "ep": ep,
+            "etp": etp,
+            "vpp": vpp,
+            "sequence_parallel": sequence_parallel,
+            "micro_batch": micro_batch,
+            "global_batch": global_batch,
+            "layers": num_layers,
+            "heads": heads,
+            "query_groups": query_groups,
+            "experts": experts,
+            "seq_length": seq_length,
+            "transformer_impl": transformer_impl,
+        },
+    )
+    for warning in layout.warnings:
+        err.print(f"warning: {warning}", style="yellow", markup=False)
+    if json_ or OPTS.json:
+        _emit_json(layout.as_dict())
+    elif line:
+        sys.stdout.write(layout.line() + "\n")
+    else:
+        from quantpatch.present_layout import print_layout
+
+        print_layout(layout, out)
 
 
 @app.command()
@@ -463,13 +603,19 @@ def worktree(
     ),
     config: Path | None = ConfigOpt,
     path_only: bool = typer.Option(False, "--path-only", help="Print only the path."),
+    existing: bool = typer.Option(
+        False,
+        "--existing",
+        help="Only look up a prepared worktree (exit 2 if there is none); never create or "
+        "move one. For jobs on compute nodes.",
+    ),
     repo: Path | None = RepoOpt,
 ) -> None:
     """The path of a git worktree holding these values, on the base's current tip.
 
     Its branch is built from the base without touching the checkout's own work tree."""
     from quantpatch.registry import load_registry
-    from quantpatch.worktrees import ensure_worktree
+    from quantpatch.worktrees import ensure_worktree, existing_worktree
 
     values: dict[str, str] = {}
     if scheme is not None:
@@ -478,7 +624,7 @@ def worktree(
             raise UserError(f"--scheme: unknown scheme '{scheme}'; valid: {', '.join(schemes)}.")
         values.update(schemes[scheme].values())
     values.update({r: v for r, v in (("linear", linear), ("qk", qk), ("pv", pv)) if v})
-    result = ensure_worktree(_repo(repo), values)
+    result = (existing_worktree if existing else ensure_worktree)(_repo(repo), values)
     if path_only:
         sys.stdout.write(f"{result.path}\n")
         return

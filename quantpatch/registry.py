@@ -58,6 +58,19 @@ class Dataset:
     split: str
 
 
+PARALLEL_FIELDS: dict[str, type] = {
+    "nodes": int,
+    "tp": int,
+    "pp": int,
+    "cp": int,
+    "ep": int,
+    "etp": int,
+    "vpp": int,
+    "sequence_parallel": str,
+}
+"""A profile's ``parallel`` table: the layout its scripts default to (environment overrides)."""
+
+
 @dataclass(frozen=True)
 class Profile:
     name: str
@@ -65,6 +78,20 @@ class Profile:
     gpus_per_node: int
     mock_data: bool
     args: dict[str, ArgValue]
+    parallel: dict[str, int | str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Slurm:
+    """``[slurm]``: what every sbatch script asks the scheduler for. Unset fields are left to
+    sbatch (and its ``SBATCH_PARTITION``/``SBATCH_ACCOUNT``/``SBATCH_TIMELIMIT`` variables)."""
+
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    time: str | None = None
+    throttle: int = 8
+    """At most this many array tasks of a sweep run at once (``%N``)."""
 
 
 @dataclass(frozen=True)
@@ -74,6 +101,7 @@ class Registry:
     profiles: dict[str, Profile]
     schemes: dict[str, Scheme]
     common_args: dict[str, ArgValue]
+    slurm: Slurm = field(default_factory=Slurm)
 
     def pick(self, kind: str, names: list[str] | None) -> list[str]:
         """Validate a user's selection (all entries when ``names`` is empty)."""
@@ -99,10 +127,61 @@ _FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
         "profiles": dict,
     },
     "datasets": {"description": str, "prefix": str, "split": str},
-    "profiles": {"description": str, "gpus_per_node": int, "mock_data": bool, "args": dict},
+    "profiles": {
+        "description": str,
+        "gpus_per_node": int,
+        "mock_data": bool,
+        "args": dict,
+        "parallel": dict,
+    },
     "schemes": {"linear": str, "qk": str, "pv": str},
 }
-_OPTIONAL = {"models": {"profiles"}}
+_OPTIONAL = {"models": {"profiles"}, "profiles": {"parallel"}}
+SLURM_FIELDS: dict[str, type] = {
+    "partition": str,
+    "account": str,
+    "qos": str,
+    "time": str,
+    "throttle": int,
+}
+SLURM_VALUE_RE = re.compile(r"[A-Za-z0-9_.:,+-]{1,128}")
+"""An ``#SBATCH`` value: sbatch reads directives without a shell, so no space or quote."""
+
+
+def _check_parallel(table: Any, where: str) -> dict[str, int | str]:
+    if not isinstance(table, dict):
+        raise UserError(f"{where}: 'parallel' must be a table of size = value.")
+    for key, value in table.items():
+        want = PARALLEL_FIELDS.get(key)
+        if want is None:
+            raise UserError(
+                f"{where}: parallel.{key} is unknown (known: {', '.join(PARALLEL_FIELDS)})."
+            )
+        if want is int and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise UserError(f"{where}: parallel.{key} must be a positive integer.")
+        if want is str and value not in ("auto", "on", "off"):
+            raise UserError(f"{where}: parallel.{key} must be auto, on or off.")
+    return dict(table)
+
+
+def _check_slurm(table: Any, where: str, old: Slurm) -> Slurm:
+    if not isinstance(table, dict):
+        raise UserError(f"{where}: [slurm] must be a table.")
+    values: dict[str, Any] = {}
+    for key, value in table.items():
+        want = SLURM_FIELDS.get(key)
+        if want is None:
+            raise UserError(f"{where}: slurm.{key} is unknown (known: {', '.join(SLURM_FIELDS)}).")
+        if want is int:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise UserError(f"{where}: slurm.{key} must be a positive integer.")
+        elif not isinstance(value, str) or not SLURM_VALUE_RE.fullmatch(value):
+            raise UserError(
+                f"{where}: slurm.{key} must be one word of letters, digits and '_.:,+-' "
+                "(it becomes an #SBATCH line)."
+            )
+        values[key] = value
+    return Slurm(**{**old.__dict__, **values})
 
 
 def _check_args(args: Any, where: str) -> dict[str, ArgValue]:
@@ -143,7 +222,7 @@ def _merge(
             )
     merged = dict(old or {})
     for key, value in new.items():
-        if key == "args" and key in merged:
+        if key in ("args", "parallel") and key in merged:
             merged[key] = {**merged[key], **value}
         elif key == "profiles" and key in merged:
             merged[key] = {
@@ -156,6 +235,8 @@ def _merge(
         raise UserError(f"{where}: {kind}.{name} is missing field '{missing[0]}'.")
     if "args" in merged:
         merged["args"] = _check_args(merged["args"], f"{where}: {kind}.{name}")
+    if "parallel" in merged:
+        merged["parallel"] = _check_parallel(merged["parallel"], f"{where}: {kind}.{name}")
     return merged
 
 
@@ -184,6 +265,7 @@ def _package_data(name: str) -> dict[str, Any]:
 def load_registry(extra: Path | None = None) -> Registry:
     raw: dict[str, dict[str, dict[str, Any]]] = {k: {} for k in _FIELDS}
     common: dict[str, Any] = {}
+    slurm = Slurm()
     sources = [
         (f"{n}.toml", _package_data(f"{n}.toml"))
         for n in ("models", "datasets", "profiles", "schemes")
@@ -195,9 +277,13 @@ def load_registry(extra: Path | None = None) -> Registry:
             if top == "common":
                 common = {**common, **_check_args(table.get("args", {}), f"{where}: common")}
                 continue
+            if top == "slurm":
+                slurm = _check_slurm(table, where, slurm)
+                continue
             if top not in raw or not isinstance(table, dict):
                 raise UserError(
-                    f"{where}: unknown table '{top}' (known: {', '.join([*raw, 'common'])})."
+                    f"{where}: unknown table '{top}' "
+                    f"(known: {', '.join([*raw, 'common', 'slurm'])})."
                 )
             for name, entry in table.items():
                 if not isinstance(name, str) or not NAME_RE.fullmatch(name):
@@ -234,11 +320,19 @@ def load_registry(extra: Path | None = None) -> Registry:
             for n, e in raw["datasets"].items()
         },
         profiles={
-            n: Profile(n, e["description"], e["gpus_per_node"], e["mock_data"], e["args"])
+            n: Profile(
+                n,
+                e["description"],
+                e["gpus_per_node"],
+                e["mock_data"],
+                e["args"],
+                e.get("parallel", {}),
+            )
             for n, e in raw["profiles"].items()
         },
         schemes=schemes,
         common_args=common,
+        slurm=slurm,
     )
 
 

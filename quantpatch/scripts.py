@@ -15,18 +15,26 @@ import shlex
 import shutil
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import cache
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import jinja2
 
 from quantpatch import __version__
 from quantpatch.edits import Edit, apply_edits, read_exact
 from quantpatch.errors import UserError
+from quantpatch.layout import (
+    Layout,
+    LayoutError,
+    Plan,
+    derive,
+    model_facts,
+    parse_sequence_parallel,
+)
 from quantpatch.registry import (
     DEFAULT_RELEASE,
     ArgValue,
@@ -35,16 +43,25 @@ from quantpatch.registry import (
     Profile,
     Registry,
     Scheme,
+    Slurm,
     release_flags,
 )
 
 HASH_PREFIX = "# body-sha256: "
 INDEX = "index.md"
+SWEEP = "sweep.sbatch"
+Launcher = Literal["torchrun", "slurm", "swift"]
+LAUNCHERS: tuple[Launcher, ...] = ("torchrun", "slurm", "swift")
 # flags the template itself passes (the rest come from the registry)
+MOE_ONLY_FLAGS = ("expert-model-parallel-size", "expert-tensor-parallel-size")
 TEMPLATE_FLAGS = (
     "tensor-model-parallel-size",
     "pipeline-model-parallel-size",
     "expert-model-parallel-size",
+    "expert-tensor-parallel-size",
+    "context-parallel-size",
+    "num-virtual-stages-per-pipeline-rank",
+    "num-layers-per-virtual-pipeline-stage",
     "sequence-parallel",
     "mock-data",
     "tokenizer-type",
@@ -66,8 +83,20 @@ def template_dir() -> Path:
     return Path(__file__).resolve().parent.parent / "templates"
 
 
+class ShellExpr(str):
+    """A value the template writes as it is: a shell expansion quantpatch itself wrote
+    (``"$MICRO_BATCH_SIZE"``), never a user's text."""
+
+
+BATCH_VARIABLES = {"micro-batch-size": "MICRO_BATCH_SIZE", "global-batch-size": "GLOBAL_BATCH_SIZE"}
+"""Args a script takes from its environment (default: the profile's value), since they are
+the ones people change with the layout."""
+
+
 def shell_quote(value: object) -> str:
     """The one quoting filter: any value becomes one shell word, taken literally."""
+    if isinstance(value, ShellExpr):
+        return str(value)
     if isinstance(value, bool):
         value = int(value)
     text = str(value)
@@ -168,10 +197,21 @@ class Script:
     text: str
     flags: tuple[str, ...]
     """Every ``--flag`` the script can hand to pretrain_gpt.py (both data modes)."""
+    launcher: Launcher = "torchrun"
+    layout: Layout | None = None
+    """The layout of the profile's values (the environment may override it at launch)."""
 
 
-def script_name(model: str, dataset: str, scheme: str) -> str:
-    return f"{model}/pretrain_{model}_{dataset}_{scheme}.sh"
+_SUFFIX: dict[Launcher, tuple[str, str]] = {
+    "torchrun": ("pretrain", ".sh"),
+    "slurm": ("pretrain", ".sbatch"),
+    "swift": ("swift_pt", ".sh"),
+}
+
+
+def script_name(model: str, dataset: str, scheme: str, launcher: Launcher = "torchrun") -> str:
+    stem, ext = _SUFFIX[launcher]
+    return f"{model}/{stem}_{model}_{dataset}_{scheme}{ext}"
 
 
 def _flag_pairs(args: dict[str, ArgValue]) -> list[tuple[str, str | None]]:
@@ -183,6 +223,8 @@ def _flag_pairs(args: dict[str, ArgValue]) -> list[tuple[str, str | None]]:
             out.append((flag, None))
         elif isinstance(value, list):
             out.append((flag, " ".join(str(v) for v in value)))
+        elif flag in BATCH_VARIABLES:
+            out.append((flag, ShellExpr(f'"${BATCH_VARIABLES[flag]}"')))
         else:
             out.append((flag, str(value)))
     return out
@@ -208,6 +250,8 @@ class _Args:
     is_moe: bool
     flags: tuple[str, ...]
     """Every flag the script can pass (both data modes), without the dashes."""
+    values: dict[str, ArgValue]
+    """All args merged (model, profile, common)."""
 
 
 def _model_args(reg: Registry, model: str, profile: str) -> _Args:
@@ -223,15 +267,61 @@ def _model_args(reg: Registry, model: str, profile: str) -> _Args:
     if own:
         raise UserError(
             f"{model}/{profile}: {', '.join(own)} must not be set in args: the script passes "
-            f"{'it' if len(own) == 1 else 'them'} itself (parallel sizes from TP/PP/EP, data "
-            "and output flags from the dataset and the environment)."
+            f"{'it' if len(own) == 1 else 'them'} itself (parallel sizes from TP/PP/CP/EP/VPP, "
+            "data and output flags from the dataset and the environment)."
         )
     groups = (_flag_pairs(model_args), _flag_pairs(training_args), _flag_pairs(impl_args))
     is_moe = "num-experts" in model_args
     flags = tuple(f for g in groups for f, _ in g) + tuple(
-        f for f in TEMPLATE_FLAGS if is_moe or f != "expert-model-parallel-size"
+        f
+        for f in TEMPLATE_FLAGS
+        if (is_moe or f not in MOE_ONLY_FLAGS) and f != "num-layers-per-virtual-pipeline-stage"
     )
-    return _Args(groups, is_moe, flags)
+    return _Args(groups, is_moe, flags, {**model_args, **training_args, **impl_args})
+
+
+PARALLEL_OVERRIDES = ("gpus_per_node", "nodes", "tp", "pp", "cp", "ep", "etp", "vpp")
+
+
+def model_plan(
+    reg: Registry,
+    model: str,
+    profile: str,
+    parallel: Mapping[str, int | str | None] | None = None,
+) -> Plan:
+    """The layout inputs of ``model`` under ``profile``: model facts from its args, sizes from
+    the profile's ``parallel`` table, then ``parallel`` (command-line overrides)."""
+    p = reg.profiles[profile]
+    facts = model_facts(_model_args(reg, model, profile).values, f"{model}/{profile}")
+    given = {
+        **p.parallel,
+        **{k: v for k, v in (parallel or {}).items() if v is not None},
+    }
+    sizes: dict[str, Any] = {k: given[k] for k in PARALLEL_OVERRIDES if k in given}
+    sizes.setdefault("gpus_per_node", p.gpus_per_node)
+    sizes.setdefault("nodes", 1)
+    return Plan(
+        **sizes,
+        **facts,
+        sequence_parallel=parse_sequence_parallel(str(given.get("sequence_parallel", "auto"))),
+    )
+
+
+def plan_layout(
+    reg: Registry,
+    models: Sequence[str],
+    profile: str,
+    parallel: Mapping[str, int | str | None] | None = None,
+) -> dict[str, Layout]:
+    """Each model's layout under the profile, or the first refusal, naming the model."""
+    out: dict[str, Layout] = {}
+    for model in models:
+        plan = model_plan(reg, model, profile, parallel)
+        try:
+            out[model] = derive(plan)
+        except LayoutError as exc:
+            raise LayoutError(f"{model}/{profile}: {exc}") from None
+    return out
 
 
 def check_flags(reg: Registry, models: Sequence[str], profile: str, source: FlagSource) -> None:
@@ -276,6 +366,17 @@ def _reject_unaccepted(used: dict[str, tuple[str, ...]], source: FlagSource) -> 
     )
 
 
+def _header(lines: Sequence[str], body: str) -> str:
+    return "\n".join(
+        [
+            "#!/usr/bin/env bash",
+            *lines,
+            f"{HASH_PREFIX}{hashlib.sha256(body.encode()).hexdigest()}",
+            "",
+        ]
+    )
+
+
 def render_script(
     reg: Registry,
     model: str,
@@ -283,10 +384,15 @@ def render_script(
     scheme: str,
     profile: str,
     release: str | FlagSource = DEFAULT_RELEASE,
+    launcher: Launcher = "torchrun",
+    layout: Layout | None = None,
+    swift_path: Path | None = None,
 ) -> Script:
     source = _source(release)
     args = _model_args(reg, model, profile)
     _reject_unaccepted({f"{model}/{profile}": args.flags}, source)
+    if layout is None:
+        layout = plan_layout(reg, [model], profile)[model]
     m, d, s, p = (
         reg.models[model],
         reg.datasets[dataset],
@@ -294,36 +400,61 @@ def render_script(
         reg.profiles[profile],
     )
     run_name = f"{model}_{dataset}_{scheme}_{profile}"
-    body = (
-        _environment()
-        .get_template("pretrain.sh.j2")
-        .render(
-            model=m,
-            dataset=d,
-            scheme=s,
-            profile=p,
-            run_name=run_name,
-            data_prefix=_data_prefix(d, m),
-            master_port=_master_port(run_name),
-            model_args=args.groups[0],
-            training_args=args.groups[1],
-            impl_args=args.groups[2],
-            is_moe=args.is_moe,
+    if launcher == "swift":
+        from quantpatch import swift
+
+        body = swift.render_body(
+            reg,
+            model,
+            dataset,
+            scheme,
+            profile,
+            layout,
+            run_name,
+            swift_path,
+            args.values,
+            args.is_moe,
         )
-    )
-    header = "\n".join(
+    else:
+        body = (
+            _environment()
+            .get_template("pretrain.sh.j2")
+            .render(
+                launcher=launcher,
+                slurm=reg.slurm,
+                model=m,
+                dataset=d,
+                scheme=s,
+                profile=p,
+                plan=layout.plan,
+                run_name=run_name,
+                data_prefix=_data_prefix(d, m),
+                master_port=_master_port(run_name),
+                model_args=args.groups[0],
+                training_args=args.groups[1],
+                impl_args=args.groups[2],
+                is_moe=args.is_moe,
+            )
+        )
+    header = _header(
         [
-            "#!/usr/bin/env bash",
-            f"# quantpatch launch script: model={model} dataset={dataset} scheme={scheme} "
-            f"(linear={s.linear} qk={s.qk} pv={s.pv}) profile={profile}",
+            f"# quantpatch launch script ({launcher}): model={model} dataset={dataset} "
+            f"scheme={scheme} (linear={s.linear} qk={s.qk} pv={s.pv}) profile={profile}",
             f"# generated by quantpatch {__version__} for {source.label}; regenerate with "
             "`quantpatch gen-scripts` rather than editing",
-            f"{HASH_PREFIX}{hashlib.sha256(body.encode()).hexdigest()}",
-            "",
-        ]
+        ],
+        body,
     )
     return Script(
-        script_name(model, dataset, scheme), model, dataset, s, profile, header + body, args.flags
+        script_name(model, dataset, scheme, launcher),
+        model,
+        dataset,
+        s,
+        profile,
+        header + body,
+        args.flags,
+        launcher,
+        layout,
     )
 
 
@@ -343,15 +474,27 @@ def render_all(
     schemes: Sequence[str],
     profile: str,
     release: str | FlagSource,
+    launcher: Launcher = "torchrun",
+    parallel: Mapping[str, int | str | None] | None = None,
+    swift_path: Path | None = None,
 ) -> list[Script]:
     if profile not in reg.profiles:
         raise UserError(
             f"--profile: unknown profile '{profile}'; valid: {', '.join(reg.profiles)}."
         )
+    if launcher not in LAUNCHERS:
+        raise UserError(
+            f"--launcher: unknown launcher '{launcher}'; valid: {', '.join(LAUNCHERS)}."
+        )
     source = _source(release)
     check_flags(reg, models, profile, source)  # every model at once: one sentence
+    layouts = plan_layout(reg, models, profile, parallel)
+    if launcher == "swift":
+        from quantpatch import swift
+
+        swift.check_models(reg, models, profile, swift_path)
     return [
-        render_script(reg, m, d, s, profile, source)
+        render_script(reg, m, d, s, profile, source, launcher, layouts[m], swift_path)
         for m in models
         for d in datasets
         for s in schemes
@@ -367,7 +510,40 @@ def render_index(scripts: Sequence[Script], profile: str, release: str | FlagSou
             profile=profile,
             release=_source(release).label,
             version=__version__,
+            launcher=scripts[0].launcher if scripts else "torchrun",
+            sweep=SWEEP if scripts and scripts[0].launcher == "slurm" else None,
+            layouts=list({s.model: s.layout for s in scripts}.items()),
         )
+    )
+
+
+def render_sweep(slurm: Slurm, scripts: Sequence[Script], out: Path) -> str:
+    """``sweep.sbatch``: one Slurm job array over every combination; array task i runs the
+    i-th script of the index (the sbatch scripts are run as plain bash inside the task)."""
+    layout = scripts[0].layout
+    assert layout is not None
+    body = (
+        _environment()
+        .get_template("sweep.sbatch.j2")
+        .render(
+            scripts=scripts,
+            slurm=slurm,
+            plan=layout.plan,
+            profile=scripts[0].profile,
+            sweep_dir=str(out.resolve()),
+        )
+    )
+    return (
+        _header(
+            [
+                f"# quantpatch sweep: a Slurm job array over the {len(scripts)} combinations of "
+                f"{out.name}/{INDEX} (profile {scripts[0].profile})",
+                f"# generated by quantpatch {__version__}; submit with `sbatch {SWEEP}` from the "
+                "Megatron-LM checkout",
+            ],
+            body,
+        )
+        + body
     )
 
 
@@ -400,12 +576,16 @@ def generate(
     *,
     force: bool = False,
     check: bool = False,
+    slurm: Slurm | None = None,
 ) -> GenResult:
-    """Write the scripts and the index, all or nothing; or, with ``check``, only compare."""
+    """Write the scripts and the index (and, for Slurm, the sweep's job array), all or
+    nothing; or, with ``check``, only compare."""
     if not check:
         _writable(out)
     files: list[tuple[str, str, int]] = [(s.rel, s.text, 0o755) for s in scripts]
     files.append((INDEX, render_index(scripts, profile, release), 0o644))
+    if scripts and scripts[0].launcher == "slurm":
+        files.append((SWEEP, render_sweep(slurm or Slurm(), scripts, out), 0o755))
     edits: list[Edit] = []
     unchanged: list[str] = []
     edited_by_hand: list[str] = []

@@ -128,3 +128,27 @@ def _place_worktree(repo: git.Repo, wt_path: Path, commit: str) -> bool:
     wt_path.parent.mkdir(parents=True, exist_ok=True)
     gitrepo.run_git(repo, "worktree", "add", "--quiet", "--detach", str(wt_path), commit)
     return True
+
+
+def existing_worktree(path: Path | None, values: Mapping[str, str]) -> WorktreeResult:
+    """The scheme's worktree as it was prepared (``gen-scripts --prepare`` or ``worktree``),
+    verified, without taking the lock or writing anything: what a job on a compute node does,
+    so that many jobs sharing one filesystem never race to create or move a worktree."""
+    missing = [r for r in ROLES if r not in values]
+    if missing:
+        raise UserError(f"worktree: give all three roles (missing: {', '.join(missing)}).")
+    for role in ROLES:
+        validate_value(values[role], allow_unknown=False, where=f"--{role}")
+    checkout = gitrepo.find_checkout(path, need_git=True)
+    repo = checkout.git()
+    name = scheme_branch.branch_name(values, load_targets(checkout.root).branch_prefix)
+    wt_path = worktrees_root(repo) / name.replace("/", "__")
+    if not (wt_path / ".git").is_file():
+        raise UserError(
+            f"{name} has no prepared worktree in {checkout.root} (looked for {wt_path}); run "
+            "'quantpatch gen-scripts --prepare' (or 'quantpatch worktree') there before "
+            "submitting."
+        )
+    _verify(wt_path, values, name)
+    commit = gitrepo.open_repo(wt_path).head.commit.hexsha
+    return WorktreeResult(wt_path, name, commit, False, False)

@@ -98,9 +98,9 @@ def test_all_60_scripts_are_valid(run, tmp_path, profile):
     assert sc.returncode == 0, sc.stdout[-2000:]
     index = (out / "index.md").read_text()
     assert f"for {BUNDLED}, profile `{profile}`" in index
-    assert index.count("\n| `") == 60
+    assert len(re.findall(r"^\| \d+ \| `", index, re.M)) == 60
     assert (
-        "| `deepseek2_lite/pretrain_deepseek2_lite_dolma_FA_linear_mxfp4.sh` | "
+        "| 58 | `deepseek2_lite/pretrain_deepseek2_lite_dolma_FA_linear_mxfp4.sh` | "
         "deepseek2_lite | dolma | FA_linear_mxfp4 | mxfp4 | mxfp4 | bf16 |" in index
     )
 
@@ -327,16 +327,16 @@ def _records(stub_dir: Path) -> list[tuple[list[str], str, str]]:
 
 
 EXPECTED_SMOKE_ARGV = [
-    "--nproc_per_node",
-    "1",
     "--nnodes",
     "1",
-    "--node_rank",
-    "0",
-    "--master_addr",
-    "localhost",
-    "--master_port",
-    "MASTER_PORT",
+    "--nproc-per-node",
+    "1",
+    "--rdzv-backend",
+    "c10d",
+    "--rdzv-endpoint",
+    "localhost:MASTER_PORT",
+    "--rdzv-id",
+    "llama32-1b_wikipedia_FA_mxfp8_smoke",
     "pretrain_gpt.py",
     "--num-layers",
     "2",
@@ -441,11 +441,12 @@ def test_smoke_script_end_to_end_with_stub_torchrun(make_checkout, tmp_path, stu
     assert res.returncode == 0, res.stdout + res.stderr
     ((argv, cwd, saver_env),) = _records(stub_dir)
     wt = Path(cwd)
-    port = argv[argv.index("--master_port") + 1]
+    port = argv[argv.index("--rdzv-endpoint") + 1].split(":")[1]
     runs = tmp_path / "runs" / "llama32-1b_wikipedia_FA_mxfp8_smoke"
     ckpt, tb = str(runs / "checkpoints"), str(runs / "tensorboard")
     expected = [
-        {"MASTER_PORT": port, "CKPT": ckpt, "TB": tb}.get(a, a) for a in EXPECTED_SMOKE_ARGV
+        {"localhost:MASTER_PORT": f"localhost:{port}", "CKPT": ckpt, "TB": tb}.get(a, a)
+        for a in EXPECTED_SMOKE_ARGV
     ]
     assert argv == expected
     # it ran in its own worktree, at a commit holding the scheme; the user's tree is untouched
@@ -553,7 +554,7 @@ def test_run_dry_run_prints_the_command(make_checkout, tmp_path, stub_env):
     assert res.returncode == 0, res.stderr
     assert "validated against the checkout's Megatron 0.15.0rc3" in res.stderr
     line = res.stdout.strip().splitlines()[-1]
-    assert line.startswith("cd ") and " && torchrun --nproc_per_node 1 " in line
+    assert line.startswith("cd ") and " && torchrun --nnodes 1 --nproc-per-node 1 " in line
     assert "--moe-layer-freq \\(\\[0\\]\\*1+\\[1\\]\\*1\\)" in line
     assert "--expert-model-parallel-size 1" in line
     assert not list(stub_dir.iterdir())  # nothing was launched
@@ -619,7 +620,7 @@ def test_gen_scripts_inside_a_checkout_uses_its_own_parser(run, tmp_path, monkey
         "validated against the checkout's Megatron 0.15.0rc3 (megatron/training/arguments.py, "
         "megatron/training/quant_extension_args.py, 502 flags)" in res.out
     )
-    assert "60 scripts (full, Megatron-LM 0.15.0rc3)" in res.out
+    assert "60 torchrun scripts (full, Megatron-LM 0.15.0rc3)" in res.out
     paths = sorted(out.rglob("*.sh"))
     assert len(paths) == 60
     for path in paths:
@@ -729,9 +730,13 @@ def test_no_script_passes_a_flag_twice(model, profile):
     arrays = ("MODEL", "TRAINING", "IMPL", "PARALLEL", "DATA", "OUTPUT")
     show = "printf '%s\\n' " + " ".join(f'"${{{a}_ARGS[@]}}"' for a in arrays)
     for mock, tp in ((0, 1), (1, 1), (0, 2), (1, 2)):
+        # what `quantpatch layout --line` said, and the other sizes' switches flipped with TP
+        sizes = {"LAYOUT": f"...; sequence parallel {'on' if tp > 1 else 'off'}; ..."}
+        if tp > 1:
+            sizes.update(VPP="2", ETP="1", CP="2")
         argv = subprocess.run(
             ["bash", "-c", section + show],
-            env={"PATH": os.environ["PATH"], "MOCK_DATA": str(mock), "TP": str(tp)},
+            env={"PATH": os.environ["PATH"], "MOCK_DATA": str(mock), "TP": str(tp), **sizes},
             capture_output=True,
             text=True,
             check=True,
@@ -741,3 +746,6 @@ def test_no_script_passes_a_flag_twice(model, profile):
         assert ("--sequence-parallel" in flags) == (tp > 1)
         moe = model == "deepseek2_lite"
         assert flags.count("--expert-model-parallel-size") == (1 if moe else 0)
+        assert flags.count("--expert-tensor-parallel-size") == (1 if moe and tp > 1 else 0)
+        assert flags.count("--num-virtual-stages-per-pipeline-rank") == (tp > 1)
+        assert flags.count("--context-parallel-size") == (tp > 1)
