@@ -74,6 +74,34 @@ def checkout_rows(tmp: Path, qp: str, runs: int) -> None:
     )
 
 
+def launcher_rows(tmp: Path, qp: str, runs: int) -> None:
+    """All 60 combinations per launcher (full profile, 2 nodes): a cold write, and the
+    in-script layout check each launch script runs before anything starts."""
+    print(f"{'launcher':9s} {'cold write ms':>14s} {'rerun ms':>10s}   files")
+    for launcher in ("torchrun", "slurm", "swift"):
+        cold, rerun = [], []
+        for i in range(runs):
+            out = tmp / f"{launcher}{i}"
+            cmd = [qp, "gen-scripts", "--out", str(out), "--launcher", launcher, "--nodes", "2"]
+            cold.append(wall(cmd))
+            rerun.append(wall(cmd))
+        n = sum(1 for p in (tmp / f"{launcher}0").rglob("*") if p.is_file())
+        print(
+            f"{launcher:9s} {statistics.median(cold) * 1e3:14.0f} "
+            f"{statistics.median(rerun) * 1e3:10.0f}   {n}"
+        )
+    check = [
+        qp, "layout", "--line", "--gpus-per-node", "8", "--nodes", "2", "--tp", "2",
+        "--micro-batch", "1", "--global-batch", "256", "--num-layers", "32", "--heads", "32",
+        "--query-groups", "8", "--seq-length", "4096",
+    ]  # fmt: skip
+    times = [wall(check) for _ in range(runs)]
+    print(
+        f"in-script layout check (quantpatch layout --line): "
+        f"{statistics.median(times) * 1e3:.0f} ms"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--runs", type=int, default=7)
@@ -98,6 +126,7 @@ def main() -> None:
                 f"{statistics.median(rerun) * 1e3:10.0f} {statistics.median(check) * 1e3:11.0f}"
                 f"   ({n} scripts)"
             )
+        launcher_rows(tmp, qp, args.runs)
         checkout_rows(tmp, qp, args.runs)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
