@@ -546,6 +546,12 @@ def layout_(
     transformer_impl: str | None = typer.Option(
         None, "--transformer-impl", help="local (default) or transformer_engine."
     ),
+    node_rank: str | None = typer.Option(
+        None, "--node-rank", help="This node's rank (a static rendezvous): 0 to nodes - 1."
+    ),
+    master_addr: str | None = typer.Option(
+        None, "--master-addr", help="The rendezvous host: every node must reach it."
+    ),
     line: bool = typer.Option(
         False, "--line", help="Print only the one-line summary (what the scripts log)."
     ),
@@ -578,6 +584,8 @@ def layout_(
             "seq_length": seq_length,
             "transformer_impl": transformer_impl,
         },
+        node_rank,
+        master_addr,
     )
     for warning in layout.warnings:
         err.print(f"warning: {warning}", style="yellow", markup=False)

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from quantpatch.errors import UserError
-from quantpatch.layout import Layout, LayoutError, derive, plan_from_text
+from quantpatch.layout import Layout, LayoutError, check_rendezvous, derive, plan_from_text
 
 if TYPE_CHECKING:  # jinja2 and the registry load only for the commands that render
     from quantpatch.scripts import FlagSource, GenResult, Launcher
@@ -56,7 +56,7 @@ def generate_scripts(request: GenRequest, progress: Callable[[str], None] | None
     """Validate everything first (flags, layouts, launcher), prepare worktrees when asked,
     then write all scripts at once (or, with ``check``, compare)."""
     from quantpatch.registry import load_registry
-    from quantpatch.scripts import flag_source, generate, render_all
+    from quantpatch.scripts import flag_source, generate, render_all, writable
 
     launcher = _launcher(request.launcher)
     reg = load_registry(request.config)
@@ -82,6 +82,7 @@ def generate_scripts(request: GenRequest, progress: Callable[[str], None] | None
     )
     prepared: list[str] = []
     if request.prepare and not request.check:
+        writable(request.out)  # a write that would fail anyway prepares nothing first
         prepared = prepare_worktrees(request.repo, [s.scheme.values() for s in scripts], progress)
     result = generate(
         request.out,
@@ -124,6 +125,8 @@ def resolve_layout(
     config: Path | None,
     gpus: str | None,
     given: Mapping[str, str | None],
+    node_rank: str | None = None,
+    master_addr: str | None = None,
 ) -> Layout:
     """``quantpatch layout``: a model's plan under a profile (or the facts given), with the
     given sizes over it, derived or refused."""
@@ -141,7 +144,9 @@ def resolve_layout(
         base = model_plan(reg, model, profile)
     plan = plan_from_text(given, base, gpus)
     try:
-        return derive(plan)
+        layout = derive(plan)
+        check_rendezvous(plan.nodes, node_rank, master_addr)
+        return layout
     except LayoutError as exc:
         if model is None:
             raise

@@ -10,6 +10,7 @@ scripts (which call ``quantpatch layout --line`` with their environment before l
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
@@ -17,6 +18,7 @@ from typing import Any
 from quantpatch.errors import UserError
 
 SEQUENCE_PARALLEL = ("auto", "on", "off")
+_CANONICAL = re.compile(r"[1-9][0-9]*")
 IMPLEMENTATIONS = ("local", "transformer_engine")
 MAX_SIZE = 1 << 20
 
@@ -247,6 +249,16 @@ _RULES: tuple[_Rule, ...] = (
         ),
         ("ep",),
     ),
+    # model_parallel_config.py ModelParallelConfig.__post_init__: "When using expert parallelism
+    # and tensor parallelism, sequence parallelism must be used"
+    _Rule(
+        lambda p: p.experts is not None and p.ep > 1 and p.tp > 1,
+        lambda p: p.sp,
+        lambda p: (
+            f"EP {p.ep} with TP {p.tp} needs sequence parallel (it is off); set it on or auto"
+        ),
+        (),
+    ),
     # num_microbatches_calculator.py ConstantNumMicroBatchesCalculator: "global batch size (...)
     # is not divisible by micro batch size (...) times data parallel size (...)"
     _Rule(
@@ -306,12 +318,12 @@ def _nearby(plan: Plan, rule: _Rule) -> str:
             if rule.applies(other) and not rule.holds(other):
                 continue
             if _broken(other) is None:
-                return f"{_OPTION[field]} {value} would work"
+                return f"; {_OPTION[field]} {value} would work"
             if only_this is None:
                 only_this = (field, value)
     if only_this is not None:
-        return f"{_OPTION[only_this[0]]} {only_this[1]} would pass this check"
-    return "no single size fixes it"
+        return f"; {_OPTION[only_this[0]]} {only_this[1]} would pass this check"
+    return "; no single size fixes it" if rule.vary else ""
 
 
 def _check_sizes(plan: Plan) -> None:
@@ -334,8 +346,13 @@ def _check_sizes(plan: Plan) -> None:
             continue
         if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_SIZE:
             raise LayoutError(
-                f"{f.name.replace('_', ' ')} must be a positive integer (got {value!r})."
+                f"{TEXT_FIELDS.get(f.name, f.name)} must be an integer from 1 to {MAX_SIZE} "
+                f"(got {value!r})."
             )
+    if plan.world > MAX_SIZE:
+        raise LayoutError(
+            f"{plan.nodes} nodes x {plan.gpus_per_node} GPUs is more than {MAX_SIZE} GPUs."
+        )
 
 
 def derive(plan: Plan) -> Layout:
@@ -343,7 +360,7 @@ def derive(plan: Plan) -> Layout:
     _check_sizes(plan)
     rule = _broken(plan)
     if rule is not None:
-        raise LayoutError(f"{rule.says(plan)}; {_nearby(plan, rule)}.")
+        raise LayoutError(f"{rule.says(plan)}{_nearby(plan, rule)}.")
     warnings: list[str] = []
     if plan.tp > plan.gpus_per_node:
         # allowed by Megatron; its all-reduces then cross the network on every layer
@@ -367,10 +384,14 @@ def parse_size(name: str, text: str | int | None) -> int | None:
         return None
     if isinstance(text, int):
         return text
-    stripped = text.strip()
-    if not stripped.isdigit() or not stripped.isascii():
-        raise LayoutError(f"{name} must be a positive integer (got {text!r}).")
-    return int(stripped)
+    # exactly what bash arithmetic reads the same way: no sign, space or leading zero (bash
+    # takes 08 for octal), so a value the check accepts is the value the script passes on
+    if not _CANONICAL.fullmatch(text) or len(text) > 7:
+        raise LayoutError(
+            f"{name} must be an integer from 1 to {MAX_SIZE}, written in plain digits without "
+            f"a leading zero or spaces (got {text!r})."
+        )
+    return int(text)
 
 
 def parse_sequence_parallel(text: str | None) -> str:
@@ -458,12 +479,12 @@ def plan_from_text(
         values["etp"] = None  # ETP='' in a script: expert TP follows TP
     total = parse_size("GPUs", gpus)
     if total is not None:
-        per_node = values.get("gpus_per_node") or (base.gpus_per_node if base else 8)
+        per_node = values.get("gpus_per_node", base.gpus_per_node if base else 8)
         if "nodes" in values:
             if values["nodes"] * per_node != total:
                 raise LayoutError(
-                    f"--gpus {total} does not match {values['nodes']} nodes x {per_node} GPUs "
-                    f"per node = {values['nodes'] * per_node}; give either --gpus or --nodes."
+                    f"--gpus {total} does not match {_s(values['nodes'], 'node')} x {per_node} "
+                    f"GPUs per node = {values['nodes'] * per_node}; give either --gpus or --nodes."
                 )
         elif total < per_node:
             per_node, values["nodes"] = total, 1
@@ -486,3 +507,22 @@ def plan_from_text(
     values.setdefault("gpus_per_node", 8)
     values.setdefault("nodes", 1)
     return Plan(**values)
+
+
+LOCAL_HOSTS = ("", "localhost", "127.0.0.1", "::1")
+
+
+def check_rendezvous(nodes: int, node_rank: str | None, master_addr: str | None) -> None:
+    """What a multi-node launch needs besides sizes: every node must reach ``MASTER_ADDR``
+    (``localhost`` is each node's own), and a static rendezvous needs each node's own rank."""
+    if nodes > 1 and master_addr is not None and master_addr.strip() in LOCAL_HOSTS:
+        raise LayoutError(
+            f"NNODES={nodes} needs MASTER_ADDR set to a host every node reaches (it is "
+            f"{master_addr.strip() or 'empty'})."
+        )
+    if node_rank is not None and (
+        not re.fullmatch(r"0|[1-9][0-9]{0,6}", node_rank) or int(node_rank) >= nodes
+    ):
+        raise LayoutError(
+            f"NODE_RANK must be one of 0-{nodes - 1} for NNODES={nodes} (got {node_rank!r})."
+        )

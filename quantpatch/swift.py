@@ -83,13 +83,16 @@ class _Tree:
         self._modules: dict[str, cst.Module | None] = {}
 
     def text(self, rel: str) -> str | None:
-        if self._zip is not None:
-            try:
-                return self._zip.read(rel).decode("utf-8")
-            except KeyError:
-                return None
-        path = self.root / rel
-        return path.read_text(encoding="utf-8") if path.is_file() else None
+        try:
+            if self._zip is not None:
+                try:
+                    return self._zip.read(rel).decode("utf-8")
+                except KeyError:
+                    return None
+            path = self.root / rel
+            return path.read_text(encoding="utf-8") if path.is_file() else None
+        except (UnicodeDecodeError, OSError, zipfile.BadZipFile) as exc:
+            raise UserError(f"{self.root}: {rel} cannot be read as UTF-8 text ({exc}).") from None
 
     def module(self, name: str) -> cst.Module | None:
         if name not in self._modules:
@@ -306,6 +309,11 @@ def swift_source(path: Path | None) -> SwiftSource:
 
     if not root.exists():
         raise UserError(f"--swift: {root} does not exist.")
+    if root.is_dir() and not (root / "swift" / "version.py").is_file():
+        raise UserError(
+            f"--swift: {root} holds no ms-swift (no swift/version.py): give a wheel, an "
+            "unpacked wheel or the site-packages directory it is installed in."
+        )
     cached = cache_dir() / "swift" / f"{_cache_key(root)}.json"
     try:
         data = json.loads(cached.read_text("utf-8"))

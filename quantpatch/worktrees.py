@@ -132,8 +132,11 @@ def _place_worktree(repo: git.Repo, wt_path: Path, commit: str) -> bool:
 
 def existing_worktree(path: Path | None, values: Mapping[str, str]) -> WorktreeResult:
     """The scheme's worktree as it was prepared (``gen-scripts --prepare`` or ``worktree``),
-    verified, without taking the lock or writing anything: what a job on a compute node does,
-    so that many jobs sharing one filesystem never race to create or move a worktree."""
+    verified without taking the lock or writing anything (git runs without optional locks):
+    what a job on a compute node does, so that jobs sharing one filesystem never race to
+    create or move a worktree. Refused unless it is exactly its branch's tip, clean, holds the
+    values, and still sits on the base's current tip (a base that moved on means the job
+    would train code older than the checkout's)."""
     missing = [r for r in ROLES if r not in values]
     if missing:
         raise UserError(f"worktree: give all three roles (missing: {', '.join(missing)}).")
@@ -141,14 +144,57 @@ def existing_worktree(path: Path | None, values: Mapping[str, str]) -> WorktreeR
         validate_value(values[role], allow_unknown=False, where=f"--{role}")
     checkout = gitrepo.find_checkout(path, need_git=True)
     repo = checkout.git()
-    name = scheme_branch.branch_name(values, load_targets(checkout.root).branch_prefix)
+    targets = load_targets(checkout.root)
+    name = scheme_branch.branch_name(values, targets.branch_prefix)
     wt_path = worktrees_root(repo) / name.replace("/", "__")
+    again = "run 'quantpatch gen-scripts --prepare' (or 'quantpatch worktree') in the checkout"
     if not (wt_path / ".git").is_file():
         raise UserError(
-            f"{name} has no prepared worktree in {checkout.root} (looked for {wt_path}); run "
-            "'quantpatch gen-scripts --prepare' (or 'quantpatch worktree') there before "
-            "submitting."
+            f"{name} has no prepared worktree in {checkout.root} (looked for {wt_path}); "
+            f"{again} before submitting."
         )
-    _verify(wt_path, values, name)
-    commit = gitrepo.open_repo(wt_path).head.commit.hexsha
-    return WorktreeResult(wt_path, name, commit, False, False)
+
+    def plain(cwd: Path, *args: str) -> str:
+        return gitrepo.git_plain(cwd, *args).stdout.strip()
+
+    head = plain(wt_path, "rev-parse", "HEAD")
+    tip = plain(checkout.root, "rev-parse", "--verify", "-q", f"refs/heads/{name}")
+    if not head or head != tip:
+        raise UserError(
+            f"{wt_path}: the worktree is at {head[:12] or 'no commit'} but {name} is at "
+            f"{tip[:12] or 'nothing'}; {again}."
+        )
+    dirty = plain(wt_path, "status", "--porcelain", "--untracked-files=no")
+    if dirty:
+        raise UserError(
+            f"{wt_path}: the worktree has uncommitted changes "
+            f"({', '.join(line[3:] for line in dirty.splitlines()[:3])}); remove it with "
+            f"'git worktree remove --force {wt_path}' and {again}."
+        )
+    state = gitrepo.load_state(checkout)
+    base: dict[str, object] | None = None
+    if state and state["mode"] == "branch":
+        base = dict(state["base"])
+    else:
+        branch = gitrepo.active_branch(repo)
+        if branch and not scheme_branch.is_scheme_branch(branch, targets.branch_prefix):
+            base = {"branch": branch, "commit": gitrepo.head_commit(repo)}
+    if base is not None:
+        base_commit = base_tip(repo, base)
+        if gitrepo.git_plain(wt_path, "merge-base", "--is-ancestor", base_commit, head).returncode:
+            raise UserError(
+                f"{base.get('branch') or 'the base'} has moved on to {base_commit[:12]} since "
+                f"the worktree of {name} was prepared (at {head[:12]}): the job would train "
+                f"older code; {again}."
+            )
+    wt = gitrepo.find_checkout(wt_path, need_git=True)
+    sites = [
+        s
+        for f in site_cache.read_sites(wt.root, load_targets(wt.root), wt.state_dir / "cache")
+        for s in f
+    ]
+    got, _ = role_values(sites)
+    wrong = {r: got.get(r) for r in values if got.get(r) != values[r]}
+    if wrong:
+        raise UserError(f"{wt_path}: the worktree does not hold {name} (found {wrong}); {again}.")
+    return WorktreeResult(wt_path, name, head, False, False)

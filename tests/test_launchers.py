@@ -142,6 +142,12 @@ RULES = [
         id="ep-etp-divide-dp-cp-tp",
     ),
     pytest.param(
+        {"experts": 64, "tp": 2, "ep": 2, "sequence_parallel": "auto"},
+        {"experts": 64, "tp": 2, "ep": 2, "sequence_parallel": "off"},
+        "EP 2 with TP 2 needs sequence parallel (it is off); set it on or auto.",
+        id="ep-with-tp-needs-sequence-parallel",
+    ),
+    pytest.param(
         {"global_batch": 272},
         {"global_batch": 264},
         "global batch 264 is not divisible by micro batch 1 x DP 16 = 16; global batch 256 "
@@ -159,7 +165,9 @@ def test_every_layout_rule_on_both_sides_of_its_boundary(good, bad, sentence):
     assert str(exc.value) == sentence
     # the suggested choice does work
     found = re.search(r"; (TP|PP|CP|EP|VPP|global batch) (\d+) would work\.$", sentence)
-    assert found is not None
+    if found is None:  # a switch, not a size, fixes it
+        assert "set it on or auto" in sentence
+        return
     field = {"global batch": "global_batch"}.get(found[1], found[1].lower())
     derive(replace(BASE, **{**bad, field: int(found[2])}))
 
@@ -205,10 +213,17 @@ def test_every_suggestion_is_valid_over_a_grid():
 @pytest.mark.parametrize(
     ("given", "gpus", "sentence"),
     [
-        ({"tp": "abc"}, None, "TP must be a positive integer (got 'abc')."),
-        ({"tp": "0"}, None, "tp must be a positive integer (got 0)."),
+        ({"tp": "abc"}, None, "TP must be an integer from 1 to 1048576, written in plain"),
+        ({"tp": "0"}, None, "TP must be an integer from 1 to 1048576"),
+        # bash arithmetic reads 08 as octal and ' 2' would reach torchrun with its space
+        ({"vpp": "08"}, None, "VPP must be an integer from 1 to 1048576"),
+        ({"tp": " 2"}, None, "TP must be an integer from 1 to 1048576"),
+        ({"tp": "\u0661"}, None, "TP must be an integer"),  # an Arabic-Indic one
+        ({"nodes": "99999999"}, None, "NNODES must be an integer from 1 to 1048576"),
+        ({"gpus_per_node": "0"}, "16", "GPUS_PER_NODE must be an integer from 1"),
         ({"sequence_parallel": "maybe"}, None, "SEQUENCE_PARALLEL must be auto, on or off"),
         ({"nodes": "3"}, "16", "--gpus 16 does not match 3 nodes x 8 GPUs per node = 24"),
+        ({"nodes": "1"}, "16", "--gpus 16 does not match 1 node x 8 GPUs per node = 8"),
         ({}, "12", "--gpus 12 is not a whole number of 8-GPU nodes; 8 or 16 GPUs would be."),
     ],
 )
@@ -305,6 +320,7 @@ exit "$status"
     "sbatch": RECORD
     + """script="${@: -1}"
 export SLURM_JOB_ID=4242 SLURM_JOB_NUM_NODES=2 SLURM_JOB_NODELIST='gpu[01-02]'
+export SLURM_GPUS_ON_NODE="${STUB_GPUS:-8}"
 if [[ -n "${STUB_ARRAY_TASK:-}" ]]; then
     export SLURM_ARRAY_JOB_ID=4200 SLURM_ARRAY_TASK_ID="$STUB_ARRAY_TASK"
 fi
@@ -397,6 +413,33 @@ def test_torchrun_two_nodes_and_a_bad_override(make_checkout, tmp_path, stubs, r
     assert res.returncode == 2 and "global batch 20 is not divisible by micro batch 1 x DP 8" in (
         res.stderr
     )
+    for bad, sentence in (
+        ({"VPP": "08", "PP": "2"}, "VPP must be an integer from 1 to 1048576"),
+        ({"MASTER_ADDR": "localhost"}, "NNODES=2 needs MASTER_ADDR set to a host every node"),
+        ({"TP": "$(touch pwned)"}, "TP must be an integer"),
+    ):
+        res = subprocess.run(
+            [str(script)], cwd=root, env={**node, **bad}, capture_output=True, text=True
+        )
+        assert res.returncode == 2 and sentence in res.stderr, res.stderr
+    assert not list(record.iterdir()) and _worktrees(root) == []
+    assert not (root / "pwned").exists()
+    # one node: torchrun's standalone rendezvous (its own free port and id: runs never meet)
+    res = subprocess.run(
+        [str(script)], cwd=root, env={**env, "NNODES": "1"}, capture_output=True, text=True
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    ((single, _, _),) = calls(record, "torchrun")
+    assert single[:6] == [
+        "--standalone",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        "8",
+        "pretrain_gpt.py",
+    ]
+    for path in record.iterdir():
+        path.unlink()
     # the same script on both nodes
     for _ in range(2):
         res = subprocess.run(
@@ -420,8 +463,9 @@ def test_torchrun_two_nodes_and_a_bad_override(make_checkout, tmp_path, stubs, r
     assert pairs["--tensor-model-parallel-size"] == "2" and "--sequence-parallel" in first
     assert (pairs["--micro-batch-size"], pairs["--global-batch-size"]) == ("1", "32")
     assert Path(cwd).name == "quantpatch__linear-bf16_qk-mxfp8_pv-bf16"
-    log = next((tmp_path / "runs" / "llama32-1b_dolma_FA_mxfp8_full" / "logs").glob("*.log"))
-    assert log.name.endswith(f"_{os.uname().nodename.split('.')[0]}.log")
+    host = os.uname().nodename.split(".")[0]
+    logs = (tmp_path / "runs" / "llama32-1b_dolma_FA_mxfp8_full" / "logs").glob(f"*_{host}.log")
+    log = next(logs)  # one per node (both "nodes" are this host here)
     assert (
         "[quantpatch] layout: world 16 (2 nodes x 8 GPUs) = TP 2 x PP 1 x CP 1 x DP 8; "
         "sequence parallel on; global batch 32 = micro batch 1 x DP 8 x 4 accumulation steps"
@@ -531,7 +575,94 @@ def test_slurm_scripts_and_the_sweep_array(make_checkout, tmp_path, stubs, run):
         text=True,
     )
     assert res.returncode == 2 and "array task 10 is not one of 0-9" in res.stderr
+    for task in ("010", "08", "-1", "1;id", "18446744073709551617"):  # never octal or wrapped
+        res = subprocess.run(
+            ["sbatch", str(out / "sweep.sbatch")],
+            cwd=root,
+            env={**env, "STUB_ARRAY_TASK": task},
+            capture_output=True,
+            text=True,
+        )
+        assert res.returncode == 2 and f"array task {task} is not one of 0-9" in res.stderr
+    # sbatch runs a copy from its spool directory: the index is found all the same
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    (spool / "job").write_bytes((out / "sweep.sbatch").read_bytes())
+    res = subprocess.run(
+        ["bash", str(spool / "job")],
+        cwd=root,
+        env={**env, "SLURM_JOB_ID": "7", "SLURM_JOB_NUM_NODES": "2",
+             "SLURM_JOB_NODELIST": "gpu[01-02]", "SLURM_ARRAY_TASK_ID": "0"},
+        capture_output=True,
+        text=True,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stdout + res.stderr
     assert git.Repo(root).active_branch.name == "main" and not git.Repo(root).is_dirty()
+
+
+def test_a_job_refuses_a_stale_or_touched_worktree_without_writing(make_checkout, tmp_path, run):
+    """`worktree --existing` (what a Slurm job runs) reads only: a worktree whose base moved
+    on, that holds edits or commits of its own, is refused, and git's index is not rewritten."""
+    root = make_checkout()
+    look = ["--repo", root, "worktree", "--scheme", "FA_mxfp8", "--path-only", "--existing"]
+    res = run(*look)
+    assert res.code == 2 and "has no prepared worktree" in res.err
+    assert run("--repo", root, "worktree", "--scheme", "FA_mxfp8").code == 0
+    res = run(*look)
+    assert res.code == 0, res
+    wt = Path(res.out.strip())
+    admin = Path(git.Repo(wt).git_dir)
+    (wt / "megatron" / "core" / "tensor_parallel" / "layers.py").touch()  # stat-dirty only
+    before = {p.name: p.read_bytes() for p in admin.iterdir() if p.is_file()}
+    assert run(*look).code == 0
+    assert {p.name: p.read_bytes() for p in admin.iterdir() if p.is_file()} == before
+    other = wt / "megatron" / "core" / "transformer" / "dot_product_attention.py"
+    other.write_text(other.read_text() + "# edited on a compute node\n")
+    res = run(*look)
+    assert res.code == 2 and "the worktree has uncommitted changes" in res.err
+    git.Repo(wt).git.checkout("--", ".")
+    git.Repo(wt).git.commit("--allow-empty", "-m", "a commit inside the worktree")
+    res = run(*look)
+    assert res.code == 2 and "but quantpatch/linear-bf16_qk-mxfp8_pv-bf16 is at" in res.err
+    git.Repo(wt).git.checkout("--detach", "HEAD~1")
+    assert run(*look).code == 0
+    # the base moves on: the prepared worktree would train older code
+    repo = git.Repo(root)
+    (root / "NOTES").write_text("a fix\n")
+    repo.index.add(["NOTES"])
+    repo.index.commit("a fix on main")
+    res = run(*look)
+    assert res.code == 2 and "main has moved on to" in res.err and "older code" in res.err
+    assert run("--repo", root, "worktree", "--scheme", "FA_mxfp8").code == 0
+    assert run(*look).code == 0
+
+
+def test_generation_refuses_colliding_names_and_prepares_nothing_it_cannot_write(
+    make_checkout, tmp_path, run
+):
+    config = tmp_path / "odd.toml"
+    config.write_text(
+        '[datasets.dolma_FA]\ndescription = "x"\nprefix = "{data_root}/x"\nsplit = "1,0,0"\n'
+    )
+    out = tmp_path / "scripts"
+    res = run(
+        "gen-scripts", "--out", out, "--config", config, "--models", "llama32-1b",
+        "--datasets", "dolma,dolma_FA", "--schemes", "FA_linear_mxfp8,linear_mxfp8",
+    )  # fmt: skip
+    assert res.code == 2 and not out.exists()
+    assert (
+        "llama32-1b/dolma/FA_linear_mxfp8 and llama32-1b/dolma_FA/linear_mxfp8 would share"
+        in res.err
+    )
+    root = make_checkout()
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    res = run(
+        "gen-scripts", "--out", blocked / "x", "--launcher", "slurm", "--prepare",
+        "--repo", root, "--models", "llama32-1b", "--datasets", "dolma",
+    )  # fmt: skip
+    assert res.code == 2 and "cannot be written" in res.err
+    assert _worktrees(root) == [] and "quantpatch/" not in git.Repo(root).git.branch("-a")
 
 
 # -- ms-swift ------------------------------------------------------------------------------
@@ -582,6 +713,16 @@ def test_swift_refuses_an_ms_swift_that_cannot_run_the_local_layers(run, tmp_pat
     assert res.code == 2 and not out.exists()
     assert "ms-swift 4.6.0 has no transformer_impl='local'" in res.err
     assert "would never run" in res.err
+    (tmp_path / "empty").mkdir()
+    not_a_wheel = tmp_path / "x.whl"
+    not_a_wheel.write_text("no zip")
+    for source, sentence in (
+        (tmp_path / "empty", "holds no ms-swift (no swift/version.py)"),
+        (not_a_wheel, "not a wheel (zip)"),
+        (tmp_path / "missing", "does not exist"),
+    ):
+        res = run("gen-scripts", "--out", out, "--launcher", "swift", "--swift", source)
+        assert res.code == 2 and sentence in res.err and not out.exists(), res
 
 
 def test_swift_script_end_to_end_with_a_stub_megatron(make_checkout, tmp_path, stubs, run, swift3):
@@ -608,10 +749,16 @@ def test_swift_script_end_to_end_with_a_stub_megatron(make_checkout, tmp_path, s
         "TP": "2",
         "SWIFT_DATASET": "/data/dolma.jsonl",
     }
-    res = subprocess.run(
-        [str(script)], cwd=root, env={**node, "PP": "3"}, capture_output=True, text=True
-    )
-    assert res.returncode == 2 and "PP 3" in res.stderr and not list(record.iterdir())
+    for bad, sentence in (
+        ({"PP": "3"}, "PP 3"),
+        ({"NODE_RANK": "5"}, "NODE_RANK must be one of 0-1 for NNODES=2 (got '5')."),
+        ({"MASTER_ADDR": "localhost"}, "NNODES=2 needs MASTER_ADDR set to a host"),
+    ):
+        res = subprocess.run(
+            [str(script)], cwd=root, env={**node, **bad}, capture_output=True, text=True
+        )
+        assert res.returncode == 2 and sentence in res.stderr, res.stderr
+    assert not list(record.iterdir())
     res = subprocess.run([str(script)], cwd=root, env=node, capture_output=True, text=True)
     assert res.returncode == 0, res.stdout + res.stderr
     ((argv, cwd, menv),) = calls(record, "megatron")

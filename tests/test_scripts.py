@@ -41,7 +41,8 @@ def _outside_any_checkout(tmp_path, monkeypatch):
 def _argument_flags(text: str) -> set[str]:
     """Every --flag in the script's pretrain_gpt.py argument section."""
     section = text.split("# ---- pretrain_gpt.py arguments", 1)[1].split("# ---- end", 1)[0]
-    section = section.split(")", 1)[1]  # skip DISTRIBUTED_ARGS (torchrun's own options)
+    assert section.split("\n", 1)[1].startswith("if (( NNODES == 1 )); then\n    DISTRIBUTED")
+    section = section.split("\nfi\n", 1)[1]  # skip DISTRIBUTED_ARGS (torchrun's own options)
     return set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", section))
 
 
@@ -327,16 +328,11 @@ def _records(stub_dir: Path) -> list[tuple[list[str], str, str]]:
 
 
 EXPECTED_SMOKE_ARGV = [
+    "--standalone",
     "--nnodes",
     "1",
     "--nproc-per-node",
     "1",
-    "--rdzv-backend",
-    "c10d",
-    "--rdzv-endpoint",
-    "localhost:MASTER_PORT",
-    "--rdzv-id",
-    "llama32-1b_wikipedia_FA_mxfp8_smoke",
     "pretrain_gpt.py",
     "--num-layers",
     "2",
@@ -441,13 +437,10 @@ def test_smoke_script_end_to_end_with_stub_torchrun(make_checkout, tmp_path, stu
     assert res.returncode == 0, res.stdout + res.stderr
     ((argv, cwd, saver_env),) = _records(stub_dir)
     wt = Path(cwd)
-    port = argv[argv.index("--rdzv-endpoint") + 1].split(":")[1]
+
     runs = tmp_path / "runs" / "llama32-1b_wikipedia_FA_mxfp8_smoke"
     ckpt, tb = str(runs / "checkpoints"), str(runs / "tensorboard")
-    expected = [
-        {"localhost:MASTER_PORT": f"localhost:{port}", "CKPT": ckpt, "TB": tb}.get(a, a)
-        for a in EXPECTED_SMOKE_ARGV
-    ]
+    expected = [{"CKPT": ckpt, "TB": tb}.get(a, a) for a in EXPECTED_SMOKE_ARGV]
     assert argv == expected
     # it ran in its own worktree, at a commit holding the scheme; the user's tree is untouched
     assert wt != root and wt.is_relative_to(root / ".git" / "quantpatch" / "worktrees")
@@ -554,7 +547,10 @@ def test_run_dry_run_prints_the_command(make_checkout, tmp_path, stub_env):
     assert res.returncode == 0, res.stderr
     assert "validated against the checkout's Megatron 0.15.0rc3" in res.stderr
     line = res.stdout.strip().splitlines()[-1]
-    assert line.startswith("cd ") and " && torchrun --nnodes 1 --nproc-per-node 1 " in line
+    assert (
+        line.startswith("cd ")
+        and " && torchrun --standalone --nnodes 1 --nproc-per-node 1 " in line
+    )
     assert "--moe-layer-freq \\(\\[0\\]\\*1+\\[1\\]\\*1\\)" in line
     assert "--expert-model-parallel-size 1" in line
     assert not list(stub_dir.iterdir())  # nothing was launched
