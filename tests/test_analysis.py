@@ -385,6 +385,98 @@ def test_logs_without_timestamps_take_the_pattern_path(tmp_path, monkeypatch):
         assert run.garbage == 1 and training_logs.diverged(run)
 
 
+def _three_ways(path, monkeypatch):
+    """The log parsed by the template path, the general numpy path and the pattern path."""
+    out = {}
+    with monkeypatch.context() as m:
+        out["template"] = training_logs.parse_log(path)
+        m.setattr(training_logs, "_template_columns", lambda data, run: False)
+        out["numpy"] = training_logs.parse_log(path)
+        m.setattr(training_logs, "_numpy_columns", lambda data, run: False)
+        out["pattern"] = training_logs.parse_log(path)
+    return out
+
+
+def _same(a, b):
+    assert list(a.iterations) == list(b.iterations)
+    assert (a.total_iterations, a.garbage, a.duplicates, a.nonfinite_loss) == (
+        b.total_iterations, b.garbage, b.duplicates, b.nonfinite_loss,
+    )  # fmt: skip
+    for name in ("loss", "step_ms", "skipped", "nan", "grad_norm", "loss_scale"):
+        x, y = list(a.column(name)), list(b.column(name))
+        assert len(x) == len(y) and all(
+            (u == v) or (math.isnan(u) and math.isnan(v)) for u, v in zip(x, y, strict=True)
+        ), name
+
+
+def test_the_template_path_equals_the_general_paths(tmp_path, monkeypatch):
+    """The fast path (one field set, bars found once, values converted by column) gives
+    exactly what the by-name paths give: values, NaN losses, skips, duplicates, and a last
+    line still being written; a line of another field set sends the file down the general
+    path, whose result it then is."""
+    lines = ["[quantpatch] m / d / bf16 (full): linear=bf16 qk=bf16 pv=bf16"]
+    for i in range(1, 301):
+        loss = "nan" if i == 17 else f"{3 + 7 / i:.6E}"
+        lines.append(
+            LINE.format(it=i, total=300, cs=8 * i, ms=90 + i % 13 / 10, loss=loss,
+                        sk=int(i % 50 == 0), nan=int(i == 17))
+        )  # fmt: skip
+    lines.insert(40, lines[39])  # a line printed twice (two ranks)
+    p = tmp_path / "run.log"
+    cut = LINE.format(it=301, total=300, cs=0, ms=1.0, loss="1.0", sk=0, nan=0)[:70]
+    p.write_text("\n".join(lines) + "\n" + cut)  # the last line is still being written
+    ways = _three_ways(p, monkeypatch)
+    t = ways["template"]
+    assert len(t.iterations) == 300 and t.garbage == 1 and t.duplicates == 1
+    assert t.nonfinite_loss == 1 and sum(t.column("skipped")) == 6 and sum(t.column("nan")) == 1
+    assert "grad_norm" in t.lazy and t.column("grad_norm")[0] == 2.105  # converted on use
+    _same(t, ways["numpy"])
+    _same(t, ways["pattern"])
+    # another field set in the middle: the general path decides
+    other = LINE_OTHER.format(it=150, total=300, cs=0, ms=60.0, loss="1.0", sk=0, nan=0)
+    p.write_text("\n".join([*lines[:150], other, *lines[152:]]) + "\n")
+    ways = _three_ways(p, monkeypatch)
+    _same(ways["template"], ways["numpy"])
+    assert not ways["template"].lazy  # it was the general path's result
+    # garbage inside a value: the same
+    p.write_text("\n".join(lines).replace("lm loss: 5.333333E+00", "lm loss: 5.3x3E+00") + "\n")
+    ways = _three_ways(p, monkeypatch)
+    _same(ways["template"], ways["numpy"])
+
+
+def test_the_comparison_is_the_same_with_and_without_numpy(tmp_path, monkeypatch):
+    for scheme, slope in (("bf16", 7.0), ("FA_mxfp8", 7.5), ("linear_mxfp4", -2.5)):
+        p = tmp_path / f"llama32-1b_wikipedia_{scheme}_fast" / "logs" / "x.log"
+        p.parent.mkdir(parents=True)
+        step = 2 if scheme == "FA_mxfp8" else 1  # fewer iterations in common
+        p.write_text(
+            "\n".join(
+                LINE.format(it=i, total=400, cs=8 * i, ms=50 + i % 9, loss=f"{3 + slope / i:.6E}",
+                            sk=int(i % 97 == 0), nan=0)
+                for i in range(1, 401, step)
+            ) + "\n"
+        )  # fmt: skip
+    names = (["llama32-1b"], ["wikipedia"])
+    fast = training_logs.runs([tmp_path], names=names).rows
+    monkeypatch.setattr(training_logs, "_numpy", lambda: None)
+    slow = training_logs.runs([tmp_path], names=names).rows
+    assert len(fast) == 3
+    for a, b in zip(fast, slow, strict=True):
+        for key, value in a.items():
+            if isinstance(value, float) and math.isnan(value):
+                assert math.isnan(b[key]), key
+            elif isinstance(value, float):
+                assert value == pytest.approx(b[key], rel=1e-12, abs=1e-15), key
+            else:
+                assert value == b[key], key
+    by = {r["scheme"]: r for r in fast}
+    assert [by[s]["diverged"] for s in ("bf16", "FA_mxfp8", "linear_mxfp4")] == [
+        False, False, True,
+    ]  # fmt: skip
+    assert by["FA_mxfp8"]["matched_iterations"] == 20 and by["FA_mxfp8"]["skipped"] == 2
+    assert by["bf16"]["skipped"] == 4 and by["FA_mxfp8"]["step_vs_bf16"] == pytest.approx(1.0)
+
+
 def test_sliced_metrics_equal_the_whole(monkeypatch):
     from quantpatch.analysis import tensor_metrics
 
