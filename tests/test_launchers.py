@@ -561,7 +561,18 @@ def test_slurm_scripts_and_the_sweep_array(make_checkout, tmp_path, stubs, run):
     assert f"array task 3 of 10: {row}" in res.stdout
     ((argv, cwd, task_env),) = calls(record, "torchrun")[:1]
     scheme = row.rsplit("_dolma_", 1)[1].removesuffix(".sbatch")
-    assert argv[argv.index("--rdzv-id") + 1] == f"llama32-1b_dolma_{scheme}_full-4242"
+    port = re.search(r"MASTER_PORT=(\d+)", (out / row).read_text())[1]
+    assert argv[:11] == [
+        *TORCHRUN_2X8,
+        f"gpu01:{port}",
+        "--rdzv-id",
+        f"llama32-1b_dolma_{scheme}_full-4242",
+        "pretrain_gpt.py",
+    ]
+    ((task_srun, _, _),) = calls(record, "srun")
+    assert task_srun[:7] == ["--nodes", "2", "--ntasks-per-node", "1", "--kill-on-bad-exit=1",
+                             "--chdir", cwd]  # fmt: skip
+    assert task_srun[8:] == argv
     assert task_env["SLURM_ARRAY_TASK_ID"] == "3" and len(calls(record, "torchrun")) == 2
     values = load_registry().schemes[scheme].values()
     assert Path(cwd).name == (
