@@ -419,6 +419,12 @@ VppOpt = _size_opt("--vpp", "Virtual pipeline stages per pipeline rank (interlea
 SpOpt = _size_opt("--sequence-parallel", "auto (on when TP > 1), on or off.")
 
 
+def _sizes(*values: Any) -> dict[str, Any]:
+    """The layout options, in the order both commands declare them, by field name."""
+    names = ("gpus_per_node", "nodes", "tp", "pp", "cp", "ep", "etp", "vpp", "sequence_parallel")
+    return dict(zip(names, values, strict=True))
+
+
 @app.command("gen-scripts")
 def gen_scripts(
     out_dir: Path = typer.Option(Path("scripts"), "--out", help="Output directory."),
@@ -474,17 +480,7 @@ def gen_scripts(
         schemes=_csv(schemes),
         profile=profile,
         launcher=launcher,
-        parallel={
-            "gpus_per_node": gpus_per_node,
-            "nodes": nodes,
-            "tp": tp,
-            "pp": pp,
-            "cp": cp,
-            "ep": ep,
-            "etp": etp,
-            "vpp": vpp,
-            "sequence_parallel": sequence_parallel,
-        },
+        parallel=_sizes(gpus_per_node, nodes, tp, pp, cp, ep, etp, vpp, sequence_parallel),
         release=release,
         config=config,
         repo=_repo(repo),
@@ -566,15 +562,7 @@ def layout_(
         config,
         gpus,
         {
-            "gpus_per_node": gpus_per_node,
-            "nodes": nodes,
-            "tp": tp,
-            "pp": pp,
-            "cp": cp,
-            "ep": ep,
-            "etp": etp,
-            "vpp": vpp,
-            "sequence_parallel": sequence_parallel,
+            **_sizes(gpus_per_node, nodes, tp, pp, cp, ep, etp, vpp, sequence_parallel),
             "micro_batch": micro_batch,
             "global_batch": global_batch,
             "layers": num_layers,

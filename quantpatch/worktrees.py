@@ -21,7 +21,7 @@ import git
 
 from quantpatch import repo as gitrepo
 from quantpatch import scheme_branch, site_cache
-from quantpatch.config import ROLES, load_targets, validate_value
+from quantpatch.config import ROLES, Targets, load_targets, validate_value
 from quantpatch.errors import UserError
 from quantpatch.site_model import role_values
 from quantpatch.switch import base_tip, plan_from_base
@@ -62,6 +62,22 @@ def _checked_out_here(repo: git.Repo, name: str) -> bool:
     return gitrepo.active_branch(repo) == name
 
 
+def _locate(
+    path: Path | None, values: Mapping[str, str], *, allow_unknown: bool
+) -> tuple[gitrepo.Checkout, git.Repo, Targets, str, Path]:
+    """The checkout, its targets, the scheme's branch name and its worktree's path."""
+    missing = [r for r in ROLES if r not in values]
+    if missing:
+        raise UserError(f"worktree: give all three roles (missing: {', '.join(missing)}).")
+    for role in ROLES:
+        validate_value(values[role], allow_unknown=allow_unknown, where=f"--{role}")
+    checkout = gitrepo.find_checkout(path, need_git=True)
+    repo = checkout.git()
+    targets = load_targets(checkout.root)
+    name = scheme_branch.branch_name(values, targets.branch_prefix)
+    return checkout, repo, targets, name, worktrees_root(repo) / name.replace("/", "__")
+
+
 def ensure_worktree(
     path: Path | None,
     values: Mapping[str, str],
@@ -72,16 +88,7 @@ def ensure_worktree(
 ) -> WorktreeResult:
     """The scheme's worktree, detached at its branch, which always sits on the base's current
     tip (rebuilt when the base has moved on, the user's own commits on it carried over)."""
-    missing = [r for r in ROLES if r not in values]
-    if missing:
-        raise UserError(f"worktree: give all three roles (missing: {', '.join(missing)}).")
-    for role in ROLES:
-        validate_value(values[role], allow_unknown=allow_unknown, where=f"--{role}")
-    checkout = gitrepo.find_checkout(path, need_git=True)
-    repo = checkout.git()
-    targets = load_targets(checkout.root)
-    name = scheme_branch.branch_name(values, targets.branch_prefix)
-    wt_path = worktrees_root(repo) / name.replace("/", "__")
+    checkout, repo, targets, name, wt_path = _locate(path, values, allow_unknown=allow_unknown)
     with gitrepo.locked(checkout, wait=wait):
         scheme_branch.check_prefix(repo, targets)
         state = gitrepo.load_state(checkout)
@@ -137,16 +144,7 @@ def existing_worktree(path: Path | None, values: Mapping[str, str]) -> WorktreeR
     create or move a worktree. Refused unless it is exactly its branch's tip, clean, holds the
     values, and still sits on the base's current tip (a base that moved on means the job
     would train code older than the checkout's)."""
-    missing = [r for r in ROLES if r not in values]
-    if missing:
-        raise UserError(f"worktree: give all three roles (missing: {', '.join(missing)}).")
-    for role in ROLES:
-        validate_value(values[role], allow_unknown=False, where=f"--{role}")
-    checkout = gitrepo.find_checkout(path, need_git=True)
-    repo = checkout.git()
-    targets = load_targets(checkout.root)
-    name = scheme_branch.branch_name(values, targets.branch_prefix)
-    wt_path = worktrees_root(repo) / name.replace("/", "__")
+    checkout, repo, targets, name, wt_path = _locate(path, values, allow_unknown=False)
     again = "run 'quantpatch gen-scripts --prepare' (or 'quantpatch worktree') in the checkout"
     if not (wt_path / ".git").is_file():
         raise UserError(
