@@ -508,6 +508,11 @@ def test_slurm_scripts_and_the_sweep_array(make_checkout, tmp_path, stubs, run):
     # run outside an allocation: refused
     res = subprocess.run(["bash", str(one)], cwd=root, env=env, capture_output=True, text=True)
     assert res.returncode == 2 and "submit it with sbatch" in res.stderr
+    # submitted from outside the checkout: said so
+    res = subprocess.run(
+        ["sbatch", str(one)], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert res.returncode == 2 and f"MEGATRON_ROOT={tmp_path} is not a git checkout" in res.stderr
     # submitted before the worktrees were prepared: the job stops, it creates nothing
     res = subprocess.run(["sbatch", str(one)], cwd=root, env=env, capture_output=True, text=True)
     assert res.returncode == 2 and "no prepared worktree" in res.stderr
