@@ -328,7 +328,7 @@ def demo(
     ),
     megatron_core: str = typer.Option("0.13.1", "--megatron-core", help="megatron-core release."),
 ) -> None:
-    """Build a demo checkout from megatron-core and walk check -> set -> check -> restore."""
+    """Build a demo checkout from megatron-core and walk check, set, set again, restore."""
     from quantpatch.demo import build_checkout, walk
 
     out.rule(f"building {directory} from megatron-core {megatron_core}")
@@ -405,7 +405,7 @@ def list_(config: Path | None = ConfigOpt, json_: bool = JsonOpt) -> None:
 # sizes of a parallel layout: `layout` takes them as text (a script passes its environment),
 # `gen-scripts` as numbers that override the profile's
 def _size_opt(flag: str, what: str) -> Any:
-    return typer.Option(None, flag, help=what)
+    return typer.Option(None, flag, help=what, metavar="N")
 
 
 GpusPerNodeOpt = _size_opt("--gpus-per-node", "GPUs per node (default: the profile's).")
@@ -416,7 +416,9 @@ CpOpt = _size_opt("--cp", "Context-parallel size.")
 EpOpt = _size_opt("--ep", "Expert-parallel size.")
 EtpOpt = _size_opt("--etp", "Expert tensor-parallel size (default: TP).")
 VppOpt = _size_opt("--vpp", "Virtual pipeline stages per pipeline rank (interleaving).")
-SpOpt = _size_opt("--sequence-parallel", "auto (on when TP > 1), on or off.")
+SpOpt = typer.Option(
+    None, "--sequence-parallel", help="auto (on when TP > 1), on or off.", metavar="MODE"
+)
 
 
 def _sizes(*values: Any) -> dict[str, Any]:
@@ -494,6 +496,15 @@ def gen_scripts(
     out.print(f"validated against {done.validated}", markup=False)
     for warning in done.warnings:
         err.print(f"warning: {warning}", style="yellow", markup=False)
+    if result.others:
+        shown = ", ".join(result.others[:3]) + (" ..." if len(result.others) > 3 else "")
+        err.print(
+            f"note: {len(result.others)} other quantpatch script(s) in {out_dir} are not part "
+            f"of this generation (another launcher, profile or selection wrote them): {shown}; "
+            "they are left as they are.",
+            style="yellow",
+            markup=False,
+        )
     if check_only:
         if result.differing:
             raise CheckFailed(
@@ -506,11 +517,11 @@ def gen_scripts(
     sweep = f"; job array: {out_dir / 'sweep.sbatch'}" if launcher == "slurm" else ""
     out.print(
         f"{len(result.scripts)} {launcher} scripts ({profile}, Megatron-LM {flags.release}) in "
-        f"{out_dir}: {len(result.written)} written, {len(result.unchanged)} unchanged; "
-        f"index: {out_dir / 'index.md'}{sweep}"
+        f"{out_dir}: {len(result.written)} file(s) written, {len(result.unchanged)} unchanged "
+        f"(scripts and index); index: {out_dir / 'index.md'}{sweep}"
     )
-    for prepared in done.prepared:
-        out.print(f"worktree ready: {prepared}", markup=False)
+    if done.prepared:
+        out.print(f"{len(done.prepared)} worktree(s) prepared for the jobs.")
 
 
 @app.command("layout")
@@ -522,7 +533,9 @@ def layout_(
         "full", "--profile", help="Batch sizes, sequence length and sizes from this profile."
     ),
     config: Path | None = ConfigOpt,
-    gpus: str | None = typer.Option(None, "--gpus", help="GPUs in all (sets the nodes)."),
+    gpus: str | None = typer.Option(
+        None, "--gpus", help="GPUs in all (sets the nodes).", metavar="N"
+    ),
     gpus_per_node: str | None = GpusPerNodeOpt,
     nodes: str | None = NodesOpt,
     tp: str | None = TpOpt,
@@ -532,21 +545,35 @@ def layout_(
     etp: str | None = EtpOpt,
     vpp: str | None = VppOpt,
     sequence_parallel: str | None = SpOpt,
-    micro_batch: str | None = typer.Option(None, "--micro-batch", help="Micro batch size."),
-    global_batch: str | None = typer.Option(None, "--global-batch", help="Global batch size."),
-    num_layers: str | None = typer.Option(None, "--num-layers", help="Transformer layers."),
-    heads: str | None = typer.Option(None, "--heads", help="Attention heads."),
+    micro_batch: str | None = typer.Option(
+        None, "--micro-batch", help="Micro batch size.", metavar="N"
+    ),
+    global_batch: str | None = typer.Option(
+        None, "--global-batch", help="Global batch size.", metavar="N"
+    ),
+    num_layers: str | None = typer.Option(
+        None, "--num-layers", help="Transformer layers.", metavar="N"
+    ),
+    heads: str | None = typer.Option(None, "--heads", help="Attention heads.", metavar="N"),
     query_groups: str | None = typer.Option(None, "--query-groups", help="Query groups (GQA)."),
-    experts: str | None = typer.Option(None, "--experts", help="Experts (MoE)."),
-    seq_length: str | None = typer.Option(None, "--seq-length", help="Sequence length."),
+    experts: str | None = typer.Option(None, "--experts", help="Experts (MoE).", metavar="N"),
+    seq_length: str | None = typer.Option(
+        None, "--seq-length", help="Sequence length.", metavar="N"
+    ),
     transformer_impl: str | None = typer.Option(
         None, "--transformer-impl", help="local (default) or transformer_engine."
     ),
     node_rank: str | None = typer.Option(
-        None, "--node-rank", help="This node's rank (a static rendezvous): 0 to nodes - 1."
+        None,
+        "--node-rank",
+        help="This node's rank (a static rendezvous): 0 to nodes - 1.",
+        metavar="N",
     ),
     master_addr: str | None = typer.Option(
         None, "--master-addr", help="The rendezvous host: every node must reach it."
+    ),
+    master_port: str | None = typer.Option(
+        None, "--master-port", help="The rendezvous port: 1 to 65535.", metavar="N"
     ),
     line: bool = typer.Option(
         False, "--line", help="Print only the one-line summary (what the scripts log)."
@@ -574,6 +601,7 @@ def layout_(
         },
         node_rank,
         master_addr,
+        master_port,
     )
     for warning in layout.warnings:
         err.print(f"warning: {warning}", style="yellow", markup=False)

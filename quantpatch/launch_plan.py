@@ -127,6 +127,7 @@ def resolve_layout(
     given: Mapping[str, str | None],
     node_rank: str | None = None,
     master_addr: str | None = None,
+    master_port: str | None = None,
 ) -> Layout:
     """``quantpatch layout``: a model's plan under a profile (or the facts given), with the
     given sizes over it, derived or refused."""
@@ -145,7 +146,7 @@ def resolve_layout(
     plan = plan_from_text(given, base, gpus)
     try:
         layout = derive(plan)
-        check_rendezvous(plan.nodes, node_rank, master_addr)
+        check_rendezvous(plan.nodes, node_rank, master_addr, master_port)
         return layout
     except LayoutError as exc:
         if model is None:

@@ -453,7 +453,13 @@ TEXT_FIELDS = {
     "seq_length": "sequence length",
 }
 """Plan fields given as text (a script's environment), with the name a refusal uses."""
-_REQUIRED = ("layers", "heads", "seq_length", "micro_batch", "global_batch")
+_REQUIRED = {
+    "layers": "--num-layers",
+    "heads": "--heads",
+    "seq_length": "--seq-length",
+    "micro_batch": "--micro-batch",
+    "global_batch": "--global-batch",
+}
 
 
 def plan_from_text(
@@ -499,11 +505,9 @@ def plan_from_text(
         values["gpus_per_node"] = per_node
     if base is not None:
         return replace(base, **values)
-    missing = [TEXT_FIELDS[n] for n in _REQUIRED if n not in values]
+    missing = [_REQUIRED[n] for n in _REQUIRED if n not in values]
     if missing:
-        raise LayoutError(
-            f"a layout needs --model or the model facts ({', '.join(missing)} missing)."
-        )
+        raise LayoutError(f"a layout needs --model or {', '.join(missing)}.")
     values.setdefault("gpus_per_node", 8)
     values.setdefault("nodes", 1)
     return Plan(**values)
@@ -512,7 +516,9 @@ def plan_from_text(
 LOCAL_HOSTS = ("", "localhost", "127.0.0.1", "::1")
 
 
-def check_rendezvous(nodes: int, node_rank: str | None, master_addr: str | None) -> None:
+def check_rendezvous(
+    nodes: int, node_rank: str | None, master_addr: str | None, master_port: str | None = None
+) -> None:
     """What a multi-node launch needs besides sizes: every node must reach ``MASTER_ADDR``
     (``localhost`` is each node's own), and a static rendezvous needs each node's own rank."""
     if nodes > 1 and master_addr is not None and master_addr.strip() in LOCAL_HOSTS:
@@ -520,6 +526,10 @@ def check_rendezvous(nodes: int, node_rank: str | None, master_addr: str | None)
             f"NNODES={nodes} needs MASTER_ADDR set to a host every node reaches (it is "
             f"{master_addr.strip() or 'empty'})."
         )
+    if master_port is not None and (
+        not re.fullmatch(r"[1-9][0-9]{0,4}", master_port) or int(master_port) > 65535
+    ):
+        raise LayoutError(f"MASTER_PORT must be a port from 1 to 65535 (got {master_port!r}).")
     if node_rank is not None and (
         not re.fullmatch(r"0|[1-9][0-9]{0,6}", node_rank) or int(node_rank) >= nodes
     ):

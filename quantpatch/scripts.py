@@ -16,7 +16,7 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import cache
 from importlib import resources
 from pathlib import Path
@@ -573,6 +573,9 @@ class GenResult:
     unchanged: list[str]
     differing: list[str]
     """With ``check``: files that are missing or differ from what would be generated."""
+    others: list[str] = field(default_factory=list)
+    """quantpatch scripts in the directory that this generation does not hold (another
+    launcher, profile or selection wrote them): left as they are, and said."""
 
 
 def writable(out: Path) -> None:
@@ -615,7 +618,9 @@ def generate(
         if old is not None and rel != INDEX and not body_matches_header(old):
             edited_by_hand.append(rel)
         edits.append(Edit(rel, old, text, mode))
-    result = GenResult(out, list(scripts), [], unchanged, [e.rel for e in edits])
+    result = GenResult(
+        out, list(scripts), [], unchanged, [e.rel for e in edits], _others(out, files)
+    )
     if check:
         return result
     if edited_by_hand and not force:
@@ -626,6 +631,24 @@ def generate(
         )
     result.written = apply_edits(out, edits)
     return result
+
+
+def _others(out: Path, files: Sequence[tuple[str, str, int]]) -> list[str]:
+    """Scripts quantpatch wrote into ``out`` earlier that are not among ``files``."""
+    if not out.is_dir():
+        return []
+    ours = {rel for rel, _, _ in files}
+    found = []
+    for pattern in ("*/pretrain_*.sh", "*/pretrain_*.sbatch", "*/swift_pt_*.sh", SWEEP):
+        for path in sorted(out.glob(pattern)):
+            rel = path.relative_to(out).as_posix()
+            if rel in ours or not path.is_file():
+                continue
+            with path.open("rb") as fh:
+                head = fh.read(512)
+            if b"\n# quantpatch " in head and HASH_PREFIX.encode() in head:
+                found.append(rel)
+    return found
 
 
 def describe(reg: Registry) -> dict[str, Any]:

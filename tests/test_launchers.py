@@ -249,7 +249,7 @@ def test_layout_command(run):
     assert res.code == 0 and "64 over EP 8 (8 per rank)" in res.out
     # no model: the facts themselves; a missing one is named
     res = run("layout", "--num-layers", "4", "--heads", "8", "--seq-length", "128")
-    assert res.code == 2 and "MICRO_BATCH_SIZE, GLOBAL_BATCH_SIZE missing" in res.err
+    assert res.code == 2 and "a layout needs --model or --micro-batch, --global-batch" in res.err
     res = run(
         "layout", "--line", "--num-layers", "4", "--heads", "8", "--seq-length", "128",
         "--micro-batch", "1", "--global-batch", "8", "--gpus-per-node", "8", "--tp", "2",
@@ -417,6 +417,7 @@ def test_torchrun_two_nodes_and_a_bad_override(make_checkout, tmp_path, stubs, r
         ({"VPP": "08", "PP": "2"}, "VPP must be an integer from 1 to 1048576"),
         ({"MASTER_ADDR": "localhost"}, "NNODES=2 needs MASTER_ADDR set to a host every node"),
         ({"TP": "$(touch pwned)"}, "TP must be an integer"),
+        ({"MASTER_PORT": "abc"}, "MASTER_PORT must be a port from 1 to 65535 (got 'abc')."),
     ):
         res = subprocess.run(
             [str(script)], cwd=root, env={**node, **bad}, capture_output=True, text=True
@@ -505,6 +506,12 @@ def test_slurm_scripts_and_the_sweep_array(make_checkout, tmp_path, stubs, run):
     ]
     one = out / "llama32-1b" / "pretrain_llama32-1b_dolma_FA_mxfp8.sbatch"
     assert "#SBATCH --nodes=2\n" in one.read_text()
+    # torchrun scripts written into the same folder later: the sbatch files are said to remain
+    res = run("gen-scripts", "--out", out, "--models", "llama32-1b", "--datasets", "dolma")
+    assert res.code == 0 and "note: 11 other quantpatch script(s)" in res.err
+    assert "pretrain_llama32-1b_dolma_FA_hifp8.sbatch" in res.err and one.is_file()
+    for path in out.rglob("*.sh"):
+        path.unlink()
     # run outside an allocation: refused
     res = subprocess.run(["bash", str(one)], cwd=root, env=env, capture_output=True, text=True)
     assert res.returncode == 2 and "submit it with sbatch" in res.stderr
