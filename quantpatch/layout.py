@@ -77,11 +77,23 @@ class Plan:
 @dataclass(frozen=True)
 class Layout:
     plan: Plan
-    world: int
-    dp: int
-    grad_accum: int
-    sequence_parallel: bool
     warnings: tuple[str, ...]
+
+    @property
+    def world(self) -> int:
+        return self.plan.world
+
+    @property
+    def dp(self) -> int:
+        return self.plan.dp
+
+    @property
+    def grad_accum(self) -> int:
+        return self.plan.global_batch // (self.plan.micro_batch * self.plan.dp)
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.plan.sp
 
     def line(self) -> str:
         """One line for a script's log header."""
@@ -368,14 +380,7 @@ def derive(plan: Plan) -> Layout:
             f"TP {plan.tp} is larger than the {plan.gpus_per_node} GPUs of a node: "
             "tensor-parallel all-reduces will cross nodes"
         )
-    return Layout(
-        plan,
-        plan.world,
-        plan.dp,
-        plan.global_batch // (plan.micro_batch * plan.dp),
-        plan.sp,
-        tuple(warnings),
-    )
+    return Layout(plan, tuple(warnings))
 
 
 def parse_size(name: str, text: str | int | None) -> int | None:

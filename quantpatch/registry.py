@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cache
 from importlib import resources
 from pathlib import Path
@@ -181,7 +181,7 @@ def _check_slurm(table: Any, where: str, old: Slurm) -> Slurm:
                 "(it becomes an #SBATCH line)."
             )
         values[key] = value
-    return Slurm(**{**old.__dict__, **values})
+    return replace(old, **values)
 
 
 def _check_args(args: Any, where: str) -> dict[str, ArgValue]:

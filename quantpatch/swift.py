@@ -299,9 +299,11 @@ def _cache_key(root: Path) -> str:
     ).hexdigest()
 
 
+@cache
 def swift_source(path: Path | None) -> SwiftSource:
     """The ms-swift to generate for: ``path``; else the installed one; else the bundled list.
-    A read is cached (keyed by path and modification time): parsing takes about a second."""
+    A read is cached on disk (keyed by path and modification time: parsing takes about half a
+    second) and in the process (validation, rendering and the summary share one read)."""
     root = path if path is not None else _installed()
     if root is None:
         return bundled()
@@ -346,11 +348,6 @@ def swift_source(path: Path | None) -> SwiftSource:
 # -- the scripts ---------------------------------------------------------------------------
 
 
-@cache
-def _source_for(path: Path | None) -> SwiftSource:
-    return swift_source(path)
-
-
 def _swift_args(
     values: Mapping[str, object], fields: frozenset[str]
 ) -> tuple[list[tuple[str, str | None]], dict[str, object]]:
@@ -384,7 +381,7 @@ def check_models(
 ) -> SwiftSource:
     """Refuse when this ms-swift cannot run the local layers, or lacks a field the scripts
     pass themselves."""
-    source = _source_for(path)
+    source = swift_source(path)
     if source.refusal is not None:
         raise UserError(f"{source.refusal}; read from {source.where}.")
     need = list(OWN_FIELDS)
@@ -413,7 +410,7 @@ def render_body(
 ) -> str:
     from quantpatch.scripts import _environment, _master_port
 
-    source = _source_for(path)
+    source = swift_source(path)
     args, extra = _swift_args(values, source.fields)
     return (
         _environment()

@@ -43,12 +43,20 @@ def worktrees_root(repo: git.Repo) -> Path:
     return Path(override) if override else Path(repo.common_dir) / "quantpatch" / "worktrees"
 
 
-def _verify(path: Path, values: Mapping[str, str], name: str) -> None:
+def _wrong_values(
+    path: Path, values: Mapping[str, str]
+) -> tuple[gitrepo.Checkout, Targets, dict[str, str | None]]:
+    """The worktree at ``path``, its targets, and the roles whose values differ from
+    ``values``."""
     wt = gitrepo.find_checkout(path, need_git=True)
     targets = load_targets(wt.root)
     sites = [s for f in site_cache.read_sites(wt.root, targets, wt.state_dir / "cache") for s in f]
     got, _ = role_values(sites)
-    wrong = {r: got[r] for r in values if got.get(r) != values[r]}
+    return wt, targets, {r: got.get(r) for r in values if got.get(r) != values[r]}
+
+
+def _verify(path: Path, values: Mapping[str, str], name: str) -> None:
+    wt, targets, wrong = _wrong_values(path, values)
     dirty = gitrepo.dirty_paths(wt.git(), targets.all_files)
     if wrong or dirty:
         raise UserError(
@@ -185,14 +193,7 @@ def existing_worktree(path: Path | None, values: Mapping[str, str]) -> WorktreeR
                 f"the worktree of {name} was prepared (at {head[:12]}): the job would train "
                 f"older code; {again}."
             )
-    wt = gitrepo.find_checkout(wt_path, need_git=True)
-    sites = [
-        s
-        for f in site_cache.read_sites(wt.root, load_targets(wt.root), wt.state_dir / "cache")
-        for s in f
-    ]
-    got, _ = role_values(sites)
-    wrong = {r: got.get(r) for r in values if got.get(r) != values[r]}
+    _, _, wrong = _wrong_values(wt_path, values)
     if wrong:
         raise UserError(f"{wt_path}: the worktree does not hold {name} (found {wrong}); {again}.")
     return WorktreeResult(wt_path, name, head, False, False)

@@ -199,18 +199,6 @@ def _scratch(n: int) -> Any:
     return _SCRATCH[0][:n]
 
 
-def _byte_at(arr: Any, tail: Any, limit: int, pos: Any) -> Any:
-    """The byte at each position (NUL past the end of the file)."""
-    import numpy as np
-
-    inside = np.minimum(pos, len(arr) - 1)
-    out = arr[inside]
-    late = np.flatnonzero(pos > limit)
-    if len(late):
-        out[late] = tail[pos[late] - limit]
-    return out
-
-
 def _template_columns(data: bytes, run: Run) -> bool:
     """The common case, fast: every iteration line has the first one's fields in its order.
     Each line's fields then sit between its own ``|`` bars, found with one pass over the
@@ -251,7 +239,12 @@ def _template_columns(data: bytes, run: Run) -> bool:
         return out
 
     def byte_at(pos: Any) -> Any:
-        return _byte_at(arr, tail, limit, pos)
+        """The byte at each position (NUL past the end of the file)."""
+        out = arr[np.minimum(pos, len(arr) - 1)]
+        late = np.flatnonzero(pos > limit)
+        if len(late):
+            out[late] = tail[pos[late] - limit]
+        return out
 
     hits = _scratch(len(arr))
     bars = np.flatnonzero(np.equal(arr, 124, out=hits))
