@@ -5,6 +5,8 @@ label site before a shared Q.K^T/P.V site, the fork's own saver and its callers)
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 from pathlib import Path
 
 import git
@@ -319,3 +321,47 @@ def test_gen_scripts_for_the_clones_own_release(run, clone, tmp_path):
             or text.count("--expert-model-parallel-size") == 1
         )
     assert git_out(clone, "status", "--porcelain") == ""
+
+
+def test_a_slurm_sweep_on_the_clone(run, clone, tmp_path, monkeypatch):
+    """The launchers on the fork as its user has it (a `quant` clone with history, label
+    sites, its own saver and a 0.15.0rc3 parser): worktrees prepared, an array task run by
+    stub sbatch/srun/torchrun in the scheme's worktree, and a job refused once `quant` moves."""
+    from .test_launchers import QUANTPATCH, STUBS, calls
+
+    monkeypatch.chdir(clone)
+    bin_dir, record = tmp_path / "bin", tmp_path / "record"
+    bin_dir.mkdir()
+    record.mkdir()
+    for name, text in STUBS.items():
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        "STUB_DIR": str(record),
+        "QUANTPATCH": QUANTPATCH,
+        "OUTPUT_ROOT": str(tmp_path / "runs"),
+        "STUB_ARRAY_TASK": "7",
+    }
+    out = tmp_path / "scripts"
+    res = run("gen-scripts", "--out", out, "--launcher", "slurm", "--nodes", "2", "--prepare",
+              "--models", "llama32-1b", "--datasets", "dolma")  # fmt: skip
+    assert res.code == 0, res
+    assert "validated against the checkout's Megatron 0.15.0rc3" in res.out
+    res = subprocess.run(["sbatch", str(out / "sweep.sbatch")], cwd=clone, env=env,
+                         capture_output=True, text=True)  # fmt: skip
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "pretrain_llama32-1b_dolma_FA_linear_mxfp8.sbatch" in res.stdout
+    nodes = calls(record, "torchrun")
+    assert len(nodes) == 2
+    wt = Path(nodes[0][1])
+    assert wt.name == "quantpatch__linear-mxfp8_qk-mxfp8_pv-bf16"
+    held = [(s["role"], s["value"]) for s in _sites(run, wt) if s["file"] == ATTENTION]
+    assert held == [("qk", "mxfp8"), ("qk", "mxfp8"), ("pv", "bf16")]  # label, qk, split pv
+    assert git_out(clone, "branch", "--show-current").strip() == "quant"
+    assert git_out(clone, "status", "--porcelain", "--untracked-files=no") == ""
+    git_out(clone, "commit", "-q", "--allow-empty", "-m", "a fix on quant")
+    res = subprocess.run(["sbatch", str(out / "sweep.sbatch")], cwd=clone, env=env,
+                         capture_output=True, text=True)  # fmt: skip
+    assert res.returncode == 2 and "quant has moved on to" in res.stderr
