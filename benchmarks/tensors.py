@@ -8,7 +8,9 @@ Usage: python benchmarks/tensors.py [--gb 1.0] [--logs 60] [--lines 250000] [--j
    same tensors already in memory; and the peak memory of the analysis (bounded by a few
    tensors, whatever the directory holds). Bar (issue 9): analysis <= 2x the ops alone.
 2. ``runs`` over ``--logs`` generated Megatron logs of ``--lines`` iteration lines each, in
-   ``training_log``'s exact format. Bar: 60 logs of 250k lines in under 10 s on 2 cores.
+   ``training_log``'s exact format (step times and grad norms of several widths; a checkpoint
+   saved and a validation every 1000 iterations, as in a real run). Bar: 60 logs of 250k
+   lines in under 10 s on 2 cores.
 """
 
 from __future__ import annotations
@@ -30,8 +32,17 @@ from quantpatch.runtime.quantpatch_ops import fake_quant
 LINE = (
     " [2026-11-22 11:25:39] iteration {it:8d}/{total:8d} | consumed samples: {cs:12d} | "
     "elapsed time per iteration (ms): {ms:.1f} | learning rate: 6.666667E-05 | "
-    "global batch size:     8 | lm loss: {loss:.6E} | loss scale: 1.0 | grad norm: 2.105 | "
+    "global batch size:     8 | lm loss: {loss:.6E} | loss scale: 1.0 | grad norm: {gn:.3f} | "
     "number of skipped iterations:   0 | number of nan iterations:   0 |\n"
+)
+# every 1000 iterations a real run saves a checkpoint and validates (core_v0.13.1's wording)
+EVERY_1000 = (
+    "saving checkpoint at iteration {it:7d} to /ckpt in torch_dist format\n"
+    "  successfully saved checkpoint from iteration {it:7d} to /ckpt [ t 1/1, p 1/1 ]\n"
+    + "-"
+    * 99
+    + "\n validation loss at iteration {it} on validation set | lm loss value: 3.162278E+00 | "
+    "lm loss PPL: 2.362298E+01 | \n" + "-" * 99 + "\n"
 )
 NAMES = ("input", "weight", "grad_output", "query")
 
@@ -92,9 +103,11 @@ def bench_runs(logs: int, lines: int, jobs: int, tmp: Path) -> None:
     root = tmp / "runs"
     a = time.perf_counter()
     body = "".join(
-        LINE.format(it=i, total=lines, cs=8 * i, ms=96.9 + (i % 7), loss=3 + 10 / (i + 9))
+        LINE.format(it=i, total=lines, cs=8 * i, ms=96.9 + 9.1 * (i % 7), loss=3 + 10 / (i + 9),
+                    gn=0.5 + 30 / (i + 9))
+        + (EVERY_1000.format(it=i) if i % 1000 == 0 else "")
         for i in range(1, lines + 1)
-    )
+    )  # fmt: skip
     total_bytes = 0
     for k in range(logs):
         model = ("llama32-1b", "qwen25-1.5b", "deepseek2_lite")[k // 20 % 3]

@@ -11,6 +11,8 @@ import pickle
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 np = pytest.importorskip("numpy")
@@ -361,10 +363,11 @@ def _has_matplotlib() -> bool:
     return True
 
 
-def test_logs_without_timestamps_take_the_pattern_path(tmp_path, monkeypatch):
-    """Older releases print iteration lines without the '[date]' prefix; numpy missing has
-    the same effect: the field names of the first line become one pattern, other field
-    sets are read line by line, by name."""
+def test_logs_without_timestamps_and_with_other_field_sets(tmp_path, monkeypatch):
+    """Older releases print iteration lines without the '[date]' prefix, and a resumed run
+    may print another release's fields: the general numpy path reads such a log by name,
+    and so does the pattern path (numpy missing): the field names of the first line become
+    one pattern, other field sets are read line by line."""
     p = tmp_path / "old.log"
     lines = [
         LINE.format(it=i, total=40, cs=8 * i, ms=50.0, loss=f"{4 - i / 100:.6E}", sk=0, nan=0)
@@ -409,18 +412,39 @@ def _same(a, b):
         ), name
 
 
+# what a real log holds between its iteration lines (core_v0.13.1's training.py and
+# checkpointing.py), with '/', digits and '|' where a careless reader would take them
+CHECKPOINT = (
+    "saving checkpoint at iteration {it:7d} to /ckpt/run 1/2 in torch_dist format\n"
+    "  successfully saved checkpoint from iteration {it:7d} to /ckpt [ t 1/1, p 1/1 ]"
+)
+VALIDATION = (
+    "-" * 99 + "\n validation loss at iteration {it} on validation set | lm loss value: "
+    "3.162278E+00 | lm loss PPL: 2.362298E+01 | \n" + "-" * 99
+)
+
+
+def _real_log(n: int, *, every: int = 50, grad: bool = True) -> list[str]:
+    lines = ["[quantpatch] m / d / bf16 (full): linear=bf16 qk=bf16 pv=bf16"]
+    for i in range(1, n + 1):
+        loss = "nan" if i == 17 else f"{3 + 7 / i:.6E}"
+        line = LINE.format(it=i, total=n, cs=8 * i, ms=90 + i % 13 / 10 + (i % 7) * 11.1,
+                           loss=loss, sk=int(i % 50 == 0), nan=int(i == 17))  # fmt: skip
+        if grad:
+            line = line.replace("grad norm: 2.105", f"grad norm: {1 + 20 / i:.3f}")
+        lines.append(line)
+        if i % every == 0:
+            lines += [CHECKPOINT.format(it=i), VALIDATION.format(it=i)]
+    return lines
+
+
 def test_the_template_path_equals_the_general_paths(tmp_path, monkeypatch):
     """The fast path (one field set, bars found once, values converted by column) gives
-    exactly what the by-name paths give: values, NaN losses, skips, duplicates, and a last
-    line still being written; a line of another field set sends the file down the general
-    path, whose result it then is."""
-    lines = ["[quantpatch] m / d / bf16 (full): linear=bf16 qk=bf16 pv=bf16"]
-    for i in range(1, 301):
-        loss = "nan" if i == 17 else f"{3 + 7 / i:.6E}"
-        lines.append(
-            LINE.format(it=i, total=300, cs=8 * i, ms=90 + i % 13 / 10, loss=loss,
-                        sk=int(i % 50 == 0), nan=int(i == 17))
-        )  # fmt: skip
+    exactly what the by-name paths give on a log shaped like a real one (checkpoint and
+    validation lines in between, step times and grad norms of several widths): values,
+    NaN losses, skips, duplicates, and a last line still being written; a line of another
+    field set sends the file down the general path, whose result it then is."""
+    lines = _real_log(300)
     lines.insert(40, lines[39])  # a line printed twice (two ranks)
     p = tmp_path / "run.log"
     cut = LINE.format(it=301, total=300, cs=0, ms=1.0, loss="1.0", sk=0, nan=0)[:70]
@@ -429,19 +453,95 @@ def test_the_template_path_equals_the_general_paths(tmp_path, monkeypatch):
     t = ways["template"]
     assert len(t.iterations) == 300 and t.garbage == 1 and t.duplicates == 1
     assert t.nonfinite_loss == 1 and sum(t.column("skipped")) == 6 and sum(t.column("nan")) == 1
-    assert "grad_norm" in t.lazy and t.column("grad_norm")[0] == 2.105  # converted on use
+    assert t.constant == {"loss_scale": 1.0}  # one number, not 300
+    assert t.column("loss_scale")[299] == 1.0 and t.column("grad_norm")[0] == 21.0
     _same(t, ways["numpy"])
     _same(t, ways["pattern"])
+    with monkeypatch.context() as m:  # the template path took it, in blocks of a few lines
+        m.setattr(training_logs, "_numpy_columns", _never)  # and not the general one
+        m.setattr(training_logs, "_BLOCK", 1000)
+        _same(training_logs.parse_log(p), t)
     # another field set in the middle: the general path decides
     other = LINE_OTHER.format(it=150, total=300, cs=0, ms=60.0, loss="1.0", sk=0, nan=0)
-    p.write_text("\n".join([*lines[:150], other, *lines[152:]]) + "\n")
+    at = lines.index(next(x for x in lines if "iteration      150/" in x))
+    p.write_text("\n".join([*lines[:at], other, *lines[at + 1 :]]) + "\n")
     ways = _three_ways(p, monkeypatch)
     _same(ways["template"], ways["numpy"])
-    assert not ways["template"].lazy  # it was the general path's result
+    _same(ways["template"], ways["pattern"])
+    assert not ways["template"].constant  # it was the general path's result
     # garbage inside a value: the same
     p.write_text("\n".join(lines).replace("lm loss: 5.333333E+00", "lm loss: 5.3x3E+00") + "\n")
     ways = _three_ways(p, monkeypatch)
     _same(ways["template"], ways["numpy"])
+    _same(ways["template"], ways["pattern"])
+
+
+def _column_major(texts: list[bytes]) -> np.ndarray:
+    """Texts right-aligned in one window, spaces on the left, one column each."""
+    w = max(len(t) for t in texts)
+    rows = np.frombuffer(b"".join(t.rjust(w) for t in texts), np.uint8).reshape(len(texts), w)
+    return np.ascontiguousarray(rows.T)
+
+
+def _bits(x: float) -> bytes:
+    return b"nan" if math.isnan(x) else np.float64(x).tobytes()
+
+
+_PRINTED = st.one_of(
+    st.tuples(st.floats(), st.sampled_from(["%.6E", "%.1f", "%.3f", "%.17g", "%.2e", "%r"])),
+    st.tuples(st.integers(-(10**18), 10**18), st.sampled_from(["%d", "%5d", "%.1f"])),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(_PRINTED, min_size=1, max_size=40),
+    st.lists(st.text("0123456789.eE+- nai", min_size=1, max_size=14), max_size=5),
+)
+def test_numbers_are_read_bit_for_bit(printed, garbage):
+    """The column-wise reader gives exactly what float() gives (NaN where float() refuses),
+    whatever Megatron's format, the sign, the exponent, the width; garbage among them."""
+    from quantpatch.analysis.log_columns import parse_numbers
+
+    texts = [(fmt % v).encode() for v, fmt in printed]
+    texts += [g.strip().encode() or b"x" for g in garbage]
+    got = parse_numbers(_column_major(texts))
+    assert [_bits(x) for x in got] == [_bits(training_logs.number(t)) for t in texts]
+
+
+def test_numbers_take_the_fast_path(monkeypatch):
+    """Megatron's columns are read without numpy's text conversion (the fast path)."""
+    from quantpatch.analysis import log_columns
+
+    monkeypatch.setattr(log_columns, "to_float", _never)
+    for fmt, values in (("%.6E", [9.889642, -0.25, 1e-12, 3e20]), ("%.1f", [96.9, 104.3, -0.0]),
+                        ("%3d", [0, 1, 250]), ("%.3f", [2.105, 11.5])):  # fmt: skip
+        texts = [(fmt % v).encode() for v in values]
+        got = log_columns.parse_numbers(_column_major(texts))
+        assert [_bits(x) for x in got] == [_bits(float(t)) for t in texts]
+
+
+def _never(*args):
+    raise AssertionError("the general path was taken")
+
+
+def test_iteration_lines_of_any_layout(tmp_path, monkeypatch):
+    """Iteration lines are found at their '/' whatever the widths: a first line in
+    Megatron's layout, then a 9-digit iteration, one without a timestamp, one with other
+    spacing, and slashes that are not iteration lines at all (paths, 't 1/1')."""
+    first = LINE.format(it=1, total=10**9, cs=8, ms=1.5, loss="4.000000E+00", sk=0, nan=0)
+    wide = LINE.format(it=123456789, total=10**9, cs=8, ms=1.5, loss="3.000000E+00", sk=0, nan=0)
+    bare = LINE.format(it=2, total=10**9, cs=8, ms=1.5, loss="3.500000E+00", sk=0, nan=0)
+    bare = bare.replace(" [2026-11-22 11:25:39]", "")
+    spaced = LINE.format(it=3, total=10**9, cs=8, ms=1.5, loss="3.250000E+00", sk=0, nan=0)
+    spaced = spaced.replace("       3/1000000000 |", " 3 / 1000000000   |")
+    p = tmp_path / "x.log"
+    p.write_text("\n".join([first, CHECKPOINT.format(it=1), bare, spaced, wide]) + "\n")
+    ways = _three_ways(p, monkeypatch)
+    assert list(ways["template"].iterations) == [1, 2, 3, 123456789]
+    assert list(ways["template"].column("loss")) == [4.0, 3.5, 3.25, 3.0]
+    _same(ways["template"], ways["numpy"])
+    _same(ways["template"], ways["pattern"])
 
 
 def test_the_comparison_is_the_same_with_and_without_numpy(tmp_path, monkeypatch):

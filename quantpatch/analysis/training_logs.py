@@ -7,16 +7,17 @@ Megatron's ``training_log`` prints one line per logging interval::
     number of skipped iterations:   0 | number of nan iterations:   0 |
 
 Releases add or drop fields (``--log-throughput`` adds ``throughput per GPU (TFLOP/s/GPU)``),
-so fields are found by name, never by position. For speed (a sweep's logs hold millions of
-lines), the usual log, whose iteration lines all carry the first one's fields, is read by the
-``|`` bars of each line, found in one pass, with every line's field names checked at their
-bars and only the values the comparison needs converted (the others on first use). Any other
-log goes the general way: numpy locates every ``| <name>:`` and every ``] iteration`` at once and
-assigns each value to the iteration on its line; a line missing a field gets NaN for it, a
-line cut short (still being written, or two ranks interleaved) is counted and ignored. Without
-numpy, or for logs whose iteration lines carry no timestamp, the field names of the first
-iteration line become one pattern matched over the file in C, and lines with another set of
-fields are parsed one by one. The launch scripts'
+so fields are found by name, never by position. An iteration line is one with
+``iteration N/ M |``; the lines between them (checkpoints saved, validation, warnings) are
+passed over. For speed (a sweep's logs hold millions of lines), a usual log, whose iteration
+lines all carry the first one's fields, is read in blocks of whole lines by the ``|`` bars of
+each line, with every line's field names checked at their bars and each value converted a
+column at a time (``log_columns``). Any other log goes the general way: numpy locates every
+``| <name>:`` at once and assigns each value to the iteration on its line; a line missing a
+field gets NaN for it, a line cut short (still being written, or two ranks interleaved) is
+counted and ignored. Without numpy, the field names of the first iteration line become one
+pattern matched over the file in C, and lines with another set of fields are parsed one by
+one. The launch scripts'
 header (``[quantpatch] model / dataset / scheme (profile): linear=... qk=... pv=...``) and
 closing line (``training exited with status N``) give the run's identity and status; a log
 without them is keyed from its path where the run folder's name allows.
@@ -37,7 +38,8 @@ from typing import Any
 
 from quantpatch.errors import UserError
 
-_ITERATION = re.compile(rb"iteration\s+(\d+)\s*/\s*(\d+)\s*\|")
+ITERATION = re.compile(rb"iteration +(\d+) */ *(\d+) *\|")
+"""An iteration line's start as Megatron prints it (``' iteration {:8d}/{:8d} |'``)."""
 _HEADER = re.compile(
     rb"\[quantpatch\] (?P<model>\S+) / (?P<dataset>\S+) / (?P<scheme>\S+) \((?P<profile>\S+)\):"
     rb" linear=(?P<linear>\S+) qk=(?P<qk>\S+) pv=(?P<pv>\S+)"
@@ -73,10 +75,9 @@ class Run:
     garbage: int = 0  # iteration-like lines that could not be read (cut, interleaved)
     nonfinite_loss: int = 0  # intervals whose loss was printed as nan or inf
     duplicates: int = 0  # the same iteration printed again (several ranks)
-    # columns nothing in the comparison reads (grad norm, loss scale, throughput), kept as
-    # their fixed-width text (width, bytes) and converted on first use: converting a number
-    # costs about 200 ns, a third of a log's parse
-    lazy: dict[str, tuple[int, bytes]] = field(default_factory=dict)
+    # columns that print one value throughout (loss scale, skip and NaN counts, usually):
+    # one number crosses the process boundary (--jobs), not a quarter of a million
+    constant: dict[str, float] = field(default_factory=dict)
 
     @property
     def status(self) -> str:
@@ -89,16 +90,32 @@ class Run:
         return "no exit line (running, or killed)"
 
     def column(self, name: str) -> Sequence[float]:
-        if name in self.lazy:
-            import numpy as np
-
-            width, text = self.lazy.pop(name)
-            values = _to_float(np.frombuffer(text, f"S{width}"))
-            self.series[name] = array("d", values.astype(np.float64).tobytes())
-        return self.series.get(name, array("d", [math.nan]) * len(self.iterations))
+        if name in self.constant:
+            return array("d", [self.constant[name]]) * len(self.iterations)
+        if name not in self.series:  # not printed by this release: NaN throughout
+            return array("d", [math.nan]) * len(self.iterations)
+        return self.series[name]
 
 
-def _number(raw: bytes) -> float:
+def _compact(values: Any, code: str) -> array[Any]:
+    """A numpy vector as an ``array`` of ``code`` ('d', 'q'), copied once."""
+    import numpy as np
+
+    out = array(code)
+    out.frombytes(np.ascontiguousarray(values, out.typecode).data.cast("B"))
+    return out
+
+
+def _doubles(values: Any) -> array[float]:
+    return _compact(values, "d")
+
+
+def _integers(values: Any) -> array[int]:
+    return _compact(values, "q")
+
+
+def number(raw: bytes) -> float:
+    """A value as Megatron printed it; NaN where it is not a number."""
     try:
         return float(raw)
     except ValueError:
@@ -116,7 +133,7 @@ def _fields_of(rest: bytes) -> dict[str, bytes]:
 
 def _template(names: list[str]) -> re.Pattern[bytes]:
     """One pattern for iteration lines whose fields are exactly ``names`` in this order."""
-    parts = [rb"iteration\s+(\d+)\s*/\s*(\d+)\s*\|"]
+    parts = [ITERATION.pattern]
     for n in names:
         parts.append(rb"\s*" + re.escape(n.encode()) + rb":\s*([^|\n]*?)\s*\|")
     return re.compile(b"".join(parts) + rb"[ \t\r]*$", re.M)
@@ -139,7 +156,7 @@ def parse_log(path: Path) -> Run:
         _finish(data, run)
         return run
     rows: dict[int, dict[str, float]] = {}
-    first = _ITERATION.search(data)
+    first = ITERATION.search(data)
     if first is not None:
         eol = data.find(b"\n", first.end())
         names = [n for n in _fields_of(data[first.end() : eol if eol >= 0 else len(data)]) if n]
@@ -153,7 +170,7 @@ def parse_log(path: Path) -> Run:
             if it in rows:
                 run.duplicates += 1
                 continue
-            rows[it] = {ours: _number(m[2 + i]) for i, ours in wanted}
+            rows[it] = {ours: number(m[2 + i]) for i, ours in wanted}
         lines = data.count(b" iteration ") - data.count(b" per iteration (")
         if matched != lines:  # other field sets, cut or garbled lines
             _slow_path(data, rows, run)
@@ -172,215 +189,177 @@ def _finish(data: bytes, run: Run) -> None:
     run.crashed = run.exit_status is None and bool(_CRASH.search(data, max(0, last_iteration_at)))
 
 
-def _to_float(text: Any) -> Any:
-    """Fixed-width number texts (NUL-padded) as floats; one by one where numpy refuses."""
-    import numpy as np
-
-    try:
-        return text.astype(np.float64)
-    except ValueError:  # garbage inside a field
-        return np.array([_number(t) for t in text.tolist()], dtype=np.float64)
+_BLOCK = 8 << 20
+"""The template path reads a log in blocks of this many bytes (whole lines): every check
+and every value is a pass over the block's lines, and a block's lines stay in the processor's
+cache from one pass to the next (a third faster than passes over the whole file)."""
 
 
-_EAGER = ("loss", "step_ms", "skipped", "nan")
-"""The columns the comparison reads; the others are converted on first use."""
-
-
-_SCRATCH: list[Any] = []
-
-
-def _scratch(n: int) -> Any:
-    """A boolean buffer of ``n`` elements, reused from log to log: a fresh 80 MB array per
-    log costs its page faults again (a third of the time with two processes)."""
-    import numpy as np
-
-    if not _SCRATCH or len(_SCRATCH[0]) < n:
-        _SCRATCH[:] = [np.empty(max(n, 1 << 20), np.bool_)]
-    return _SCRATCH[0][:n]
+@dataclass
+class _Block:
+    iteration: Any
+    total: Any
+    values: dict[str, Any]
+    cut: bool  # the last line is still being written (dropped)
 
 
 def _template_columns(data: bytes, run: Run) -> bool:
     """The common case, fast: every iteration line has the first one's fields in its order.
     Each line's fields then sit between its own ``|`` bars, found with one pass over the
-    file; every field's name is checked on every line, and only the values are converted.
-    False (the general path) on anything else; a last line still being written is dropped
-    and counted."""
+    file; every field's name is checked on every line, and each value the run keeps is
+    converted column by column. Lines that are not iteration lines (checkpoints saved,
+    validation, warnings) are passed over. False (the general path) on anything else; a
+    last line still being written is dropped and counted."""
     try:
         import numpy as np
-        from numpy.lib.stride_tricks import sliding_window_view
+
+        from quantpatch.analysis import log_columns
     except ImportError:
         return False
-    marker = b"] iteration "
-    first = data.find(marker)
-    eol = data.find(b"\n", first)
-    if eol < 0:
+    first = ITERATION.search(data)
+    if first is None:
         return False
-    line = data[first:eol].rstrip(b"\r ")
-    bars_in_line = line.count(b"|")
-    names = [
-        part.partition(b":")[0].strip() for part in line.split(b"|")[1:-1]
-    ]  # the fields after "iteration N/ M"
-    if not line.endswith(b"|") or len(names) != bars_in_line - 1 or not all(names):
+    eol = data.find(b"\n", first.end())
+    line = data[first.end() - 1 : eol if eol >= 0 else len(data)].rstrip(b"\r ")
+    names = [part.partition(b":")[0].strip() for part in line.split(b"|")[1:-1]]
+    if eol < 0 or not line.endswith(b"|") or line.count(b"|") != len(names) + 1:
         return False
-    width = 24  # the widest value Megatron prints ("1.234567E+00", a step time) fits
-    arr = np.frombuffer(data, np.uint8)
-    if len(arr) < 2 * width:
+    if not all(names):
         return False
-    rows = sliding_window_view(arr, width)
-    limit = len(arr) - width
-    tail = np.concatenate([arr[limit:], np.zeros(2 * width, np.uint8)])
-
-    def window(pos: Any) -> Any:
-        """``width`` bytes from each position (NUL past the end of the file)."""
-        out = rows[np.minimum(pos, limit)]
-        late = np.flatnonzero(pos > limit)  # the last few bytes of the file: padded
-        if len(late):
-            out[late] = tail[(pos[late] - limit)[:, None] + np.arange(width)]
-        return out
-
-    def byte_at(pos: Any) -> Any:
-        """The byte at each position (NUL past the end of the file)."""
-        out = arr[np.minimum(pos, len(arr) - 1)]
-        late = np.flatnonzero(pos > limit)
-        if len(late):
-            out[late] = tail[pos[late] - limit]
-        return out
-
-    hits = _scratch(len(arr))
-    bars = np.flatnonzero(np.equal(arr, 124, out=hits))
-    its = np.flatnonzero(np.equal(arr, marker[0], out=hits))
-    its = its[(window(its)[:, : len(marker)] == np.frombuffer(marker, np.uint8)).all(axis=1)]
-    # every iteration line carries the timestamp (" iteration " also names the step time)
-    if len(its) != data.count(b" iteration ") - data.count(b" per iteration ("):
-        return False
-    k = len(names) + 1  # bars per line
-    b0 = np.searchsorted(bars, its)
-    ok = b0 + k <= len(bars)
-    b0c = np.minimum(b0, len(bars) - k)
-    ok &= np.append(b0[1:] - b0[:-1] >= k, True)  # the next line starts after this one
-    last = bars[b0c + k - 1]
-    after = window(last + 1)[:, :2]
-    ok &= (after[:, 0] == 10) | ((after[:, 0] == 13) & (after[:, 1] == 10))
-    for j, name in enumerate(names):  # every field's name on every line: its first and
-        # middle letters where they belong and the colon right after it
-        at = bars[b0c + j] + 2
-        for offset, byte in ((0, name[0]), (len(name) // 2, name[len(name) // 2])):
-            ok &= byte_at(at + offset) == byte
-        ok &= byte_at(at + len(name)) == 58
-    if not ok.all():
-        if ok[:-1].all() and data.rfind(b"\n", int(its[-1])) < 0:  # a last line being written
-            run.garbage = 1
-        else:
+    blocks: list[_Block] = []
+    start = 0
+    while start < len(data):
+        end = data.find(b"\n", start + _BLOCK) + 1 or len(data)
+        block = _template_block(log_columns, data[start:end], names, end == len(data))
+        if block is None:
             return False
-    its, b0c = its[ok], b0c[ok]
-
-    def texts(start: Any, end: Any) -> Any:
-        win = window(start)
-        win[np.arange(width) >= (end - start)[:, None]] = 0
-        return np.ascontiguousarray(win).view(f"S{width}").ravel()
-
-    stop = window(its + len(marker))
-    slash = (stop == 47).argmax(axis=1)
-    try:
-        iteration = texts(its + len(marker), its + len(marker) + slash).astype(np.int64)
-    except ValueError:
+        blocks.append(block)
+        start = end
+    iteration = np.concatenate([b.iteration for b in blocks])
+    if not len(iteration):
         return False
-    order, first_of = np.unique(iteration, return_index=True)
-    run.duplicates = len(iteration) - len(order)
-    run.iterations = array("q", order.astype(np.int64).tobytes())
-    last_line = int(its[first_of[-1]])
-    m = _ITERATION.match(data, last_line + 2)
-    run.total_iterations = int(m.group(2)) if m else None
-    for j, name in enumerate(names):
-        ours = FIELDS.get(name.decode("ascii", "replace"))
-        if ours is None:
-            continue
-        start = bars[b0c + j] + 2 + len(name) + 1
-        text = texts(start, bars[b0c + j + 1])[first_of]
-        if ours in _EAGER:
-            if ours in ("skipped", "nan") and (text == text[0]).all():  # the usual: all "0"
-                values = np.full(len(text), _to_float(text[:1])[0])
-            else:
-                values = _to_float(text)
-            if ours == "loss":
-                run.nonfinite_loss = int((~np.isfinite(values)).sum())
-            run.series[ours] = array("d", values.astype(np.float64).tobytes())
+    run.garbage = int(blocks[-1].cut)
+    if len(iteration) < 2 or (iteration[1:] > iteration[:-1]).all():  # the usual: in order
+        first_of = None
+    else:  # printed twice (several ranks), or a restart: each iteration's first line
+        first_of = np.unique(iteration, return_index=True)[1]
+        run.duplicates = len(iteration) - len(first_of)
+        iteration = iteration[first_of]
+    run.iterations = _integers(iteration)
+    total = np.concatenate([b.total for b in blocks])
+    run.total_iterations = int(total[-1] if first_of is None else total[first_of[-1]])
+    for ours in blocks[0].values:
+        values = np.concatenate([b.values[ours] for b in blocks])
+        if first_of is not None:
+            values = values[first_of]
+        if ours == "loss":
+            run.nonfinite_loss = int((~np.isfinite(values)).sum())
+        if ours not in ("loss", "step_ms") and (values == values[0]).all():
+            run.constant[ours] = float(values[0])
         else:
-            run.lazy[ours] = (width, np.ascontiguousarray(text).tobytes())
+            run.series[ours] = _doubles(values)
     return True
 
 
+def _template_block(log_columns: Any, data: bytes, names: list[bytes], last: bool) -> _Block | None:
+    """One block of whole lines through the template path; None where a line breaks it."""
+    import numpy as np
+
+    k = len(names) + 1  # bars per line, the first (after "iteration N/ M") included
+    text = log_columns.LogBytes(data)
+    lines = log_columns.iteration_lines(text)
+    n = len(lines.first_bar)
+    wanted = [(j, name, FIELDS[name.decode("ascii", "replace")]) for j, name in enumerate(names)
+              if name.decode("ascii", "replace") in FIELDS]  # fmt: skip
+    if not n:
+        empty = np.zeros(0)
+        return _Block(lines.iteration, lines.total, {o: empty for _, _, o in wanted}, False)
+    bars = text.positions(124)
+    if len(bars) == n * k and (bars[::k] == lines.first_bar).all():
+        at = bars.reshape(n, k).T  # the usual: no other line has a bar
+        ok = np.ones(n, np.bool_)
+    else:  # validation lines, garbage: each line's bars from its first
+        b0 = np.searchsorted(bars, lines.first_bar)
+        ok = b0 + k <= len(bars)
+        ok &= np.append(b0[1:] - b0[:-1] >= k, True)  # the next line starts after this one
+        bars = np.append(bars, np.full(k, len(data)))  # past the end: a line cut short
+        at = bars[np.arange(k)[:, None] + b0]
+    after = text.windows(at[-1] + 1, 2)
+    ok &= (after[0] == 10) | ((after[0] == 13) & (after[1] == 10))
+    # every field's name on every line, where the first line has it: its last letter and
+    # the colon after it (a line of another release has other names, of other lengths)
+    for j, name in enumerate(names):
+        ok &= text.matches(at[j] + (1 + len(name)), name[-1:] + b":")
+    cut = False
+    if not ok.all():
+        if last and ok[:-1].all() and data.rfind(b"\n", int(lines.first_bar[-1])) < 0:
+            cut = True  # the last line, still being written
+        else:
+            return None
+        at = at[:, ok]
+    values = {}
+    for j, name, ours in wanted:
+        end = at[j + 1] - (text.at(at[j + 1] - 1) == 32)  # "value |"
+        values[ours] = log_columns.parse_numbers(text.right_aligned(at[j] + 2 + len(name) + 1, end))
+    return _Block(lines.iteration[ok], lines.total[ok], values, cut)
+
+
 def _numpy_columns(data: bytes, run: Run) -> bool:
-    """Every iteration line's fields, vectorised; False when numpy is missing or the log's
-    iteration lines are not all of the form ``] iteration N/ M |`` (then the regex path)."""
+    """Every iteration line's fields, by name, vectorised: the general path (lines with
+    other field sets, or garbled); False when numpy is missing."""
     try:
         import numpy as np
+
+        from quantpatch.analysis import log_columns
     except ImportError:
         return False
-    marker = b"] iteration "
-    n_lines = data.count(marker)
-    # every iteration line carries the timestamp (" iteration " also names the step time)
-    if n_lines == 0 or n_lines != data.count(b" iteration ") - data.count(b" per iteration ("):
+    text = log_columns.LogBytes(data)
+    arr = text.arr
+    lines = log_columns.iteration_lines(text)
+    if not len(lines.first_bar):
         return False
-    arr = np.frombuffer(data, np.uint8)
-    pad = np.concatenate([arr, np.zeros(64, np.uint8)])
-
-    def find(positions: Any, needle: bytes) -> Any:
-        for j, byte in enumerate(needle):
-            positions = positions[pad[positions + j] == byte]
-        return positions
-
-    def numbers(starts: Any, width: int = 24) -> Any:
-        win = pad[np.minimum(starts, len(arr))[:, None] + np.arange(width)]
-        stop = (win == 124) | (win == 10) | (win == 13) | (win == 47)
-        stop[:, -1] = True
-        win[np.arange(width) >= stop.argmax(axis=1)[:, None]] = 0
-        text = np.ascontiguousarray(win).view(f"S{width}").ravel()
-        try:
-            return text.astype(np.float64)
-        except ValueError:  # garbage inside a field: parse one by one
-            return np.array([_number(t) for t in text.tolist()], dtype=np.float64)
-
-    newlines = np.flatnonzero(arr == 10)
-    its = find(np.flatnonzero(arr == marker[0]), marker)
-    line_of_it = np.searchsorted(newlines, its)
+    newlines = text.positions(10)
+    line_of_it = np.searchsorted(newlines, lines.first_bar)
     ends = np.append(newlines, len(arr))[line_of_it]  # each iteration line's end
     # a complete line ends with '|' (spaces and a carriage return may follow)
-    last = np.full(len(its), 0, np.uint8)
-    for back in (1, 2, 3):
-        c = pad[np.maximum(ends - back, 0)]
-        last = np.where((last == 0) & (c != 32) & (c != 13), c, last)
-    whole = last == 124
-    iteration = numbers(its + len(marker))
-    slash = find(np.flatnonzero(arr == 47), b"/")
-    total = numbers(slash[np.searchsorted(slash, its)] + 1) if len(slash) else iteration
-    bars = np.flatnonzero(arr == 124)
-    bars = bars[pad[bars + 1] == 32]  # "| " starts a field
-    initial = pad[bars + 2]  # the first letter of each field's name
+    tail = text.windows(ends - 3, 3)[::-1]
+    kept = (tail != 32) & (tail != 13)
+    whole = tail[kept.argmax(axis=0), np.arange(tail.shape[1])] == 124
+    bars = text.positions(124)
+    next_bar = np.append(bars[1:], len(arr))
+    starts_field = text.at(bars + 1) == 32  # "| " starts a field
+    bars, next_bar = bars[starts_field], next_bar[starts_field]
+    initial = text.at(bars + 2)  # the first letter of each field's name
     columns: dict[str, Any] = {}
     for name, ours in FIELDS.items():
         key = name.encode() + b":"
-        pos = bars[initial == key[0]]
-        for j, byte in enumerate(key[1:], 3):
-            pos = pos[pad[pos + j] == byte]
-        if not len(pos):
+        pick = np.flatnonzero(initial == key[0])
+        key_bytes = np.frombuffer(key, np.uint8)[:, None]
+        pick = pick[(text.windows(bars[pick] + 2, len(key)) == key_bytes).all(axis=0)]
+        if not len(pick):
             continue
-        values = numbers(pos + len(key) + 2, 20)
-        if ours == "loss":  # printed as nan/inf (a missing loss has no field on its line)
-            run.nonfinite_loss = int((~np.isfinite(values)).sum())
+        pos = bars[pick]
+        end = next_bar[pick]
+        end -= text.at(end - 1) == 32
+        values = log_columns.parse_numbers(text.right_aligned(pos + 2 + len(key), end))
+        line = np.searchsorted(newlines, pos)
         by_line = np.full(len(newlines) + 1, np.nan)
-        by_line[np.searchsorted(newlines, pos)] = values
-        columns[ours] = by_line[line_of_it]
-    ok = whole & np.isfinite(iteration)
+        has = np.zeros(len(newlines) + 1, np.bool_)
+        by_line[line], has[line] = values, True
+        columns[ours] = (by_line[line_of_it], has[line_of_it])
+    ok = whole
     run.garbage = int((~ok).sum())
-    kept_its = iteration[ok].astype(np.int64)
+    kept_its = lines.iteration[ok]
     order, first = np.unique(kept_its, return_index=True)
     run.duplicates = int(ok.sum()) - len(order)
-    run.iterations = array("q", order.astype(np.int64).tobytes())
+    run.iterations = _integers(order)
     if len(first):
-        run.total_iterations = int(total[ok][first[-1]])
-    for ours, col in columns.items():
-        run.series[ours] = array("d", col[ok][first].astype(np.float64).tobytes())
+        run.total_iterations = int(lines.total[ok][first[-1]])
+    for ours, (col, has) in columns.items():
+        values = col[ok][first]
+        if ours == "loss":  # printed as nan/inf (a missing loss has no field on its line)
+            run.nonfinite_loss = int((~np.isfinite(values) & has[ok][first]).sum())
+        run.series[ours] = _doubles(values)
     return True
 
 
@@ -388,7 +367,7 @@ def _slow_path(data: bytes, rows: dict[int, dict[str, float]], run: Run) -> None
     """Iteration lines the template did not take, read field by field."""
     seen = set(rows)
     for line in data.splitlines():
-        m = _ITERATION.search(line)
+        m = ITERATION.search(line)
         if m is None:
             continue
         it = int(m.group(1))
@@ -398,7 +377,7 @@ def _slow_path(data: bytes, rows: dict[int, dict[str, float]], run: Run) -> None
         if not line.rstrip().endswith(b"|") or not raw:
             run.garbage += 1  # cut short (still being written) or interleaved
             continue
-        rows[it] = {FIELDS[n]: _number(v) for n, v in raw.items() if n in FIELDS}
+        rows[it] = {FIELDS[n]: number(v) for n, v in raw.items() if n in FIELDS}
         run.total_iterations = int(m.group(2))
         seen.add(it)
 
@@ -471,6 +450,13 @@ def _finite(values: Sequence[float]) -> Any:
     return vec[np.isfinite(vec)]
 
 
+def _count(values: Sequence[float]) -> int:
+    """The sum of a column of counts (skipped or NaN iterations), NaN (not printed) left out."""
+    finite = _finite(values)
+    np = _numpy()
+    return int(finite.sum()) if np is not None else int(math.fsum(finite))
+
+
 def _window(n: int) -> int:
     return max(1, min(20, math.ceil(n / 10)))
 
@@ -511,14 +497,15 @@ def matched_delta(run: Run, ref: Run) -> tuple[float, float, int]:
     """(mean loss difference, relative difference, iterations compared) over the last window
     of the iterations both runs logged with a finite loss."""
     np = _numpy()
-    if np is not None:  # iterations are sorted and unique: intersect them
+    if np is not None:  # iterations are sorted and unique: look each up in the other
         la, lb = _vector(run.column("loss")), _vector(ref.column("loss"))
-        _, xa, xb = np.intersect1d(
-            _vector(run.iterations, "int64"),
-            _vector(ref.iterations, "int64"),
-            assume_unique=True,
-            return_indices=True,
-        )
+        ia, ib = _vector(run.iterations, "int64"), _vector(ref.iterations, "int64")
+        if np.array_equal(ia, ib):  # the usual: the same logging interval
+            xa = xb = np.arange(len(ia))
+        else:
+            at = np.minimum(np.searchsorted(ib, ia), max(len(ib) - 1, 0))
+            xa = np.flatnonzero(ib[at] == ia) if len(ib) else np.zeros(0, np.int64)
+            xb = at[xa]
         keep = np.isfinite(la[xa]) & np.isfinite(lb[xb])
         va, vb = la[xa[keep]], lb[xb[keep]]
     else:
@@ -542,10 +529,33 @@ class RunsResult:
     logs: int
 
 
+def keep_freed_memory() -> None:
+    """Keep freed memory in the process instead of handing it back to the kernel.
+
+    glibc returns every freed block above 128 KB (up to 32 MB) to the kernel at once, so the
+    arrays of each log (its 80 MB of bytes, the positions of its bars, its windows) are
+    page-faulted in afresh: 24k faults a log, a quarter of its parse on this machine. With
+    both thresholds raised, they are reused from log to log; the process keeps its peak
+    (a few hundred MB) until it ends. A no-op where the C library has no ``mallopt``."""
+    import ctypes
+
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return
+    mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD
+    mallopt(-3, 1 << 30)  # M_MMAP_THRESHOLD
+
+
+_BIG = 256 << 20  # logs above this in total: worth keeping freed memory in this process
+
+
 def _parse_many(paths: list[Path], jobs: int) -> list[Run]:
+    if sum(p.stat().st_size for p in paths) > _BIG:  # this process parses, or holds the runs
+        keep_freed_memory()
     if jobs <= 1 or len(paths) < 2:
         return [parse_log(p) for p in paths]
-    with ProcessPoolExecutor(jobs) as pool:
+    with ProcessPoolExecutor(jobs, initializer=keep_freed_memory) as pool:
         return list(pool.map(parse_log, paths, chunksize=1))
 
 
@@ -568,11 +578,12 @@ def runs(
             k = (r.model, r.dataset, r.profile)
             if k not in ref or r.iterations[-1] > ref[k].iterations[-1]:
                 ref[k] = r
+    steps = {id(r): step_time(r) for r in parsed}
     rows = []
     for r in parsed:
         base = ref.get((r.model, r.dataset, r.profile))
         delta, rel, n = matched_delta(r, base) if base else (math.nan, math.nan, 0)
-        st, base_st = step_time(r), step_time(base) if base else math.nan
+        st, base_st = steps[id(r)], steps[id(base)] if base else math.nan
         rows.append(
             {
                 "model": r.model,
@@ -587,8 +598,8 @@ def runs(
                 "matched_iterations": n,
                 "step_ms": st,
                 "step_vs_bf16": st / base_st if base_st and math.isfinite(base_st) else math.nan,
-                "skipped": int(math.fsum(_finite(r.column("skipped")))),
-                "nan_iterations": int(math.fsum(_finite(r.column("nan")))),
+                "skipped": _count(r.column("skipped")),
+                "nan_iterations": _count(r.column("nan")),
                 "diverged": diverged(r),
                 "status": r.status,
                 "unreadable_lines": r.garbage,
