@@ -21,7 +21,7 @@ import shutil
 import socket
 import subprocess
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -147,12 +147,41 @@ def active_branch(repo: git.Repo) -> str | None:
 
 def git_info(checkout: Checkout) -> GitInfo:
     """Branch, HEAD and clean-or-not from one ``git status`` (tracked files only)."""
-    done = git_plain(checkout.root, "status", "--porcelain=v2", "--branch", "--untracked-files=no")
-    if done.returncode != 0:
-        raise UserError(f"git status failed: {done.stderr.strip() or 'unknown error'}")
+    with git_info_started(checkout) as result:
+        return result()
+
+
+@contextlib.contextmanager
+def git_info_started(checkout: Checkout) -> Iterator[Callable[[], GitInfo]]:
+    """``git_info``, started on entry and read when called: git walks the tree on the other
+    core while this process reads and parses the target files. Left unread, it is stopped."""
+    proc = subprocess.Popen(
+        ["git", "--no-optional-locks", "status", "--porcelain=v2", "--branch",
+         "--untracked-files=no"],
+        cwd=checkout.root,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+
+    def result() -> GitInfo:
+        out, err = proc.communicate()
+        if proc.returncode != 0:
+            raise UserError(f"git status failed: {err.strip() or 'unknown error'}")
+        return _parse_status(out)
+
+    try:
+        yield result
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
+
+
+def _parse_status(stdout: str) -> GitInfo:
     branch = head = None
     clean = True
-    for line in done.stdout.splitlines():
+    for line in stdout.splitlines():
         if line.startswith("# branch.oid "):
             oid = line.removeprefix("# branch.oid ")
             head = None if oid == "(initial)" else oid

@@ -334,12 +334,12 @@ def unmove_ref(repo: git.Repo, plan: SchemeCommit) -> None:
 def values_at(repo: git.Repo, commit: str, targets: Targets) -> dict[str, str | None]:
     """The role values the target files hold at ``commit``."""
     from quantpatch.site_model import role_values
-    from quantpatch.sites import discover_source
+    from quantpatch.sites import discover_sites
 
     sites = []
     for rel in targets.all_files:
         text = gitrepo.read_at(repo, commit, rel)
-        sites += discover_source(text, rel, targets.kind_of(rel)).sites
+        sites += discover_sites(text, rel, targets.kind_of(rel))
     got, _ = role_values(sites)
     return {r: got.get(r) for r in ROLES}
 

@@ -106,9 +106,9 @@ def read_sites(root: Path, targets: Targets, cache_dir: Path | None) -> list[lis
             continue
         sites = load(cache_dir, rel, kind, text)
         if sites is None:
-            from quantpatch.sites import discover_source  # imports libcst: only on a miss
+            from quantpatch.sites import discover_sites  # imports libcst: only on a miss
 
-            sites = discover_source(text, rel, kind).sites
+            sites = discover_sites(text, rel, kind)
             store(cache_dir, rel, kind, text, sites)
         out.append(sites)
     return out

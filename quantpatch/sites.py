@@ -34,7 +34,7 @@ from quantpatch.config import SITE_NAME, Targets
 from quantpatch.errors import UserError
 from quantpatch.site_model import SITE_ROLES, Site, read_target, role_values
 
-__all__ = ["FileSites", "Site", "discover", "discover_source", "role_values"]
+__all__ = ["FileSites", "Site", "discover", "discover_sites", "discover_source", "role_values"]
 
 _N = TypeVar("_N", bound=cst.CSTNode)
 
@@ -49,21 +49,22 @@ class _RawSite:
     value: str | None
     kind: str
     source: str
-    line: int
-    pos: tuple[int, int]
+    pos: int  # the order the visitor met it: source order
+    chunk: int  # which of the visited statements holds it
     ancestors: tuple[cst.CSTNode, ...]
     override: str | None
     function: str
+    line: int = 0  # in the file, set once every site is known
 
 
 @dataclass
 class _Dispatch:
     node: cst.If
-    pos: tuple[int, int]
+    pos: int
     ancestors: tuple[cst.CSTNode, ...]
     products: frozenset[str]
-    kills: tuple[tuple[int, int], ...]
-    """Start positions of the statements before the dispatch, in its enclosing blocks, that
+    kills: tuple[int, ...]
+    """Positions (visit order) of the statements before the dispatch, in its enclosing blocks, that
     definitely assign the variable (a site line, or an ``if`` whose every branch assigns)."""
 
 
@@ -230,10 +231,9 @@ class ScopedVisitor(cst.CSTVisitor):
 
 class _Collector(ScopedVisitor):
     """One pass over the statements that mention the site name, collecting per function its
-    sites and dispatches. Ancestors come from the visitor's own stack, and positions are
-    resolved only for the chunks visited (``line_offset`` places a chunk in its file)."""
-
-    METADATA_DEPENDENCIES = (PositionProvider,)
+    sites and dispatches. Ancestors come from the visitor's own stack, and a node's position
+    is the order the visitor met it in (source order: all the analysis compares); a site's
+    line is set afterwards (``_set_lines``), so no code is generated for positions."""
 
     def __init__(self, file_kind: str) -> None:
         super().__init__()
@@ -243,7 +243,15 @@ class _Collector(ScopedVisitor):
         self.frames: list[tuple[list[_RawSite], list[_Dispatch]]] = [self.module_frame]
         self.done: list[tuple[list[_RawSite], list[_Dispatch]]] = []
         self.elif_nodes: set[int] = set()
-        self.line_offset = 0
+        self.order: dict[int, int] = {}
+        self.chunk = 0
+
+    def on_visit(self, node: cst.CSTNode) -> bool:
+        self.order[id(node)] = len(self.order)
+        descend = super().on_visit(node)
+        # an expression or a parameter list holds no statement: nothing below it is a site
+        # or a dispatch (a dispatch's calls are found from its ``if``), so the visit stops
+        return descend and not isinstance(node, cst.BaseExpression | cst.Parameters)
 
     def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
         super().visit_FunctionDef(node)
@@ -261,16 +269,14 @@ class _Collector(ScopedVisitor):
                 return tuple(self.stack[i:-1])
         return tuple(self.stack[:-1])
 
-    def _pos(self, node: cst.CSTNode) -> tuple[int, int]:
-        start = self.get_metadata(PositionProvider, node).start
-        return (start.line + self.line_offset, start.column)
+    def _pos(self, node: cst.CSTNode) -> int:
+        return self.order[id(node)]
 
     # -- sites --------------------------------------------------------------------------
     def _add_site(self, stmt: cst.CSTNode, value: cst.BaseExpression) -> None:
         kind, literal, evaluated = _classify_value(value)
         ancestors = self._ancestors()
         parent = ancestors[-1] if ancestors else None
-        pos = self._pos(stmt)
         self.frames[-1][0].append(
             _RawSite(
                 stmt=stmt,
@@ -278,8 +284,8 @@ class _Collector(ScopedVisitor):
                 value=evaluated,
                 kind=kind,
                 source=cst.Module([]).code_for_node(value),
-                line=pos[0],
-                pos=pos,
+                pos=self._pos(stmt),
+                chunk=self.chunk,
                 ancestors=ancestors,
                 override=_override(parent),
                 function=".".join(self.scope) or "<module>",
@@ -324,9 +330,7 @@ class _Collector(ScopedVisitor):
             )
         )
 
-    def _kills(
-        self, node: cst.CSTNode, ancestors: tuple[cst.CSTNode, ...]
-    ) -> tuple[tuple[int, int], ...]:
+    def _kills(self, node: cst.CSTNode, ancestors: tuple[cst.CSTNode, ...]) -> tuple[int, ...]:
         site_lines = {id(s.ancestors[-1]) for s in self.frames[-1][0] if s.ancestors}
         path = (*ancestors, node)
         out = []
@@ -416,14 +420,16 @@ def parse_source(text: str, rel: str) -> cst.Module:
         raise UserError(f"{rel}:{line}: the file does not parse as Python ({reason}).") from None
 
 
-def _site_chunks(module: cst.Module, text: str) -> Sequence[tuple[cst.BaseStatement, int]]:
+def _site_chunks(
+    module: cst.Module, text: str, tree: ast.Module | None
+) -> Sequence[tuple[cst.BaseStatement, int | None]]:
     """The top-level statements that mention the site name, each with the number of lines
     before it. Where a statement starts comes from CPython's own parser (an AST only, in C:
     no code generation of the whole module); any disagreement with libcst's tree falls back
     to generating each statement's code."""
-    starts = _chunk_starts(module, text)
+    starts = _chunk_starts(module, text, tree)
     if starts is None:
-        out: list[tuple[cst.BaseStatement, int]] = []
+        out: list[tuple[cst.BaseStatement, int | None]] = []
         offset = len(module.header)
         for stmt in module.body:
             code = module.code_for_node(stmt)
@@ -440,14 +446,13 @@ def _site_chunks(module: cst.Module, text: str) -> Sequence[tuple[cst.BaseStatem
     ]
 
 
-def _chunk_starts(module: cst.Module, text: str) -> list[int] | None:
+def _chunk_starts(module: cst.Module, text: str, tree: ast.Module | None) -> list[int] | None:
     """For each top-level statement of ``module``, the lines before its code (its leading
     comments and blank lines included), or ``None`` when CPython's AST and libcst's tree do
     not line up one to one."""
-    try:
-        nodes = ast.parse(text.removeprefix("\ufeff")).body
-    except (SyntaxError, ValueError):
+    if tree is None:
         return None
+    nodes = tree.body
     starts: list[int] = []
     i = 0
     for stmt in module.body:
@@ -465,6 +470,75 @@ def _chunk_starts(module: cst.Module, text: str) -> list[int] | None:
     return starts
 
 
+def _excerpt(text: str) -> tuple[str, ast.Module] | None:
+    """The part of ``text`` that can hold sites, as one source: every top-level statement
+    that mentions the site name, a class reduced to its header and the members that do
+    (recursively). Each line is kept as in the file, so columns, and the nesting libcst
+    sees, are the file's; with it, the file's line number of each of its lines. Lines are
+    found by CPython's parser (an AST only, in C), whose tree comes with the excerpt. None
+    where that parser refuses the file or a class's first member shares its header's line."""
+    try:
+        tree = ast.parse(text.removeprefix("\ufeff"))
+    except (SyntaxError, ValueError):
+        return None
+    lines = io.StringIO(text, newline="").readlines()
+    keep: set[int] = set()  # 0-based
+
+    def first_line(node: ast.stmt) -> int:
+        decorators: list[ast.expr] = getattr(node, "decorator_list", [])
+        return min([node.lineno, *(d.lineno for d in decorators)])
+
+    def take(body: list[ast.stmt]) -> bool:
+        kept = False
+        for node in body:
+            first, last = first_line(node), node.end_lineno or node.lineno
+            if SITE_NAME not in "".join(lines[first - 1 : last]):
+                continue
+            if isinstance(node, ast.ClassDef):  # its header, and the members that mention it
+                header = first_line(node.body[0]) - 1  # the header's last line
+                if header < first:
+                    raise _NoExcerpt
+                if take(node.body):
+                    keep.update(range(first - 1, header))
+                    kept = True
+                continue
+            keep.update(range(first - 1, last))
+            kept = True
+        return kept
+
+    try:
+        take(tree.body)
+    except _NoExcerpt:
+        return None
+    return "".join(lines[i] for i in sorted(keep)), tree
+
+
+class _NoExcerpt(Exception):
+    pass
+
+
+def discover_sites(text: str, rel: str, file_kind: str) -> list[Site]:
+    """The sites of one file, as ``discover_source`` finds them, parsing with libcst only the
+    excerpt that can hold them (a tenth of the linear file: the rest of it costs a cold
+    ``check`` most of its time). The whole file is parsed where CPython's parser or libcst
+    refuses the excerpt, so a file that does not parse is refused with its line as before."""
+    if SITE_NAME not in text:
+        return []
+    excerpt = _excerpt(text)
+    if excerpt is not None:
+        source, tree = excerpt
+        try:
+            module = cst.parse_module(source)
+        except cst.ParserSyntaxError:
+            pass
+        else:
+            statements = [(stmt, None) for stmt in module.body]
+            found = _discover(module, source, rel, file_kind, statements, tree)
+            if found is not None:
+                return found.sites
+    return discover_source(text, rel, file_kind).sites
+
+
 def discover_source(
     text: str, rel: str, file_kind: str, *, module: cst.Module | None = None
 ) -> FileSites:
@@ -474,14 +548,84 @@ def discover_source(
         module = parse_source(text, rel)
     if SITE_NAME not in text:
         return FileSites(rel, text, module, [], [], [], frozenset())
-    collector = _Collector(file_kind)
-    chunks: set[int] = set()
-    for stmt, offset in _site_chunks(module, text):
-        chunks.add(id(stmt))
+    tree = _ast_of(text)
+    found = _discover(module, text, rel, file_kind, _site_chunks(module, text, tree), tree)
+    assert found is not None  # every statement's offset is known
+    return found
+
+
+def _ast_of(text: str) -> ast.Module | None:
+    try:
+        return ast.parse(text.removeprefix("\ufeff"))
+    except (SyntaxError, ValueError):
+        return None
+
+
+def _site_lines(tree: ast.Module) -> list[int]:
+    """The line of every assignment to the site name, in source order, from CPython's tree
+    (the statements the collector takes for sites: a plain name among the targets). Only
+    statements are walked: expressions hold none."""
+    out = []
+    todo: list[ast.AST] = list(tree.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.Assign):
+            if any(isinstance(t, ast.Name) and t.id == SITE_NAME for t in node.targets):
+                out.append((node.lineno, node.col_offset))
+        elif isinstance(node, ast.AnnAssign):
+            target = node.target
+            if isinstance(target, ast.Name) and target.id == SITE_NAME and node.value:
+                out.append((node.lineno, node.col_offset))
+        for name in ("body", "orelse", "finalbody", "handlers", "cases"):
+            block = getattr(node, name, None)
+            if isinstance(block, list):
+                todo += block
+    return [line for line, _ in sorted(out)]
+
+
+def _lines_from_positions(
+    raws: Sequence[_RawSite],
+    module: cst.Module,
+    statements: Sequence[tuple[cst.BaseStatement, int | None]],
+) -> list[int] | None:
+    """Each site's line from libcst's own positions (code is generated: the fallback where
+    CPython's tree is missing or disagrees); None where a statement's offset is unknown."""
+    lines = []
+    for raw in raws:
+        stmt, offset = statements[raw.chunk]
+        if offset is None:
+            return None
         chunk = module.with_changes(header=(), body=(stmt,), footer=())
-        collector.line_offset = offset
-        MetadataWrapper(chunk, unsafe_skip_copy=True).visit(collector)
+        positions = MetadataWrapper(chunk, unsafe_skip_copy=True).resolve(PositionProvider)
+        lines.append(positions[raw.stmt].start.line + offset)
+    return lines
+
+
+def _discover(
+    module: cst.Module,
+    text: str,
+    rel: str,
+    file_kind: str,
+    statements: Sequence[tuple[cst.BaseStatement, int | None]],
+    tree: ast.Module | None,
+) -> FileSites | None:
+    """The sites of ``statements`` (top-level statements of ``module`` that mention the site
+    name, each with the lines before it in the file where known). Each site's line comes from
+    CPython's ``tree`` of the whole file, or from libcst's positions where that tree is
+    missing or holds another number of sites; None where neither can say."""
+    collector = _Collector(file_kind)
+    for i, (stmt, _) in enumerate(statements):
+        collector.chunk = i
+        module.with_changes(header=(), body=(stmt,), footer=()).visit(collector)
     collector.done.append(collector.module_frame)
+    raws = sorted((r for frame, _ in collector.done for r in frame), key=lambda r: r.pos)
+    lines = _site_lines(tree) if tree is not None else None
+    if lines is None or len(lines) != len(raws):
+        lines = _lines_from_positions(raws, module, statements)
+        if lines is None:
+            return None
+    for raw, line in zip(raws, lines, strict=True):
+        raw.line = line
 
     found: list[tuple[_RawSite, Site, list[cst.If]]] = []
     for raw_sites, dispatches in collector.done:
@@ -528,7 +672,7 @@ def discover_source(
         sites=[s for _, s, _ in found],
         literals=[r.literal for r, _, _ in found],
         pv_dispatches=[p for _, _, p in found],
-        chunks=frozenset(chunks),
+        chunks=frozenset(id(stmt) for stmt, _ in statements),
     )
 
 

@@ -10,9 +10,10 @@ without ever forcing. ``restore`` checks the base out again and clears the recor
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -111,6 +112,19 @@ def check(path: Path | None, *, fresh: bool = False) -> CheckReport:
     script runs) does, so no cache entry, however it was altered, can make it pass."""
     checkout = gitrepo.find_checkout(path, need_git=False)
     targets = load_targets(checkout.root)
+    with contextlib.ExitStack() as stack:
+        git_info = (
+            stack.enter_context(gitrepo.git_info_started(checkout)) if checkout.has_git else None
+        )
+        return _check(checkout, targets, git_info, fresh)
+
+
+def _check(
+    checkout: gitrepo.Checkout,
+    targets: Targets,
+    git_info: Callable[[], gitrepo.GitInfo] | None,
+    fresh: bool,
+) -> CheckReport:
     cache = None if fresh else checkout.state_dir / "cache"
     per_file = site_cache.read_sites(checkout.root, targets, cache)
     sites = [s for file_sites in per_file for s in file_sites]
@@ -146,7 +160,7 @@ def check(path: Path | None, *, fresh: bool = False) -> CheckReport:
         sites=sites,
         roles=roles,
         mismatched=mismatched,
-        git=gitrepo.git_info(checkout) if checkout.has_git else None,
+        git=git_info() if git_info else None,
         base=base,
         saver=saver_status(checkout).as_json(),
         warnings=problems_found,

@@ -7,9 +7,10 @@ from pathlib import Path
 import libcst as cst
 import pytest
 
+from quantpatch import sites as sites_module
 from quantpatch.codemods.init_sites import Layout, inject_sites
 from quantpatch.errors import UserError
-from quantpatch.sites import discover_source, role_values
+from quantpatch.sites import discover_sites, discover_source, role_values
 
 from .conftest import ATTENTION, LINEAR, VERSIONS
 
@@ -60,6 +61,88 @@ def test_layouts_classify_by_structure(trees, version, layout, linear, attention
     text = _inject(trees, version, ATTENTION, layout).splitlines()
     for s in att.sites:
         assert "custom_quant_type" in text[s.line - 1]
+    # and the excerpt read by a cold ``check`` finds exactly the same
+    for rel, kind, fs in ((LINEAR, "linear", lin), (ATTENTION, "attention", att)):
+        assert _dicts(discover_sites(fs.text, rel, kind)) == _dicts(fs.sites)
+
+
+def _dicts(sites):
+    return [s.to_dict() for s in sites]
+
+
+MODULE_LEVEL = """\ufeff# -*- coding: utf-8 -*-
+import torch
+
+custom_quant_type = 'hifp8'  # a module-level default
+if custom_quant_type == 'bf16':
+    GEMM = torch.matmul
+
+
+class Outer:
+    '''custom_quant_type is read below.'''
+
+    x = 1; y = 2
+
+    class Inner(
+        Base,
+    ):
+        @decorate("custom_quant_type")
+        def forward(self, query, key, value, attention_probs):
+            custom_quant_type = 'mxfp8'
+            if custom_quant_type == 'mxfp8':
+                out = torch.baddbmm(buf, query, key)
+            custom_quant_type = \\
+                'mxfp4'
+            if custom_quant_type != 'bf16':
+                out = torch.bmm(attention_probs, value)
+            return out
+
+        def other(self):
+            return 1
+
+    def label(self):
+        a = custom_quant_type = 'bf16'
+        save(a)
+
+
+class Flat: custom_quant_type: str = 'bf16'
+"""
+
+
+@pytest.mark.parametrize("newline", ["\n", "\r\n"])
+def test_the_excerpt_finds_what_the_whole_file_finds(newline):
+    """Module-level sites, nested classes, decorators and docstrings that name the site,
+    a continuation line, a BOM, CRLF, and a class whose member shares its header's line
+    (the whole file is then read)."""
+    text = MODULE_LEVEL.replace("\n", newline)
+    whole = discover_source(text, ATTENTION, "attention").sites
+    assert [(s.line, s.function, s.value) for s in whole] == [
+        (4, "<module>", "hifp8"),
+        (19, "Outer.Inner.forward", "mxfp8"),
+        (22, "Outer.Inner.forward", "mxfp4"),
+        (32, "Outer.label", "bf16"),
+        (36, "Flat", "bf16"),
+    ]
+    assert _dicts(discover_sites(text, ATTENTION, "attention")) == _dicts(whole)
+    split = text.replace("class Flat: ", "class Flat:" + newline + "    ")
+    assert _dicts(discover_sites(split, ATTENTION, "attention"))[:4] == _dicts(whole)[:4]
+    source, _ = sites_module._excerpt(split)
+    assert "def other" not in source and "x = 1" not in source and "class Inner(" in source
+    assert sites_module._excerpt(text) is None  # 'class Flat: custom_quant_type ...'
+
+
+def test_lines_from_libcst_where_cpython_disagrees(trees, monkeypatch):
+    """Where CPython's tree is missing or counts other sites, each site's line comes from
+    libcst's positions (the whole file is then parsed): the same lines."""
+    for rel, kind in ((LINEAR, "linear"), (ATTENTION, "attention")):
+        text = _inject(trees, "0.13.1", rel, Layout(label=True))
+        want = _dicts(discover_source(text, rel, kind).sites)
+        with monkeypatch.context() as m:
+            m.setattr(sites_module, "_site_lines", lambda tree: [])
+            assert _dicts(discover_source(text, rel, kind).sites) == want
+            assert _dicts(discover_sites(text, rel, kind)) == want
+            m.setattr(sites_module, "_ast_of", lambda text: None)
+            assert _dicts(discover_source(text, rel, kind).sites) == want
 
 
 def test_linear_sites_cover_forward_dgrad_wgrad(trees):
@@ -133,11 +216,12 @@ def test_syntax_error_names_the_real_line(trees):
     lines = text.splitlines(keepends=True)
     bad = next(i for i, line in enumerate(lines) if "custom_quant_type = 'bf16'" in line)
     lines[bad] = lines[bad].replace("= 'bf16'", "= = 'bf16'")
-    with pytest.raises(UserError) as exc:
-        discover_source("".join(lines), ATTENTION, "attention")
-    assert str(exc.value) == (
-        f"{ATTENTION}:{bad + 1}: the file does not parse as Python (invalid syntax)."
-    )
+    for discover in (discover_source, discover_sites):
+        with pytest.raises(UserError) as exc:
+            discover("".join(lines), ATTENTION, "attention")
+        assert str(exc.value) == (
+            f"{ATTENTION}:{bad + 1}: the file does not parse as Python (invalid syntax)."
+        )
     lines = text.splitlines(keepends=True)
     lines[bad] = lines[bad].replace("= 'bf16'", "= ('bf16'")
     with pytest.raises(UserError, match=rf":{bad + 1}: .*\('\(' was never closed\)"):
@@ -176,14 +260,14 @@ def test_injection_refuses_unknown_layout():
 def test_chunk_starts_from_the_ast_match_libcst_code(trees, version):
     """Where each top-level statement starts (read from CPython's AST) is exactly where
     libcst's generated code puts it, on the real files and on the fork's layout."""
-    from quantpatch.sites import _chunk_starts
+    from quantpatch.sites import _ast_of, _chunk_starts
 
     for rel, kind in ((LINEAR, "linear"), (ATTENTION, "attention")):
         stock = (trees[version].parent / rel).read_text()
         for text in (stock, inject_sites(stock, rel, kind, Layout(comments=True, nested=True))):
             for variant in (text, text.replace("\n", "\r\n"), "\ufeff# top\n\n" + text):
                 module = cst.parse_module(variant)
-                starts = _chunk_starts(module, variant)
+                starts = _chunk_starts(module, variant, _ast_of(variant))
                 assert starts is not None, (rel, version)
                 offset, want = len(module.header), []
                 for stmt in module.body:
