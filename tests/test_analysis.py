@@ -8,6 +8,7 @@ import json
 import math
 import os
 import pickle
+import time
 from pathlib import Path
 
 import pytest
@@ -407,9 +408,7 @@ def _same(a, b):
     )  # fmt: skip
     for name in ("loss", "step_ms", "skipped", "nan", "grad_norm", "loss_scale"):
         x, y = list(a.column(name)), list(b.column(name))
-        assert len(x) == len(y) and all(
-            (u == v) or (math.isnan(u) and math.isnan(v)) for u, v in zip(x, y, strict=True)
-        ), name
+        assert [_bits(u) for u in x] == [_bits(v) for v in y], name
 
 
 # what a real log holds between its iteration lines (core_v0.13.1's training.py and
@@ -542,6 +541,87 @@ def test_iteration_lines_of_any_layout(tmp_path, monkeypatch):
     assert list(ways["template"].column("loss")) == [4.0, 3.5, 3.25, 3.0]
     _same(ways["template"], ways["numpy"])
     _same(ways["template"], ways["pattern"])
+
+
+# found by fuzzing the three paths against each other; a = a whole line of two fields
+_A = " iteration 1/ 30 | lm loss: 1.0 | grad norm: 2.0 |\n"
+_HOSTILE = {
+    # a last line without its newline is still being written: counted, not read
+    "no-newline": (_A + " iteration 2/ 30 | lm loss: 2.0 | grad norm: 2.0 |", [1], 1),
+    "cut-at-bar": (_A + " iteration 2/ 30 | lm loss: 2.0 |", [1], 1),
+    # the first copy of a repeated iteration is the one kept, whatever its fields
+    "repeat": (
+        _A
+        + " iteration 2/ 30 | lm loss: 2.0 |\n iteration 2/ 30 | lm loss: 9.0 | grad norm: 2.0 |\n",
+        [1, 2],
+        0,
+    ),
+    "bare": (_A + " iteration 2/ 30 |\n", [1, 2], 0),
+    "trailing-blanks": (
+        _A + " iteration 2/ 30 | lm loss: 2.0 | grad norm: 2.0 | \t  \n",
+        [1, 2],
+        0,
+    ),
+    "other-name": (_A + " iteration 2/ 30 | lm loss: 2.0 | grad_norm: 2.0 |\n", [1, 2], 0),
+    "huge-iteration": (_A + " iteration 9223372036854775808/ 30 | lm loss: 1.0 |\n", [1], 0),
+    "huge-exponent": (" iteration 1/ 30 | lm loss: 1E99999999999999999999 |\n", [1], 0),
+    # two ranks' lines run together: the first is cut short, the second is whole
+    "run-together": (
+        _A + " iteration 2/ 30 | lm loss: 2.0 | grad norm: 2.0 | iteration 3/ 30 | lm loss: 3.0 "
+        "| grad norm: 2.0 |\n",
+        [1, 3],
+        1,
+    ),
+    "no-leading-space": (
+        "iteration 1/ 30 | lm loss: 1.0 | grad norm: 2.0 |\nsaving checkpoint at iteration 1 to "
+        "/c\niteration 2/ 30 | lm loss: 2.0 |\n",
+        [1, 2],
+        0,
+    ),
+    "split-at-bar": (_A + " iteration 2/ 30 | lm loss: 2.0 |\n grad norm: 2.0 |\n", [1, 2], 0),
+    "restart": (
+        " iteration 10/ 100 | lm loss: 1.0 |\n iteration 20/ 100 | lm loss: 1.0 |\n"
+        " iteration 15/ 50 | lm loss: 1.0 |\n",
+        [10, 15, 20],
+        0,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(_HOSTILE))
+def test_hostile_logs_read_the_same_three_ways(case, tmp_path, monkeypatch):
+    text, iterations, garbage = _HOSTILE[case]
+    p = tmp_path / "x.log"
+    p.write_text(text)
+    ways = _three_ways(p, monkeypatch)
+    t = ways["template"]
+    assert list(t.iterations) == iterations and t.garbage == garbage
+    _same(t, ways["numpy"])
+    _same(t, ways["pattern"])
+    if case == "run-together":
+        assert list(t.column("loss")) == [1.0, 3.0]
+    if case == "huge-exponent":
+        assert t.column("loss")[0] == math.inf
+    if case == "other-name":
+        assert math.isnan(t.column("grad_norm")[1])
+    if case == "restart":
+        assert t.total_iterations == 100  # the line of the highest iteration says
+
+
+def test_the_pattern_path_does_not_backtrack(tmp_path, monkeypatch):
+    """A first line with one field more than the others once made the pattern path take
+    seconds a line (nested quantifiers); it is linear now."""
+    first = LINE.format(it=1, total=20, cs=8, ms=1.0, loss="1.0", sk=0, nan=0) + " num zeros: 0 |"
+    rest = [
+        LINE.format(it=i, total=20, cs=8, ms=1.0, loss="1.0", sk=0, nan=0) for i in range(2, 21)
+    ]
+    p = tmp_path / "x.log"
+    p.write_text("\n".join([first, *rest]) + "\n")
+    monkeypatch.setattr(training_logs, "_template_columns", lambda data, run: False)
+    monkeypatch.setattr(training_logs, "_numpy_columns", lambda data, run: False)
+    start = time.perf_counter()
+    run = training_logs.parse_log(p)
+    assert time.perf_counter() - start < 1.0 and len(run.iterations) == 20
 
 
 def test_the_comparison_is_the_same_with_and_without_numpy(tmp_path, monkeypatch):

@@ -89,9 +89,14 @@ class LogBytes:
         return out
 
     def matches(self, start: Any, const: bytes) -> Any:
-        """Whether the bytes at each position are ``const``."""
-        kind = np.dtype((np.void, len(const)))
-        return self.items(start, len(const)) == np.frombuffer(const, kind)[0]
+        """Whether the bytes at each position are ``const``: all of them up to 16 bytes,
+        else its first and last 8 (compared as 64-bit integers, not byte by byte)."""
+        if len(const) < 8:
+            kind = np.dtype((np.void, len(const)))
+            return self.items(start, len(const)) == np.frombuffer(const, kind)[0]
+        head = self.items(start, 8).view(np.uint64) == np.frombuffer(const[:8], np.uint64)[0]
+        tail = self.items(start + (len(const) - 8), 8).view(np.uint64)
+        return head & (tail == np.frombuffer(const[-8:], np.uint64)[0])
 
     def windows(self, start: Any, width: int) -> Any:
         """``width`` bytes from each position, column-major: ``out[c, i]`` is the byte at
@@ -259,7 +264,8 @@ def _fast(win: Any, layout: _Layout) -> tuple[Any, Any]:
         mantissa = mantissa * _POW10[layout.frac] + fraction
     exponent = np.full(n, -layout.frac, np.int64)
     if layout.exp:
-        e = (_weights(layout.exp) @ (tail[len(want) - layout.exp :] - 48)).astype(np.int64)
+        e = _weights(layout.exp) @ (tail[len(want) - layout.exp :] - 48)
+        e = np.minimum(e, 999).astype(np.int64)  # past 22 it is not read this way anyway
         exponent += np.where(tail[sign_row] == _MINUS, -e, e) if sign_row >= 0 else e
     good &= np.abs(exponent) <= 22
     scale = _POW10[np.minimum(np.abs(exponent), 22)]

@@ -38,7 +38,7 @@ from typing import Any
 
 from quantpatch.errors import UserError
 
-ITERATION = re.compile(rb"iteration +(\d+) */ *(\d+) *\|")
+ITERATION = re.compile(rb"iteration +(\d{1,18}) */ *(\d{1,18}) *\|")
 """An iteration line's start as Megatron prints it (``' iteration {:8d}/{:8d} |'``)."""
 _HEADER = re.compile(
     rb"\[quantpatch\] (?P<model>\S+) / (?P<dataset>\S+) / (?P<scheme>\S+) \((?P<profile>\S+)\):"
@@ -134,8 +134,8 @@ def _fields_of(rest: bytes) -> dict[str, bytes]:
 def _template(names: list[str]) -> re.Pattern[bytes]:
     """One pattern for iteration lines whose fields are exactly ``names`` in this order."""
     parts = [ITERATION.pattern]
-    for n in names:
-        parts.append(rb"\s*" + re.escape(n.encode()) + rb":\s*([^|\n]*?)\s*\|")
+    for n in names:  # one way to match each field: nothing to backtrack into
+        parts.append(rb" *" + re.escape(n.encode()) + rb":([^|\n]*)\|")
     return re.compile(b"".join(parts) + rb"[ \t\r]*$", re.M)
 
 
@@ -152,36 +152,47 @@ def parse_log(path: Path) -> Run:
     ex = _EXIT.search(data, max(0, len(data) - 65536))
     if ex:
         run.exit_status = int(ex.group(1))
-    if _template_columns(data, run) or _numpy_columns(data, run):
-        _finish(data, run)
-        return run
+    # a last line without its newline is still being written: counted, not read
+    body_end = data.rfind(b"\n") + 1
+    if ITERATION.search(data, body_end):
+        run.garbage += 1
+    body = data if body_end == len(data) else data[:body_end]
+    if not (_template_columns(body, run) or _numpy_columns(body, run)):
+        _pattern_path(body, run)
+    _finish(data, run)
+    return run
+
+
+def _pattern_path(data: bytes, run: Run) -> None:
+    """Without numpy: the field names of the first iteration line become one pattern matched
+    over the file in C; if any iteration line is not of that form, every line is read by
+    name instead, in file order."""
     rows: dict[int, dict[str, float]] = {}
+    totals: dict[int, int] = {}
     first = ITERATION.search(data)
     if first is not None:
         eol = data.find(b"\n", first.end())
         names = [n for n in _fields_of(data[first.end() : eol if eol >= 0 else len(data)]) if n]
-        template = _template(names)
         wanted = [(i, FIELDS[n]) for i, n in enumerate(names) if n in FIELDS]
-        matched = 0
-        for m in template.findall(data):
-            matched += 1
-            it = int(m[0])
-            run.total_iterations = int(m[1])
-            if it in rows:
-                run.duplicates += 1
-                continue
-            rows[it] = {ours: number(m[2 + i]) for i, ours in wanted}
-        lines = data.count(b" iteration ") - data.count(b" per iteration (")
-        if matched != lines:  # other field sets, cut or garbled lines
-            _slow_path(data, rows, run)
+        found = _template(names).findall(data)
+        if len(found) == sum(1 for _ in ITERATION.finditer(data)):
+            for m in found:
+                it = int(m[0])
+                if it in rows:
+                    run.duplicates += 1
+                    continue
+                rows[it] = {ours: number(m[2 + i]) for i, ours in wanted}
+                totals[it] = int(m[1])
+        else:  # other field sets, cut or garbled lines
+            _by_name(data, rows, totals, run)
     run.iterations = array("q", sorted(rows))
+    if rows:
+        run.total_iterations = totals[max(rows)]
     run.nonfinite_loss = sum(
         1 for r in rows.values() if "loss" in r and not math.isfinite(r["loss"])
     )
     for ours in sorted({k for r in rows.values() for k in r}):
         run.series[ours] = array("d", [rows[i].get(ours, math.nan) for i in run.iterations])
-    _finish(data, run)
-    return run
 
 
 def _finish(data: bytes, run: Run) -> None:
@@ -200,7 +211,6 @@ class _Block:
     iteration: Any
     total: Any
     values: dict[str, Any]
-    cut: bool  # the last line is still being written (dropped)
 
 
 def _template_columns(data: bytes, run: Run) -> bool:
@@ -208,8 +218,8 @@ def _template_columns(data: bytes, run: Run) -> bool:
     Each line's fields then sit between its own ``|`` bars, found with one pass over the
     file; every field's name is checked on every line, and each value the run keeps is
     converted column by column. Lines that are not iteration lines (checkpoints saved,
-    validation, warnings) are passed over. False (the general path) on anything else; a
-    last line still being written is dropped and counted."""
+    validation, warnings) are passed over. False (the general path) on anything else.
+    ``data`` ends with a newline (``parse_log`` holds back a line still being written)."""
     try:
         import numpy as np
 
@@ -230,7 +240,7 @@ def _template_columns(data: bytes, run: Run) -> bool:
     start = 0
     while start < len(data):
         end = data.find(b"\n", start + _BLOCK) + 1 or len(data)
-        block = _template_block(log_columns, data[start:end], names, end == len(data))
+        block = _template_block(log_columns, data[start:end], names)
         if block is None:
             return False
         blocks.append(block)
@@ -238,7 +248,6 @@ def _template_columns(data: bytes, run: Run) -> bool:
     iteration = np.concatenate([b.iteration for b in blocks])
     if not len(iteration):
         return False
-    run.garbage = int(blocks[-1].cut)
     if len(iteration) < 2 or (iteration[1:] > iteration[:-1]).all():  # the usual: in order
         first_of = None
     else:  # printed twice (several ranks), or a restart: each iteration's first line
@@ -254,14 +263,15 @@ def _template_columns(data: bytes, run: Run) -> bool:
             values = values[first_of]
         if ours == "loss":
             run.nonfinite_loss = int((~np.isfinite(values)).sum())
-        if ours not in ("loss", "step_ms") and (values == values[0]).all():
+        bits = values.view(np.int64)
+        if ours not in ("loss", "step_ms") and (bits == bits[0]).all():
             run.constant[ours] = float(values[0])
         else:
             run.series[ours] = _doubles(values)
     return True
 
 
-def _template_block(log_columns: Any, data: bytes, names: list[bytes], last: bool) -> _Block | None:
+def _template_block(log_columns: Any, data: bytes, names: list[bytes]) -> _Block | None:
     """One block of whole lines through the template path; None where a line breaks it."""
     import numpy as np
 
@@ -273,7 +283,7 @@ def _template_block(log_columns: Any, data: bytes, names: list[bytes], last: boo
               if name.decode("ascii", "replace") in FIELDS]  # fmt: skip
     if not n:
         empty = np.zeros(0)
-        return _Block(lines.iteration, lines.total, {o: empty for _, _, o in wanted}, False)
+        return _Block(lines.iteration, lines.total, {o: empty for _, _, o in wanted})
     bars = text.positions(124)
     if len(bars) == n * k and (bars[::k] == lines.first_bar).all():
         at = bars.reshape(n, k).T  # the usual: no other line has a bar
@@ -286,22 +296,20 @@ def _template_block(log_columns: Any, data: bytes, names: list[bytes], last: boo
         at = bars[np.arange(k)[:, None] + b0]
     after = text.windows(at[-1] + 1, 2)
     ok &= (after[0] == 10) | ((after[0] == 13) & (after[1] == 10))
-    # every field's name on every line, where the first line has it: its last letter and
-    # the colon after it (a line of another release has other names, of other lengths)
+    # every field's name on every line, where the first line has it: whole for the fields
+    # read, the last letter and the colon after it for the others (a line of another
+    # release has other names, of other lengths)
+    read = {j for j, _, _ in wanted}
     for j, name in enumerate(names):
-        ok &= text.matches(at[j] + (1 + len(name)), name[-1:] + b":")
-    cut = False
+        probe = b" " + name + b":" if j in read else name[-1:] + b":"
+        ok &= text.matches(at[j] + (len(name) + 3 - len(probe)), probe)
     if not ok.all():
-        if last and ok[:-1].all() and data.rfind(b"\n", int(lines.first_bar[-1])) < 0:
-            cut = True  # the last line, still being written
-        else:
-            return None
-        at = at[:, ok]
+        return None
     values = {}
     for j, name, ours in wanted:
         end = at[j + 1] - (text.at(at[j + 1] - 1) == 32)  # "value |"
         values[ours] = log_columns.parse_numbers(text.right_aligned(at[j] + 2 + len(name) + 1, end))
-    return _Block(lines.iteration[ok], lines.total[ok], values, cut)
+    return _Block(lines.iteration, lines.total, values)
 
 
 def _numpy_columns(data: bytes, run: Run) -> bool:
@@ -321,10 +329,12 @@ def _numpy_columns(data: bytes, run: Run) -> bool:
     newlines = text.positions(10)
     line_of_it = np.searchsorted(newlines, lines.first_bar)
     ends = np.append(newlines, len(arr))[line_of_it]  # each iteration line's end
-    # a complete line ends with '|' (spaces and a carriage return may follow)
-    tail = text.windows(ends - 3, 3)[::-1]
-    kept = (tail != 32) & (tail != 13)
+    # a whole line ends with '|' (blanks may follow), and no other iteration line starts on
+    # it after this one (two ranks' output run together)
+    tail = text.windows(ends - 16, 16)[::-1]
+    kept = (tail != 32) & (tail != 9) & (tail != 13)
     whole = tail[kept.argmax(axis=0), np.arange(tail.shape[1])] == 124
+    whole &= np.append(line_of_it[1:] != line_of_it[:-1], True)
     bars = text.positions(124)
     next_bar = np.append(bars[1:], len(arr))
     starts_field = text.at(bars + 1) == 32  # "| " starts a field
@@ -348,7 +358,7 @@ def _numpy_columns(data: bytes, run: Run) -> bool:
         by_line[line], has[line] = values, True
         columns[ours] = (by_line[line_of_it], has[line_of_it])
     ok = whole
-    run.garbage = int((~ok).sum())
+    run.garbage += int((~ok).sum())
     kept_its = lines.iteration[ok]
     order, first = np.unique(kept_its, return_index=True)
     run.duplicates = int(ok.sum()) - len(order)
@@ -363,23 +373,25 @@ def _numpy_columns(data: bytes, run: Run) -> bool:
     return True
 
 
-def _slow_path(data: bytes, rows: dict[int, dict[str, float]], run: Run) -> None:
-    """Iteration lines the template did not take, read field by field."""
-    seen = set(rows)
-    for line in data.splitlines():
-        m = ITERATION.search(line)
-        if m is None:
-            continue
-        it = int(m.group(1))
-        if it in seen:
-            continue
-        raw = _fields_of(line[m.end() :])
-        if not line.rstrip().endswith(b"|") or not raw:
-            run.garbage += 1  # cut short (still being written) or interleaved
-            continue
-        rows[it] = {FIELDS[n]: number(v) for n, v in raw.items() if n in FIELDS}
-        run.total_iterations = int(m.group(2))
-        seen.add(it)
+def _by_name(
+    data: bytes, rows: dict[int, dict[str, float]], totals: dict[int, int], run: Run
+) -> None:
+    """Every iteration line read field by field, in file order (the first of a repeated
+    iteration kept). A line is whole when it ends with a bar and no other iteration line
+    starts on it after it (two ranks' output run together)."""
+    for line in data.split(b"\n"):
+        matches = list(ITERATION.finditer(line))
+        for k, m in enumerate(matches):
+            if k + 1 < len(matches) or not line.rstrip(b" \t\r").endswith(b"|"):
+                run.garbage += 1  # cut short, or interleaved
+                continue
+            it = int(m.group(1))
+            if it in rows:
+                run.duplicates += 1
+                continue
+            raw = _fields_of(line[m.end() :])
+            rows[it] = {FIELDS[n]: number(v) for n, v in raw.items() if n in FIELDS}
+            totals[it] = int(m.group(2))
 
 
 def key_from_path(run: Run, models: Iterable[str], datasets: Iterable[str]) -> None:
