@@ -579,6 +579,36 @@ _HOSTILE = {
         0,
     ),
     "split-at-bar": (_A + " iteration 2/ 30 | lm loss: 2.0 |\n grad norm: 2.0 |\n", [1, 2], 0),
+    # a line cut by another process's output, its rest on the next line: cut short
+    "cut-by-newline": (
+        _A + " iteration 2/ 30 | lm loss: 2.0 | grad no\nrm: 2.0 |\n iteration 3/ 30 | lm loss: 3.0"
+        " | grad norm: 2.0 |\n",
+        [1, 3],
+        1,
+    ),
+    # the first line's name is garbled: the next line's good one is still read by its name
+    "garbled-first-name": (
+        " iteration 1/ 30 | lm loss: 1.0 | grad nxrm: 2.0 |\n iteration 2/ 30 | lm loss: 2.0 "
+        "| grad norm: 3.0 |\n",
+        [1, 2],
+        0,
+    ),
+    # a field after a line that another line cut belongs to neither
+    "field-of-a-cut-line": (
+        " iteration 50/ 99 | lm loss: 1.0 | grad norm: 2. iteration 19/ 99 | \n" + _A,
+        [1, 19],
+        1,
+    ),
+    # forms Megatron never writes: a field not written "| name: value" is not read
+    "tab-after-bar": (_A + " iteration 2/ 30 |\tlm loss: 2.0 | grad norm: 2.0 |\n", [1, 2], 0),
+    "no-space": (_A + " iteration 2/ 30 |lm loss: 2.0 | grad norm : 2.0 |\n", [1, 2], 0),
+    "lone-cr": (_A + " iteration 2/ 30 | lm loss: 2.0 |\r grad norm: 2.0 |\n", [1, 2], 0),
+    "nul": (_A + " iteration 2/ 30 | lm loss: 2.0\x00 | grad norm: 2.0 |\n", [1, 2], 0),
+    "wide-value": (
+        _A + " iteration 2/ 30 | lm loss: 2." + "0" * 40 + " | grad norm: 2.0 |\n",
+        [1, 2],
+        0,
+    ),
     "restart": (
         " iteration 10/ 100 | lm loss: 1.0 |\n iteration 20/ 100 | lm loss: 1.0 |\n"
         " iteration 15/ 50 | lm loss: 1.0 |\n",
@@ -602,8 +632,16 @@ def test_hostile_logs_read_the_same_three_ways(case, tmp_path, monkeypatch):
         assert list(t.column("loss")) == [1.0, 3.0]
     if case == "huge-exponent":
         assert t.column("loss")[0] == math.inf
-    if case == "other-name":
+    if case in ("other-name", "no-space", "lone-cr"):
         assert math.isnan(t.column("grad_norm")[1])
+    if case in ("tab-after-bar", "no-space", "nul"):
+        assert math.isnan(t.column("loss")[1])
+    if case == "garbled-first-name":
+        assert math.isnan(t.column("grad_norm")[0]) and t.column("grad_norm")[1] == 3.0
+    if case == "field-of-a-cut-line":
+        assert math.isnan(t.column("loss")[1])  # iteration 19's line holds no field
+    if case == "wide-value":
+        assert t.column("loss")[1] == 2.0
     if case == "restart":
         assert t.total_iterations == 100  # the line of the highest iteration says
 

@@ -51,13 +51,26 @@ class LogBytes:
         self.data = data
         self.arr = np.frombuffer(data, np.uint8)
         self._views: dict[int, Any] = {}
+        self._found: dict[int, Any] = {}
 
     def __len__(self) -> int:
         return len(self.arr)
 
     def positions(self, byte: int) -> Any:
         """Every position of ``byte``, in order."""
+        if byte in self._found:
+            return self._found[byte]
         return np.flatnonzero(np.equal(self.arr, byte, out=_scratch(len(self.arr))))
+
+    def scan(self, *wanted: int) -> None:
+        """Find every position of each of ``wanted`` bytes with one pass over the file for
+        all of them (``positions`` then answers from it)."""
+        hits = np.equal(self.arr, wanted[0], out=_scratch(len(self.arr)))
+        for byte in wanted[1:]:
+            hits |= self.arr == byte
+        found = np.flatnonzero(hits)
+        which = self.arr[found]
+        self._found = {byte: found[which == byte] for byte in wanted}
 
     def at(self, pos: Any) -> Any:
         """The byte at each position (NUL outside the file)."""
@@ -81,6 +94,8 @@ class LogBytes:
                 self._views[width] = np.ndarray(
                     buffer=self.arr, dtype=kind, shape=(n - width + 1,), strides=(1,)
                 )
+            if not len(start) or (start.min() >= 0 and start.max() <= n - width):
+                return self._views[width][start]  # the usual: all inside the file
             out = self._views[width][np.clip(start, 0, n - width)]
             edge = np.flatnonzero((start < 0) | (start > n - width))
         if len(edge):  # the few lines at the file's ends: byte by byte
@@ -89,14 +104,18 @@ class LogBytes:
         return out
 
     def matches(self, start: Any, const: bytes) -> Any:
-        """Whether the bytes at each position are ``const``: all of them up to 16 bytes,
-        else its first and last 8 (compared as 64-bit integers, not byte by byte)."""
+        """Whether the bytes at each position are ``const``, compared 8 bytes at a time as
+        64-bit integers (the last 8 overlapping where the length is not a multiple): for a
+        name of 30 bytes, cheaper than one comparison of whole items."""
         if len(const) < 8:
             kind = np.dtype((np.void, len(const)))
             return self.items(start, len(const)) == np.frombuffer(const, kind)[0]
-        head = self.items(start, 8).view(np.uint64) == np.frombuffer(const[:8], np.uint64)[0]
-        tail = self.items(start + (len(const) - 8), 8).view(np.uint64)
-        return head & (tail == np.frombuffer(const[-8:], np.uint64)[0])
+        ok = None
+        for at in sorted({*range(0, len(const) - 7, 8), len(const) - 8}):
+            part = self.items(start + at, 8).view(np.uint64)
+            hit = part == np.frombuffer(const[at : at + 8], np.uint64)[0]
+            ok = hit if ok is None else ok & hit
+        return ok
 
     def windows(self, start: Any, width: int) -> Any:
         """``width`` bytes from each position, column-major: ``out[c, i]`` is the byte at
@@ -106,10 +125,10 @@ class LogBytes:
 
     def right_aligned(self, start: Any, end: Any) -> Any:
         """The bytes ``[start, end)`` of each line, right-aligned in windows as wide as the
-        widest (at most 32), spaces on the left; a line whose bytes are wider is all spaces
+        widest (at most 64), spaces on the left; a line whose bytes are wider is all spaces
         (not a number)."""
         length = end - start
-        width = int(min(max(int(length.max(initial=1)), 1), 32))
+        width = int(min(max(int(length.max(initial=1)), 1), 64))
         win = self.windows(end - width, width)
         if (length != width).any():  # not a fixed-width field: blank what is not its own
             blank = np.arange(width)[:, None] < (width - length)[None, :]
@@ -226,7 +245,9 @@ def parse_numbers(win: Any) -> Any:
         out[good] = values[good]
     bad = np.flatnonzero(~good)
     if len(bad):
-        out[bad] = to_float(np.ascontiguousarray(win[:, bad].T).view(f"S{w}").ravel())
+        rows = win[:, bad]
+        out[bad] = to_float(np.ascontiguousarray(rows.T).view(f"S{w}").ravel())
+        out[bad[(rows == 0).any(axis=0)]] = np.nan  # numpy's text drops a NUL; float() not
     return out
 
 

@@ -123,11 +123,13 @@ def number(raw: bytes) -> float:
 
 
 def _fields_of(rest: bytes) -> dict[str, bytes]:
+    """The ``| name: value`` fields of a line, written as Megatron writes them (one space
+    after the bar, the colon right after the name): what the numpy paths read too."""
     out = {}
     for part in rest.split(b"|"):
-        name, sep, value = part.partition(b":")
-        if sep:
-            out[name.strip().decode("ascii", "replace")] = value.strip()
+        name, sep, value = part[1:].partition(b":")
+        if part[:1] == b" " and sep and name and name == name.strip():
+            out[name.decode("ascii", "replace")] = value.strip()
     return out
 
 
@@ -135,7 +137,7 @@ def _template(names: list[str]) -> re.Pattern[bytes]:
     """One pattern for iteration lines whose fields are exactly ``names`` in this order."""
     parts = [ITERATION.pattern]
     for n in names:  # one way to match each field: nothing to backtrack into
-        parts.append(rb" *" + re.escape(n.encode()) + rb":([^|\n]*)\|")
+        parts.append(rb" " + re.escape(n.encode()) + rb":([^|\n]*)\|")
     return re.compile(b"".join(parts) + rb"[ \t\r]*$", re.M)
 
 
@@ -199,6 +201,8 @@ def _finish(data: bytes, run: Run) -> None:
     last_iteration_at = data.rfind(b" iteration ")
     run.crashed = run.exit_status is None and bool(_CRASH.search(data, max(0, last_iteration_at)))
 
+
+_FIELD_NAMES = [name.encode() for name in FIELDS]
 
 _BLOCK = 8 << 20
 """The template path reads a log in blocks of this many bytes (whole lines): every check
@@ -277,6 +281,7 @@ def _template_block(log_columns: Any, data: bytes, names: list[bytes]) -> _Block
 
     k = len(names) + 1  # bars per line, the first (after "iteration N/ M") included
     text = log_columns.LogBytes(data)
+    text.scan(47, 124, 10)  # '/' (iteration lines), '|' and newlines: one pass for all
     lines = log_columns.iteration_lines(text)
     n = len(lines.first_bar)
     wanted = [(j, name, FIELDS[name.decode("ascii", "replace")]) for j, name in enumerate(names)
@@ -284,7 +289,7 @@ def _template_block(log_columns: Any, data: bytes, names: list[bytes]) -> _Block
     if not n:
         empty = np.zeros(0)
         return _Block(lines.iteration, lines.total, {o: empty for _, _, o in wanted})
-    bars = text.positions(124)
+    bars, newlines = text.positions(124), text.positions(10)
     if len(bars) == n * k and (bars[::k] == lines.first_bar).all():
         at = bars.reshape(n, k).T  # the usual: no other line has a bar
         ok = np.ones(n, np.bool_)
@@ -294,21 +299,29 @@ def _template_block(log_columns: Any, data: bytes, names: list[bytes]) -> _Block
         ok &= np.append(b0[1:] - b0[:-1] >= k, True)  # the next line starts after this one
         bars = np.append(bars, np.full(k, len(data)))  # past the end: a line cut short
         at = bars[np.arange(k)[:, None] + b0]
-    after = text.windows(at[-1] + 1, 2)
-    ok &= (after[0] == 10) | ((after[0] == 13) & (after[1] == 10))
+    # the line ends right after its last bar, and not before it (a line cut by another
+    # process's output would take the next line's bars for its own)
+    ends = newlines[np.minimum(np.searchsorted(newlines, lines.first_bar), len(newlines) - 1)]
+    ok &= (ends == at[-1] + 1) | ((ends == at[-1] + 2) & (text.at(at[-1] + 1) == 13))
     # every field's name on every line, where the first line has it: whole for the fields
     # read, the last letter and the colon after it for the others (a line of another
     # release has other names, of other lengths)
     read = {j for j, _, _ in wanted}
     for j, name in enumerate(names):
-        probe = b" " + name + b":" if j in read else name[-1:] + b":"
+        # whole where a field that is read could stand in its place (a name of its length)
+        whole = j in read or any(len(f) == len(name) for f in _FIELD_NAMES)
+        probe = b" " + name + b":" if whole else name[-1:] + b":"
         ok &= text.matches(at[j] + (len(name) + 3 - len(probe)), probe)
     if not ok.all():
         return None
     values = {}
     for j, name, ours in wanted:
         end = at[j + 1] - (text.at(at[j + 1] - 1) == 32)  # "value |"
-        values[ours] = log_columns.parse_numbers(text.right_aligned(at[j] + 2 + len(name) + 1, end))
+        win = text.right_aligned(at[j] + 2 + len(name) + 1, end)
+        if (win == win[:, :1]).all():  # the same text on every line: read it once
+            values[ours] = np.full(win.shape[1], log_columns.parse_numbers(win[:, :1])[0])
+        else:
+            values[ours] = log_columns.parse_numbers(win)
     return _Block(lines.iteration, lines.total, values)
 
 
@@ -352,11 +365,14 @@ def _numpy_columns(data: bytes, run: Run) -> bool:
         end = next_bar[pick]
         end -= text.at(end - 1) == 32
         values = log_columns.parse_numbers(text.right_aligned(pos + 2 + len(key), end))
-        line = np.searchsorted(newlines, pos)
-        by_line = np.full(len(newlines) + 1, np.nan)
-        has = np.zeros(len(newlines) + 1, np.bool_)
-        by_line[line], has[line] = values, True
-        columns[ours] = (by_line[line_of_it], has[line_of_it])
+        # a field belongs to the iteration line before it, if that line is its line
+        owner = np.searchsorted(lines.first_bar, pos, side="right") - 1
+        mine = owner >= 0
+        mine &= line_of_it[np.maximum(owner, 0)] == np.searchsorted(newlines, pos)
+        col = np.full(len(lines.first_bar), np.nan)
+        has = np.zeros(len(lines.first_bar), np.bool_)
+        col[owner[mine]], has[owner[mine]] = values[mine], True
+        columns[ours] = (col, has)
     ok = whole
     run.garbage += int((~ok).sum())
     kept_its = lines.iteration[ok]
