@@ -233,7 +233,7 @@ class _Collector(ScopedVisitor):
     """One pass over the statements that mention the site name, collecting per function its
     sites and dispatches. Ancestors come from the visitor's own stack, and a node's position
     is the order the visitor met it in (source order: all the analysis compares); a site's
-    line is set afterwards (``_set_lines``), so no code is generated for positions."""
+    line is set afterwards by ``_discover``, so no code is generated for positions."""
 
     def __init__(self, file_kind: str) -> None:
         super().__init__()
@@ -459,9 +459,7 @@ def _chunk_starts(module: cst.Module, text: str, tree: ast.Module | None) -> lis
         k = len(stmt.body) if isinstance(stmt, cst.SimpleStatementLine) else 1
         if i + k > len(nodes):
             return None
-        first = nodes[i]
-        line = min([first.lineno, *(d.lineno for d in getattr(first, "decorator_list", ()))])
-        starts.append(line - 1 - len(stmt.leading_lines))
+        starts.append(_first_line(nodes[i]) - 1 - len(stmt.leading_lines))
         i += k
     if i != len(nodes) or (starts and starts[0] != len(module.header)):
         return None
@@ -470,32 +468,33 @@ def _chunk_starts(module: cst.Module, text: str, tree: ast.Module | None) -> lis
     return starts
 
 
+def _first_line(node: ast.stmt) -> int:
+    """Where a statement starts in the file: its first decorator, if it has one."""
+    decorators: list[ast.expr] = getattr(node, "decorator_list", [])
+    return min([node.lineno, *(d.lineno for d in decorators)])
+
+
 def _excerpt(text: str) -> tuple[str, ast.Module] | None:
     """The part of ``text`` that can hold sites, as one source: every top-level statement
     that mentions the site name, a class reduced to its header and the members that do
     (recursively). Each line is kept as in the file, so columns, and the nesting libcst
-    sees, are the file's; with it, the file's line number of each of its lines. Lines are
-    found by CPython's parser (an AST only, in C), whose tree comes with the excerpt. None
-    where that parser refuses the file or a class's first member shares its header's line."""
-    try:
-        tree = ast.parse(text.removeprefix("\ufeff"))
-    except (SyntaxError, ValueError):
+    sees, are the file's. Lines are found by CPython's parser (an AST only, in C), whose
+    tree of the whole file comes with the excerpt (it gives each site's line). None where
+    that parser refuses the file or a class's first member shares its header's line."""
+    tree = _ast_of(text)
+    if tree is None:
         return None
     lines = io.StringIO(text, newline="").readlines()
     keep: set[int] = set()  # 0-based
 
-    def first_line(node: ast.stmt) -> int:
-        decorators: list[ast.expr] = getattr(node, "decorator_list", [])
-        return min([node.lineno, *(d.lineno for d in decorators)])
-
     def take(body: list[ast.stmt]) -> bool:
         kept = False
         for node in body:
-            first, last = first_line(node), node.end_lineno or node.lineno
+            first, last = _first_line(node), node.end_lineno or node.lineno
             if SITE_NAME not in "".join(lines[first - 1 : last]):
                 continue
             if isinstance(node, ast.ClassDef):  # its header, and the members that mention it
-                header = first_line(node.body[0]) - 1  # the header's last line
+                header = _first_line(node.body[0]) - 1  # the header's last line
                 if header < first:
                     raise _NoExcerpt
                 if take(node.body):

@@ -112,10 +112,9 @@ def check(path: Path | None, *, fresh: bool = False) -> CheckReport:
     script runs) does, so no cache entry, however it was altered, can make it pass."""
     checkout = gitrepo.find_checkout(path, need_git=False)
     targets = load_targets(checkout.root)
-    with contextlib.ExitStack() as stack:
-        git_info = (
-            stack.enter_context(gitrepo.git_info_started(checkout)) if checkout.has_git else None
-        )
+    # git status runs while the target files are read
+    started = gitrepo.git_info_started(checkout) if checkout.has_git else contextlib.nullcontext()
+    with started as git_info:
         return _check(checkout, targets, git_info, fresh)
 
 

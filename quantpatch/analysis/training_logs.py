@@ -235,10 +235,9 @@ def _template_columns(data: bytes, run: Run) -> bool:
         return False
     eol = data.find(b"\n", first.end())
     line = data[first.end() - 1 : eol if eol >= 0 else len(data)].rstrip(b"\r ")
-    names = [part.partition(b":")[0].strip() for part in line.split(b"|")[1:-1]]
+    # every part between the bars a field, as Megatron writes them (what the other paths read)
+    names = [name.encode() for name in _fields_of(line)]
     if eol < 0 or not line.endswith(b"|") or line.count(b"|") != len(names) + 1:
-        return False
-    if not all(names):
         return False
     blocks: list[_Block] = []
     start = 0
