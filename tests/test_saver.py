@@ -428,6 +428,7 @@ def test_byte_cap_and_selection_in_process(saver_module, capsys):
         ("TENSOR_SAVE_STEPS", "5-1"),
         ("TENSOR_SAVE_KINDS", ",,"),
         ("TENSOR_SAVE_QUEUE", "many"),
+        ("TENSOR_SAVE_NICE", "20"),
         ("TENSOR_SAVE_STATS_ONLY", "maybe"),
         ("TENSOR_SAVE_ENABLED", "ture"),
     ],
@@ -511,9 +512,8 @@ class _TorchWithFullDisk:
         return getattr(self._torch, name)
 
     @staticmethod
-    def save(obj, path, **kwargs):
-        with open(path, "wb") as fh:
-            fh.write(b"partial")
+    def save(obj, f, **kwargs):
+        f.write(b"partial")  # the saver hands over its own file object
         raise OSError(errno.ENOSPC, "No space left on device")
 
 
@@ -650,6 +650,59 @@ def test_writer_threads_pool_and_format(saver_module, tmp_path):
         assert info["mean"] == pytest.approx(f.mean().item(), rel=1e-5, abs=1e-7)
 
 
+@pytest.mark.skipif(not hasattr(os, "setpriority"), reason="thread priorities are Linux's")
+@pytest.mark.parametrize(("nice", "lower"), [(None, 10), ("3", 3), ("0", 0)])
+def test_the_saver_threads_yield_to_training(saver_module, nice, lower):
+    """Both stages run ``TENSOR_SAVE_NICE`` below the training thread; training's own
+    priority and torch thread count stay as they were."""
+    import torch
+
+    env = {} if nice is None else {"TENSOR_SAVE_NICE": nice}
+    me = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    threads = torch.get_num_threads()
+    ts = saver_module(**env)
+    ts.save_tensor(torch.randn(64, 64), "linear", "forward", None, "input", 0)
+    assert ts.flush()["files"] == 1
+    stages = [ts._SAVER.stats_thread, *ts._SAVER.threads]
+    for thread in stages:
+        assert thread is not None and thread.native_id is not None
+        got = os.getpriority(os.PRIO_PROCESS, thread.native_id)
+        assert got == min(19, me + lower), (thread.name, got)
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == me
+    assert torch.get_num_threads() == threads
+
+
+def test_a_failure_in_the_statistics_is_counted_and_saving_goes_on(
+    saver_module, monkeypatch, tmp_path, capsys
+):
+    import torch
+
+    ts = saver_module()
+    real = ts._stats
+    monkeypatch.setattr(ts, "_stats", lambda t: 1 / 0)
+    for layer in range(3):
+        ts.save_tensor(torch.ones(256), "linear", "forward", None, "input", layer)
+    report = ts.flush()
+    assert report["failed"] == 3 and report["files"] == 0 and report["bytes"] == 0
+    assert "ZeroDivisionError" in capsys.readouterr().err
+    assert 256 * 4 <= ts._SAVER.pool.bytes <= 3 * 256 * 4  # snapshots back in the pool
+    monkeypatch.setattr(ts, "_stats", real)
+    ts.save_tensor(torch.arange(256.0), "linear", "forward", None, "input", 7)
+    assert ts.flush()["files"] == 1
+    (path,) = (tmp_path / "t").glob("*.pt")
+    obj = torch.load(path, weights_only=True)
+    assert torch.equal(obj["tensor"], torch.arange(256.0))
+    # written through os.write, the bytes are exactly those of torch.save's own file
+    ours, theirs = tmp_path / "ours.pt", tmp_path / "theirs.pt"
+    fd = os.open(ours, os.O_WRONLY | os.O_CREAT)
+    try:
+        torch.save(obj, ts._FdFile(fd), _use_new_zipfile_serialization=False)
+    finally:
+        os.close(fd)
+    torch.save(obj, theirs, _use_new_zipfile_serialization=False)
+    assert ours.read_bytes() == theirs.read_bytes()
+
+
 def test_stats_never_write_the_tensor_and_match_torch(saver_module):
     import torch
 
@@ -663,6 +716,9 @@ def test_stats_never_write_the_tensor_and_match_torch(saver_module):
         torch.tensor([]),
         torch.tensor([1.0, float("nan"), 3.0]),
         torch.tensor([1.0, float("inf")]),
+        torch.randn(1 << 20),  # on the host: the variance from the two sums
+        torch.randn(1 << 16) * 1e-3 + 1e3,  # an offset 1e6x the spread: the two-pass formula
+        torch.full((5000,), 7.25),
     ]
     for t in cases:
         before = t.clone()
