@@ -508,6 +508,28 @@ def test_numbers_are_read_bit_for_bit(printed, garbage):
     assert [_bits(x) for x in got] == [_bits(training_logs.number(t)) for t in texts]
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    text=st.binary(min_size=0, max_size=80),
+    const=st.binary(min_size=1, max_size=40),
+    starts=st.lists(st.integers(-45, 125), max_size=12),
+)
+def test_bytes_match_at_any_position(text, const, starts):
+    """``LogBytes.matches`` (whole 8-byte words, the last masked) agrees with slicing, at
+    every position, the file's edges and past them included (NUL there)."""
+    import numpy as np
+
+    from quantpatch.analysis.log_columns import LogBytes
+
+    for planted in starts[:2]:  # plant the constant so that some positions do match
+        if 0 <= planted <= len(text) - len(const):
+            text = text[:planted] + const + text[planted + len(const) :]
+    got = LogBytes(text).matches(np.array(starts, np.int64), const)
+    padded = b"\0" * 200 + text + b"\0" * 200
+    want = [padded[200 + s : 200 + s + len(const)] == const for s in starts]
+    assert got.tolist() == want
+
+
 def test_numbers_take_the_fast_path(monkeypatch):
     """Megatron's columns are read without numpy's text conversion (the fast path)."""
     from quantpatch.analysis import log_columns
