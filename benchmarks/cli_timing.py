@@ -10,8 +10,9 @@ Bars (issue 13, as ratios to `python3 -c pass` in the same run): --help <= 6x, w
 <= 12x, cold check <= 25x; set and restore <= 1.0 s on the fork clone. `check` reads discovery
 results from a content-addressed cache when the target files are unchanged (the usual case:
 `set` primes it); the cold row deletes the cache first, so it pays libcst's import (the
-`import libcst` row: its floor) and parses the excerpt of each target file that can hold
-sites.
+`import libcst` row) and parses the excerpt of each target file that can hold sites, in a
+forked child (and one grandchild per further core) while the command imports rich and git
+status runs.
 
 quantpatch's own modules are byte-compiled first, as `pip install` does for a wheel (an
 editable install under PYTHONDONTWRITEBYTECODE=1 would otherwise recompile them on every

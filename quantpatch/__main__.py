@@ -1,3 +1,3 @@
-from quantpatch.cli import main
+from quantpatch.cli import run
 
-main()
+run()

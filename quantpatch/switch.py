@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import shutil
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -110,22 +110,45 @@ def check(path: Path | None, *, fresh: bool = False) -> CheckReport:
     """The sites and state of a checkout. ``fresh`` reads every target file anew instead of
     believing the discovery cache: what ``check --expect`` (the verification each launch
     script runs) does, so no cache entry, however it was altered, can make it pass."""
+    with checking(path, fresh=fresh) as report:
+        return report()
+
+
+@contextlib.contextmanager
+def checking(path: Path | None, *, fresh: bool = False) -> Iterator[Callable[[], CheckReport]]:
+    """``check`` in two halves: entering starts what can run beside this process (``git
+    status``, and the parsing of whatever the discovery cache lacks, in a forked child);
+    calling what it yields waits for both and makes the report. What the caller does in
+    between (the CLI imports rich there) costs no time of its own.
+
+    ``fresh`` never reads the checkout's cache: the child then fills a private directory,
+    made for this call and removed after it, which holds nothing but what it parsed now."""
     checkout = gitrepo.find_checkout(path, need_git=False)
     targets = load_targets(checkout.root)
-    # git status runs while the target files are read
-    started = gitrepo.git_info_started(checkout) if checkout.has_git else contextlib.nullcontext()
-    with started as git_info:
-        return _check(checkout, targets, git_info, fresh)
+    with contextlib.ExitStack() as stack:
+        cache = None if fresh else checkout.state_dir / "cache"
+        if fresh and site_cache.can_fork():
+            import tempfile
+
+            cache = Path(tempfile.mkdtemp(prefix="quantpatch-check-"))
+            stack.callback(shutil.rmtree, cache, ignore_errors=True)
+        ahead = site_cache.discover_ahead(checkout.root, targets, cache)
+        if ahead is not None:
+            stack.callback(ahead.wait)  # never leave a child behind, whatever happens
+        git_info = None
+        if checkout.has_git:  # git status runs while the target files are read
+            git_info = stack.enter_context(gitrepo.git_info_started(checkout))
+        yield lambda: _check(checkout, targets, git_info, cache, ahead)
 
 
 def _check(
     checkout: gitrepo.Checkout,
     targets: Targets,
     git_info: Callable[[], gitrepo.GitInfo] | None,
-    fresh: bool,
+    cache: Path | None,
+    ahead: site_cache.Ahead | None,
 ) -> CheckReport:
-    cache = None if fresh else checkout.state_dir / "cache"
-    per_file = site_cache.read_sites(checkout.root, targets, cache)
+    per_file = site_cache.read_sites(checkout.root, targets, cache, ahead)
     sites = [s for file_sites in per_file for s in file_sites]
     if not sites:
         raise _no_sites(targets)

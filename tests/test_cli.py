@@ -373,6 +373,42 @@ def test_version_help_and_no_torch_at_startup(tmp_path):
     assert "LOADED []" in res.stdout, res.stdout + res.stderr
 
 
+def test_the_console_entry_keeps_exit_codes_and_output(tmp_path):
+    """``run`` (the installed ``quantpatch`` and ``python -m quantpatch``) leaves without the
+    interpreter's teardown: exit codes, messages and every byte of a long output survive,
+    and a reader that goes away early costs no traceback."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+
+    def qp(*args):
+        return subprocess.run(
+            [sys.executable, "-m", "quantpatch", *args],
+            capture_output=True, text=True, env=env, check=False, cwd=tmp_path,
+        )  # fmt: skip
+
+    full = qp("--help")
+    assert full.returncode == 0
+    inproc = subprocess.run(
+        [sys.executable, "-c", "import sys; sys.argv=['quantpatch','--help']\n"
+         "from quantpatch.cli import main\ntry:\n    main()\nexcept SystemExit:\n    pass"],
+        capture_output=True, text=True, env=env, check=False,
+    )  # fmt: skip
+    assert full.stdout == inproc.stdout and len(full.stdout) > 500
+    res = qp("check")  # not a git repository: a user error
+    assert res.returncode == 2 and res.stderr.startswith("error: ") and not res.stdout
+    res = qp("no-such-command")
+    assert res.returncode == 2 and "No such command" in res.stderr
+    # a reader that closes the pipe after the first line: no traceback, no hang
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "quantpatch", "--help"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.readline()
+    proc.stdout.close()
+    assert proc.wait(timeout=60) in (0, 120) and b"Traceback" not in proc.stderr.read()
+    proc.stderr.close()
+
+
 def test_lazy_command_building_shows_the_same_help(capsys):
     """``main`` builds only what a command line needs (the listing without parameters, or
     the one command named); what the user sees is what the fully built app shows."""

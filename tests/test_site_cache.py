@@ -69,3 +69,78 @@ def test_warm_check_imports_no_parser_and_no_gitpython(run, make_checkout, after
     assert "LOADED []" in res.stdout, res.stdout + res.stderr
     if after_set:
         assert "_qk-mxfp4_" in res.stdout and "base (branch): main @" in res.stdout
+
+
+def _check_in_a_process(root, *args, env=None):
+    """``check`` in a fresh interpreter (no other thread: a child may be forked), reporting
+    whether the command's own process imported libcst."""
+    code = (
+        "import sys\nsys.argv=['quantpatch','check','--json','--repo',*sys.argv[1:]]\n"
+        "from quantpatch.cli import main\n"
+        "try:\n    main()\nexcept SystemExit as e:\n    print('EXIT', e.code)\n"
+        "print('LIBCST', 'libcst' in sys.modules)\n"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", code, str(root), *args],
+        capture_output=True, text=True, check=False, env=env,
+    )  # fmt: skip
+
+
+def test_a_cold_check_parses_in_a_child_and_reports_the_same(run, make_checkout, tmp_path):
+    """A cold cache is filled by a forked child while the command goes on: the command's own
+    process never imports libcst, the cache holds both files once it has exited, and the
+    report is the one a warm check gives. ``--expect`` (fresh) has its child fill a private
+    directory: the checkout's cache stays untouched and nothing is left behind."""
+    import os
+
+    root = make_checkout()
+    cache = root / ".git" / "quantpatch" / "cache"
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = {**os.environ, "TMPDIR": str(tmp)}
+    cold = _check_in_a_process(root, env=env)
+    assert "EXIT 0" in cold.stdout and "LIBCST False" in cold.stdout, cold.stdout + cold.stderr
+    assert len(list(cache.glob("sites-*.json"))) == 2
+    report = json.loads(cold.stdout.split("EXIT")[0])
+    warm = run("check", "--json", "--repo", root)
+    assert warm.code == 0 and json.loads(warm.out) == report
+    expect = ",".join(f"{role}={value}" for role, value in sorted(report["roles"].items()))
+    for entry in cache.iterdir():
+        entry.unlink()
+    fresh = _check_in_a_process(root, "--expect", expect, env=env)
+    assert "EXIT 0" in fresh.stdout and "LIBCST False" in fresh.stdout, fresh.stdout + fresh.stderr
+    assert json.loads(fresh.stdout.split("EXIT")[0])["sites"] == report["sites"]
+    assert not list(cache.iterdir()) and not list(tmp.iterdir())
+
+
+def test_a_file_the_child_cannot_parse_is_reported_by_the_command(make_checkout):
+    root = make_checkout()
+    path = root / ATTENTION
+    path.write_text(path.read_text() + "\ndef broken(:\n    pass\n")
+    res = _check_in_a_process(root)
+    assert "EXIT 2" in res.stdout and "LIBCST True" in res.stdout, res.stdout + res.stderr
+    assert f"{ATTENTION}:" in res.stderr and "does not parse as Python" in res.stderr
+    assert res.stderr.count("does not parse") == 1  # said once, by the command
+
+
+def test_no_child_is_forked_beside_other_threads(make_checkout, tmp_path):
+    import threading
+
+    root = make_checkout()
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait)
+    other.start()
+    try:
+        assert not site_cache.can_fork()
+        assert site_cache.discover_ahead(root, Targets(), tmp_path / "cache") is None
+    finally:
+        stop.set()
+        other.join()
+
+
+def test_the_files_are_shared_out_by_size():
+    files = [(f"f{i}", "linear", "x" * size) for i, size in enumerate([50, 10, 30, 30, 5])]
+    shares = site_cache._shares(files, 2)
+    assert sorted(len(s[2]) for share in shares for s in share) == [5, 10, 30, 30, 50]
+    assert sorted(sum(len(f[2]) for f in share) for share in shares) == [60, 65]
+    assert site_cache._shares(files, 1) == [sorted(files, key=lambda f: -len(f[2]))]
