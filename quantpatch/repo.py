@@ -18,7 +18,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -493,7 +492,7 @@ def locked(checkout: Checkout, wait: float = 0.0) -> Iterator[None]:
                 time.sleep(0.05)
         with contextlib.suppress(OSError):  # who holds it, for the message above
             os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
+            os.pwrite(fd, f"{os.getpid()} {os.uname().nodename}\n".encode(), 0)
         yield
     finally:
         os.close(fd)  # releases the flock
