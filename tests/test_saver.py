@@ -703,10 +703,14 @@ def test_a_failure_in_the_statistics_is_counted_and_saving_goes_on(
     assert ours.read_bytes() == theirs.read_bytes()
 
 
-def test_stats_never_write_the_tensor_and_match_torch(saver_module):
+@pytest.mark.parametrize("scratch_max", [1 << 24, 64])
+def test_stats_never_write_the_tensor_and_match_torch(saver_module, monkeypatch, scratch_max):
+    """In the float32 buffer a thread keeps (reused from tensor to tensor, larger ones
+    first) or, past its size, in a copy of their own."""
     import torch
 
     ts = saver_module()
+    monkeypatch.setattr(ts, "_SCRATCH_MAX", scratch_max)
     cases = [
         torch.randn(300, 7) * 3 + 5,  # float32: the copy must be a real copy
         (torch.randn(1000) * 40).to(torch.bfloat16),

@@ -278,7 +278,7 @@ def _stats(t: torch.Tensor) -> torch.Tensor:
     n = t.numel()
     if not n:
         return torch.zeros(4, device=t.device)
-    d = t.reshape(-1).to(torch.float32, copy=True)
+    d = _float_copy(t)
     mn, mx = torch.aminmax(d)
     mean = d.mean()
     if n == 1:
@@ -288,6 +288,26 @@ def _stats(t: torch.Tensor) -> torch.Tensor:
         sq = torch.dot(d, d) if n < 2**31 else d.square_().sum()
         std = torch.sqrt(sq / (n - 1))
     return torch.stack([mn.float(), mx.float(), mean, std])
+
+
+_SCRATCH = threading.local()
+_SCRATCH_MAX = 16 << 20
+"""Elements of the float32 copy a thread keeps for the statistics of host tensors (64 MB)."""
+
+
+def _float_copy(t: torch.Tensor) -> torch.Tensor:
+    """``t`` flattened into float32, in a buffer the calling thread uses again for every host
+    tensor up to ``_SCRATCH_MAX`` elements: a fresh 4 MB array is handed back to the kernel
+    when freed and page-faulted in anew the next time, which made the copy cost 3x (50
+    against 15 ms for 80 tensors of 1024x1024 on one core). Device tensors (whose
+    allocator keeps its memory) and larger ones get a copy of their own."""
+    n = t.numel()
+    if t.device.type != "cpu" or n > _SCRATCH_MAX:
+        return t.reshape(-1).to(torch.float32, copy=True)
+    buf = getattr(_SCRATCH, "buf", None)
+    if buf is None or buf.numel() < n:
+        buf = _SCRATCH.buf = torch.empty(max(n, 1 << 20), dtype=torch.float32)
+    return buf[:n].copy_(t.reshape(-1))
 
 
 def _identity(t: torch.Tensor) -> tuple[Any, ...]:
