@@ -130,8 +130,9 @@ def checking(path: Path | None, *, fresh: bool = False) -> Iterator[Callable[[],
         if fresh and site_cache.can_fork():
             import tempfile
 
-            cache = Path(tempfile.mkdtemp(prefix="quantpatch-check-"))
-            stack.callback(shutil.rmtree, cache, ignore_errors=True)
+            with contextlib.suppress(OSError):  # no temporary directory: parsed here
+                cache = Path(tempfile.mkdtemp(prefix="quantpatch-check-"))
+                stack.callback(shutil.rmtree, cache, ignore_errors=True)
         ahead = site_cache.discover_ahead(checkout.root, targets, cache)
         if ahead is not None:
             stack.callback(ahead.wait)  # never leave a child behind, whatever happens

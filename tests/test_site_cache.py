@@ -144,3 +144,19 @@ def test_the_files_are_shared_out_by_size():
     assert sorted(len(s[2]) for share in shares for s in share) == [5, 10, 30, 30, 50]
     assert sorted(sum(len(f[2]) for f in share) for share in shares) == [60, 65]
     assert site_cache._shares(files, 1) == [sorted(files, key=lambda f: -len(f[2]))]
+
+
+def test_a_fresh_check_without_a_temporary_directory_parses_itself(make_checkout, monkeypatch):
+    import tempfile
+
+    from quantpatch.switch import check
+
+    root = make_checkout()
+    want = check(root, fresh=True).sites
+
+    def refuse(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(tempfile, "mkdtemp", refuse)
+    assert check(root, fresh=True).sites == want
+    assert not (root / ".git" / "quantpatch" / "cache").exists()
