@@ -187,7 +187,8 @@ def discover_ahead(root: Path, targets: Targets, cache_dir: Path | None) -> Ahea
 
         # the files are shared out between this child and its own children, the largest
         # first, one process per core: each parse runs on libcst as imported once, here
-        shares = _shares(misses, min(len(misses), os.cpu_count() or 1))
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+        shares = _shares(misses, min(len(misses), cores))
         mine, helpers = shares[0], list[int]()
         for share in shares[1:]:
             helper = os.fork()
