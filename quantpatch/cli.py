@@ -996,6 +996,7 @@ def run() -> NoReturn:
         print(code, file=sys.stderr)  # what the interpreter does with a message
         code = 1
     for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(OSError, ValueError):  # a reader that went away
-            stream.flush()
+        if stream is not None:  # None: started with the descriptor closed
+            with contextlib.suppress(OSError, ValueError):  # a reader that went away
+                stream.flush()
     os._exit(code or 0)

@@ -98,6 +98,12 @@ def store(cache_dir: Path | None, rel: str, kind: str, text: str, sites: Sequenc
         entries = sorted(cache_dir.glob("sites-*.json"), key=lambda p: p.stat().st_mtime)
         for old in entries[:-KEEP]:
             old.unlink()
+        # a writer stopped mid-entry (a check interrupted) leaves its temporary file
+        stale = os.stat(path).st_mtime - 60
+        for left in cache_dir.glob("sites-*.tmp"):
+            with contextlib.suppress(OSError):
+                if left.stat().st_mtime < stale:
+                    left.unlink()
 
 
 def read_sites(
@@ -128,7 +134,8 @@ def read_sites(
 
 
 class Ahead:
-    """The child process ``discover_ahead`` started."""
+    """The child process ``discover_ahead`` started, leader of its own process group (its
+    helpers are in it too)."""
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
@@ -140,12 +147,36 @@ class Ahead:
                 os.waitpid(self.pid, 0)
             self.pid = 0
 
+    def stop(self) -> None:
+        """End the child and its helpers at once (the command is being interrupted): none
+        of them writes anything after this returns."""
+        if self.pid:
+            with contextlib.suppress(OSError):
+                os.killpg(self.pid, 9)  # SIGKILL, by number: no import of signal here
+            self.wait()
+
+    def __enter__(self) -> Ahead:
+        return self
+
+    def __exit__(self, kind: object, *rest: object) -> None:
+        if kind is None:
+            self.wait()
+        else:
+            self.stop()
+
 
 def can_fork() -> bool:
     """A child can be forked safely: the platform has ``fork`` and this process runs no
-    other thread (a lock another thread holds would stay held in the child forever)."""
-    threading = sys.modules.get("threading")
-    return hasattr(os, "fork") and (threading is None or threading.active_count() == 1)
+    other thread (a lock another thread holds would stay held in the child forever). The
+    threads are counted by the kernel where it tells (those of C extensions and ``_thread``
+    included), by ``threading`` elsewhere."""
+    if not hasattr(os, "fork"):
+        return False
+    try:
+        return len(os.listdir("/proc/self/task")) == 1
+    except OSError:
+        threading = sys.modules.get("threading")
+        return threading is None or threading.active_count() == 1
 
 
 def discover_ahead(root: Path, targets: Targets, cache_dir: Path | None) -> Ahead | None:
@@ -177,9 +208,13 @@ def discover_ahead(root: Path, targets: Targets, cache_dir: Path | None) -> Ahea
             stream.flush()
     pid = os.fork()
     if pid:
+        with contextlib.suppress(OSError):  # its own group (set on both sides: no race)
+            os.setpgid(pid, pid)
         return Ahead(pid)
     code = 1  # the child, from here to os._exit
     try:
+        with contextlib.suppress(OSError):
+            os.setpgid(0, 0)
         import gc
 
         gc.disable()  # a process that lives a few hundred ms: libcst's import is 11 ms faster

@@ -407,6 +407,13 @@ def test_the_console_entry_keeps_exit_codes_and_output(tmp_path):
     proc.stdout.close()
     assert proc.wait(timeout=60) in (0, 120) and b"Traceback" not in proc.stderr.read()
     proc.stderr.close()
+    # started with its output closed: nothing to flush, and the command's own exit code
+    for closed in (">&-", "2>&-"):
+        res = subprocess.run(
+            ["sh", "-c", f'exec "$0" -m quantpatch --version {closed}', sys.executable],
+            capture_output=True, text=True, env=env, check=False, cwd=tmp_path,
+        )  # fmt: skip
+        assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr
 
 
 def test_lazy_command_building_shows_the_same_help(capsys):

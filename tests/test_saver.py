@@ -670,6 +670,23 @@ def test_the_saver_threads_yield_to_training(saver_module, nice, lower):
         assert got == min(19, me + lower), (thread.name, got)
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == me
     assert torch.get_num_threads() == threads
+    # the statistics thread runs torch on one core; no other thread, even one started now
+    seen: dict[str, int] = {}
+    later = threading.Thread(target=lambda: seen.setdefault("n", torch.get_num_threads()))
+    later.start()
+    later.join()
+    assert seen["n"] == threads
+    if ts._openmp() is not None:
+        one: dict[str, int] = {}
+
+        def probe() -> None:
+            ts._one_core()
+            one["n"] = torch.get_num_threads()
+
+        prober = threading.Thread(target=probe)
+        prober.start()
+        prober.join()
+        assert one["n"] == 1
 
 
 def test_a_failure_in_the_statistics_is_counted_and_saving_goes_on(

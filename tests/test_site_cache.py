@@ -123,19 +123,57 @@ def test_a_file_the_child_cannot_parse_is_reported_by_the_command(make_checkout)
     assert res.stderr.count("does not parse") == 1  # said once, by the command
 
 
-def test_no_child_is_forked_beside_other_threads(make_checkout, tmp_path):
+@pytest.mark.parametrize("how", ["threading", "_thread"])
+def test_no_child_is_forked_beside_other_threads(make_checkout, tmp_path, how):
+    """Threads of any origin count (``_thread`` and C extensions bypass ``threading``)."""
+    import _thread
     import threading
 
     root = make_checkout()
-    stop = threading.Event()
-    other = threading.Thread(target=stop.wait)
-    other.start()
+    stop, stopped = threading.Event(), threading.Event()
+
+    def wait() -> None:
+        stop.wait()
+        stopped.set()
+
+    if how == "threading":
+        threading.Thread(target=wait).start()
+    else:
+        _thread.start_new_thread(wait, ())
     try:
         assert not site_cache.can_fork()
         assert site_cache.discover_ahead(root, Targets(), tmp_path / "cache") is None
     finally:
         stop.set()
-        other.join()
+        stopped.wait(10)
+
+
+def test_a_terminated_fresh_check_leaves_nothing_behind(make_checkout, tmp_path):
+    """SIGTERM (``timeout``, a cancelled job) while the child parses for ``check --expect``:
+    the command stops its child and removes its private directory, as on Ctrl-C."""
+    import os
+    import signal
+    import time
+
+    root = make_checkout()
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = {**os.environ, "TMPDIR": str(tmp)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "quantpatch", "check", "--repo", str(root),
+         "--expect", "linear=bf16,qk=bf16,pv=bf16"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+    )  # fmt: skip
+    deadline = time.monotonic() + 30
+    while not list(tmp.iterdir()) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.002)
+    assert list(tmp.iterdir()), "the private directory never appeared"
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode in (143, 0, 1), (proc.returncode, err)
+    assert b"Traceback" not in err
+    time.sleep(0.5)  # a child left running would write into the directory again
+    assert not list(tmp.iterdir())
 
 
 def test_the_files_are_shared_out_by_size():
@@ -158,5 +196,6 @@ def test_a_fresh_check_without_a_temporary_directory_parses_itself(make_checkout
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(tempfile, "mkdtemp", refuse)
+    monkeypatch.setattr(site_cache, "can_fork", lambda: True)
     assert check(root, fresh=True).sites == want
     assert not (root / ".git" / "quantpatch" / "cache").exists()
