@@ -17,8 +17,9 @@ import hashlib
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 from quantpatch import __version__
 from quantpatch.config import SITE_NAME, Targets
@@ -106,21 +107,39 @@ def store(cache_dir: Path | None, rel: str, kind: str, text: str, sites: Sequenc
                     left.unlink()
 
 
+class _Read(NamedTuple):
+    """A target file as read once: its sites from the cache, ``[]`` where the file cannot
+    hold any, ``None`` where it must be parsed."""
+
+    rel: str
+    kind: str
+    text: str
+    sites: list[Site] | None
+
+
+def _scan(root: Path, targets: Targets, cache_dir: Path | None) -> list[_Read]:
+    out = []
+    for rel in targets.all_files:
+        text = read_target(root, rel)
+        kind = targets.kind_of(rel)
+        sites = load(cache_dir, rel, kind, text) if SITE_NAME in text else []
+        out.append(_Read(rel, kind, text, sites))
+    return out
+
+
 def read_sites(
     root: Path, targets: Targets, cache_dir: Path | None, ahead: Ahead | None = None
 ) -> list[list[Site]]:
     """The sites of every target file, from the cache where possible (parsing the others);
-    ``ahead``, a child filling the cache, is waited for first."""
+    ``ahead`` holds the files as already read, and the child filling the cache, which is
+    waited for first."""
     if ahead is not None:
         ahead.wait()
+    files = ahead.files if ahead is not None else _scan(root, targets, cache_dir)
     out: list[list[Site]] = []
-    for rel in targets.all_files:
-        text = read_target(root, rel)
-        kind = targets.kind_of(rel)
-        if SITE_NAME not in text:
-            out.append([])
-            continue
-        sites = load(cache_dir, rel, kind, text)
+    for rel, kind, text, sites in files:
+        if sites is None and ahead is not None and ahead.forked:
+            sites = load(cache_dir, rel, kind, text)  # what the child stored
         if sites is None:
             from quantpatch.sites import discover_sites  # imports libcst: only on a miss
 
@@ -134,11 +153,11 @@ def read_sites(
 
 
 class Ahead:
-    """The child process ``discover_ahead`` started, leader of its own process group (its
-    helpers are in it too)."""
+    """The target files as ``discover_ahead`` read them, and the child it started (``pid``
+    0: none was needed), leader of its own process group (its helpers are in it too)."""
 
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
+    def __init__(self, files: list[_Read], pid: int) -> None:
+        self.files, self.pid, self.forked = files, pid, pid != 0
 
     def wait(self) -> None:
         """Until the child has exited (at once the second time)."""
@@ -189,20 +208,17 @@ def discover_ahead(root: Path, targets: Targets, cache_dir: Path | None) -> Ahea
     other core. The child writes nothing else and leaves through ``os._exit``: none of this
     process's buffered output or exit handlers run twice. Whatever it could not parse is
     simply not in the cache, so ``read_sites`` parses it again and reports the error.
-    ``None`` (nothing started) when nothing is missing or no child can be forked safely."""
+    ``None`` where no child can be forked safely; without a child where nothing is missing
+    (the files as read are kept either way: ``read_sites`` reads none of them again)."""
     if cache_dir is None or not can_fork():
         return None
-    misses = []
     try:
-        for rel in targets.all_files:
-            text = read_target(root, rel)
-            kind = targets.kind_of(rel)
-            if SITE_NAME in text and load(cache_dir, rel, kind, text) is None:
-                misses.append((rel, kind, text))
+        files = _scan(root, targets, cache_dir)
     except UserError:  # a missing target: read_sites says so
         return None
+    misses = [(f.rel, f.kind, f.text) for f in files if f.sites is None]
     if not misses:
-        return None
+        return Ahead(files, 0)
     for stream in (sys.stdout, sys.stderr):  # nothing buffered is left to be written twice
         with contextlib.suppress(OSError, ValueError):
             stream.flush()
@@ -210,7 +226,7 @@ def discover_ahead(root: Path, targets: Targets, cache_dir: Path | None) -> Ahea
     if pid:
         with contextlib.suppress(OSError):  # its own group (set on both sides: no race)
             os.setpgid(pid, pid)
-        return Ahead(pid)
+        return Ahead(files, pid)
     code = 1  # the child, from here to os._exit
     try:
         with contextlib.suppress(OSError):
@@ -250,3 +266,63 @@ def _shares(files: list[tuple[str, str, str]], n: int) -> list[list[tuple[str, s
         shares[i].append(item)
         sizes[i] += len(item[2])
     return shares
+
+
+@contextlib.contextmanager
+def parsed_ahead(
+    root: Path, targets: Targets, cache_dir: Path | None
+) -> Iterator[tuple[Path | None, Ahead | None]]:
+    """``discover_ahead`` for as long as this holds: the child is waited for on the way
+    out, or stopped with its helpers when the command is interrupted. Yields the cache
+    directory ``read_sites`` is to read, and the ``Ahead`` to hand it.
+
+    ``cache_dir`` None (``check --expect``, which never reads the checkout's cache): the
+    child fills a private directory, made here and removed on the way out, which holds
+    nothing but what it parsed now; meanwhile SIGTERM ends the command through that
+    clean-up, as Ctrl-C does."""
+    with contextlib.ExitStack() as stack:
+        held: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext
+        if cache_dir is None and can_fork():
+            import shutil
+            import tempfile
+
+            held = stack.enter_context(_terminate_cleanly())
+            with held(), contextlib.suppress(OSError):  # no temporary directory: parsed here
+                cache_dir = Path(tempfile.mkdtemp(prefix="quantpatch-check-"))
+                stack.callback(shutil.rmtree, cache_dir, ignore_errors=True)
+        with held():  # the child is forked and registered before a SIGTERM is acted on
+            ahead = discover_ahead(root, targets, cache_dir)
+            if ahead is not None:
+                stack.enter_context(ahead)
+        yield cache_dir, ahead
+
+
+@contextlib.contextmanager
+def _terminate_cleanly() -> Iterator[Callable[[], contextlib.AbstractContextManager[None]]]:
+    """SIGTERM (``timeout``, a cancelled CI job) ends the command as Ctrl-C does, through
+    its clean-up, for as long as this holds; only the main thread can catch signals. What
+    it yields holds a SIGTERM back while a resource is made and its clean-up registered,
+    so that none is made and then missed."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield contextlib.nullcontext
+        return
+
+    def stop(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    @contextlib.contextmanager
+    def held() -> Iterator[None]:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        try:
+            yield
+        finally:  # a SIGTERM that came meanwhile is acted on here
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+
+    before = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield held
+    finally:
+        signal.signal(signal.SIGTERM, before)

@@ -126,54 +126,15 @@ def checking(path: Path | None, *, fresh: bool = False) -> Iterator[Callable[[],
     checkout = gitrepo.find_checkout(path, need_git=False)
     targets = load_targets(checkout.root)
     with contextlib.ExitStack() as stack:
-        cache = None if fresh else checkout.state_dir / "cache"
-        held: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext
-        if fresh and site_cache.can_fork():
-            import tempfile
-
-            held = stack.enter_context(_terminate_cleanly())
-            with held(), contextlib.suppress(OSError):  # no temporary directory: parsed here
-                cache = Path(tempfile.mkdtemp(prefix="quantpatch-check-"))
-                stack.callback(shutil.rmtree, cache, ignore_errors=True)
-        with held():  # the child is forked and registered before a SIGTERM is acted on
-            ahead = site_cache.discover_ahead(checkout.root, targets, cache)
-            if ahead is not None:  # waited for, or stopped when interrupted: never left behind
-                stack.enter_context(ahead)
+        cache, ahead = stack.enter_context(
+            site_cache.parsed_ahead(
+                checkout.root, targets, None if fresh else checkout.state_dir / "cache"
+            )
+        )
         git_info = None
         if checkout.has_git:  # git status runs while the target files are read
             git_info = stack.enter_context(gitrepo.git_info_started(checkout))
         yield lambda: _check(checkout, targets, git_info, cache, ahead)
-
-
-@contextlib.contextmanager
-def _terminate_cleanly() -> Iterator[Callable[[], contextlib.AbstractContextManager[None]]]:
-    """SIGTERM (``timeout``, a cancelled CI job) ends the command as Ctrl-C does, through
-    its clean-up (a private directory removed, a child stopped), for as long as this holds;
-    only the main thread can catch signals. What it yields holds a SIGTERM back while a
-    resource is made and its clean-up registered, so that none is made and then missed."""
-    import signal
-    import threading
-
-    if threading.current_thread() is not threading.main_thread():
-        yield contextlib.nullcontext
-        return
-
-    def stop(signum: int, frame: object) -> None:
-        raise SystemExit(128 + signum)
-
-    @contextlib.contextmanager
-    def held() -> Iterator[None]:
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-        try:
-            yield
-        finally:  # a SIGTERM that came meanwhile is acted on here
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
-
-    before = signal.signal(signal.SIGTERM, stop)
-    try:
-        yield held
-    finally:
-        signal.signal(signal.SIGTERM, before)
 
 
 def _check(
