@@ -341,8 +341,9 @@ def demo(
     walk(directory, out)
     out.rule("next")
     out.print(
-        f"try: cd {directory} && quantpatch check; quantpatch set --scheme FA_linear_mxfp8; "
-        "quantpatch saver install; quantpatch gen-scripts --out scripts; quantpatch restore"
+        f"try: cd {directory} && quantpatch check; quantpatch saver install; "
+        "quantpatch set --scheme FA_linear_mxfp8; quantpatch gen-scripts --out scripts; "
+        "quantpatch restore"
     )
 
 
