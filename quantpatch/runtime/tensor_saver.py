@@ -84,27 +84,26 @@ def _parse_flag(text: str) -> bool:
     raise _Invalid("expected true or false (also 1/0, yes/no, on/off)")
 
 
-def _positive(example: str) -> Callable[[str], int]:
+def _whole(low: int, high: int | None, syntax: str) -> Callable[[str], int]:
+    """A parser of whole numbers from ``low`` to ``high`` (None: no upper bound)."""
+
     def parse(text: str) -> int:
         try:
             value = int(text.strip())
         except ValueError:
-            value = 0
-        if value <= 0:
-            raise _Invalid(f"expected a positive whole number, e.g. {example}")
+            value = low - 1
+        if value < low or (high is not None and value > high):
+            raise _Invalid(syntax)
         return value
 
     return parse
 
 
-def _parse_nice(text: str) -> int:
-    try:
-        value = int(text.strip())
-    except ValueError:
-        value = -1
-    if not 0 <= value <= 19:
-        raise _Invalid("expected a whole number from 0 (no change) to 19, e.g. 10")
-    return value
+def _positive(example: str) -> Callable[[str], int]:
+    return _whole(1, None, f"expected a positive whole number, e.g. {example}")
+
+
+_parse_nice = _whole(0, 19, "expected a whole number from 0 (no change) to 19, e.g. 10")
 
 
 def _parse_ranges(text: str) -> tuple[tuple[int, int], ...]:
