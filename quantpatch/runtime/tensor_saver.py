@@ -779,9 +779,7 @@ def _append(path: Path, text: str) -> None:
     try:
         start = os.fstat(fd).st_size
         try:
-            done = 0
-            while done < len(data):
-                done += os.write(fd, data[done:])
+            _FdFile(fd).write(data)
         except BaseException:
             os.ftruncate(fd, start)
             raise
