@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import errno
+import io
 import json
 import os
 import re
@@ -502,19 +503,20 @@ def test_an_unwritable_directory_is_reported_once_with_a_count(saver_module, tmp
     assert ts.flush()["failed"] == 5 and capsys.readouterr().err == ""  # not said again
 
 
-class _TorchWithFullDisk:
-    """``torch`` whose ``save`` writes part of a file and then finds the disk full."""
-
-    def __init__(self, torch):
-        self._torch = torch
+class _OsWithFullDisk:
+    """``os`` whose writes put part of their bytes in the file and then find the disk full."""
 
     def __getattr__(self, name):
-        return getattr(self._torch, name)
+        return getattr(os, name)
 
     @staticmethod
-    def save(obj, f, **kwargs):
-        f.write(b"partial")  # the saver hands over its own file object
+    def write(fd, data):
+        os.write(fd, bytes(data[:7]))
         raise OSError(errno.ENOSPC, "No space left on device")
+
+    @staticmethod
+    def writev(fd, buffers):
+        return _OsWithFullDisk.write(fd, bytes(buffers[0]))
 
 
 def test_a_full_disk_leaves_no_partial_file_and_counts_no_bytes(
@@ -523,7 +525,7 @@ def test_a_full_disk_leaves_no_partial_file_and_counts_no_bytes(
     import torch
 
     ts = saver_module(TENSOR_SAVE_MAX_BYTES="1000")
-    monkeypatch.setattr(ts, "torch", _TorchWithFullDisk(torch))
+    monkeypatch.setattr(ts, "os", _OsWithFullDisk())
     for layer in range(3):
         ts.save_tensor(torch.ones(100), "linear", "forward", None, "input", layer)  # 400 bytes
         report = ts.flush()
@@ -531,7 +533,7 @@ def test_a_full_disk_leaves_no_partial_file_and_counts_no_bytes(
     assert sorted(p.name for p in (tmp_path / "t").iterdir()) == []
     assert "No space left on device" in capsys.readouterr().err
     # the failed writes did not use up the cap: once the disk has room, saving goes on
-    monkeypatch.setattr(ts, "torch", torch)
+    monkeypatch.setattr(ts, "os", os)
     for layer in range(2):
         ts.save_tensor(torch.ones(100), "linear", "forward", None, "input", layer)
     assert ts.flush()["files"] == 2 and "MAX_BYTES" not in capsys.readouterr().err
@@ -689,12 +691,30 @@ def test_the_saver_threads_yield_to_training(saver_module, nice, lower):
         assert one["n"] == 1
 
 
+def test_configure_keeps_the_host_snapshot_buffers(saver_module, tmp_path):
+    """A fresh configuration keeps the memory the process already has for snapshots."""
+    import torch
+
+    ts = saver_module()
+    ts._SAVER.pool = pool = ts._HostPool(ts._POOL_BYTES)
+    ts.save_tensor(torch.ones(1000), "linear", "forward", None, "input", 1)
+    assert ts.flush()["files"] == 1 and pool.bytes == 4000
+    (buffer,) = pool.free[(torch.float32, (1000,))]
+    ts.configure()
+    assert ts._SAVER.pool is pool
+    ts.save_tensor(torch.full((1000,), 2.0), "linear", "forward", None, "input", 2)
+    assert ts.flush()["files"] == 1
+    assert pool.free[(torch.float32, (1000,))] == [buffer]  # used again, and back
+    assert torch.equal(buffer, torch.full((1000,), 2.0))
+
+
 def test_a_failure_in_the_statistics_is_counted_and_saving_goes_on(
     saver_module, monkeypatch, tmp_path, capsys
 ):
     import torch
 
     ts = saver_module()
+    ts._SAVER.pool = ts._HostPool(ts._POOL_BYTES)  # configure() keeps the last one's buffers
     real = ts._stats
     monkeypatch.setattr(ts, "_stats", lambda t: 1 / 0)
     for layer in range(3):
@@ -709,11 +729,11 @@ def test_a_failure_in_the_statistics_is_counted_and_saving_goes_on(
     (path,) = (tmp_path / "t").glob("*.pt")
     obj = torch.load(path, weights_only=True)
     assert torch.equal(obj["tensor"], torch.arange(256.0))
-    # written through os.write, the bytes are exactly those of torch.save's own file
+    # recorded and written in one os.writev, the bytes are exactly those of torch.save's own file
     ours, theirs = tmp_path / "ours.pt", tmp_path / "theirs.pt"
     fd = os.open(ours, os.O_WRONLY | os.O_CREAT)
     try:
-        torch.save(obj, ts._FdFile(fd), _use_new_zipfile_serialization=False)
+        ts._write_all(fd, ts._torch_bytes(obj, obj["tensor"]))
     finally:
         os.close(fd)
     torch.save(obj, theirs, _use_new_zipfile_serialization=False)
@@ -753,6 +773,100 @@ def test_stats_never_write_the_tensor_and_match_torch(saver_module, monkeypatch,
         want.append(f.std().item() if t.numel() > 1 else 0.0)
         for g, w in zip(got, want, strict=True):
             assert g == pytest.approx(w, rel=1e-5, abs=1e-6, nan_ok=True)
+
+
+@pytest.mark.parametrize(
+    ("shift", "two_passes"),
+    [(0.0, False), (1.0, False), (3.0, True), (1e3, True), (-1e3, True)],
+)
+def test_host_std_in_one_pass_only_where_it_is_exact(saver_module, monkeypatch, shift, two_passes):
+    """The sum of squares gives the spread in one pass while it keeps at least half of it
+    (mean^2 <= var); past that the deviations are squared in a second pass. Either way the
+    result is within 1e-6 of float64's on 1M bf16 values."""
+    import torch
+
+    ts = saver_module()
+    calls = []
+    real = ts._deviation
+    monkeypatch.setattr(ts, "_deviation", lambda *a: calls.append(1) or real(*a))
+    gen = torch.Generator().manual_seed(3)
+    t = (torch.randn(1 << 20, generator=gen) + shift).to(torch.bfloat16)
+    got = ts._stats(t).tolist()
+    exact = t.double()
+    assert got[2] == pytest.approx(exact.mean().item(), rel=1e-6, abs=1e-9)
+    assert got[3] == pytest.approx(exact.std().item(), rel=1e-6)
+    assert bool(calls) is two_passes
+
+
+@pytest.mark.parametrize("stats_only", ["false", "true"])
+@pytest.mark.parametrize("behind", [0, 10**9])
+def test_either_stage_makes_the_files_bytes(
+    saver_module, monkeypatch, tmp_path, behind, stats_only
+):
+    """The statistics thread encodes (the writers behind: 0 waiting suffices) or the writer
+    does (never behind): the same files, the same lines."""
+    import torch
+
+    ts = saver_module(TENSOR_SAVE_STATS_ONLY=stats_only)
+    monkeypatch.setattr(ts, "_BEHIND", behind)
+    tensors = [torch.randn(300, 70).to(torch.bfloat16) * k for k in range(1, 9)]
+    for layer, tensor in enumerate(tensors):
+        ts.save_tensor(tensor, "linear", "forward", None, "input", layer)
+    assert ts.flush()["files"] == len(tensors)
+    if stats_only == "true":
+        lines = (tmp_path / "t" / "stats_rank0.jsonl").read_text().splitlines()
+        got = {json.loads(x)["metadata"]["layer_idx"]: json.loads(x) for x in lines}
+        for layer, tensor in enumerate(tensors):
+            assert got[layer]["tensor_info"]["max"] == tensor.float().max().item()
+        return
+    for path in (tmp_path / "t").glob("*.pt"):
+        obj = torch.load(path, weights_only=True)
+        layer = obj["metadata"]["layer_idx"]
+        assert torch.equal(obj["tensor"], tensors[layer])
+        assert obj["tensor_info"]["std"] == pytest.approx(tensors[layer].float().std().item())
+
+
+def test_writes_cut_short_are_finished_and_the_file_is_torch_saves(
+    saver_module, monkeypatch, tmp_path
+):
+    """os.writev and os.write may write less than asked (a signal, a nearly full disk): the
+    rest follows, and the file is byte for byte what torch.save writes."""
+    import torch
+
+    ts = saver_module()
+    sizes = []
+
+    class _Os:
+        def __getattr__(self, name):
+            return getattr(os, name)
+
+        @staticmethod
+        def write(fd, data):
+            sizes.append(len(data))
+            return os.write(fd, bytes(memoryview(data)[:1000]))
+
+        @staticmethod
+        def writev(fd, buffers):
+            return _Os.write(fd, b"".join(bytes(b) for b in buffers))
+
+    expected = []
+    recorded = ts._torch_bytes
+
+    def _torch_bytes(obj, host):  # what torch.save writes for the same object
+        buffer = io.BytesIO()
+        torch.save(obj, buffer, _use_new_zipfile_serialization=False)
+        expected.append(buffer.getvalue())
+        return recorded(obj, host)
+
+    monkeypatch.setattr(ts, "_torch_bytes", _torch_bytes)
+    monkeypatch.setattr(ts, "os", _Os())
+    tensor = torch.arange(5000, dtype=torch.bfloat16).reshape(50, 100)
+    ts.save_tensor(tensor, "linear", "forward", None, "input", 1)
+    assert ts.flush()["files"] == 1
+    (path,) = (tmp_path / "t").glob("*.pt")
+    assert len(sizes) > 10  # cut short many times
+    assert torch.equal(torch.load(path, weights_only=True)["tensor"], tensor)
+    assert [path.read_bytes()] == expected
 
 
 def test_stats_only_lines_stay_whole_with_several_writers(saver_module, tmp_path):
