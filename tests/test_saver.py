@@ -826,6 +826,26 @@ def test_either_stage_makes_the_files_bytes(
         assert obj["tensor_info"]["std"] == pytest.approx(tensors[layer].float().std().item())
 
 
+def test_only_the_storage_after_the_pickles_is_kept_as_a_view(saver_module):
+    """A pickle as large as the tensor is copied; the tensor's bytes, written after torch.save
+    flushes its pickles, are a view of the snapshot (no copy)."""
+    import torch
+
+    ts = saver_module()
+    host = torch.arange(1 << 16, dtype=torch.int16)
+    nbytes = host.numel() * 2
+    rec = ts._Recorder(host)
+    rec.write(b"p" * nbytes)  # a pickle of exactly the storage's size
+    rec.flush()
+    rec.write((1 << 16).to_bytes(8, "little"))
+    rec.write(bytes(memoryview(host.numpy()).cast("B")))
+    head, data = rec.done()
+    assert bytes(head) == b"p" * nbytes + (1 << 16).to_bytes(8, "little")
+    assert bytes(data) == bytes(memoryview(host.numpy()).cast("B"))
+    host[0] = 7  # a view of the snapshot's memory, not a copy
+    assert bytes(data[:2]) == (7).to_bytes(2, "little")
+
+
 def test_writes_cut_short_are_finished_and_the_file_is_torch_saves(
     saver_module, monkeypatch, tmp_path
 ):
