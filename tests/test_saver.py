@@ -826,24 +826,108 @@ def test_either_stage_makes_the_files_bytes(
         assert obj["tensor_info"]["std"] == pytest.approx(tensors[layer].float().std().item())
 
 
-def test_only_the_storage_after_the_pickles_is_kept_as_a_view(saver_module):
+@pytest.mark.parametrize("storages", [1, 2])
+def test_only_the_one_storage_after_the_pickles_is_kept_as_a_view(saver_module, storages):
     """A pickle as large as the tensor is copied; the tensor's bytes, written after torch.save
-    flushes its pickles, are a view of the snapshot (no copy)."""
+    flushes its pickles (the storage keys last), are a view of the snapshot (no copy), and
+    only when the keys name one storage."""
+    import pickle
+
     import torch
 
     ts = saver_module()
     host = torch.arange(1 << 16, dtype=torch.int16)
     nbytes = host.numel() * 2
+    data = bytes(memoryview(host.numpy()).cast("B"))
+    keys = pickle.dumps([str(k) for k in range(storages)], protocol=2)
+    size = (1 << 16).to_bytes(8, "little")
     rec = ts._Recorder(host)
     rec.write(b"p" * nbytes)  # a pickle of exactly the storage's size
+    rec.write(keys)
     rec.flush()
-    rec.write((1 << 16).to_bytes(8, "little"))
-    rec.write(bytes(memoryview(host.numpy()).cast("B")))
-    head, data = rec.done()
-    assert bytes(head) == b"p" * nbytes + (1 << 16).to_bytes(8, "little")
-    assert bytes(data) == bytes(memoryview(host.numpy()).cast("B"))
-    host[0] = 7  # a view of the snapshot's memory, not a copy
-    assert bytes(data[:2]) == (7).to_bytes(2, "little")
+    rec.write(size)
+    rec.write(data)
+    parts = rec.done()
+    assert b"".join(bytes(p) for p in parts) == b"p" * nbytes + keys + size + data
+    assert len(parts) == (2 if storages == 1 else 1)
+    host[0] = 7  # a view follows the snapshot; a copy keeps the bytes written
+    first = bytes(memoryview(parts[-1])[-nbytes:][:2])
+    assert first == ((7).to_bytes(2, "little") if storages == 1 else b"\x00\x00")
+
+
+@pytest.mark.parametrize(
+    ("case", "dtype"),
+    [
+        ("tiny", "float32"),  # squares underflow float32 unless scaled
+        ("huge", "float32"),  # the sum of squares overflows float32 unless scaled
+        ("near_max", "float32"),  # 2**128, the scale, is not a float32
+        ("offset", "float64"),  # a float32 copy would lose the spread
+        ("plain", "bfloat16"),
+    ],
+)
+def test_std_of_any_magnitude_on_the_host_and_on_the_device(saver_module, case, dtype):
+    """Within 1e-6 of float64, on the host path and on the device path (run here on the
+    CPU: the same operators, no synchronisation in it)."""
+    import torch
+
+    ts = saver_module()
+    gen = torch.Generator().manual_seed(5)
+    base = torch.randn(1 << 16, generator=gen, dtype=torch.float64)
+    values = {
+        "tiny": base * 1e-30,
+        "huge": base * 1e20,
+        "near_max": torch.where(base > 0, 3e38, -3e38),
+        "offset": 1e10 + base * 1e-3,
+        "plain": base,
+    }[case]
+    t = values.to(getattr(torch, dtype))
+    exact = t.double()
+    mean, std = exact.mean().item(), exact.std().item()
+    host = ts._stats(t).tolist()
+    d = ts._float_copy(t).clone()
+    big = torch.maximum(d.min().abs(), d.max().abs())
+    dev_mean, dev_std = (float(v) for v in ts._moments_device(d, big))
+    for got_mean, got_std in ((host[2], host[3]), (dev_mean, dev_std)):
+        assert got_std == pytest.approx(std, rel=1e-6)
+        assert got_mean == pytest.approx(mean, rel=1e-6, abs=1e-6 * std)
+
+
+def test_a_tensor_in_the_metadata_or_a_wrapper_subclass_is_written_as_torch_saves(
+    saver_module, monkeypatch, tmp_path
+):
+    """The snapshot's view stands only for the one storage torch.save writes: a tensor of
+    the same size in the metadata (two storages, written in address order) and a subclass
+    wrapping two tensors (storages of its own) are copied as torch.save writes them."""
+    import torch
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    ts = saver_module()
+    expected = {}
+    recorded = ts._torch_bytes
+
+    def _torch_bytes(obj, host):
+        buffer = io.BytesIO()
+        torch.save(obj, buffer, _use_new_zipfile_serialization=False)
+        expected[obj["metadata"]["layer_idx"]] = buffer.getvalue()
+        return recorded(obj, host)
+
+    monkeypatch.setattr(ts, "_torch_bytes", _torch_bytes)
+    tensors = [torch.full((128, 128), float(i)) for i in range(8)]  # 64 KiB, as the scale
+    for i, tensor in enumerate(tensors):
+        scale = {"scale": torch.full((128, 128), -1.0)}
+        ts.save_tensor(tensor, "linear", "forward", None, "input", i, metadata=scale)
+    pair = TwoTensor(torch.randn(96, 128), torch.randn(96, 128))  # no pool buffer: a clone
+    ts.save_tensor(pair, "linear", "forward", None, "weight", 8)
+    assert ts.flush()["files"] == 9
+    for path in (tmp_path / "t").glob("*.pt"):
+        obj = torch.load(path, weights_only=False)
+        layer = obj["metadata"]["layer_idx"]
+        assert path.read_bytes() == expected[layer]
+        if layer < 8:
+            assert torch.equal(obj["tensor"], tensors[layer])
+            assert torch.equal(obj["metadata"]["scale"], torch.full((128, 128), -1.0))
+        else:
+            assert type(obj["tensor"]) is TwoTensor and torch.equal(obj["tensor"].a, pair.a)
 
 
 def test_writes_cut_short_are_finished_and_the_file_is_torch_saves(

@@ -54,7 +54,9 @@ import atexit
 import contextlib
 import functools
 import json
+import math
 import os
+import pickle
 import queue
 import subprocess
 import sys
@@ -269,23 +271,24 @@ def linear_meta(weight: torch.Tensor) -> dict[str, Any]:
 def _stats(t: torch.Tensor) -> torch.Tensor:
     """min, max, mean, std as one float32 tensor on ``t``'s device (no host synchronisation).
 
-    Vectorised, over a float32 copy (``t`` itself is never written). The copy is exact for
-    16-bit floats, and rounding to float32 keeps the order, so its min and max are those of
-    ``t`` rounded; ``aminmax`` on the copy, still in cache, takes 9 ms for 80 tensors of
-    1024x1024 on one core, against 15 ms on the bf16. torch's sum adds in a cascade: a sum
-    of squares is within 1e-7 of the exact one on 1M and 16M elements (a float32 dot product
-    is 5e-5 and 6e-4 off, ``vector_norm`` 1e-4 and 7e-4)."""
+    Vectorised, over a float32 copy (float64 for float64 tensors; ``t`` itself is never
+    written). The copy is exact for 16-bit floats, and rounding to float32 keeps the order,
+    so its min and max are those of ``t`` rounded; ``aminmax`` on the copy, still in cache,
+    takes 9 ms for 80 tensors of 1024x1024 on one core, against 15 ms on the bf16. torch's
+    sum adds in a cascade: a sum of squares is within 1e-7 of the exact one on 1M and 16M
+    elements (a float32 dot product is 5e-5 and 6e-4 off, ``vector_norm`` 1e-4 and 7e-4).
+    Squares of values far from 1 leave float32's range (1e-30 squared is 0, 1e20 squared
+    is inf): such tensors are scaled by a power of two first, which is exact."""
     n = t.numel()
     if not n:
         return torch.zeros(4, device=t.device)
     d = _float_copy(t)
     mn, mx = torch.aminmax(d)
     if t.device.type == "cpu":
-        mean, std = _moments_host(t, d)
-    else:  # two passes on the device, whose result is not looked at here
-        mean = d.mean()
-        std = torch.zeros((), device=t.device) if n == 1 else _deviation(d, mean, n)
-    return torch.stack([mn.float(), mx.float(), mean, std])
+        mean, std = _moments_host(t, d, max(abs(float(mn)), abs(float(mx))))
+    else:
+        mean, std = _moments_device(d, torch.maximum(mn.abs(), mx.abs()))
+    return torch.stack([mn.float(), mx.float(), mean.float(), std.float()])
 
 
 def _deviation(d: torch.Tensor, mean: torch.Tensor, n: int) -> torch.Tensor:
@@ -293,9 +296,25 @@ def _deviation(d: torch.Tensor, mean: torch.Tensor, n: int) -> torch.Tensor:
     return torch.sqrt(d.sub_(mean).square_().sum() / (n - 1))
 
 
-def _moments_host(t: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean and sample standard deviation of ``d`` (the float32 copy of host tensor ``t``,
-    overwritten) in one pass where that is exact enough, two where it is not.
+def _moments_device(d: torch.Tensor, big: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and sample standard deviation of ``d`` (overwritten) in two passes, without a
+    host synchronisation: ``d`` is always scaled by the power of two nearest its largest
+    magnitude ``big`` (a pass the device does in a fraction of the copy)."""
+    n = d.numel()
+    exponent = torch.where(torch.isfinite(big), torch.frexp(big).exponent - 1, 0).double()
+    d.mul_(torch.pow(2.0, -exponent).to(d.dtype))  # 2**-128 is a float32 (2**128 is not)
+    mean = d.mean()
+    std = torch.zeros((), device=d.device) if n == 1 else _deviation(d, mean, n)
+    scale = torch.pow(2.0, exponent)
+    return mean.double() * scale, std.double() * scale
+
+
+def _moments_host(
+    t: torch.Tensor, d: torch.Tensor, big: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and sample standard deviation of ``d`` (the float copy of host tensor ``t``,
+    overwritten; ``big`` its largest magnitude) in one pass where that is exact enough, two
+    where it is not.
 
     One pass: the sum and the sum of squares S2, and n*var = S2 - sum*mean. Each sum is
     within about 1e-7 of exact, so the difference is too as long as it keeps at least half
@@ -303,17 +322,26 @@ def _moments_host(t: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch
     gradient); then the deviations need no second pass (43 against 53 ms on one core for 80
     tensors of 1024x1024). When the mean dominates (or a value is not finite) the copy is
     made again and the deviations from the mean are squared and summed, as ``Tensor.std``
-    does."""
+    does. Values whose squares would leave the float range (or whose sum of squares would)
+    are scaled by a power of two first."""
     n = d.numel()
+    exponent = 0  # d holds the values times 2**-exponent, in [1, 2) at most when scaled
+    if math.isfinite(big) and big and not 2.0**-40 <= big <= 2.0**40 / math.sqrt(n):
+        exponent = math.frexp(big)[1] - 1
+        d.mul_(2.0**-exponent)  # 2**-128 is a float32, 2**128 is not
+    scale = 2.0**exponent  # applied in float64: the float32 result rounds once
     total = d.sum()
     mean = total / n
     if n == 1:
-        return mean, torch.zeros(())
+        return mean.double() * scale, torch.zeros((), dtype=torch.float64)
     squares = d.square_().sum()
     spread = squares - total * mean
     if float(spread) >= 0.5 * float(squares):  # also False for NaN (an inf or a NaN value)
-        return mean, torch.sqrt(spread / (n - 1))
-    return mean, _deviation(_float_copy(t), mean, n)
+        return mean.double() * scale, torch.sqrt(spread / (n - 1)).double() * scale
+    d = _float_copy(t)
+    if exponent:
+        d.mul_(2.0**-exponent)
+    return mean.double() * scale, _deviation(d, mean, n).double() * scale
 
 
 _SCRATCH = threading.local()
@@ -326,8 +354,11 @@ def _float_copy(t: torch.Tensor) -> torch.Tensor:
     tensor up to ``_SCRATCH_MAX`` elements: a fresh 4 MB array is handed back to the kernel
     when freed and page-faulted in anew the next time, which made the copy cost 3x (50
     against 15 ms for 80 tensors of 1024x1024 on one core). Device tensors (whose
-    allocator keeps its memory) and larger ones get a copy of their own."""
+    allocator keeps its memory), larger ones and float64 ones (copied as float64) get a
+    copy of their own."""
     n = t.numel()
+    if t.dtype == torch.float64:  # rare in training: its own copy, at its own precision
+        return t.reshape(-1).to(torch.float64, copy=True)
     if t.device.type != "cpu" or n > _SCRATCH_MAX:
         return t.reshape(-1).to(torch.float32, copy=True)
     buf = getattr(_SCRATCH, "buf", None)
@@ -446,33 +477,52 @@ class _Recorder:
     that the statistics thread prepares them and the writer thread only writes: the pickles
     (0.1 ms a file) are copied, and the host tensor's own bytes, which the format writes
     whole after them, are kept as a view of its memory (alive until the file is written).
-    The file then goes out in one ``os.writev`` where torch.save made seven writes."""
+    The file then goes out in one ``os.writev`` where torch.save made seven writes.
+
+    The view is taken only where it is certainly the same bytes: ``host`` is a plain tensor
+    in host memory, and the list of storage keys torch pickles last (before it flushes)
+    holds one key, so the only storage written is ``host``'s own. A tensor in the metadata,
+    a tensor subclass that wraps others, or a tensor on another device is copied as
+    torch.save writes it."""
 
     def __init__(self, host: torch.Tensor | None) -> None:
         self.parts: list[Any] = []
         self.small = bytearray()
         self.host = host
-        self.nbytes = 0 if host is None else host.untyped_storage().nbytes()
+        plain = (
+            host is not None
+            and type(host) is torch.Tensor
+            and host.device.type == "cpu"
+            and sys.byteorder == "little"  # torch writes the bytes unchanged
+        )
+        self.nbytes = host.untyped_storage().nbytes() if plain and host is not None else -1
+        self.last = 0  # where the last write before the flush begins in ``small``
         self.pickled = False  # torch.save flushes once its pickles are written
+        self.single = False  # one storage to write: ``host``'s
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
         size = len(view)
-        if self.pickled and size == self.nbytes >= _GATHER and sys.byteorder == "little":
-            # past the pickles, the storage's bytes, exactly as they lie in its memory (torch
-            # writes them unchanged on a little-endian host); a view of our own, which does
-            # not depend on how long torch's lives. Anything else is copied.
+        if self.single and size == self.nbytes >= _GATHER:
             assert self.host is not None
             if self.small:
                 self.parts.append(self.small)
                 self.small = bytearray()
             self.parts.append(_view(self.host))
-            self.nbytes = -1  # once
+            self.single = False  # once
         else:
+            if not self.pickled:
+                self.last = len(self.small)
             self.small += view
         return size
 
     def flush(self) -> None:
+        if not self.pickled and self.nbytes >= _GATHER:
+            try:  # torch's own pickle of a list of strings, made a moment ago
+                keys = pickle.loads(self.small[self.last :])
+            except Exception:
+                keys = None
+            self.single = isinstance(keys, list) and len(keys) == 1
         self.pickled = True
 
     def done(self) -> list[Any]:
