@@ -301,12 +301,15 @@ def _moments_device(d: torch.Tensor, big: torch.Tensor) -> tuple[torch.Tensor, t
     host synchronisation: ``d`` is always scaled by the power of two nearest its largest
     magnitude ``big`` (a pass the device does in a fraction of the copy)."""
     n = d.numel()
-    exponent = torch.where(torch.isfinite(big), torch.frexp(big).exponent - 1, 0).double()
-    d.mul_(torch.pow(2.0, -exponent).to(d.dtype))  # 2**-128 is a float32 (2**128 is not)
+    exponent = torch.where(torch.isfinite(big), torch.frexp(big).exponent - 1, 0)
+    # within what a float32 power of two holds (2**128 is not one), and in d's own type:
+    # a device may have no float64 (MPS)
+    exponent = exponent.clamp(-126, 127).to(d.dtype)
+    d.mul_(torch.pow(2.0, -exponent))
     mean = d.mean()
     std = torch.zeros((), device=d.device) if n == 1 else _deviation(d, mean, n)
     scale = torch.pow(2.0, exponent)
-    return mean.double() * scale, std.double() * scale
+    return mean * scale, std * scale
 
 
 def _moments_host(
@@ -329,19 +332,22 @@ def _moments_host(
     if math.isfinite(big) and big and not 2.0**-40 <= big <= 2.0**40 / math.sqrt(n):
         exponent = math.frexp(big)[1] - 1
         d.mul_(2.0**-exponent)  # 2**-128 is a float32, 2**128 is not
-    scale = 2.0**exponent  # applied in float64: the float32 result rounds once
     total = d.sum()
     mean = total / n
     if n == 1:
-        return mean.double() * scale, torch.zeros((), dtype=torch.float64)
-    squares = d.square_().sum()
-    spread = squares - total * mean
-    if float(spread) >= 0.5 * float(squares):  # also False for NaN (an inf or a NaN value)
-        return mean.double() * scale, torch.sqrt(spread / (n - 1)).double() * scale
-    d = _float_copy(t)
-    if exponent:
-        d.mul_(2.0**-exponent)
-    return mean.double() * scale, _deviation(d, mean, n).double() * scale
+        std = torch.zeros(())
+    else:
+        squares = d.square_().sum()
+        std = squares - total * mean  # n-1 times the variance, if exact enough
+        if float(std) >= 0.5 * float(squares):  # also False for NaN (an inf or a NaN value)
+            std = torch.sqrt(std / (n - 1))
+        else:
+            d = _float_copy(t)
+            if exponent:
+                d.mul_(2.0**-exponent)
+            std = _deviation(d, mean, n)
+    scale = 2.0**exponent  # applied in float64: the float32 result rounds once
+    return mean.double() * scale, std.double() * scale
 
 
 _SCRATCH = threading.local()
@@ -503,7 +509,7 @@ class _Recorder:
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
         size = len(view)
-        if self.single and size == self.nbytes >= _GATHER:
+        if self.single and size == self.nbytes >= _VIEW_MIN:
             assert self.host is not None
             if self.small:
                 self.parts.append(self.small)
@@ -517,7 +523,7 @@ class _Recorder:
         return size
 
     def flush(self) -> None:
-        if not self.pickled and self.nbytes >= _GATHER:
+        if not self.pickled and self.nbytes >= _VIEW_MIN:
             try:  # torch's own pickle of a list of strings, made a moment ago
                 keys = pickle.loads(self.small[self.last :])
             except Exception:
@@ -532,8 +538,8 @@ class _Recorder:
         return self.parts
 
 
-_GATHER = 1 << 16
-"""The smallest write kept as a view of the tensor's memory rather than copied (bytes)."""
+_VIEW_MIN = 1 << 16
+"""The smallest storage kept as a view of the tensor's memory rather than copied (bytes)."""
 
 
 def _view(host: torch.Tensor) -> memoryview:
@@ -867,17 +873,11 @@ class _Saver:
         if not item.parts:
             _encode(item)
         if _CFG.stats_only:
-            item.directory.mkdir(parents=True, exist_ok=True)
             with self.append_lock:
                 _append(item.directory / f"stats_rank{item.meta['rank']}.jsonl", item.parts)
             return
         tmp = item.directory / f".{item.name}.pt.tmp"
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
-        try:
-            fd = os.open(tmp, flags, 0o644)
-        except FileNotFoundError:  # the first file there (or the directory was removed)
-            item.directory.mkdir(parents=True, exist_ok=True)
-            fd = os.open(tmp, flags, 0o644)
+        fd = _create(tmp, os.O_TRUNC)
         try:
             try:
                 _write_all(fd, item.parts)
@@ -935,9 +935,21 @@ class _Saver:
         return report
 
 
+def _create(path: Path, mode: int) -> int:
+    """``path`` opened for writing (``mode``: ``os.O_TRUNC`` or ``os.O_APPEND``), created if
+    need be, with its directory: made on the first file there (or after it was removed), not
+    looked up for every file."""
+    flags = os.O_WRONLY | os.O_CREAT | mode
+    try:
+        return os.open(path, flags, 0o644)
+    except FileNotFoundError:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return os.open(path, flags, 0o644)
+
+
 def _append(path: Path, parts: list[Any]) -> None:
     """Append ``parts`` whole or not at all (a failed write is cut off again)."""
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    fd = _create(path, os.O_APPEND)
     try:
         start = os.fstat(fd).st_size
         try:
