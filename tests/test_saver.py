@@ -715,15 +715,15 @@ def test_a_failure_in_the_statistics_is_counted_and_saving_goes_on(
 
     ts = saver_module()
     ts._SAVER.pool = ts._HostPool(ts._POOL_BYTES)  # configure() keeps the last one's buffers
-    real = ts._stats
-    monkeypatch.setattr(ts, "_stats", lambda t: 1 / 0)
+    real = ts._host_stats
+    monkeypatch.setattr(ts, "_host_stats", lambda t: 1 / 0)
     for layer in range(3):
         ts.save_tensor(torch.ones(256), "linear", "forward", None, "input", layer)
     report = ts.flush()
     assert report["failed"] == 3 and report["files"] == 0 and report["bytes"] == 0
     assert "ZeroDivisionError" in capsys.readouterr().err
     assert 256 * 4 <= ts._SAVER.pool.bytes <= 3 * 256 * 4  # snapshots back in the pool
-    monkeypatch.setattr(ts, "_stats", real)
+    monkeypatch.setattr(ts, "_host_stats", real)
     ts.save_tensor(torch.arange(256.0), "linear", "forward", None, "input", 7)
     assert ts.flush()["files"] == 1
     (path,) = (tmp_path / "t").glob("*.pt")
@@ -890,6 +890,87 @@ def test_std_of_any_magnitude_on_the_host_and_on_the_device(saver_module, case, 
     for got_mean, got_std in ((host[2], host[3]), (dev_mean, dev_std)):
         assert got_std == pytest.approx(std, rel=1e-6)
         assert got_mean == pytest.approx(mean, rel=1e-6, abs=1e-6 * std)
+
+
+def _legacy_torch_save(obj) -> bytes:
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save(obj, buffer, _use_new_zipfile_serialization=False)
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["bf16", "float32", "int64", "bool", "empty", "view", "offset", "requires_grad", "values"],
+)
+def test_the_plain_pickler_writes_torch_saves_bytes(saver_module, case):
+    """The saver's own dict (one plain host tensor, plain values) is pickled without
+    torch.save, byte for byte as torch.save pickles it, whatever the dtype, shape, offset
+    into its storage or values around it."""
+    import torch
+
+    ts = saver_module()
+    base = torch.arange(4096, dtype=torch.float32).reshape(64, 64)
+    tensor = {
+        "bf16": base.to(torch.bfloat16),
+        "float32": base,
+        "int64": base.to(torch.int64),
+        "bool": base > 100,
+        "empty": torch.empty(0, 3),
+        "view": base.t(),
+        "offset": base[3:, 5:],
+        "requires_grad": base.clone().requires_grad_(True),
+        "values": base,
+    }[case]
+    meta = {"layer_idx": 3, "shape": [64, 64], "name": "x", "none": None, "flag": True}
+    if case == "values":
+        meta.update(pair=(1, 2.5), nested={"a": [1, {"b": "c"}]}, hooks=collections.OrderedDict())
+    obj = {"tensor": tensor, "tensor_info": {"min": -1.5, "max": 2.0}, "metadata": meta}
+    parts = ts._plain_bytes(obj, tensor)
+    assert parts is not None  # not torch.save's path
+    assert b"".join(bytes(p) for p in parts) == _legacy_torch_save(obj)
+    loaded = torch.load(io.BytesIO(b"".join(bytes(p) for p in parts)), weights_only=True)
+    assert torch.equal(loaded["tensor"], tensor.detach()) and loaded["metadata"] == meta
+
+
+@pytest.mark.parametrize("case", ["other_tensor", "same_storage", "ordered_dict", "module", "set"])
+def test_what_the_plain_pickler_does_not_know_goes_to_torch_save(saver_module, case):
+    """Another tensor, a second view of the same storage, a filled OrderedDict, a class or a
+    set in the metadata: the plain pickler declines, and the file is torch.save's own."""
+    import torch
+
+    ts = saver_module()
+    tensor = torch.randn(256, 256)
+    extra = {
+        "other_tensor": torch.ones(3),
+        "same_storage": tensor[1:],
+        "ordered_dict": collections.OrderedDict(a=1),
+        "module": torch.nn.Linear,
+        "set": {1, 2},
+    }[case]
+    obj = {"tensor": tensor, "tensor_info": {}, "metadata": {"extra": extra}}
+    assert ts._plain_bytes(obj, tensor) is None
+    assert b"".join(bytes(p) for p in ts._torch_bytes(obj, tensor)) == _legacy_torch_save(obj)
+
+
+def test_saved_files_do_not_go_through_torch_save(saver_module, monkeypatch, tmp_path):
+    """The saver's files are pickled by the plain pickler: torch.save is not called."""
+    import torch
+
+    ts = saver_module()
+    ts._legacy_header()  # taken from torch.save once per process
+    calls = []
+    real = torch.save
+    monkeypatch.setattr(torch, "save", lambda *a, **k: calls.append(1) or real(*a, **k))
+    tensors = [torch.randn(128, 64).to(torch.bfloat16) for _ in range(4)]
+    for layer, tensor in enumerate(tensors):
+        ts.save_tensor(tensor, "linear", "forward", None, "input", layer)
+    assert ts.flush()["files"] == 4
+    assert calls == []
+    for path in (tmp_path / "t").glob("*.pt"):
+        obj = torch.load(path, weights_only=True)
+        assert torch.equal(obj["tensor"], tensors[obj["metadata"]["layer_idx"]])
 
 
 def test_a_tensor_in_the_metadata_or_a_wrapper_subclass_is_written_as_torch_saves(
