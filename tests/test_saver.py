@@ -787,8 +787,8 @@ def test_host_std_in_one_pass_only_where_it_is_exact(saver_module, monkeypatch, 
 
     ts = saver_module()
     calls = []
-    real = ts._deviation
-    monkeypatch.setattr(ts, "_deviation", lambda *a: calls.append(1) or real(*a))
+    real = ts._deviation_host
+    monkeypatch.setattr(ts, "_deviation_host", lambda *a: calls.append(1) or real(*a))
     gen = torch.Generator().manual_seed(3)
     t = (torch.randn(1 << 20, generator=gen) + shift).to(torch.bfloat16)
     got = ts._stats(t).tolist()
@@ -952,6 +952,51 @@ def test_what_the_plain_pickler_does_not_know_goes_to_torch_save(saver_module, c
     obj = {"tensor": tensor, "tensor_info": {}, "metadata": {"extra": extra}}
     assert ts._plain_bytes(obj, tensor) is None
     assert b"".join(bytes(p) for p in ts._torch_bytes(obj, tensor)) == _legacy_torch_save(obj)
+
+
+@pytest.mark.filterwarnings("ignore:TypedStorage is deprecated")
+@pytest.mark.parametrize("dtype", ["float32", "uint8"])
+def test_a_storage_alone_is_plain_only_in_the_tensors_own_dtype(saver_module, dtype):
+    """The element count after the pickles is the storage's own: a typed storage of the
+    host's memory in another dtype goes to torch.save (its count would be 4x off)."""
+    import torch
+
+    ts = saver_module()
+    host = torch.arange(16.0)
+    storage = torch.storage.TypedStorage(
+        wrap_storage=host.untyped_storage(), dtype=getattr(torch, dtype), _internal=True
+    )
+    obj = {"storage": storage}
+    assert (ts._plain_bytes(obj, host) is None) is (dtype == "uint8")
+    ours = b"".join(bytes(p) for p in ts._torch_bytes(obj, host))
+    assert ours == _legacy_torch_save(obj)
+    assert torch.load(io.BytesIO(ours), weights_only=True)["storage"].nbytes() == 64
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["constant", "two_close", "integers_near_1e7", "float32_subnormals", "float64_subnormal"],
+)
+def test_host_stats_are_float64s_rounded_where_float32_std_is_off(saver_module, case):
+    """The mean's rounding is taken out of the two-pass deviations (float32 ``Tensor.std``
+    gives 2.4e-7 for a constant, 2.25 for integers near 1e7 whose spread is 1.04), and
+    subnormal values are scaled within the type's range (2**128 is inf in float32, 2**1063
+    overflows a Python float)."""
+    import torch
+
+    ts = saver_module()
+    gen = torch.Generator().manual_seed(11)
+    t = {
+        "constant": torch.full((1000,), 3.3),
+        "two_close": torch.tensor([1.0, 1.0 + 2.0**-23]),
+        "integers_near_1e7": torch.randn(100_000, generator=gen).round() + 1e7,
+        "float32_subnormals": torch.tensor([1e-39, -2e-39, 3e-39]),
+        "float64_subnormal": torch.tensor([1e-320, 0.0, 3e-321], dtype=torch.float64),
+    }[case]
+    exact = t.double()
+    truth = [exact.min(), exact.max(), exact.mean(), exact.std()]
+    want = torch.tensor([float(v) for v in truth], dtype=torch.float32).tolist()
+    assert ts._stats(t).tolist() == pytest.approx(want, rel=1e-6, abs=1e-44)
 
 
 def test_saved_files_do_not_go_through_torch_save(saver_module, monkeypatch, tmp_path):
