@@ -997,6 +997,10 @@ def test_host_stats_are_float64s_rounded_where_float32_std_is_off(saver_module, 
     truth = [exact.min(), exact.max(), exact.mean(), exact.std()]
     want = torch.tensor([float(v) for v in truth], dtype=torch.float32).tolist()
     assert ts._stats(t).tolist() == pytest.approx(want, rel=1e-6, abs=1e-44)
+    if t.dtype == torch.float32:  # the device path (its operators, run here on the CPU)
+        d = t.clone()
+        mean, std = ts._moments_device(d, d.abs().max())
+        assert [mean.item(), std.item()] == pytest.approx(want[2:], rel=1e-6, abs=1e-44)
 
 
 def test_saved_files_do_not_go_through_torch_save(saver_module, monkeypatch, tmp_path):

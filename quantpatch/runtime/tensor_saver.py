@@ -305,15 +305,12 @@ def _host_stats(t: torch.Tensor) -> list[float]:
     return torch.tensor([mn, mx, mean, std], dtype=torch.float32).tolist()
 
 
-def _deviation(d: torch.Tensor, mean: torch.Tensor, n: int) -> torch.Tensor:
-    """The sample standard deviation from the deviations squared (``d`` is overwritten)."""
-    return torch.sqrt(d.sub_(mean).square_().sum() / (n - 1))
-
-
 def _moments_device(d: torch.Tensor, big: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean and sample standard deviation of ``d`` (overwritten) in two passes, without a
     host synchronisation: ``d`` is always scaled by the power of two nearest its largest
-    magnitude ``big`` (a pass the device does in a fraction of the copy)."""
+    magnitude ``big`` (a pass the device does in a fraction of the copy), and the deviations
+    e from the mean m give mean = m + sum(e)/n and (n-1) var = sum(e^2) - sum(e)^2/n, the
+    corrected two-pass formula the host path uses (``_deviation_host``)."""
     n = d.numel()
     exponent = torch.where(torch.isfinite(big), torch.frexp(big).exponent - 1, 0)
     # within what a float32 power of two holds (2**128 is not one), and in d's own type:
@@ -321,7 +318,13 @@ def _moments_device(d: torch.Tensor, big: torch.Tensor) -> tuple[torch.Tensor, t
     exponent = exponent.clamp(-126, 127).to(d.dtype)
     d.mul_(torch.pow(2.0, -exponent))
     mean = d.mean()
-    std = torch.zeros((), device=d.device) if n == 1 else _deviation(d, mean, n)
+    if n == 1:
+        std = torch.zeros((), device=d.device)
+    else:
+        first = d.sub_(mean).sum()
+        second = d.square_().sum()
+        mean = torch.where(torch.isfinite(first), mean + first / n, mean)  # inf stays inf
+        std = torch.sqrt((second - first * first / n).clamp(min=0) / (n - 1))
     scale = torch.pow(2.0, exponent)
     return mean * scale, std * scale
 
