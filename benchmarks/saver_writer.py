@@ -11,9 +11,9 @@ repetition starting one variant later than the last (the same order, rotated), a
 medians are printed with the fastest and slowest repetition. On the 2-core VM this was
 written on, about one repetition in four of a writing variant took 3-6x as long (200-290
 against 70-80 ms, the raw write too: 43 against 209 ms), the time going into the kernel's
-copy into the page cache, and more often for some variants than for others when the order
-was fixed; the rotation spreads that over all of them, and 15 repetitions keep the median
-off the tail:
+copy into the page cache. The rotation keeps a variant from always following the same one;
+the saver's writer kept its slow repetitions with it (2-8 of 15, against 0-4 over 100 ms for
+the raw write), and 15 repetitions keep the median off them where they are fewer than half:
 
 - raw sequential write: the same bytes written into one file, 2 MiB at a time (the yardstick;
   its fsync is timed separately, and not counted against anyone);
@@ -282,7 +282,7 @@ def main() -> None:
     def add(name: str, value: float) -> None:
         rows.setdefault(name, []).append(value)
 
-    exact: list[bool] = []
+    exact = False
 
     def run_raw() -> None:
         written, synced = raw_write(data, fresh("raw"))
@@ -290,6 +290,7 @@ def main() -> None:
         add("raw_fsync_s", synced)
 
     def run_quantpatch() -> None:
+        nonlocal exact
         wait, flush_s, files = quantpatch_saver(data, fresh("quantpatch"))
         if files != count:
             raise SystemExit(f"quantpatch wrote {files} files, expected {count}")
@@ -297,7 +298,7 @@ def main() -> None:
         add("quantpatch_flush_s", flush_s)
         add("quantpatch_total_s", wait + flush_s)
         if len(rows["quantpatch_total_s"]) == args.reps:  # loading them once is enough
-            exact.append(_exact(root / "quantpatch", data, args.tensors))
+            exact = _exact(root / "quantpatch", data, args.tensors)
 
     variants: list[Callable[[], None]] = [
         run_raw,
@@ -338,7 +339,7 @@ def main() -> None:
         "writer_pct_of_raw_write": alone_pct,
         "writer_pct_of_raw_files": files_pct,
         "wait_vs_fork": med["quantpatch_wait_s"] / med["fork_sync_s"],
-        "files_exact_weights_only": exact == [True],
+        "files_exact_weights_only": exact,
     }
     if args.json:
         print(json.dumps(result, indent=2))
@@ -363,7 +364,7 @@ def main() -> None:
         f"end to end (saves + flush): {pct:.0f}%; training "
         f"thread waits {result['wait_vs_fork']:.2f}x as long as with the fork's saver; total "
         f"{med['quantpatch_total_s'] * 1e3:.0f} ms vs the fork's {med['fork_sync_s'] * 1e3:.0f} "
-        f"ms; files load with weights_only=True and are byte-exact: {exact == [True]}"
+        f"ms; files load with weights_only=True and are byte-exact: {exact}"
     )
 
 
