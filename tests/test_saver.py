@@ -800,30 +800,78 @@ def test_host_std_in_one_pass_only_where_it_is_exact(saver_module, monkeypatch, 
 
 @pytest.mark.parametrize("stats_only", ["false", "true"])
 @pytest.mark.parametrize("behind", [0, 10**9])
-def test_either_stage_makes_the_files_bytes(
-    saver_module, monkeypatch, tmp_path, behind, stats_only
-):
-    """The statistics thread encodes (the writers behind: 0 waiting suffices) or the writer
-    does (never behind): the same files, the same lines."""
+def test_either_thread_writes_the_files(saver_module, monkeypatch, tmp_path, behind, stats_only):
+    """The statistics thread writes the files itself when the writers are behind (0 waiting
+    suffices), the writer does otherwise: the same files, counted once. Stats-only lines
+    always go to the writer."""
+    import threading
+
     import torch
 
     ts = saver_module(TENSOR_SAVE_STATS_ONLY=stats_only)
     monkeypatch.setattr(ts, "_BEHIND", behind)
+    writers: list[str] = []
+    real = ts._Saver._write
+    monkeypatch.setattr(
+        ts._Saver,
+        "_write",
+        lambda self, item: writers.append(threading.current_thread().name) or real(self, item),
+    )
     tensors = [torch.randn(300, 70).to(torch.bfloat16) * k for k in range(1, 9)]
     for layer, tensor in enumerate(tensors):
         ts.save_tensor(tensor, "linear", "forward", None, "input", layer)
-    assert ts.flush()["files"] == len(tensors)
+    report = ts.flush()
+    assert report["files"] == len(tensors)
+    assert (report["failed"], report["dropped"]) == (0, 0)
+    assert ts._SAVER.pending_bytes == 0
+    by_stats = writers.count("tensor_saver_stats")
+    assert len(writers) == len(tensors)
     if stats_only == "true":
+        assert by_stats == 0
         lines = (tmp_path / "t" / "stats_rank0.jsonl").read_text().splitlines()
         got = {json.loads(x)["metadata"]["layer_idx"]: json.loads(x) for x in lines}
         for layer, tensor in enumerate(tensors):
             assert got[layer]["tensor_info"]["max"] == tensor.float().max().item()
         return
-    for path in (tmp_path / "t").glob("*.pt"):
+    assert by_stats == (len(tensors) if behind == 0 else 0)
+    assert report["bytes"] == sum(t.numel() * 2 for t in tensors)
+    paths = sorted((tmp_path / "t").glob("*.pt"))
+    assert len(paths) == len(tensors)
+    assert not list((tmp_path / "t").glob(".*.tmp"))
+    for path in paths:
         obj = torch.load(path, weights_only=True)
         layer = obj["metadata"]["layer_idx"]
         assert torch.equal(obj["tensor"], tensors[layer])
         assert obj["tensor_info"]["std"] == pytest.approx(tensors[layer].float().std().item())
+
+
+def test_a_file_the_statistics_thread_fails_to_write_is_counted_once(
+    saver_module, monkeypatch, tmp_path
+):
+    """A write that fails in the statistics thread (writers behind) is counted and reported
+    like one that fails in a writer; the others are written and training goes on."""
+    import torch
+
+    ts = saver_module()
+    monkeypatch.setattr(ts, "_BEHIND", 0)
+    real = ts._write_all
+    calls = []
+
+    def flaky(fd, parts):
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        real(fd, parts)
+
+    monkeypatch.setattr(ts, "_write_all", flaky)
+    for layer in range(4):
+        ts.save_tensor(torch.ones(64, 64) * layer, "linear", "forward", None, "input", layer)
+    report = ts.flush()
+    assert (report["files"], report["failed"]) == (3, 1)
+    assert "No space left" in report["errors"][0]
+    assert ts._SAVER.pending_bytes == 0
+    assert len(list((tmp_path / "t").glob("*.pt"))) == 3
+    assert not list((tmp_path / "t").glob(".*.tmp"))
 
 
 @pytest.mark.parametrize("storages", [1, 2])
