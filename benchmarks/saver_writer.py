@@ -8,12 +8,27 @@ The scenario of issue 13: per step 16 tensors of 1024 x 1024 bf16 (2 MiB each), 
 (default: a temporary directory on the same disk) after an ``os.sync()`` (so that no variant
 is throttled for another's dirty pages); the variants run interleaved, --reps times, each
 repetition starting one variant later than the last (the same order, rotated), and the
-medians are printed with the fastest and slowest repetition. On the 2-core VM this was
-written on, about one repetition in four of a writing variant took 3-6x as long (200-290
-against 70-80 ms, the raw write too: 43 against 209 ms), the time going into the kernel's
-copy into the page cache. The rotation keeps a variant from always following the same one;
-the saver's writer kept its slow repetitions with it (2-8 of 15, against 0-4 over 100 ms for
-the raw write), and 15 repetitions keep the median off them where they are fewer than half:
+medians are printed with the fastest and slowest repetition.
+
+On the 2-core VM this was written on (a Firecracker guest), 2-8 of 15 repetitions of the
+saver's writer took 2-6x as long as its median, against 0-4 of the raw write. Two causes were
+measured there (``benchmarks/vm_memory.py``), neither of which a writer controls:
+
+- The host does not always give the guest two cores. Two CPU-bound processes at once took
+  0.37 s each against 0.36 s alone in one probe, 0.64 against 0.35 in another 20 minutes
+  later. The writer runs the statistics and the writes in two threads and needs both cores
+  (for 168 MB about 45 ms of statistics and 50-80 ms of writes); the raw write needs one.
+- The guest hands memory that stays free for about 2 s back to its host (virtio-balloon free
+  page reporting), and the first touch of such a page is a host page fault: 168 MB went into
+  the page cache in 40 ms right after as much was freed, and in 212-287 ms after 4 s idle.
+  Writing and deleting a scratch file before every variant (tried in an interleaved run of
+  24 repetitions each, not kept as a script) took the raw write's slow
+  repetitions away (0 against 1 of 24) but not the writer's (12 against 5 over 1.5x its
+  fastest, medians 115 against 113 ms), so the benchmark does not do it.
+
+The cost of creating a file in --dir is printed too (empty files, as many as tensors): on
+that VM's ext4 it varied from 9 to 460 us a file with the directory and the hour (3-18 us
+in others on the same disk), and any writer of one file per tensor pays it:
 
 - raw sequential write: the same bytes written into one file, 2 MiB at a time (the yardstick;
   its fsync is timed separately, and not counted against anyone);
@@ -73,6 +88,15 @@ def raw_write(data: list[list[torch.Tensor]], where: Path) -> tuple[float, float
         written = time.perf_counter()
         os.fsync(fh.fileno())
     return written - start, time.perf_counter() - written
+
+
+def create_files(count: int, where: Path) -> float:
+    """Seconds to create ``count`` empty files (and close them): what the directory charges
+    per file, whatever is written into it."""
+    start = time.perf_counter()
+    for k in range(count):
+        os.close(os.open(where / f"{k:06d}", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+    return time.perf_counter() - start
 
 
 def raw_files(data: list[list[torch.Tensor]], where: Path) -> float:
@@ -239,8 +263,9 @@ def stats_time(data: list[list[torch.Tensor]], fn: Callable[[torch.Tensor], list
 def _exact(where: Path, data: list[list[torch.Tensor]], tensors: int) -> bool:
     """Every file quantpatch wrote loads with weights_only and holds the bytes it was given."""
     by_name = {f"t{i}": i for i in range(tensors)}
-    exact = True
-    for f in sorted(where.rglob("*.pt")):
+    files = sorted(where.rglob("*.pt"))
+    exact = len(files) == sum(len(step) for step in data)
+    for f in files:
         obj = torch.load(f, weights_only=True)
         meta = obj["metadata"]
         src = data[meta["layer_idx"]][by_name[meta["tensor_name"]]]
@@ -291,18 +316,20 @@ def main() -> None:
 
     def run_quantpatch() -> None:
         nonlocal exact
-        wait, flush_s, files = quantpatch_saver(data, fresh("quantpatch"))
+        where = fresh("quantpatch")
+        wait, flush_s, files = quantpatch_saver(data, where)
         if files != count:
             raise SystemExit(f"quantpatch wrote {files} files, expected {count}")
         add("quantpatch_wait_s", wait)
         add("quantpatch_flush_s", flush_s)
         add("quantpatch_total_s", wait + flush_s)
         if len(rows["quantpatch_total_s"]) == args.reps:  # loading them once is enough
-            exact = _exact(root / "quantpatch", data, args.tensors)
+            exact = _exact(where, data, args.tensors)
 
     variants: list[Callable[[], None]] = [
         run_raw,
         lambda: add("raw_files_s", raw_files(data, fresh("files"))),
+        lambda: add("create_empty_files_s", create_files(count, fresh("create"))),
         lambda: add("fork_sync_s", fork_sync(data, fresh("fork"))),
         run_quantpatch,
         lambda: add("quantpatch_writer_alone_s", quantpatch_writer_alone(data, fresh("alone"))),
