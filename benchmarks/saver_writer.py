@@ -10,25 +10,32 @@ is throttled for another's dirty pages); the variants run interleaved, --reps ti
 repetition starting one variant later than the last (the same order, rotated), and the
 medians are printed with the fastest and slowest repetition.
 
-On the 2-core VM this was written on (a Firecracker guest), 2-8 of 15 repetitions of the
-saver's writer took 2-6x as long as its median, against 0-4 of the raw write. Two causes were
-measured there (``benchmarks/vm_memory.py``), neither of which a writer controls:
+On the 2-core VM this was written on (a Firecracker guest) the writer's median moved between
+runs (78.8-106.6 ms against a raw write of 41.6-51.0 ms, at the same code), and before its
+statistics thread also wrote files, 2-8 of 15 repetitions took 2-6x the median (0 over
+150 ms since, in twelve runs). What was measured there (``benchmarks/vm_memory.py``), none of
+which a writer controls:
 
 - The host does not always give the guest two cores. Two CPU-bound processes at once took
-  0.37 s each against 0.36 s alone in one probe, 0.64 against 0.35 in another 20 minutes
-  later. The writer runs the statistics and the writes in two threads and needs both cores
-  (for 168 MB about 45 ms of statistics and 50-80 ms of writes); the raw write needs one.
+  0.34-0.37 s each against 0.34-0.36 s alone in most probes, 0.64 against 0.35 in others.
+  The writer runs the statistics and the writes in two threads and needs both cores (for
+  168 MB, per run: 46-53 ms of statistics, 40-74 ms in ``writev``, 7-47 ms creating the
+  files, 9 ms of pickles); the raw write needs one.
+- Creating a file cost 25-590 us, with the directory, the hour and the files deleted just
+  before (below).
 - The guest hands memory that stays free for about 2 s back to its host (virtio-balloon free
   page reporting), and the first touch of such a page is a host page fault: 168 MB went into
-  the page cache in 40 ms right after as much was freed, and in 212-287 ms after 4 s idle.
+  the page cache in 40 ms right after as much was freed, and in 197-288 ms after 4 s idle.
   Writing and deleting a scratch file before every variant (tried in an interleaved run of
-  24 repetitions each, not kept as a script) took the raw write's slow
-  repetitions away (0 against 1 of 24) but not the writer's (12 against 5 over 1.5x its
-  fastest, medians 115 against 113 ms), so the benchmark does not do it.
+  24 repetitions each, not kept as a script) took the raw write's slow repetitions away (0
+  against 1 of 24) but not the writer's (12 against 5 over 1.5x its fastest, medians 115
+  against 113 ms), so the benchmark does not do it.
 
 The cost of creating a file in --dir is printed too (empty files, as many as tensors): on
-that VM's ext4 it varied from 9 to 460 us a file with the directory and the hour (3-18 us
-in others on the same disk), and any writer of one file per tensor pays it:
+that VM's ext4 it varied from 9 to 460 us a file with the directory, the hour and the files
+deleted just before (3-18 us in others on the same disk), and any writer of one file per
+tensor pays it. Each variant's files are emptied, not deleted, before the next variant runs
+(see ``fresh`` in ``main``), and the directory is deleted at the end:
 
 - raw sequential write: the same bytes written into one file, 2 MiB at a time (the yardstick;
   its fsync is timed separately, and not counted against anyone);
@@ -52,6 +59,7 @@ reductions, each on its own float copy).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shutil
@@ -289,16 +297,27 @@ def main() -> None:
     rows: dict[str, list[float]] = {}
     formats = _formats()
 
+    made: list[Path] = []
+    serial = itertools.count()
+
     def fresh(name: str) -> Path:
-        # the previous variant's files go first: on this VM (a Firecracker guest) page cache
-        # that lands on guest memory not used lately costs a host fault per page, and the
-        # copy into it was measured 5x slower (48 against 240 ms for these bytes) once two
-        # earlier variants' files were still cached; without this the variants run later
-        # in a repetition pay for the files of those before them
-        for old in root.iterdir():
-            shutil.rmtree(old)
-        d = root / name
+        # the previous variant's files are emptied first: on this VM (a Firecracker guest)
+        # page cache that lands on guest memory not used lately costs a host fault per page,
+        # and the copy into it was measured 5x slower (48 against 240 ms for these bytes)
+        # once two earlier variants' files were still cached; without this the variants run
+        # later in a repetition pay for the files of those before them. Emptied (truncated
+        # to 0 and kept), not deleted: on that VM's ext4 creating a file cost 100-330 us
+        # after deletions and 25-68 us after emptying (vm_memory.py; in runs of the raw
+        # files alone, cleaned up one way then the other: 57-61 against 51-52 ms), which
+        # charged every variant of one file per tensor, and not the one-file raw write, for
+        # the benchmark's own clean-up. A training run deletes nothing. Every variant writes
+        # into a new directory, so that no file it writes exists before.
+        while made:
+            for path in made.pop().iterdir():
+                os.truncate(path, 0)
+        d = root / f"{next(serial):05d}-{name}"
         d.mkdir(parents=True)
+        made.append(d)
         # every variant starts with no dirty pages waiting: the kernel throttles a writer
         # once enough are pending, which would charge one variant for another's bytes
         os.sync()
