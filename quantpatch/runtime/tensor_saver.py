@@ -525,11 +525,11 @@ def _plain_host(host: torch.Tensor | None) -> bool:
 
 
 class _Recorder:
-    """The bytes of ``torch.save(obj)`` in its non-zip format, recorded instead of written, so
-    that the statistics thread prepares them and the writer thread only writes: the pickles
-    (0.1 ms a file) are copied, and the host tensor's own bytes, which the format writes
-    whole after them, are kept as a view of its memory (alive until the file is written).
-    The file then goes out in one ``os.writev`` where torch.save made seven writes.
+    """The bytes of ``torch.save(obj)`` in its non-zip format, recorded instead of written, for
+    the objects the plain pickler declines (``_plain_bytes``): the pickles are copied, and
+    the host tensor's own bytes, which the format writes whole after them, are kept as a
+    view of its memory (alive until the file is written). The file then goes out in one
+    ``os.writev`` where torch.save made seven writes.
 
     The view is taken only where it is certainly the same bytes: ``host`` is a plain tensor
     in host memory, and the list of storage keys torch pickles last (before it flushes)
@@ -701,7 +701,7 @@ def _write_all(fd: int, parts: list[Any]) -> None:
 
 
 class _Item:
-    __slots__ = ("cost", "directory", "event", "host", "meta", "name", "parts", "stats")
+    __slots__ = ("cost", "directory", "event", "host", "meta", "name", "stats")
 
     def __init__(
         self,
@@ -715,7 +715,6 @@ class _Item:
     ) -> None:
         self.name, self.host, self.stats, self.event = name, host, stats, event
         self.meta, self.cost, self.directory = meta, cost, directory
-        self.parts: list[Any] = []  # the file's bytes (or the stats-only line), once encoded
 
 
 def _measure(item: _Item) -> None:
@@ -730,15 +729,15 @@ def _measure(item: _Item) -> None:
     item.meta["info"].update(min=mn, max=mx, mean=mean, std=std)
 
 
-def _encode(item: _Item) -> None:
-    """The bytes of ``item``'s file (or stats-only line), into ``item.parts``."""
+def _encode(item: _Item) -> list[Any]:
+    """The bytes of ``item``'s file (or stats-only line), made by the thread that writes it:
+    some are views of the snapshot, which goes back to the pool once they are written."""
     info = item.meta.pop("info")
     if _CFG.stats_only:
         line = json.dumps({"name": item.name, "tensor_info": info, "metadata": item.meta})
-        item.parts = [(line + "\n").encode("utf-8")]
-    else:
-        obj = {"tensor": item.host, "tensor_info": info, "metadata": item.meta}
-        item.parts = _torch_bytes(obj, item.host)
+        return [(line + "\n").encode("utf-8")]
+    obj = {"tensor": item.host, "tensor_info": info, "metadata": item.meta}
+    return _torch_bytes(obj, item.host)
 
 
 class _Saver:
@@ -942,7 +941,6 @@ class _Saver:
         self._release(item)
 
     def _release(self, item: _Item) -> None:
-        item.parts = []  # views of the snapshot go before it is used again
         if item.event is None and item.host is not None:  # a CPU snapshot
             self.pool.give_back(item.host)
 
@@ -1003,17 +1001,16 @@ class _Saver:
             self._release(item)
 
     def _write(self, item: _Item) -> None:
-        if not item.parts:
-            _encode(item)
+        parts = _encode(item)
         if _CFG.stats_only:
             with self.append_lock:
-                _append(item.directory / f"stats_rank{item.meta['rank']}.jsonl", item.parts)
+                _append(item.directory / f"stats_rank{item.meta['rank']}.jsonl", parts)
             return
         tmp = item.directory / f".{item.name}.pt.tmp"
         fd = _create(tmp, os.O_TRUNC)
         try:
             try:
-                _write_all(fd, item.parts)
+                _write_all(fd, parts)
             finally:
                 os.close(fd)
             os.replace(tmp, item.directory / f"{item.name}.pt")
