@@ -878,6 +878,7 @@ class _Saver:
                 with self.lock:
                     self.dropped += 1
                     self.pending_bytes -= cost
+                self._release(item)  # its snapshot buffer serves the next tensor
                 return None
         else:
             self.queue.put(item)
