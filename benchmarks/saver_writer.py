@@ -13,26 +13,26 @@ medians are printed with the fastest and slowest repetition.
 On the 2-core VM this was written on (a Firecracker guest) the writer's median moved between
 runs (78.8-106.6 ms against a raw write of 41.6-51.0 ms, at the same code), and before its
 statistics thread also wrote files, 2-8 of 15 repetitions took 2-6x the median (0 over
-150 ms since, in twelve runs). What was measured there (``benchmarks/vm_memory.py``), none of
+150 ms since, in thirteen runs). What was measured there (``benchmarks/vm_memory.py``), none of
 which a writer controls:
 
 - The host does not always give the guest two cores. Two CPU-bound processes at once took
-  0.34-0.37 s each against 0.34-0.36 s alone in most probes, 0.64 against 0.35 in others.
-  The writer runs the statistics and the writes in two threads and needs both cores (for
-  168 MB, per run: 46-53 ms of statistics, 40-74 ms in ``writev``, 7-47 ms creating the
-  files, 9 ms of pickles); the raw write needs one.
-- Creating a file cost 25-590 us, with the directory, the hour and the files deleted just
+  0.33-0.37 s each against 0.34-0.36 s alone in most probes, 0.64-0.67 against 0.35-0.49
+  in others. The writer runs the statistics and the writes in two threads and needs both
+  cores (for 168 MB, per run: 46-53 ms of statistics, 40-74 ms in ``writev``, 7-47 ms
+  creating the files, 9 ms of pickles); the raw write needs one.
+- Creating a file cost 9-590 us, with the directory, the hour and the files deleted just
   before (below).
 - The guest hands memory that stays free for about 2 s back to its host (virtio-balloon free
   page reporting), and the first touch of such a page is a host page fault: 168 MB went into
-  the page cache in 40 ms right after as much was freed, and in 197-288 ms after 4 s idle.
+  the page cache in 40 ms right after as much was freed, and in 192-356 ms after 4 s idle.
   Writing and deleting a scratch file before every variant (tried in an interleaved run of
   24 repetitions each, not kept as a script) took the raw write's slow repetitions away (0
   against 1 of 24) but not the writer's (12 against 5 over 1.5x its fastest, medians 115
   against 113 ms), so the benchmark does not do it.
 
 The cost of creating a file in --dir is printed too (empty files, as many as tensors): on
-that VM's ext4 it varied from 9 to 460 us a file with the directory, the hour and the files
+that VM's ext4 it varied from 9 to 590 us a file with the directory, the hour and the files
 deleted just before (3-18 us in others on the same disk), and any writer of one file per
 tensor pays it. Each variant's files are emptied, not deleted, before the next variant runs
 (see ``fresh`` in ``main``), and the directory is deleted at the end:
@@ -110,8 +110,7 @@ def create_files(count: int, where: Path) -> float:
 def raw_files(data: list[list[torch.Tensor]], where: Path) -> float:
     """Seconds to write the same bytes as one file per tensor, as any per-tensor writer must
     (each created under a temporary name, written, closed and renamed, as quantpatch does):
-    the floor the file layout itself sets. Creating a file cost 50-340 us of kernel CPU on
-    the VM this was written on, varying over the day, against 4 us to open an existing one."""
+    the floor the file layout itself sets (what creating a file costs: ``create_files``)."""
     start = time.perf_counter()
     k = 0
     for step in data:

@@ -20,8 +20,8 @@ machines and not on others, measured with nothing else running:
 - Creating files after a clean-up. --rounds rounds, each writing 80 files of 2 MiB into a new
   directory and then creating 80 empty files in another, the files of a round deleted
   before the next, or emptied (truncated to 0) and kept; the three runs go delete, empty,
-  delete. On the VM this was written on creating a file took 100-175 us after deletions and
-  25 us after emptying (``saver_writer.py`` empties for that reason: a training run deletes
+  delete. On the VM this was written on creating a file took 100-330 us after deletions and
+  25-68 us after emptying (``saver_writer.py`` empties for that reason: a training run deletes
   nothing).
 
 Prints the figures and whether this kernel reports free pages (from sysfs).
