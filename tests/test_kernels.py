@@ -210,10 +210,23 @@ def _reference(op, *args):
 def test_straight_through_gradient_through_the_kernels(kernels, monkeypatch):
     monkeypatch.setenv("QUANTPATCH_KERNELS", "triton")
     monkeypatch.setattr(ops, "_kernels_module", kernels)
-    a = torch.randn(8, 64, requires_grad=True)
-    w = torch.randn(64, 8, requires_grad=True)
+    a = torch.randn(8, 64, device=DEVICE, requires_grad=True)
+    w = torch.randn(64, 8, device=DEVICE, requires_grad=True)
     ops.quant_matmul(a, w, "mxfp8").sum().backward()
     assert a.grad is not None and torch.isfinite(a.grad).all()
+
+
+def test_forced_kernels_refuse_cpu_tensors_they_cannot_read(monkeypatch):
+    """Compiled (not interpreted) Triton reads GPU memory only: a CPU tensor forced onto the
+    kernels is refused in one sentence, not handed to the launcher (which failed on an H100
+    with "Pointer argument (at 0) cannot be accessed from Triton")."""
+    monkeypatch.setenv("QUANTPATCH_KERNELS", "triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(RuntimeError, match="compiled Triton kernels run on CUDA tensors only"):
+        ops.fake_quant(torch.randn(4, 64), "mxfp8")
+    monkeypatch.setenv("QUANTPATCH_KERNELS", "auto")  # auto: CPU tensors take the reference
+    x = torch.randn(4, 64)
+    assert torch.equal(ops.fake_quant(x, "mxfp8"), ops._fake_quant(x, "mxfp8", -1, False))
 
 
 def test_kernel_mode_switch_and_fallback(monkeypatch):

@@ -166,8 +166,15 @@ def _use_kernels(x: torch.Tensor) -> bool:
     mode = _kernel_mode()
     if mode == "reference" or x.dtype not in _KERNEL_DTYPES:
         return False
-    if mode == "auto" and not x.is_cuda:
-        return False
+    if not x.is_cuda:
+        if mode == "auto":
+            return False
+        if os.environ.get("TRITON_INTERPRET") != "1":  # compiled Triton reads GPU memory only
+            raise RuntimeError(
+                f"QUANTPATCH_KERNELS=triton, but the tensor is on {x.device.type} and compiled "
+                "Triton kernels run on CUDA tensors only; set TRITON_INTERPRET=1 to interpret "
+                "them on CPU tensors, or QUANTPATCH_KERNELS=auto."
+            )
     if _kernels() is None:
         if mode == "triton":
             raise RuntimeError(f"QUANTPATCH_KERNELS=triton, but {_kernels_error}")
