@@ -34,7 +34,8 @@ the write.
 
 On CUDA the training stream never waits for the host: statistics are computed on the device,
 the tensor is copied into pinned host memory on a side stream, and a background thread waits
-for that copy and writes the file. A micro-step ends when a forward tensor of the same layer,
+for that copy and writes the file. Pinned buffers are used again; while none of the right
+shape is free, the background thread makes one (pinning memory is slow) and queues the copy. A micro-step ends when a forward tensor of the same layer,
 operation and name is seen again (recomputed activations count as a new micro-step). A tensor
 handed over twice in one micro-step under the same layer, operation and name (the same
 storage, unchanged) is saved once.
@@ -272,25 +273,87 @@ def linear_meta(weight: torch.Tensor) -> dict[str, Any]:
 
 
 def _stats(t: torch.Tensor) -> torch.Tensor:
-    """min, max, mean, std as one float32 tensor on ``t``'s device (no host synchronisation
-    for device tensors; host tensors: ``_host_stats``).
-
-    Vectorised, over a float32 copy (float64 for float64 tensors; ``t`` itself is never
-    written). The copy is exact for 16-bit floats, and rounding to float32 keeps the order,
-    so its min and max are those of ``t`` rounded; ``aminmax`` on the copy, still in cache,
-    takes 9 ms for 80 tensors of 1024x1024 on one core, against 15 ms on the bf16. torch's
-    sum adds in a cascade: a sum of squares is within 1e-7 of the exact one on 1M and 16M
-    elements (a float32 dot product is 5e-5 and 6e-4 off, ``vector_norm`` 1e-4 and 7e-4).
-    Squares of values far from 1 leave float32's range (1e-30 squared is 0, 1e20 squared
-    is inf): such tensors are scaled by a power of two first, which is exact."""
+    """min, max, mean, std of ``t`` as one float32 tensor on the host (``t`` is never
+    written). Host tensors: ``_host_stats``; device tensors: ``_device_moments``, read back
+    here (the saver reads them on its statistics thread instead, after the copy)."""
     if t.device.type == "cpu":
         return torch.tensor(_host_stats(t), dtype=torch.float32)
-    if not t.numel():
-        return torch.zeros(4, device=t.device)
-    d = _float_copy(t)
-    mn, mx = torch.aminmax(d)
-    mean, std = _moments_device(d, torch.maximum(mn.abs(), mx.abs()))
-    return torch.stack([mn.float(), mx.float(), mean.float(), std.float()])
+    return torch.tensor(_combine(_device_moments(t).tolist(), t.numel()), dtype=torch.float32)
+
+
+_DEVICE_CHUNK = 1 << 24
+"""Elements of a device tensor in one float64 copy for its moments (128 MB of device memory,
+what the float32 copy of a 64 MB bf16 tensor took before)."""
+
+
+def _device_moments(t: torch.Tensor) -> torch.Tensor:
+    """The statistics of device tensor ``t`` as kernels queued on its stream, none of which
+    waits for the host: one tensor [min, max, then the mean and the population variance of
+    each chunk of ``_DEVICE_CHUNK`` elements], float64, that ``_combine`` turns into min,
+    max, mean, std on the host.
+
+    Six kernels for a tensor up to 16M elements (min and max of ``t`` itself, exact; a
+    float64 copy; ``var_mean``, whose Welford sums in float64 neither overflow nor underflow
+    for any float32 value and keep the spread under a mean 1e7 times larger; one stack),
+    where the scaled two-pass float32 formula queued 37 operators: their launches took 21.6
+    ms of the training thread for the 32 tensors (1.6 GB) of a step on an H100, against a
+    9.6 ms step. Float64 tensors take ``_two_pass``. A device without float64 (MPS) sums
+    in float32: values beyond 1e19 in magnitude give an infinite std there."""
+    acc = torch.float32 if t.device.type == "mps" else torch.float64
+    flat = t.reshape(-1)
+    if flat.dtype == torch.bool:
+        flat = flat.to(torch.uint8)
+    if not flat.numel():
+        return torch.zeros(2, dtype=acc, device=t.device)
+    mn, mx = torch.aminmax(flat)
+    parts = [mn.to(acc), mx.to(acc)]
+    for start in range(0, flat.numel(), _DEVICE_CHUNK):
+        chunk = flat[start : start + _DEVICE_CHUNK]
+        if chunk.dtype != torch.float64:
+            var, mean = torch.var_mean(chunk.to(acc), correction=0)
+        else:  # the mean may dwarf the spread beyond what Welford's float64 keeps
+            mean, var = _two_pass(chunk)
+        parts += [mean, var]
+    return torch.stack(parts)
+
+
+def _two_pass(d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and population variance of float64 device values ``d`` from their deviations e
+    from the mean m as computed, mean = m + sum(e)/k and k var = sum(e^2) - sum(e)^2/k: the
+    corrected two-pass formula, which takes out the mean's rounding (1e10 plus a spread of
+    1e-3: Welford's float64 ``var_mean`` gives a std 4e-4 off, this 7e-14). Float64
+    tensors only (rare in training): it queues ten kernels where ``var_mean`` queues one."""
+    k = d.numel()
+    m = d.mean()
+    e = d - m
+    first = e.sum()
+    return m + first / k, (torch.dot(e, e) - first * first / k) / k
+
+
+def _combine(values: list[float], n: int) -> list[float]:
+    """min, max, mean, std (float32 values) from ``_device_moments``'s numbers for a tensor of
+    ``n`` elements: the chunks' means and variances are combined in Python floats (Chan's
+    formula). A value that is not finite makes the mean what the sum would be (inf, -inf,
+    or NaN for both or for a NaN) and the std NaN, as on the host."""
+    if not n:
+        return [0.0] * 4
+    mn, mx = values[0], values[1]
+    sizes = [min(_DEVICE_CHUNK, n - start) for start in range(0, n, _DEVICE_CHUNK)]
+    means, variances = values[2::2], values[3::2]
+    mean = math.fsum(k * m for k, m in zip(sizes, means, strict=True)) / n
+    if math.isfinite(mean):
+        m2 = math.fsum(
+            k * (max(v, 0.0) + (m - mean) ** 2)
+            for k, m, v in zip(sizes, means, variances, strict=True)
+        )
+        std = math.sqrt(m2 / (n - 1)) if n > 1 else 0.0
+    else:
+        if math.isnan(mn) or math.isnan(mx) or (mn == -math.inf and mx == math.inf):
+            mean = math.nan
+        else:
+            mean = math.inf if mx == math.inf else -math.inf
+        std = math.nan
+    return torch.tensor([mn, mx, mean, std], dtype=torch.float32).tolist()
 
 
 def _host_stats(t: torch.Tensor) -> list[float]:
@@ -303,30 +366,6 @@ def _host_stats(t: torch.Tensor) -> list[float]:
     mn, mx = (float(v) for v in torch.aminmax(d))
     mean, std = _moments_host(t, d, max(abs(mn), abs(mx)))
     return torch.tensor([mn, mx, mean, std], dtype=torch.float32).tolist()
-
-
-def _moments_device(d: torch.Tensor, big: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean and sample standard deviation of ``d`` (overwritten) in two passes, without a
-    host synchronisation: ``d`` is always scaled by the power of two nearest its largest
-    magnitude ``big`` (a pass the device does in a fraction of the copy), and the deviations
-    e from the mean m give mean = m + sum(e)/n and (n-1) var = sum(e^2) - sum(e)^2/n, the
-    corrected two-pass formula the host path uses (``_deviation_host``)."""
-    n = d.numel()
-    exponent = torch.where(torch.isfinite(big), torch.frexp(big).exponent - 1, 0)
-    # within what a float32 power of two holds (2**128 is not one), and in d's own type:
-    # a device may have no float64 (MPS)
-    exponent = exponent.clamp(-126, 127).to(d.dtype)
-    d.mul_(torch.pow(2.0, -exponent))
-    mean = d.mean()
-    if n == 1:
-        std = torch.zeros((), device=d.device)
-    else:
-        first = d.sub_(mean).sum()
-        second = d.square_().sum()
-        mean = torch.where(torch.isfinite(first), mean + first / n, mean)  # inf stays inf
-        std = torch.sqrt((second - first * first / n).clamp(min=0) / (n - 1))
-    scale = torch.pow(2.0, exponent)
-    return mean * scale, std * scale
 
 
 def _moments_host(t: torch.Tensor, d: torch.Tensor, big: float) -> tuple[float, float]:
@@ -391,16 +430,15 @@ _SCRATCH_MAX = 16 << 20
 
 
 def _float_copy(t: torch.Tensor) -> torch.Tensor:
-    """``t`` flattened into float32, in a buffer the calling thread uses again for every host
-    tensor up to ``_SCRATCH_MAX`` elements: a fresh 4 MB array is handed back to the kernel
-    when freed and page-faulted in anew the next time, which made the copy cost 3x (50
-    against 15 ms for 80 tensors of 1024x1024 on one core). Device tensors (whose
-    allocator keeps its memory), larger ones and float64 ones (copied as float64) get a
-    copy of their own."""
+    """Host tensor ``t`` flattened into float32, in a buffer the calling thread uses again for
+    every tensor up to ``_SCRATCH_MAX`` elements: a fresh 4 MB array is handed back to the
+    kernel when freed and page-faulted in anew the next time, which made the copy cost 3x
+    (50 against 15 ms for 80 tensors of 1024x1024 on one core). Larger ones and float64
+    ones (copied as float64) get a copy of their own."""
     n = t.numel()
     if t.dtype == torch.float64:  # rare in training: its own copy, at its own precision
         return t.reshape(-1).to(torch.float64, copy=True)
-    if t.device.type != "cpu" or n > _SCRATCH_MAX:
+    if n > _SCRATCH_MAX:
         return t.reshape(-1).to(torch.float32, copy=True)
     buf = getattr(_SCRATCH, "buf", None)
     if buf is None or buf.numel() < n:
@@ -429,6 +467,12 @@ def _identity(t: torch.Tensor) -> tuple[Any, ...]:
 
 _POOL_BYTES = 256 << 20
 """Host snapshot memory kept for reuse at most (CPU tensors)."""
+_PINNED_POOL_BYTES = 4 << 30
+"""Pinned host memory kept for the copies of device tensors at most (torch's own cache keeps
+what is given back beyond it)."""
+_HANDOVER_BYTES = 1 << 30
+"""Device snapshots waiting for the statistics thread to give them a pinned host buffer at
+most (device memory); beyond it the training thread makes the buffer itself."""
 
 
 class _HostPool:
@@ -441,13 +485,18 @@ class _HostPool:
         self.free: dict[tuple[Any, ...], list[torch.Tensor]] = {}
         self.lock = threading.Lock()
 
-    def snapshot(self, t: torch.Tensor) -> torch.Tensor:
+    def take(self, t: torch.Tensor) -> torch.Tensor | None:
+        """A free buffer of ``t``'s dtype and shape, or None."""
         key = (t.dtype, tuple(t.shape))
         with self.lock:
             bucket = self.free.get(key)
             buf = bucket.pop() if bucket else None
             if buf is not None:
                 self.bytes -= buf.numel() * buf.element_size()
+        return buf
+
+    def snapshot(self, t: torch.Tensor) -> torch.Tensor:
+        buf = self.take(t)
         if buf is None:
             return t.clone(memory_format=torch.contiguous_format)
         return buf.copy_(t)
@@ -701,7 +750,7 @@ def _write_all(fd: int, parts: list[Any]) -> None:
 
 
 class _Item:
-    __slots__ = ("cost", "directory", "event", "host", "meta", "name", "stats")
+    __slots__ = ("cost", "device", "directory", "event", "host", "meta", "name", "stats")
 
     def __init__(
         self,
@@ -715,6 +764,7 @@ class _Item:
     ) -> None:
         self.name, self.host, self.stats, self.event = name, host, stats, event
         self.meta, self.cost, self.directory = meta, cost, directory
+        self.device: torch.Tensor | None = None  # a device snapshot waiting for a host buffer
 
 
 def _measure(item: _Item) -> None:
@@ -725,7 +775,8 @@ def _measure(item: _Item) -> None:
     else:
         if item.event is not None:  # the copies from the device: the statistics are read here
             item.event.synchronize()
-        mn, mx, mean, std = (float(v) for v in item.stats.tolist())
+        n = math.prod(item.meta["info"]["shape"])
+        mn, mx, mean, std = _combine(item.stats.tolist(), n)
     item.meta["info"].update(min=mn, max=mx, mean=mean, std=std)
 
 
@@ -741,7 +792,7 @@ def _encode(item: _Item) -> list[Any]:
 
 
 class _Saver:
-    def __init__(self, pool: _HostPool | None = None) -> None:
+    def __init__(self, pool: _HostPool | None = None, pinned: _HostPool | None = None) -> None:
         self.counter = 0
         # two stages: the statistics thread takes what training hands over, the writer
         # threads take what has its statistics; a few items wait between the two
@@ -765,6 +816,8 @@ class _Saver:
         self.last_saved: dict[tuple[Any, ...], tuple[Any, ...]] = {}
         self.stream: Any = None
         self.pool = pool or _HostPool(_POOL_BYTES)
+        self.pinned = pinned or _HostPool(_PINNED_POOL_BYTES)
+        self.handed_over = 0  # bytes of device snapshots waiting for a pinned buffer
 
     # micro-steps: a forward tensor seen again starts the next one
     def _step_for(self, key: tuple[Any, ...], operation: str) -> int:
@@ -893,7 +946,7 @@ class _Saver:
             # on the host the copy is the only work done here; the writer thread computes
             # the statistics from it
             return _Item(name, self.pool.snapshot(t), None, None, meta, cost, directory)
-        stats = _stats(t)
+        stats = _device_moments(t)
         # a snapshot on the device, on the training stream: training may write into t right
         # after this call (a reused all-gather buffer, an in-place update), and an on-device
         # copy costs a fraction of the PCIe copy that then runs on the side stream
@@ -902,19 +955,60 @@ class _Saver:
             self.stream = torch.cuda.Stream(device=t.device)  # type: ignore[no-untyped-call]
         current = torch.cuda.current_stream(t.device)
         self.stream.wait_stream(current)
+        handed_over = None
         with torch.cuda.stream(self.stream):
-            host_stats = torch.empty(4, dtype=torch.float32, pin_memory=True)
+            host_stats = torch.empty(stats.shape, dtype=stats.dtype, pin_memory=True)
             host_stats.copy_(stats, non_blocking=True)
             host = None
             if snap is not None:
-                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                host.copy_(snap, non_blocking=True)
+                host = self.pinned.take(snap)
+                if host is None and self._hand_over(snap):
+                    handed_over = snap
+                elif host is None:  # the device holds enough snapshots already: made here
+                    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                if host is not None:
+                    host.copy_(snap, non_blocking=True)
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(self.stream)
         if snap is not None:  # the allocator must not reuse the snapshot before the copy
             snap.record_stream(self.stream)
         stats.record_stream(self.stream)
-        return _Item(name, host, host_stats, event, meta, cost, directory)
+        item = _Item(name, host, host_stats, event, meta, cost, directory)
+        item.device = handed_over
+        return item
+
+    def _hand_over(self, snap: torch.Tensor) -> bool:
+        """Whether the statistics thread makes ``snap``'s pinned host buffer and copies it.
+        Pinning fresh host memory is the slow part of a copy from the device (an H100's VM:
+        a step of 32 tensors, 1.6 GB, took 74-550 ms in the training thread until the
+        buffers of a whole step had been made once, against 15-21 ms with them), so the
+        training thread only takes free buffers, up to ``_HANDOVER_BYTES`` waiting."""
+        nbytes = snap.numel() * snap.element_size()
+        with self.lock:
+            if self.handed_over + nbytes > _HANDOVER_BYTES:
+                return False
+            self.handed_over += nbytes
+        return True
+
+    def _copy_to_host(self, item: _Item) -> None:
+        """The pinned buffer and the copy of a handed-over device snapshot (statistics
+        thread), queued on the saver's stream behind what the training thread queued."""
+        snap = item.device
+        assert snap is not None
+        host = torch.empty(snap.shape, dtype=snap.dtype, pin_memory=True)
+        with torch.cuda.stream(self.stream):
+            host.copy_(snap, non_blocking=True)
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record(self.stream)
+        event.synchronize()
+        item.host, item.event = host, event
+        self._drop_device(item)
+
+    def _drop_device(self, item: _Item) -> None:
+        snap, item.device = item.device, None
+        if snap is not None:
+            with self.lock:
+                self.handed_over -= snap.numel() * snap.element_size()
 
     def _start(self) -> None:
         if self.stats_thread is None or not self.stats_thread.is_alive():
@@ -942,8 +1036,15 @@ class _Saver:
         self._release(item)
 
     def _release(self, item: _Item) -> None:
-        if item.event is None and item.host is not None:  # a CPU snapshot
+        """Give ``item``'s buffers back once it is written, failed or dropped (a dropped
+        item's copy may still run: the next copy into its buffer is queued behind it)."""
+        self._drop_device(item)
+        if item.host is None:
+            return
+        if item.event is None:  # a CPU snapshot
             self.pool.give_back(item.host)
+        else:
+            self.pinned.give_back(item.host)
 
     def _prepare_all(self) -> None:
         """Stage one: the statistics of host snapshots (CUDA items come with theirs); a
@@ -965,6 +1066,8 @@ class _Saver:
                 if item is None:
                     return
                 try:
+                    if item.device is not None:
+                        self._copy_to_host(item)
                     _measure(item)
                 except Exception as exc:  # keep training alive; counted, reported at flush
                     self._failed(item, exc)
@@ -1099,13 +1202,13 @@ _ITERATION: int | None = None
 def configure() -> None:
     """Read the environment again (tests and long-lived processes): everything queued is
     written first, then a fresh saver starts from the new settings, with the host snapshot
-    buffers of the last: memory the process already has, where fresh buffers are faulted in
-    anew (see ``_HostPool``)."""
+    buffers of the last (host and pinned): memory the process already has, where fresh
+    buffers are faulted in (or pinned) anew (see ``_HostPool``)."""
     global ENABLED, _CFG, _SAVER
     flush()
     _SAVER.stop()
     _CFG, ENABLED = _load_config()
-    _SAVER = _Saver(_SAVER.pool)
+    _SAVER = _Saver(_SAVER.pool, _SAVER.pinned)
 
 
 _FAILED = False
