@@ -35,10 +35,11 @@ the write.
 On CUDA the training stream never waits for the host: statistics are computed on the device,
 the tensor is copied into pinned host memory on a side stream, and a background thread waits
 for that copy and writes the file. Pinned buffers are used again; while none of the right
-shape is free, the background thread makes one (pinning memory is slow) and queues the copy. A micro-step ends when a forward tensor of the same layer,
-operation and name is seen again (recomputed activations count as a new micro-step). A tensor
-handed over twice in one micro-step under the same layer, operation and name (the same
-storage, unchanged) is saved once.
+shape is free, the background thread makes one (pinning memory is slow) and queues the copy.
+A micro-step ends when a forward tensor of the same layer, operation and name is seen again
+(recomputed activations count as a new micro-step). A tensor handed over twice in one
+micro-step under the same layer, operation and name (the same storage, unchanged) is saved
+once.
 
 The API of a fork's own ``tensor_saver.py`` is served too, so that a checkout's existing
 callers keep working when this module replaces it: the keywords ``phase``, ``component``,
