@@ -224,6 +224,7 @@ def test_forced_kernels_refuse_cpu_tensors_they_cannot_read(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(RuntimeError, match="compiled Triton kernels run on CUDA tensors only"):
         ops.fake_quant(torch.randn(4, 64), "mxfp8")
+    assert ops.kernels_in_use("cpu").startswith("none (QUANTPATCH_KERNELS=triton refuses")
     monkeypatch.setenv("QUANTPATCH_KERNELS", "auto")  # auto: CPU tensors take the reference
     x = torch.randn(4, 64)
     assert torch.equal(ops.fake_quant(x, "mxfp8"), ops._fake_quant(x, "mxfp8", -1, False))

@@ -642,6 +642,9 @@ def test_cuda_pinned_buffers_made_by_either_thread(saver_module, monkeypatch, ha
     ts = saver_module()
     monkeypatch.setattr(ts, "_HANDOVER_BYTES", handover)
     ts._SAVER.pinned = ts._HostPool(ts._PINNED_POOL_BYTES)
+    copies = []
+    real = ts._Saver._copy_to_host
+    monkeypatch.setattr(ts._Saver, "_copy_to_host", lambda s, i: copies.append(1) or real(s, i))
     gen = torch.Generator(device="cuda").manual_seed(2)
     for step in range(3):
         ts_ = [torch.randn(257, 1000, device="cuda", generator=gen) for _ in range(6)]
@@ -651,10 +654,13 @@ def test_cuda_pinned_buffers_made_by_either_thread(saver_module, monkeypatch, ha
             t.zero_()  # queued right behind the call
         assert ts.flush()["failed"] == 0
         assert ts._SAVER.handed_over == 0
+        # six buffers made in the first step, by the statistics thread where allowed, and
+        # taken again (none made) in the next ones
+        assert len(copies) == (6 if handover else 0)
+        assert ts._SAVER.pinned.bytes == 6 * 257 * 1000 * 4
         for i, w in enumerate(want):
             (path,) = Path(ts._CFG.save_dir).glob(f"*_L{step}_forward_*_input{i}.pt")
             assert torch.equal(torch.load(path, weights_only=True)["tensor"], w)
-    assert ts._SAVER.pinned.bytes > 0  # the buffers came back for the next step
 
 
 def test_writer_threads_pool_and_format(saver_module, tmp_path):
@@ -1002,6 +1008,10 @@ def test_device_moments_combine_to_the_host_statistics(saver_module, monkeypatch
         torch.tensor([1.0, inf]),
         torch.tensor([-inf, 1.0]),
         torch.tensor([-inf, inf]),
+        torch.tensor([inf, 1.0, -inf]),  # with chunks of 1 or 7: in two chunks
+        torch.tensor([inf, 1.0, 2.0]),
+        torch.tensor([-inf]),
+        torch.tensor([nan]),
     ]
     for t in cases:
         got = ts._combine(ts._device_moments(t).tolist(), t.numel())

@@ -150,13 +150,15 @@ def _kernel_mode() -> str:
 
 
 def kernels_in_use(device: str = "cuda") -> str:
-    """Which path ``fake_quant`` takes for a tensor on ``device``: ``triton`` or
-    ``reference (why)``."""
+    """Which path ``fake_quant`` takes for a tensor on ``device``: ``triton``,
+    ``reference (why)``, or ``none (why)`` where it refuses the tensor."""
     mode = _kernel_mode()
     if mode == "reference":
         return "reference (QUANTPATCH_KERNELS=reference)"
     if mode == "auto" and device != "cuda":
         return "reference (CPU tensors)"
+    if device != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return "none (QUANTPATCH_KERNELS=triton refuses CPU tensors without TRITON_INTERPRET=1)"
     if _kernels() is None:
         return f"reference (no Triton kernels: {_kernels_error})"
     return "triton"

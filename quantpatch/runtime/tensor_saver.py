@@ -334,26 +334,29 @@ def _two_pass(d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _combine(values: list[float], n: int) -> list[float]:
     """min, max, mean, std (float32 values) from ``_device_moments``'s numbers for a tensor of
     ``n`` elements: the chunks' means and variances are combined in Python floats (Chan's
-    formula). A value that is not finite makes the mean what the sum would be (inf, -inf,
-    or NaN for both or for a NaN) and the std NaN, as on the host."""
+    formula; weighted by k/n, so the sum stays within the largest mean). A value that is not
+    finite makes the mean what the sum would be (inf, -inf, or NaN for both or for a NaN, in
+    one chunk or in two) and the std NaN (0 for a single element), as on the host."""
     if not n:
         return [0.0] * 4
     mn, mx = values[0], values[1]
     sizes = [min(_DEVICE_CHUNK, n - start) for start in range(0, n, _DEVICE_CHUNK)]
     means, variances = values[2::2], values[3::2]
-    mean = math.fsum(k * m for k, m in zip(sizes, means, strict=True)) / n
-    if math.isfinite(mean):
-        m2 = math.fsum(
-            k * (max(v, 0.0) + (m - mean) ** 2)
+    if all(math.isfinite(m) for m in means):
+        mean = math.fsum((k / n) * m for k, m in zip(sizes, means, strict=True))
+        m2 = math.fsum(  # products overflow to inf (``**`` would raise)
+            k * (max(v, 0.0) + (m - mean) * (m - mean))
             for k, m, v in zip(sizes, means, variances, strict=True)
         )
         std = math.sqrt(m2 / (n - 1)) if n > 1 else 0.0
     else:
         if math.isnan(mn) or math.isnan(mx) or (mn == -math.inf and mx == math.inf):
             mean = math.nan
-        else:
-            mean = math.inf if mx == math.inf else -math.inf
-        std = math.nan
+        elif mx == math.inf or mn == -math.inf:
+            mean = mx if mx == math.inf else mn
+        else:  # finite values whose float64 sum overflowed: its sign
+            mean = next(m for m in means if not math.isfinite(m))
+        std = 0.0 if n == 1 else math.nan
     return torch.tensor([mn, mx, mean, std], dtype=torch.float32).tolist()
 
 
@@ -1125,7 +1128,11 @@ class _Saver:
             raise
 
     def stop(self) -> None:
-        """End the statistics and writer threads (after ``flush``)."""
+        """End the statistics and writer threads (after ``flush``), and wait for the side
+        stream: a dropped tensor's copy may still run there, into a pinned buffer that the
+        next saver (``configure()``) takes and copies into on a stream of its own."""
+        if self.stream is not None:
+            self.stream.synchronize()
         if self.stats_thread is not None and self.stats_thread.is_alive():
             self.queue.put(None)
             self.stats_thread.join()
