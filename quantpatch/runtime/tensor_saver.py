@@ -999,8 +999,9 @@ class _Saver:
         thread), queued on the saver's stream behind what the training thread queued."""
         snap = item.device
         assert snap is not None
-        host = torch.empty(snap.shape, dtype=snap.dtype, pin_memory=True)
-        with torch.cuda.stream(self.stream):
+        # this thread's current device is 0 until set: the training process's GPU instead
+        with torch.cuda.device(snap.device), torch.cuda.stream(self.stream):
+            host = torch.empty(snap.shape, dtype=snap.dtype, pin_memory=True)
             host.copy_(snap, non_blocking=True)
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(self.stream)
