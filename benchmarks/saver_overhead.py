@@ -13,7 +13,10 @@ Defaults: on CUDA 8 layers 4096 -> 4096, 8192 tokens, bf16 (~1.6 GB saved per st
 installed; on a saving step the training-stream stall <= 3x the copy time; the background
 writer sustains >= 50 % of the raw write throughput; after flush() every expected file
 exists, bit-exact. The CPU writer against the raw write, without the matrix products around
-it, is measured by ``saver_writer.py``.
+it, is measured by ``saver_writer.py``. It also prints the training thread's time inside the
+saver's ``save()`` for each step, the first (warm-up) included: on an H100 that showed the
+pinning of fresh host memory (550, 218, 177, 127, 74 ms in the first steps, against 15-21 ms
+once a step's buffers existed), which a median of the steps hid as a 5.4x stall.
 """
 
 from __future__ import annotations
@@ -56,6 +59,16 @@ if args["variant"] == "sync_reference":
             os.environ["TENSOR_SAVE_DIR"], f"{saver._SAVER.counter:06d}_{name}.pt"))
     os.makedirs(os.environ["TENSOR_SAVE_DIR"], exist_ok=True)
     saver._SAVER.save = reference_save
+in_save = [0.0]  # the training thread's time inside the saver's save(), this step
+if args["variant"] in ("enabled", "stats_only"):
+    real_save = saver._Saver.save
+    def timed_save(self, *a, **k):
+        s0 = time.perf_counter()
+        try:
+            return real_save(self, *a, **k)
+        finally:
+            in_save[0] += time.perf_counter() - s0
+    saver._Saver.save = timed_save
 torch.manual_seed(0)
 ws = [(torch.randn(h, h, device=dev) * h ** -0.5).to(torch.bfloat16).requires_grad_()
       for _ in range(n)]
@@ -68,9 +81,11 @@ def step():
     for w in ws:
         y = L.apply(y, w, *extra)
     y.float().pow(2).mean().backward()
-times, flushes = [], []
+times, flushes, saves = [], [], []
 for i in range(steps + 1):
+    in_save[0] = 0.0
     sync(); a = time.perf_counter(); step(); sync(); b = time.perf_counter()
+    saves.append(in_save[0])
     if saver is not None and args["variant"] in ("enabled", "stats_only"):
         saver.flush()
     c = time.perf_counter()
@@ -87,6 +102,7 @@ if saver is not None:  # the inserted test itself, as the patched code runs it
             pass
     guard = (time.perf_counter() - a) / k
 print(json.dumps({"step": statistics.median(times), "flush": statistics.median(flushes),
+                  "in_save": saves,
                   "bytes_per_step": nbytes, "guard": guard}))
 """
 
@@ -223,6 +239,9 @@ def main() -> None:
             f"writer throughput: {nbytes / writer_s / 1e6:.0f} MB/s = "
             f"{100 * (nbytes / writer_s) / (nbytes / write_s):.0f}% of the raw write"
         )
+        for v in ("enabled", "stats_only"):
+            ms = ", ".join(f"{x * 1e3:.1f}" for x in res[v]["in_save"])
+            print(f"training thread inside save(), per step from the first ({v}): {ms} ms")
         files = list((logdir / "enabled").glob("*.pt"))
         expected = (args.steps + 1) * cfg["layers"] * 4
         exact = _check_files(files, cfg)
@@ -240,6 +259,7 @@ def main() -> None:
                         "stall_s": stall,
                         "copy_s": copy_s,
                         "stall_vs_copy": stall / copy_s,
+                        "in_save_s": res["enabled"]["in_save"],
                         "raw_write_s": write_s,
                         "writer_pct_of_raw_write": 100 * (nbytes / writer_s) / (nbytes / write_s),
                         "files": len(files),
