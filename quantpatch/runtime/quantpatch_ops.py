@@ -149,6 +149,11 @@ def _kernel_mode() -> str:
     return mode
 
 
+def _interpreted() -> bool:
+    """Whether Triton runs its kernels in its interpreter, the only way they read CPU tensors."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def kernels_in_use(device: str = "cuda") -> str:
     """Which path ``fake_quant`` takes for a tensor on ``device``: ``triton``,
     ``reference (why)``, or ``none (why)`` where it refuses the tensor."""
@@ -157,7 +162,7 @@ def kernels_in_use(device: str = "cuda") -> str:
         return "reference (QUANTPATCH_KERNELS=reference)"
     if mode == "auto" and device != "cuda":
         return "reference (CPU tensors)"
-    if device != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if device != "cuda" and not _interpreted():
         return "none (QUANTPATCH_KERNELS=triton refuses CPU tensors without TRITON_INTERPRET=1)"
     if _kernels() is None:
         return f"reference (no Triton kernels: {_kernels_error})"
@@ -171,7 +176,7 @@ def _use_kernels(x: torch.Tensor) -> bool:
     if not x.is_cuda:
         if mode == "auto":
             return False
-        if os.environ.get("TRITON_INTERPRET") != "1":  # compiled Triton reads GPU memory only
+        if not _interpreted():
             raise RuntimeError(
                 f"QUANTPATCH_KERNELS=triton, but the tensor is on {x.device.type} and compiled "
                 "Triton kernels run on CUDA tensors only; set TRITON_INTERPRET=1 to interpret "

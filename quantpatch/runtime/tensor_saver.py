@@ -273,15 +273,6 @@ def linear_meta(weight: torch.Tensor) -> dict[str, Any]:
 # -- the writer ------------------------------------------------------------------------------
 
 
-def _stats(t: torch.Tensor) -> torch.Tensor:
-    """min, max, mean, std of ``t`` as one float32 tensor on the host (``t`` is never
-    written). Host tensors: ``_host_stats``; device tensors: ``_device_moments``, read back
-    here (the saver reads them on its statistics thread instead, after the copy)."""
-    if t.device.type == "cpu":
-        return torch.tensor(_host_stats(t), dtype=torch.float32)
-    return torch.tensor(_combine(_device_moments(t).tolist(), t.numel()), dtype=torch.float32)
-
-
 _DEVICE_CHUNK = 1 << 24
 """Elements of a device tensor in one float64 copy for its moments (128 MB of device memory,
 what the float32 copy of a 64 MB bf16 tensor took before)."""
@@ -361,7 +352,7 @@ def _combine(values: list[float], n: int) -> list[float]:
 
 
 def _host_stats(t: torch.Tensor) -> list[float]:
-    """min, max, mean, std of a host tensor, as the float32 values ``_stats`` gives, computed
+    """min, max, mean, std of a host tensor as float32 values (``t`` is never written), computed
     with the reductions' results as Python floats: the dozen scalar tensor operations that
     combined them cost 60 us a tensor (5 of 46 ms for 80 tensors of 1024x1024)."""
     if not t.numel():
@@ -479,10 +470,16 @@ _HANDOVER_BYTES = 1 << 30
 most (device memory); beyond it the training thread makes the buffer itself."""
 
 
+def _pinned_like(t: torch.Tensor) -> torch.Tensor:
+    """A pinned host buffer of ``t``'s shape and dtype (slow when torch has none cached)."""
+    return torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+
+
 class _HostPool:
-    """Host snapshot buffers used again. A fresh allocation of a few MiB is handed back to
-    the OS when freed, so without reuse every snapshot page-faults its memory anew, which
-    costs 4x the copy itself (0.45 ms against 0.1 ms per 2 MiB here)."""
+    """Host snapshot buffers used again, by dtype and shape: pageable ones for CPU tensors
+    (a fresh allocation of a few MiB is handed back to the OS when freed, so without reuse
+    every snapshot page-faults its memory anew, which costs 4x the copy itself: 0.45 ms
+    against 0.1 ms per 2 MiB here) and pinned ones for the copies of device tensors."""
 
     def __init__(self, cap: int) -> None:
         self.cap, self.bytes = cap, 0
@@ -969,7 +966,7 @@ class _Saver:
                 if host is None and self._hand_over(snap):
                     handed_over = snap
                 elif host is None:  # the device holds enough snapshots already: made here
-                    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                    host = _pinned_like(snap)
                 if host is not None:
                     host.copy_(snap, non_blocking=True)
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
@@ -1001,7 +998,7 @@ class _Saver:
         assert snap is not None
         # this thread's current device is 0 until set: the training process's GPU instead
         with torch.cuda.device(snap.device), torch.cuda.stream(self.stream):
-            host = torch.empty(snap.shape, dtype=snap.dtype, pin_memory=True)
+            host = _pinned_like(snap)
             host.copy_(snap, non_blocking=True)
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(self.stream)
