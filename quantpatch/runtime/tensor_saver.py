@@ -322,6 +322,11 @@ def _two_pass(d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return m + first / k, (torch.dot(e, e) - first * first / k) / k
 
 
+def _float32s(*values: float) -> list[float]:
+    """``values`` (Python floats) each rounded once to float32, as the files record them."""
+    return torch.tensor(values, dtype=torch.float32).tolist()
+
+
 def _combine(values: list[float], n: int) -> list[float]:
     """min, max, mean, std (float32 values) from ``_device_moments``'s numbers for a tensor of
     ``n`` elements: the chunks' means and variances are combined in Python floats (Chan's
@@ -348,7 +353,7 @@ def _combine(values: list[float], n: int) -> list[float]:
         else:  # finite values whose float64 sum overflowed: its sign
             mean = next(m for m in means if not math.isfinite(m))
         std = 0.0 if n == 1 else math.nan
-    return torch.tensor([mn, mx, mean, std], dtype=torch.float32).tolist()
+    return _float32s(mn, mx, mean, std)
 
 
 def _host_stats(t: torch.Tensor) -> list[float]:
@@ -360,7 +365,7 @@ def _host_stats(t: torch.Tensor) -> list[float]:
     d = _float_copy(t)
     mn, mx = (float(v) for v in torch.aminmax(d))
     mean, std = _moments_host(t, d, max(abs(mn), abs(mx)))
-    return torch.tensor([mn, mx, mean, std], dtype=torch.float32).tolist()
+    return _float32s(mn, mx, mean, std)
 
 
 def _moments_host(t: torch.Tensor, d: torch.Tensor, big: float) -> tuple[float, float]:
