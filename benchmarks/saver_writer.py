@@ -52,8 +52,10 @@ File formats, each writing the same tensors with their statistics from one threa
 non-zip bytes from quantpatch's plain pickler in one ``os.writev`` (all three read by the
 fork's ``torch.load``), a raw tensor file with a small JSON header
 and safetensors when it is installed (neither of which the fork's readers can load). The
-statistics alone are timed too (quantpatch's vectorised statistics against the fork's four
-reductions, each on its own float copy).
+statistics alone are timed too: quantpatch's (by its one-pass kernel, compiled on first use
+where a C compiler and an x86-64 CPU are there; what that first use cost is printed), the
+same with torch's operators only, and the fork's four reductions, each on its own float
+copy. ``TENSOR_SAVE_STATS_KERNEL=false`` runs every variant without the kernel.
 """
 
 from __future__ import annotations
@@ -200,6 +202,40 @@ def _stats_quantpatch(t: torch.Tensor) -> list[float]:
     return tensor_saver._host_stats(t)
 
 
+def _stats_operators(t: torch.Tensor) -> list[float]:
+    """quantpatch's statistics without the one-pass kernel (torch's operators only, as on a
+    host with no C compiler or not x86-64)."""
+    cfg = tensor_saver._CFG
+    cfg.stats_kernel, kept = False, cfg.stats_kernel
+    try:
+        return tensor_saver._host_stats(t)
+    finally:
+        cfg.stats_kernel = kept
+
+
+def kernel_first_use() -> tuple[float, float, str]:
+    """Seconds to get the statistics kernel with an empty cache (compiled) and then from the
+    cache (loaded), each as a new process would, and how the saver computes statistics."""
+    kept = os.environ.get("TENSOR_SAVE_KERNEL_DIR")
+    scratch = tempfile.mkdtemp(prefix="qp-kernel-")
+    times = []
+    try:
+        os.environ["TENSOR_SAVE_KERNEL_DIR"] = scratch
+        for _ in range(2):
+            tensor_saver._stats_kernel.cache_clear()
+            start = time.perf_counter()
+            tensor_saver._stats_kernel()
+            times.append(time.perf_counter() - start)
+    finally:
+        if kept is None:
+            os.environ.pop("TENSOR_SAVE_KERNEL_DIR", None)
+        else:
+            os.environ["TENSOR_SAVE_KERNEL_DIR"] = kept
+        tensor_saver._stats_kernel.cache_clear()
+        shutil.rmtree(scratch, ignore_errors=True)
+    return times[0], times[1], tensor_saver.stats_kernel_status()
+
+
 def _fmt_torch_zip(t: torch.Tensor, info: dict[str, Any], path: Path) -> None:
     torch.save({"tensor": t, "tensor_info": info, "metadata": {}}, path)
 
@@ -290,6 +326,8 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     data = _tensors(args.tensors, args.side, args.steps)
+    tensor_saver.configure()
+    compile_s, load_s, kernel = kernel_first_use()
     nbytes = sum(t.numel() * t.element_size() for step in data for t in step)
     count = args.tensors * args.steps
     root = Path(tempfile.mkdtemp(prefix="qp-writer-", dir=args.dir))
@@ -367,6 +405,7 @@ def main() -> None:
             for run in variants[start:] + variants[:start]:
                 run()
             add("stats quantpatch", stats_time(data, _stats_quantpatch))
+            add("stats quantpatch, torch operators only", stats_time(data, _stats_operators))
             add("stats fork (4 reductions)", stats_time(data, _stats_fork))
         med = {k: statistics.median(v) for k, v in rows.items()}
     finally:
@@ -385,6 +424,9 @@ def main() -> None:
         "writer_pct_of_raw_files": files_pct,
         "wait_vs_fork": med["quantpatch_wait_s"] / med["fork_sync_s"],
         "files_exact_weights_only": exact,
+        "stats": kernel,
+        "stats_kernel_compile_s": compile_s,
+        "stats_kernel_load_s": load_s,
     }
     if args.json:
         print(json.dumps(result, indent=2))
@@ -393,6 +435,10 @@ def main() -> None:
     print(
         f"{count} tensors of {args.side}x{args.side} bf16 ({mb:.0f} MB), {args.reps} "
         f"interleaved repetitions, medians; torch threads {torch.get_num_threads()}"
+    )
+    print(
+        f"statistics: {kernel}; the kernel's first use cost {compile_s * 1e3:.0f} ms with an "
+        f"empty cache (compiled) and {load_s * 1e3:.1f} ms from the cache"
     )
     print(f"  {'':38s} {'median':>11s} {'(min-max)':>15s} {'per tensor':>13s} {'MB/s':>7s}")
     for name, value in med.items():

@@ -786,13 +786,18 @@ def test_a_failure_in_the_statistics_is_counted_and_saving_goes_on(
     assert ours.read_bytes() == theirs.read_bytes()
 
 
-@pytest.mark.parametrize("scratch_max", [1 << 24, 64])
-def test_stats_never_write_the_tensor_and_match_torch(saver_module, monkeypatch, scratch_max):
+@pytest.mark.parametrize(
+    ("scratch_max", "kernel"), [(1 << 24, "false"), (64, "false"), (1 << 24, "true")]
+)
+def test_stats_never_write_the_tensor_and_match_torch(
+    saver_module, monkeypatch, scratch_max, kernel
+):
     """In the float32 buffer a thread keeps (reused from tensor to tensor, larger ones
-    first) or, past its size, in a copy of their own."""
+    first) or, past its size, in a copy of their own; or by the one-pass kernel, which
+    hands what it cannot do exactly (not finite, offset, strided, float64) to those."""
     import torch
 
-    ts = saver_module()
+    ts = saver_module(TENSOR_SAVE_STATS_KERNEL=kernel)
     monkeypatch.setattr(ts, "_SCRATCH_MAX", scratch_max)
     cases = [
         torch.randn(300, 7) * 3 + 5,  # float32: the copy must be a real copy
@@ -831,7 +836,7 @@ def test_host_std_in_one_pass_only_where_it_is_exact(saver_module, monkeypatch, 
     result is within 1e-6 of float64's on 1M bf16 values."""
     import torch
 
-    ts = saver_module()
+    ts = saver_module(TENSOR_SAVE_STATS_KERNEL="false")
     calls = []
     real = ts._deviation_host
     monkeypatch.setattr(ts, "_deviation_host", lambda *a: calls.append(1) or real(*a))
@@ -1130,18 +1135,19 @@ def test_a_storage_alone_is_plain_only_in_the_tensors_own_dtype(saver_module, dt
     assert torch.load(io.BytesIO(ours), weights_only=True)["storage"].nbytes() == 64
 
 
+@pytest.mark.parametrize("kernel", ["true", "false"])
 @pytest.mark.parametrize(
     "case",
     ["constant", "two_close", "integers_near_1e7", "float32_subnormals", "float64_subnormal"],
 )
-def test_host_stats_are_float64s_rounded_where_float32_std_is_off(saver_module, case):
+def test_host_stats_are_float64s_rounded_where_float32_std_is_off(saver_module, case, kernel):
     """The mean's rounding is taken out of the two-pass deviations (float32 ``Tensor.std``
     gives 2.4e-7 for a constant, 2.25 for integers near 1e7 whose spread is 1.04), and
     subnormal values are scaled within the type's range (2**128 is inf in float32, 2**1063
     overflows a Python float)."""
     import torch
 
-    ts = saver_module()
+    ts = saver_module(TENSOR_SAVE_STATS_KERNEL=kernel)
     gen = torch.Generator().manual_seed(11)
     t = {
         "constant": torch.full((1000,), 3.3),
