@@ -316,3 +316,22 @@ def test_saved_files_hold_the_kernels_statistics(ts, tmp_path):
         got = [info["min"], info["max"], info["mean"], info["std"]]
         _one_ulp(got, _truth(obj["tensor"]))
         assert math.isfinite(info["std"])
+
+
+def test_the_installed_module_imports_torch_and_the_standard_library_only():
+    """The contract of ``megatron/core/tensor_saver.py``: the kernel is C source inside it,
+    compiled by the system's compiler, loaded with ctypes; no other package."""
+    import ast
+
+    from quantpatch.runtime import tensor_saver
+
+    tree = ast.parse(Path(tensor_saver.__file__).read_text(encoding="utf-8"))
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported |= {alias.name.partition(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0 and node.module is not None
+            imported.add(node.module.partition(".")[0])
+    assert "ctypes" in imported
+    assert imported - set(sys.stdlib_module_names) == {"torch"}
