@@ -222,16 +222,16 @@ def kernel_first_use() -> tuple[float, float, str]:
     try:
         os.environ["TENSOR_SAVE_KERNEL_DIR"] = scratch
         for _ in range(2):
-            tensor_saver._stats_kernel.cache_clear()
+            tensor_saver._forget_stats_kernel()
             start = time.perf_counter()
-            tensor_saver._stats_kernel()
+            tensor_saver._stats_kernel(wait=True)
             times.append(time.perf_counter() - start)
     finally:
         if kept is None:
             os.environ.pop("TENSOR_SAVE_KERNEL_DIR", None)
         else:
             os.environ["TENSOR_SAVE_KERNEL_DIR"] = kept
-        tensor_saver._stats_kernel.cache_clear()
+        tensor_saver._forget_stats_kernel()
         shutil.rmtree(scratch, ignore_errors=True)
     return times[0], times[1], tensor_saver.stats_kernel_status()
 

@@ -798,6 +798,7 @@ def test_stats_never_write_the_tensor_and_match_torch(
     import torch
 
     ts = saver_module(TENSOR_SAVE_STATS_KERNEL=kernel)
+    ts._stats_kernel(wait=True)  # compiled by now, where it can be
     monkeypatch.setattr(ts, "_SCRATCH_MAX", scratch_max)
     cases = [
         torch.randn(300, 7) * 3 + 5,  # float32: the copy must be a real copy
@@ -1148,6 +1149,7 @@ def test_host_stats_are_float64s_rounded_where_float32_std_is_off(saver_module, 
     import torch
 
     ts = saver_module(TENSOR_SAVE_STATS_KERNEL=kernel)
+    ts._stats_kernel(wait=True)
     gen = torch.Generator().manual_seed(11)
     t = {
         "constant": torch.full((1000,), 3.3),

@@ -10,6 +10,7 @@ import stat
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -34,11 +35,16 @@ def ts(monkeypatch, tmp_path):
             monkeypatch.delenv(k)
     monkeypatch.setenv("TENSOR_SAVE_KERNEL_DIR", str(tmp_path / "kernels"))
     tensor_saver.configure()
-    tensor_saver._stats_kernel.cache_clear()
+    tensor_saver._forget_stats_kernel()
     yield tensor_saver
+    tensor_saver._forget_stats_kernel()
     monkeypatch.undo()
     tensor_saver.configure()
-    tensor_saver._stats_kernel.cache_clear()
+
+
+def _ready(ts) -> str:
+    """The kernel's status once any compile under way has ended."""
+    return ts.stats_kernel_status()
 
 
 def _truth(t: torch.Tensor) -> list[float]:
@@ -65,11 +71,11 @@ def test_kernel_gives_float64s_answer_rounded_for_every_length(ts, dtype, n):
     gen = torch.Generator().manual_seed(n)
     base = (torch.randn(n + 3, generator=gen) * 2.5 - 0.75).to(getattr(torch, dtype))
     t = base[3:]
+    assert _ready(ts).startswith("kernel (compiled: ")
     got = ts._fused_stats(t)
     assert got is not None
     _one_ulp(got, _truth(t))
     assert ts._host_stats(t) == got
-    assert ts.stats_kernel_status().startswith("kernel (compiled: ")
 
 
 @needs_cc
@@ -86,6 +92,7 @@ def test_kernel_extremes_of_each_type(ts):
         torch.tensor([1e-45, -3e-45, 7e-45] * 11),
         torch.zeros(40, dtype=torch.bfloat16),
     ]
+    assert _ready(ts).startswith("kernel (")
     for t in cases:
         got = ts._fused_stats(t)
         assert got is not None, t
@@ -109,6 +116,7 @@ def test_kernel_hands_over_what_it_cannot_do_exactly(ts):
         torch.arange(10, dtype=torch.float64),
         torch.arange(10, dtype=torch.int32),
     ]
+    assert _ready(ts).startswith("kernel (")
     for t in cases:
         assert ts._fused_stats(t) is None
     kernel = [ts._host_stats(t) for t in cases]
@@ -129,6 +137,7 @@ def test_kernel_reads_only_plain_host_memory(ts):
     from torch.testing._internal.two_tensor import TwoTensor
 
     x = torch.randn(64)
+    assert _ready(ts).startswith("kernel (")
     assert ts._fused_stats(torch.nn.Parameter(x.clone())) is not None
     for t in [
         TwoTensor(torch.randn(96, 128), torch.randn(96, 128)),
@@ -144,11 +153,12 @@ def test_kernel_reads_only_plain_host_memory(ts):
 @needs_cc
 @x86
 def test_mean_large_next_to_the_spread_is_left_to_two_passes(ts):
-    """On 2**20 values a mean up to about 16 spreads stays with the kernel (n var at least
-    n * 2**-28 = 2**-8 of the sum of squares); past it the two-pass path gives the spread.
-    Both within 1e-6 of float64's."""
+    """On 2**20 values a mean up to about 200 spreads stays with the kernel (n var at least
+    3 * depth * 2**-26 of the sum of squares, depth 256 + 256 + 25); past it the two-pass
+    path gives the spread. Both within 1e-6 of float64's."""
     gen = torch.Generator().manual_seed(9)
-    for shift, kernel in [(0.0, True), (10.0, True), (30.0, False), (1e5, False)]:
+    assert _ready(ts).startswith("kernel (")
+    for shift, kernel in [(0.0, True), (30.0, True), (150.0, True), (300.0, False), (1e5, False)]:
         t = torch.randn(1 << 20, generator=gen) + shift
         assert (ts._fused_stats(t) is not None) is kernel, shift
         got = ts._host_stats(t)
@@ -156,33 +166,106 @@ def test_mean_large_next_to_the_spread_is_left_to_two_passes(ts):
         assert got[2:] == pytest.approx(want[2:], rel=1e-6)
 
 
+def test_the_bound_follows_the_kernels_blocks(ts):
+    """``_sums_depth`` describes the C source's blocks; tensors too large for any spread to
+    be kept skip the kernel's pass."""
+    assert f"#define QP_BLOCK {ts._STATS_BLOCK}\n" in ts._STATS_C
+    assert ts._sums_depth(1 << 20) == 256 + 256 + 25
+    assert ts._exact_enough(1 << 30, 1.0, 1.0)
+    assert not ts._exact_enough(1 << 37, 1.0, 1.0)
+
+
+@pytest.fixture
+def scratch_tmp(monkeypatch, tmp_path):
+    """The system's temporary directory, for this test alone (kernels built outside the
+    cache go there, and must not stay)."""
+    import tempfile
+
+    where = tmp_path / "tmp"
+    where.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(where))
+    return where
+
+
 @needs_cc
 @x86
-def test_compiled_once_then_loaded_from_the_cache(ts, tmp_path):
+def test_compiled_once_then_loaded_from_the_cache(ts, tmp_path, scratch_tmp):
     where = tmp_path / "kernels"
     assert ts.stats_kernel_status().startswith(f"kernel (compiled: {where}")
     files = list(where.iterdir())
     assert len(files) == 1 and files[0].name.startswith("tensor_stats_")  # no leftovers
     assert stat.S_IMODE(where.stat().st_mode) == 0o700
-    ts._stats_kernel.cache_clear()
+    assert not list(scratch_tmp.iterdir())
+    ts._forget_stats_kernel()
     assert ts.stats_kernel_status() == f"kernel (cached: {files[0]})"
+
+
+@needs_cc
+@x86
+def test_a_compile_never_holds_up_the_saver(ts, monkeypatch, tmp_path):
+    """While the kernel is compiled (here by a compiler that takes 3 s) torch's operators
+    compute the statistics: nothing waits for it, and it is used once it is there."""
+    cc = next(found for name in ("cc", "gcc", "clang") if (found := shutil.which(name)))
+    slow = tmp_path / "slow-cc"
+    slow.write_text(f'#!/bin/sh\nsleep 3\nexec {cc} "$@"\n')
+    slow.chmod(0o755)
+    monkeypatch.setenv("CC", str(slow))
+    t = (torch.randn(4096) * 2).to(torch.bfloat16)
+    start = time.perf_counter()
+    assert ts._fused_stats(t) is None
+    assert ts._stats_kernel() == (None, "being compiled")
+    eager = ts._host_stats(t)
+    assert time.perf_counter() - start < 2.0
+    assert _ready(ts).startswith("kernel (compiled: ")
+    got = ts._fused_stats(t)
+    assert got is not None
+    _one_ulp(got, _truth(t))
+    assert eager == pytest.approx(got, rel=1e-6)
+
+
+@needs_cc
+@x86
+def test_a_hung_compiler_is_stopped_with_its_children(ts, monkeypatch, tmp_path):
+    """Past ``_COMPILE_TIMEOUT`` the compiler's whole session is killed (cc1, as and ld
+    would be its children), its build directory removed, and the operators stay."""
+    pidfile = tmp_path / "child.pid"
+    hung = tmp_path / "hung-cc"
+    hung.write_text(f"#!/bin/sh\nsleep 1000 &\necho $! > {pidfile}\nwait\n")
+    hung.chmod(0o755)
+    monkeypatch.setenv("CC", str(hung))
+    monkeypatch.setattr(ts, "_COMPILE_TIMEOUT", 1.0)
+    assert _ready(ts) == f"torch operators ({hung} took over 1 s and was stopped)"
+    child = int(pidfile.read_text())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{child}/stat").read_text().split(")")[-1].split()[0]
+        except OSError:
+            break
+        if state == "Z":  # killed, waiting for a parent to reap it
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError("the compiler's child still runs")
+    assert [p.name for p in (tmp_path / "kernels").iterdir()] == []
 
 
 @needs_cc
 @x86
 @pytest.mark.parametrize("bad", ["garbage", "wrong_answers", "no_symbol"])
 def test_a_cached_kernel_that_fails_is_compiled_again(ts, tmp_path, bad):
-    """A cached file that does not load, lacks the function or answers wrong is replaced by
-    a fresh compile (under a new inode: the bad one may already be mapped)."""
+    """A cached file that does not load, lacks the functions or answers wrong is replaced
+    by a fresh compile (under a new inode: the bad one may already be mapped)."""
     where = tmp_path / "kernels"
-    assert ts.stats_kernel_status().startswith("kernel (compiled: ")
+    assert _ready(ts).startswith("kernel (compiled: ")
     (target,) = where.iterdir()
     fake = tmp_path / "fake"
     if bad == "garbage":
         fake.write_bytes(b"not a library")
     else:
         body = {
-            "wrong_answers": "int qp_tensor_stats(const void *p, long n, int k, double *o)"
+            "wrong_answers": "int qp_supported(void) { return 1; }\n"
+            "int qp_tensor_stats(const void *p, long n, int k, double *o)"
             " { o[0] = o[1] = o[2] = o[3] = 0.0; return 0; }",
             "no_symbol": "int something_else(void) { return 0; }",
         }[bad]
@@ -191,45 +274,103 @@ def test_a_cached_kernel_that_fails_is_compiled_again(ts, tmp_path, bad):
         cc = next(found for name in ("cc", "gcc", "clang") if (found := shutil.which(name)))
         subprocess.run([cc, "-shared", "-fPIC", "-o", str(fake), str(src)], check=True)
     os.replace(fake, target)
-    ts._stats_kernel.cache_clear()
-    assert ts.stats_kernel_status() == f"kernel (compiled: {target})"
+    ts._forget_stats_kernel()
+    assert _ready(ts) == f"kernel (compiled: {target})"
     assert [p.name for p in where.iterdir()] == [target.name]
     # the next process loads the new file (this one keeps the bad library mapped under
     # that name, and dlopen answers a name it has loaded with what it loaded)
     assert _status_in_a_new_process(where) == f"kernel (cached: {target})"
 
 
-def _status_in_a_new_process(where: Path) -> str:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TENSOR_SAVE")}
-    env["TENSOR_SAVE_KERNEL_DIR"] = str(where)
+def _status_in_a_new_process(where: Path, **env: str) -> str:
+    full = {k: v for k, v in os.environ.items() if not k.startswith("TENSOR_SAVE")}
+    full["TENSOR_SAVE_KERNEL_DIR"] = str(where)
+    full.update(env)
     code = "from quantpatch.runtime import tensor_saver as ts; print(ts.stats_kernel_status())"
     run = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+        [sys.executable, "-c", code], env=full, capture_output=True, text=True, check=True
     )
     return run.stdout.strip()
 
 
 @needs_cc
 @x86
-@pytest.mark.parametrize("what", ["directory", "file"])
-def test_a_cache_others_can_write_is_not_used(ts, tmp_path, what):
-    """Code is loaded from the cache: a directory or file that others can write is skipped,
-    and the kernel is compiled into a private temporary directory instead."""
+def test_a_cpu_without_avx2_is_told_once(ts, tmp_path):
+    """A cached kernel on a CPU that lacks the instructions: the operators, without a
+    compile on every start."""
+    where = tmp_path / "kernels"
+    assert _ready(ts).startswith("kernel (compiled: ")
+    (target,) = where.iterdir()
+    src = tmp_path / "old-cpu.c"
+    src.write_text(
+        "int qp_supported(void) { return 0; }\n"
+        "int qp_tensor_stats(const void *p, long n, int k, double *o) { return 1; }\n"
+    )
+    cc = next(found for name in ("cc", "gcc", "clang") if (found := shutil.which(name)))
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(tmp_path / "old.so"), str(src)], check=True)
+    os.replace(tmp_path / "old.so", target)
+    status = _status_in_a_new_process(where, CC=str(tmp_path / "no-such-cc"))
+    assert status == "torch operators (the CPU lacks AVX2, FMA or F16C)"
+
+
+@needs_cc
+@x86
+@pytest.mark.parametrize("what", ["directory", "file", "not_a_directory", "no_home"])
+def test_a_cache_that_cannot_be_used_leaves_nothing_behind(
+    ts, monkeypatch, tmp_path, scratch_tmp, what
+):
+    """Code is loaded from the cache: a directory or file that others can write is not
+    used, nor a path that is no directory, nor a home that cannot be found; the kernel is
+    then compiled for this process alone, in a temporary directory removed once it is
+    loaded."""
     where = tmp_path / "kernels"
     if what == "directory":
         where.mkdir()
         where.chmod(0o777)
-    else:
-        assert ts.stats_kernel_status().startswith("kernel (compiled: ")
+        why = f"{where} is not a directory of this user's alone"
+    elif what == "file":
+        assert _ready(ts).startswith("kernel (compiled: ")
         (target,) = where.iterdir()
         target.chmod(0o666)
-        ts._stats_kernel.cache_clear()
-    status = ts.stats_kernel_status()
-    assert status.startswith("kernel (compiled: ") and str(where) not in status
-    used = Path(status.removeprefix("kernel (compiled: ").removesuffix(")"))
-    assert stat.S_IMODE(used.parent.stat().st_mode) == 0o700
-    assert len(list(where.iterdir())) == (0 if what == "directory" else 1)
-    shutil.rmtree(used.parent)
+        ts._forget_stats_kernel()
+        why = f"{target} is not this user's alone"
+    elif what == "not_a_directory":
+        where.write_text("a file")
+        why = "no cache directory: [Errno 17] File exists: "
+    else:
+        for name in ("TENSOR_SAVE_KERNEL_DIR", "QUANTPATCH_CACHE", "XDG_CACHE_HOME"):
+            monkeypatch.delenv(name, raising=False)
+
+        def no_home() -> Path:
+            raise RuntimeError("Could not determine home directory.")
+
+        monkeypatch.setattr(Path, "home", staticmethod(no_home))
+        why = "no cache directory: Could not determine home directory."
+    status = _ready(ts)
+    assert status.startswith(f"kernel (compiled, not cached: {why}"), status
+    assert not list(scratch_tmp.iterdir())
+    t = torch.randn(100).to(torch.bfloat16)
+    assert ts._fused_stats(t) is not None
+    if what in ("directory", "file"):
+        assert len(list(where.iterdir())) == (0 if what == "directory" else 1)
+
+
+def test_a_failure_looking_for_the_kernel_never_fails_a_save(ts, monkeypatch, tmp_path):
+    """Whatever goes wrong while the kernel is looked for, the operators compute the
+    statistics and the file is written."""
+
+    def broken() -> tuple[Path | None, str]:
+        raise OSError("something unforeseen")
+
+    monkeypatch.setattr(ts, "_cache_target", broken)
+    os.environ.update({"TENSOR_SAVE_ENABLED": "true", "TENSOR_SAVE_DIR": str(tmp_path / "t")})
+    ts.configure()
+    ts.save_tensor(torch.randn(64, 64).to(torch.bfloat16), "linear", "forward", "bf16", "x", 1)
+    report = ts.flush()
+    assert (report["files"], report["failed"]) == (1, 0)
+    assert ts.stats_kernel_status() == (
+        "torch operators (the kernel could not be looked for (OSError: something unforeseen))"
+    )
 
 
 def test_without_a_compiler_the_operators_compute_the_stats(ts, monkeypatch, tmp_path):
@@ -244,17 +385,24 @@ def test_without_a_compiler_the_operators_compute_the_stats(ts, monkeypatch, tmp
         ("false", "failed (no output)"),
     ]:
         monkeypatch.setenv("CC", cc)
-        ts._stats_kernel.cache_clear()
+        ts._forget_stats_kernel()
         assert ts._host_stats(t) == eager
-        assert ts.stats_kernel_status().startswith(f"torch operators ({cc} {why}"), cc
+        assert _ready(ts).startswith(f"torch operators ({cc} {why}"), cc
     monkeypatch.delenv("CC")
     monkeypatch.setenv("PATH", str(tmp_path))
-    ts._stats_kernel.cache_clear()
+    ts._forget_stats_kernel()
     assert ts._host_stats(t) == eager
-    assert ts.stats_kernel_status() == (
-        "torch operators (no C compiler (cc, gcc or clang) on PATH)"
-    )
+    assert _ready(ts) == "torch operators (no C compiler (cc, gcc or clang) on PATH)"
     assert not list((tmp_path / "kernels").glob("*.so"))
+
+
+@needs_cc
+@x86
+def test_cc_may_hold_a_command_with_arguments(ts, monkeypatch):
+    """``CC="ccache gcc"`` or ``CC="gcc -O1"``: split as a shell would."""
+    cc = next(found for name in ("cc", "gcc", "clang") if (found := shutil.which(name)))
+    monkeypatch.setenv("CC", f"{cc} -Wall")
+    assert _ready(ts).startswith("kernel (compiled: ")
 
 
 def test_other_machines_use_the_operators(ts, monkeypatch):
@@ -275,9 +423,9 @@ def test_ranks_that_start_together_share_one_cached_kernel(tmp_path):
         """
         import torch
         from quantpatch.runtime import tensor_saver as ts
+        print(ts.stats_kernel_status())
         t = torch.arange(100, dtype=torch.bfloat16)
         assert ts._fused_stats(t) is not None
-        print(ts.stats_kernel_status())
         """
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("TENSOR_SAVE")}
@@ -289,9 +437,23 @@ def test_ranks_that_start_together_share_one_cached_kernel(tmp_path):
     outs = [p.communicate(timeout=300)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs)
     assert all(o.startswith("kernel (") for o in outs)
-    assert [p.name for p in (tmp_path / "kernels").iterdir()] == [
-        next((tmp_path / "kernels").iterdir()).name
-    ]
+    assert len(list((tmp_path / "kernels").iterdir())) == 1
+
+
+@needs_cc
+@x86
+def test_threads_that_ask_together_get_one_kernel(ts, tmp_path):
+    """One build per process, whichever threads ask at once."""
+    import threading
+
+    got: list[str] = []
+    threads = [threading.Thread(target=lambda: got.append(_ready(ts))) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(set(got)) == 1 and got[0].startswith("kernel (compiled: ")
+    assert len(list((tmp_path / "kernels").iterdir())) == 1
 
 
 @needs_cc
@@ -299,6 +461,7 @@ def test_ranks_that_start_together_share_one_cached_kernel(tmp_path):
 def test_saved_files_hold_the_kernels_statistics(ts, tmp_path):
     """End to end through the statistics thread: every file's tensor_info is float64's
     answer rounded to float32."""
+    assert _ready(ts).startswith("kernel (")
     os.environ.update({"TENSOR_SAVE_ENABLED": "true", "TENSOR_SAVE_DIR": str(tmp_path / "t")})
     ts.configure()
     gen = torch.Generator().manual_seed(2)
@@ -309,7 +472,6 @@ def test_saved_files_hold_the_kernels_statistics(ts, tmp_path):
     for i, t in enumerate(tensors):
         ts.save_tensor(t, "linear", "forward", "bf16", f"t{i}", 1)
     assert ts.flush()["files"] == 3
-    assert ts.stats_kernel_status().startswith("kernel (")
     for path in sorted((tmp_path / "t").rglob("*.pt")):
         obj = torch.load(path, weights_only=True)
         info = obj["tensor_info"]

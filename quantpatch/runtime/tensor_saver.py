@@ -22,8 +22,8 @@ Environment (read at import; ``configure()`` reads it again):
                           Linux (0-19, default 10; 0: the same priority)
 ``TENSOR_SAVE_STATS_KERNEL`` ``false``: host statistics by torch's operators only, never by the
                           one-pass C kernel compiled on first use (default ``true``)
-``TENSOR_SAVE_KERNEL_DIR`` where that kernel is cached (default
-                          ``$XDG_CACHE_HOME/quantpatch``, else ``~/.cache/quantpatch``)
+``TENSOR_SAVE_KERNEL_DIR`` where that kernel is cached (default ``kernels`` in
+                          quantpatch's cache, ``~/.cache/quantpatch``)
 ``QUANTPATCH_SOURCE_COMMIT`` the source commit to record (default: ``git rev-parse HEAD``)
 
 The saver never stops training: a variable it cannot read is reported in one line (name,
@@ -462,6 +462,13 @@ _STATS_C = r"""
 
 /* kind: 0 bfloat16, 1 float16, 2 float32; each value is exact as a float and as a double */
 #define QP_TARGET __attribute__((target("avx2,fma,f16c")))
+#define QP_BLOCK 4096
+
+int qp_supported(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")
+        && __builtin_cpu_supports("f16c");
+}
 
 QP_TARGET static inline __m256 qp_load8(const void *p, int64_t i, int kind) {
     if (kind == 2) return _mm256_loadu_ps((const float *)p + i);
@@ -480,38 +487,45 @@ QP_TARGET static inline float qp_load1(const void *p, int64_t i, int kind) {
     return x;
 }
 
-/* out: min, max (float), sum and sum of squares (double, 16 accumulators) */
+/* out: min, max (float), sum and sum of squares (double: 16 accumulators per block of
+   QP_BLOCK values, whose sums go into 4 running totals) */
 QP_TARGET static void qp_stats_avx2(const void *p, int64_t n, int kind, double *out) {
     __m256 mn0 = _mm256_set1_ps(__builtin_inff()), mn1 = mn0;
     __m256 mx0 = _mm256_set1_ps(-__builtin_inff()), mx1 = mx0;
-    __m256d s0 = _mm256_setzero_pd(), s1 = s0, s2 = s0, s3 = s0;
-    __m256d q0 = s0, q1 = s0, q2 = s0, q3 = s0;
+    __m256d ts = _mm256_setzero_pd(), tq = ts;
     int64_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-        __m256 a = qp_load8(p, i, kind), b = qp_load8(p, i + 8, kind);
-        mn0 = _mm256_min_ps(mn0, a);
-        mx0 = _mm256_max_ps(mx0, a);
-        mn1 = _mm256_min_ps(mn1, b);
-        mx1 = _mm256_max_ps(mx1, b);
-        __m256d a0 = _mm256_cvtps_pd(_mm256_castps256_ps128(a));
-        __m256d a1 = _mm256_cvtps_pd(_mm256_extractf128_ps(a, 1));
-        __m256d b0 = _mm256_cvtps_pd(_mm256_castps256_ps128(b));
-        __m256d b1 = _mm256_cvtps_pd(_mm256_extractf128_ps(b, 1));
-        s0 = _mm256_add_pd(s0, a0);
-        q0 = _mm256_fmadd_pd(a0, a0, q0);
-        s1 = _mm256_add_pd(s1, a1);
-        q1 = _mm256_fmadd_pd(a1, a1, q1);
-        s2 = _mm256_add_pd(s2, b0);
-        q2 = _mm256_fmadd_pd(b0, b0, q2);
-        s3 = _mm256_add_pd(s3, b1);
-        q3 = _mm256_fmadd_pd(b1, b1, q3);
+    while (i + 16 <= n) {
+        int64_t end = n - i > QP_BLOCK ? i + QP_BLOCK : n;
+        __m256d s0 = _mm256_setzero_pd(), s1 = s0, s2 = s0, s3 = s0;
+        __m256d q0 = s0, q1 = s0, q2 = s0, q3 = s0;
+        for (; i + 16 <= end; i += 16) {
+            __m256 a = qp_load8(p, i, kind), b = qp_load8(p, i + 8, kind);
+            mn0 = _mm256_min_ps(mn0, a);
+            mx0 = _mm256_max_ps(mx0, a);
+            mn1 = _mm256_min_ps(mn1, b);
+            mx1 = _mm256_max_ps(mx1, b);
+            __m256d a0 = _mm256_cvtps_pd(_mm256_castps256_ps128(a));
+            __m256d a1 = _mm256_cvtps_pd(_mm256_extractf128_ps(a, 1));
+            __m256d b0 = _mm256_cvtps_pd(_mm256_castps256_ps128(b));
+            __m256d b1 = _mm256_cvtps_pd(_mm256_extractf128_ps(b, 1));
+            s0 = _mm256_add_pd(s0, a0);
+            q0 = _mm256_fmadd_pd(a0, a0, q0);
+            s1 = _mm256_add_pd(s1, a1);
+            q1 = _mm256_fmadd_pd(a1, a1, q1);
+            s2 = _mm256_add_pd(s2, b0);
+            q2 = _mm256_fmadd_pd(b0, b0, q2);
+            s3 = _mm256_add_pd(s3, b1);
+            q3 = _mm256_fmadd_pd(b1, b1, q3);
+        }
+        ts = _mm256_add_pd(ts, _mm256_add_pd(_mm256_add_pd(s0, s1), _mm256_add_pd(s2, s3)));
+        tq = _mm256_add_pd(tq, _mm256_add_pd(_mm256_add_pd(q0, q1), _mm256_add_pd(q2, q3)));
     }
     float lo[8], hi[8];
     double s[4], q[4];
     _mm256_storeu_ps(lo, _mm256_min_ps(mn0, mn1));
     _mm256_storeu_ps(hi, _mm256_max_ps(mx0, mx1));
-    _mm256_storeu_pd(s, _mm256_add_pd(_mm256_add_pd(s0, s1), _mm256_add_pd(s2, s3)));
-    _mm256_storeu_pd(q, _mm256_add_pd(_mm256_add_pd(q0, q1), _mm256_add_pd(q2, q3)));
+    _mm256_storeu_pd(s, ts);
+    _mm256_storeu_pd(q, tq);
     float mn = lo[0], mx = hi[0];
     double sum = 0.0, squares = 0.0;
     for (int j = 0; j < 8; j++) {
@@ -536,10 +550,7 @@ QP_TARGET static void qp_stats_avx2(const void *p, int64_t n, int kind, double *
 }
 
 int qp_tensor_stats(const void *p, int64_t n, int kind, double *out) {
-    __builtin_cpu_init();
-    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")
-        || !__builtin_cpu_supports("f16c") || kind < 0 || kind > 2 || n < 1)
-        return 1;
+    if (!qp_supported() || kind < 0 || kind > 2 || n < 1) return 1;
     qp_stats_avx2(p, n, kind, out);
     return 0;
 }
@@ -547,25 +558,48 @@ int qp_tensor_stats(const void *p, int64_t n, int kind, double *out) {
 """The one-pass statistics of a host tensor (C, GCC/Clang with x86 intrinsics): the float32
 minimum and maximum and the float64 sum and sum of squares of its bfloat16, float16 or
 float32 values. torch's operators need five passes (a float32 copy, ``aminmax``, a sum, the
-squares, their sum: 45-49 ms for 80 tensors of 1024x1024 bf16 on one core here); this needs
-one over the 2-byte values (21-23 ms), which left the writer's other core to the files."""
+squares, their sum: 44-49 ms for 80 tensors of 1024x1024 bf16 on one core here); this needs
+one over the 2-byte values (21-31 ms), which left the writer's other core to the files.
+Compiled for AVX2/FMA/F16C by function attributes (not ``-march``), so one cached library
+serves every x86-64 machine of a shared home; it asks the CPU before it runs."""
 _STATS_CFLAGS = ("-O2", "-shared", "-fPIC")
 _STATS_KINDS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
-_FUSED_CANCEL = 2.0**-28
-"""The variance from the two float64 sums, n var = S2 - S*mean, is kept where it is at least
-n * 2**-28 of S2. Each sum runs over 16 accumulators of n/16 values, so each is within about
-(n/16) * 2**-53 of its size (the sum within it of S2 by Cauchy-Schwarz, as is mean * sum|x|),
-and the difference within 3 * (n/16) * 2**-53 * S2, i.e. 5.6e-9 of itself or less here
-(the std half that): below float32's rounding. On 2**20 values that keeps a mean up to
-about 16 spreads; past it the float32 path's two passes give the spread instead."""
+_STATS_BLOCK = 4096
+"""``QP_BLOCK`` in ``_STATS_C``."""
+_COMPILE_TIMEOUT = 120.0
+"""Seconds the compiler may take (in its own thread, never training's) before it and its
+children are killed and torch's operators stay in use."""
+
+
+def _sums_depth(n: int) -> float:
+    """The most additions any value of an ``n``-element sum goes through in the kernel: the
+    block's 16 accumulators (``_STATS_BLOCK``/16 each), the block totals (n/``_STATS_BLOCK``),
+    and at most 25 more (combining the lanes, the last 15 values): each float64 sum is
+    within depth * 2**-53 of the sum of the magnitudes."""
+    return _STATS_BLOCK / 16 + n / _STATS_BLOCK + 25
+
+
+def _exact_enough(n: int, squares: float, deviation: float) -> bool:
+    """Whether n var = S2 - S*mean (``deviation``) from the kernel's float64 sums is within
+    2**-27 of itself. Each sum is within depth * 2**-53 * S2 (``_sums_depth``; the sum of
+    magnitudes times the mean is at most S2, by Cauchy-Schwarz), so the difference is within
+    3 * depth * 2**-53 * S2: kept where that is at most 2**-27 of it (the std then within
+    2**-28, below float32's rounding). On 2**20 values that keeps a mean up to about 200
+    spreads, on 2**24 up to 70; past it the float32 path's two passes give the spread."""
+    return deviation >= squares * 3 * _sums_depth(n) * 2.0**-26
 
 
 def _kernel_dir() -> Path:
-    raw = os.environ.get("TENSOR_SAVE_KERNEL_DIR") or ""
-    if raw.strip():
+    """``TENSOR_SAVE_KERNEL_DIR``, else ``kernels`` in quantpatch's cache (``QUANTPATCH_CACHE``
+    or ``XDG_CACHE_HOME``, then ``~/.cache``, each with ``quantpatch``: where the CLI keeps
+    its own); a directory of its own, so that the CLI's (which the umask may leave group-
+    writable) does not decide whether code may be loaded."""
+    raw = (os.environ.get("TENSOR_SAVE_KERNEL_DIR") or "").strip()
+    if raw:
         return Path(raw)
-    cache = os.environ.get("XDG_CACHE_HOME") or ""
-    return (Path(cache) if cache.strip() else Path.home() / ".cache") / "quantpatch"
+    base = (os.environ.get("QUANTPATCH_CACHE") or os.environ.get("XDG_CACHE_HOME") or "").strip()
+    root = Path(base) / "quantpatch" if base else Path.home() / ".cache" / "quantpatch"
+    return root / "kernels"
 
 
 def _private(path: Path) -> bool:
@@ -578,49 +612,106 @@ def _private(path: Path) -> bool:
     return st.st_uid == os.getuid() and not st.st_mode & 0o022
 
 
-def _compile_stats_kernel(stem: Path) -> tuple[Path | None, str]:
-    """``_STATS_C`` compiled into ``stem``.so (a name of this process and thread alone: ranks
-    that start together each compile their own); the library, or None and why not."""
+def _cache_target() -> tuple[Path | None, str]:
+    """Where the compiled kernel is cached, or None and why it is not (no home directory, a
+    directory that cannot be made, or one that others can write)."""
+    import hashlib
+
+    digest = hashlib.sha256("\0".join((_STATS_C, *_STATS_CFLAGS)).encode()).hexdigest()[:16]
+    try:
+        directory = _kernel_dir()
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except (OSError, RuntimeError) as exc:  # RuntimeError: Path.home() found no home
+        return None, f"no cache directory: {exc}"
+    if not directory.is_dir() or not _private(directory):
+        return None, f"{directory} is not a directory of this user's alone"
+    target = directory / f"tensor_stats_{digest}.so"
+    if target.exists() and not _private(target):
+        return None, f"{target} is not this user's alone"
+    return target, ""
+
+
+def _compiler() -> list[str] | None:
+    """``$CC`` (split as a shell would: ``ccache gcc`` is two words), else the first of cc,
+    gcc and clang on PATH."""
+    import shlex
     import shutil
 
-    cc = (os.environ.get("CC") or "").strip() or next(
-        (found for name in ("cc", "gcc", "clang") if (found := shutil.which(name))), None
-    )
+    raw = (os.environ.get("CC") or "").strip()
+    if raw:
+        with contextlib.suppress(ValueError):
+            return shlex.split(raw) or None
+        return [raw]
+    found = next((path for name in ("cc", "gcc", "clang") if (path := shutil.which(name))), None)
+    return [found] if found else None
+
+
+_COMPILING: set[subprocess.Popen[str]] = set()
+"""Compilers running now: killed with their children if the process exits first."""
+
+
+def _kill_compilers() -> None:
+    for proc in list(_COMPILING):
+        with contextlib.suppress(OSError):
+            os.killpg(proc.pid, 9)
+
+
+atexit.register(_kill_compilers)
+
+
+def _compile_stats_kernel(build: Path) -> tuple[Path | None, str]:
+    """``_STATS_C`` compiled in ``build`` (a new directory of this process's own); the
+    library, or None and why not. The compiler runs in a session of its own, so that on a
+    timeout its children (cc1, as, ld) are killed with it."""
+    cc = _compiler()
     if cc is None:
         return None, "no C compiler (cc, gcc or clang) on PATH"
-    source, built = stem.with_suffix(".c"), stem.with_suffix(".so")
+    source, built = build / "tensor_stats.c", build / "tensor_stats.so"
+    source.write_text(_STATS_C, encoding="utf-8")
     try:
-        source.write_text(_STATS_C, encoding="utf-8")
-        run = subprocess.run(
-            [cc, *_STATS_CFLAGS, "-o", str(built), str(source)],
-            capture_output=True,
+        proc = subprocess.Popen(
+            [*cc, *_STATS_CFLAGS, "-o", str(built), str(source)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
             text=True,
-            timeout=300,
-            check=False,
+            start_new_session=True,
         )
-    except (OSError, subprocess.SubprocessError) as exc:
-        return None, f"{cc} could not run ({type(exc).__name__}: {exc})"
-    finally:
+    except OSError as exc:
+        return None, f"{cc[0]} could not run ({type(exc).__name__}: {exc})"
+    _COMPILING.add(proc)
+    try:
+        output, _ = proc.communicate(timeout=_COMPILE_TIMEOUT)
+    except subprocess.TimeoutExpired:
         with contextlib.suppress(OSError):
-            source.unlink()
-    if run.returncode:
-        lines = (run.stderr or run.stdout).strip().splitlines() or ["no output"]
-        return None, f"{cc} failed ({lines[0][:200]})"
-    return built, "compiled"
+            os.killpg(proc.pid, 9)
+        proc.communicate()
+        return None, f"{cc[0]} took over {_COMPILE_TIMEOUT:g} s and was stopped"
+    finally:
+        _COMPILING.discard(proc)
+    if proc.returncode:
+        lines = output.strip().splitlines() or ["no output"]
+        return None, f"{cc[0]} failed ({lines[0][:200]})"
+    return built, ""
 
 
 _StatsFn = Callable[[int, int, int], "tuple[float, ...] | None"]
 
 
-def _load_stats_kernel(path: Path) -> tuple[_StatsFn | None, str]:
-    """The kernel in ``path`` as a Python function, checked on a known tensor; or None and
-    why not. ctypes lets go of the GIL for the call, so the writer thread runs beside it."""
+def _load_stats_kernel(path: Path) -> tuple[_StatsFn | None, str, bool]:
+    """The kernel in ``path`` as a Python function, checked on a known tensor; or None, why
+    not, and whether compiling it again could help (not for a CPU without AVX2, FMA or
+    F16C). ctypes lets go of the GIL for the call, so the writer thread runs beside it."""
     import ctypes
 
     try:
-        fn = ctypes.CDLL(str(path)).qp_tensor_stats
+        lib = ctypes.CDLL(str(path))
+        supported, fn = lib.qp_supported, lib.qp_tensor_stats
     except (OSError, AttributeError) as exc:
-        return None, f"{path} does not load ({exc})"
+        return None, f"{path} does not load ({exc})", True
+    supported.restype = ctypes.c_int
+    if not supported():
+        return None, "the CPU lacks AVX2, FMA or F16C", False
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]
     fn.restype = ctypes.c_int
     out_type = ctypes.c_double * 4
@@ -631,66 +722,132 @@ def _load_stats_kernel(path: Path) -> tuple[_StatsFn | None, str]:
 
     probe = torch.tensor([1.5, -2.25, 0.5] * 7, dtype=torch.bfloat16)  # 16 at once, 5 alone
     got = stats(probe.data_ptr(), probe.numel(), _STATS_KINDS[torch.bfloat16])
-    if got is None:
-        return None, "the CPU lacks AVX2, FMA or F16C"
     if got != (-2.25, 1.5, -1.75, 7 * (1.5**2 + 2.25**2 + 0.5**2)):
-        return None, f"{path} gives {got} on a known tensor"
-    return stats, str(path)
+        return None, f"{path} gives {got} on a known tensor", True
+    return stats, str(path), True
 
 
-@functools.cache
-def _stats_kernel() -> tuple[_StatsFn | None, str]:
-    """The one-pass kernel and where it came from, or None and why there is none. Made once
-    per process, on the first host tensor measured (in the statistics thread, never the
-    training thread): compiled on first use (0.1-0.7 s) and cached in ``_kernel_dir()``
-    under the hash of its source and flags, from where later processes load it (about 1
-    ms). Only a directory and a file of this user that nobody else can write are used;
-    otherwise the kernel is compiled into a private temporary directory for this process.
-    A cached kernel that does not load or gives a wrong answer on a known tensor is
-    compiled again (and replaced)."""
-    import hashlib
+def _known_kernel(target: Path | None) -> tuple[_StatsFn | None, str] | None:
+    """What can be had without compiling: the cached kernel, or None and why there can be
+    none; None where it must be compiled."""
     import platform
-    import tempfile
 
     if platform.machine().lower() not in ("x86_64", "amd64") or sys.byteorder != "little":
         return None, f"not an x86-64 host ({platform.machine()})"
-    digest = hashlib.sha256("\0".join((_STATS_C, *_STATS_CFLAGS)).encode()).hexdigest()[:16]
-    directory = _kernel_dir()
-    with contextlib.suppress(OSError):
-        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-    target = directory / f"tensor_stats_{digest}.so"
-    if not (_private(directory) and (not target.exists() or _private(target))):
-        directory = Path(tempfile.mkdtemp(prefix="quantpatch-kernel-"))
-        target = directory / target.name
-    if target.exists():
-        stats, note = _load_stats_kernel(target)
+    if target is not None and target.exists():
+        stats, note, retry = _load_stats_kernel(target)
         if stats is not None:
             return stats, f"cached: {note}"
-    built, why = _compile_stats_kernel(
-        directory / f".{target.stem}.{os.getpid()}.{threading.get_native_id()}"
-    )
-    if built is None:
-        return None, why
-    stats, note = _load_stats_kernel(built)  # loaded under its own name, then renamed
-    if stats is None:
-        with contextlib.suppress(OSError):
-            built.unlink()
-        return None, note
+        if not retry:
+            return None, note
+    if _compiler() is None:
+        return None, "no C compiler (cc, gcc or clang) on PATH"
+    return None
+
+
+def _build_kernel(target: Path | None, uncached: str) -> tuple[_StatsFn | None, str]:
+    """Compile, load and check the kernel, then cache it as ``target`` (None: not cached,
+    for the reason ``uncached``). Built in a new directory (in the cache, else in the
+    system's temporary directory) that is removed once the library is loaded: ranks that
+    start together each build their own, and the last rename wins."""
+    import shutil
+    import tempfile
+
+    build = None
+    if target is not None:
+        try:
+            build = Path(tempfile.mkdtemp(prefix=".build-", dir=target.parent))
+        except OSError as exc:
+            target, uncached = None, f"the cache cannot be written: {exc}"
+    if build is None:
+        build = Path(tempfile.mkdtemp(prefix="quantpatch-kernel-"))
     try:
-        os.replace(built, target)
-    except OSError as exc:  # loaded and right: it stays mapped once its file is gone
-        with contextlib.suppress(OSError):
-            built.unlink()
-        return stats, f"compiled, not cached ({exc})"
-    return stats, f"compiled: {target}"
+        built, why = _compile_stats_kernel(build)
+        if built is None:
+            return None, why
+        stats, note, _ = _load_stats_kernel(built)  # mapped: it survives its file
+        if stats is None:
+            return None, note
+        if target is None:
+            return stats, f"compiled, not cached: {uncached}"
+        try:
+            os.replace(built, target)
+        except OSError as exc:
+            return stats, f"compiled, not cached: {exc}"
+        return stats, f"compiled: {target}"
+    finally:
+        shutil.rmtree(build, ignore_errors=True)
+
+
+_KERNEL_LOCK = threading.Lock()
+_kernel: tuple[_StatsFn | None, str] | None = None
+"""The kernel (or None) and where it came from (or why there is none), once known."""
+_kernel_build: threading.Thread | None = None
+
+
+def _stats_kernel(wait: bool = False) -> tuple[_StatsFn | None, str]:
+    """The one-pass kernel and where it came from, or None and why there is none (yet).
+    Looked for once per process, on the first host tensor measured: loaded from the cache
+    when it is there (0.4 ms), else compiled in a thread of its own (0.5 s) while torch's
+    operators compute the statistics, so that neither training nor the saver ever waits
+    for a compiler (``wait``: this caller does). Only a directory and a file of this user
+    that nobody else can write are used; otherwise it is compiled for this process alone.
+    A cached kernel that does not load or gives a wrong answer on a known tensor is
+    compiled again (and replaced); any error on the way leaves torch's operators in use."""
+    global _kernel, _kernel_build
+    with _KERNEL_LOCK:
+        if _kernel is None and _kernel_build is None:
+            target, uncached = None, ""
+            try:
+                target, uncached = _cache_target()
+                known = _known_kernel(target)
+            except Exception as exc:  # never let the saver fail for its kernel
+                known = None, f"the kernel could not be looked for ({type(exc).__name__}: {exc})"
+            if known is not None:
+                _kernel = known
+            else:
+                _kernel_build = threading.Thread(
+                    target=_build_kernel_thread,
+                    args=(target, uncached),
+                    name="tensor_saver_kernel",
+                    daemon=True,
+                )
+                _kernel_build.start()
+        build = _kernel_build
+    if wait and build is not None:
+        build.join()
+    found = _kernel
+    return found if found is not None else (None, "being compiled")
+
+
+def _build_kernel_thread(target: Path | None, uncached: str) -> None:
+    global _kernel
+    try:
+        found = _build_kernel(target, uncached)
+    except Exception as exc:  # never let the saver fail for its kernel
+        found = None, f"the kernel could not be built ({type(exc).__name__}: {exc})"
+    with _KERNEL_LOCK:
+        _kernel = found
+
+
+def _forget_stats_kernel() -> None:
+    """Look for the kernel again on next use (tests and benchmarks; a build under way is
+    waited for first)."""
+    global _kernel, _kernel_build
+    build = _kernel_build
+    if build is not None:
+        build.join()
+    with _KERNEL_LOCK:
+        _kernel, _kernel_build = None, None
 
 
 def stats_kernel_status() -> str:
-    """How host statistics are computed in this process: ``kernel (cached: PATH)``,
-    ``kernel (compiled: PATH)`` or ``torch operators (WHY)``."""
+    """How host statistics are computed in this process (waiting for a compile under way):
+    ``kernel (cached: PATH)``, ``kernel (compiled: PATH)``, ``kernel (compiled, not
+    cached: WHY)`` or ``torch operators (WHY)``."""
     if not _CFG.stats_kernel:
         return "torch operators (TENSOR_SAVE_STATS_KERNEL is false)"
-    stats, note = _stats_kernel()
+    stats, note = _stats_kernel(wait=True)
     return f"kernel ({note})" if stats is not None else f"torch operators ({note})"
 
 
@@ -711,16 +868,21 @@ def _plain_memory(t: torch.Tensor) -> bool:
 def _fused_stats(t: torch.Tensor) -> list[float] | None:
     """min, max, mean, std of host tensor ``t`` from one pass of the kernel, as float32 values;
     None where the kernel does not apply (another dtype, memory that is not plain and
-    contiguous, no kernel, ``TENSOR_SAVE_STATS_KERNEL=false``) or where its sums do not
-    give the answer exactly enough (a value that is not finite, or a mean large next to
-    the spread: see ``_FUSED_CANCEL``), which the float32 path then computes."""
+    contiguous, no kernel yet, ``TENSOR_SAVE_STATS_KERNEL=false``) or where its sums are
+    not exact enough for the spread (a value that is not finite, or a mean large next to
+    the spread: ``_exact_enough``), which the float32 path then computes. The mean is
+    within depth * 2**-53 of the values' root mean square (``_sums_depth``): within
+    float32's rounding of itself unless the values nearly cancel (a mean below about 1e-7
+    of that on 1M values), where it is still far closer than the float32 path's."""
     kind = _STATS_KINDS.get(t.dtype)
     if kind is None or not _CFG.stats_kernel or not _plain_memory(t):
+        return None
+    n = t.numel()
+    if n > 1 and not _exact_enough(n, 1.0, 1.0):  # no spread could be kept: not worth a pass
         return None
     stats = _stats_kernel()[0]
     if stats is None:
         return None
-    n = t.numel()
     got = stats(t.data_ptr(), n, kind)
     if got is None:
         return None
@@ -731,7 +893,7 @@ def _fused_stats(t: torch.Tensor) -> list[float] | None:
     if n == 1:
         return _float32s(mn, mx, mean, 0.0)
     deviation = squares - total * mean
-    if not deviation >= squares * n * _FUSED_CANCEL:
+    if not _exact_enough(n, squares, deviation):
         return None
     return _float32s(mn, mx, mean, math.sqrt(deviation / (n - 1)))
 
