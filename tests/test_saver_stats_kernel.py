@@ -17,6 +17,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+_SAVER_ENV_AT_IMPORT = {k: v for k, v in os.environ.items() if k.startswith("TENSOR_SAVE")}
+
 needs_cc = pytest.mark.skipif(
     not any(shutil.which(name) for name in ("cc", "gcc", "clang")),
     reason="no C compiler on PATH: the kernel cannot be built here",
@@ -101,7 +103,7 @@ def test_kernel_extremes_of_each_type(ts):
 
 @needs_cc
 @x86
-def test_kernel_hands_over_what_it_cannot_do_exactly(ts):
+def test_kernel_hands_over_what_it_cannot_do_exactly(ts, monkeypatch):
     """Not finite, a mean large next to the spread, a constant, another dtype or a strided
     layout: None, and the float32 path's answer (the same one as with the kernel off)."""
     gen = torch.Generator().manual_seed(5)
@@ -120,7 +122,7 @@ def test_kernel_hands_over_what_it_cannot_do_exactly(ts):
     for t in cases:
         assert ts._fused_stats(t) is None
     kernel = [ts._host_stats(t) for t in cases]
-    os.environ["TENSOR_SAVE_STATS_KERNEL"] = "false"
+    monkeypatch.setenv("TENSOR_SAVE_STATS_KERNEL", "false")
     ts.configure()
     eager = [ts._host_stats(t) for t in cases]
     for k, e in zip(kernel, eager, strict=True):
@@ -363,7 +365,8 @@ def test_a_failure_looking_for_the_kernel_never_fails_a_save(ts, monkeypatch, tm
         raise OSError("something unforeseen")
 
     monkeypatch.setattr(ts, "_cache_target", broken)
-    os.environ.update({"TENSOR_SAVE_ENABLED": "true", "TENSOR_SAVE_DIR": str(tmp_path / "t")})
+    monkeypatch.setenv("TENSOR_SAVE_ENABLED", "true")
+    monkeypatch.setenv("TENSOR_SAVE_DIR", str(tmp_path / "t"))
     ts.configure()
     ts.save_tensor(torch.randn(64, 64).to(torch.bfloat16), "linear", "forward", "bf16", "x", 1)
     report = ts.flush()
@@ -458,11 +461,12 @@ def test_threads_that_ask_together_get_one_kernel(ts, tmp_path):
 
 @needs_cc
 @x86
-def test_saved_files_hold_the_kernels_statistics(ts, tmp_path):
+def test_saved_files_hold_the_kernels_statistics(ts, monkeypatch, tmp_path):
     """End to end through the statistics thread: every file's tensor_info is float64's
     answer rounded to float32."""
     assert _ready(ts).startswith("kernel (")
-    os.environ.update({"TENSOR_SAVE_ENABLED": "true", "TENSOR_SAVE_DIR": str(tmp_path / "t")})
+    monkeypatch.setenv("TENSOR_SAVE_ENABLED", "true")
+    monkeypatch.setenv("TENSOR_SAVE_DIR", str(tmp_path / "t"))
     ts.configure()
     gen = torch.Generator().manual_seed(2)
     tensors = [
@@ -497,3 +501,11 @@ def test_the_installed_module_imports_torch_and_the_standard_library_only():
             imported.add(node.module.partition(".")[0])
     assert "ctypes" in imported
     assert imported - set(sys.stdlib_module_names) == {"torch"}
+
+
+def test_these_tests_leave_the_environment_as_they_found_it():
+    """Run last in this file: the saver's variables are as they were when it was imported
+    (one set by a test above once stayed, and turned tensor saving on in another file's
+    launch-script test)."""
+    now = {k: v for k, v in os.environ.items() if k.startswith("TENSOR_SAVE")}
+    assert now == _SAVER_ENV_AT_IMPORT
