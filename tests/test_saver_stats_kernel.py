@@ -19,6 +19,12 @@ torch = pytest.importorskip("torch")
 
 _SAVER_ENV_AT_IMPORT = {k: v for k, v in os.environ.items() if k.startswith("TENSOR_SAVE")}
 
+
+def _cc() -> str:
+    """The first C compiler on PATH, as the saver looks for one without ``$CC``."""
+    return next(found for name in ("cc", "gcc", "clang") if (found := shutil.which(name)))
+
+
 needs_cc = pytest.mark.skipif(
     not any(shutil.which(name) for name in ("cc", "gcc", "clang")),
     reason="no C compiler on PATH: the kernel cannot be built here",
@@ -207,7 +213,7 @@ def test_compiled_once_then_loaded_from_the_cache(ts, tmp_path, scratch_tmp):
 def test_a_compile_never_holds_up_the_saver(ts, monkeypatch, tmp_path):
     """While the kernel is compiled (here by a compiler that takes 3 s) torch's operators
     compute the statistics: nothing waits for it, and it is used once it is there."""
-    cc = next(found for name in ("cc", "gcc", "clang") if (found := shutil.which(name)))
+    cc = _cc()
     slow = tmp_path / "slow-cc"
     slow.write_text(f'#!/bin/sh\nsleep 3\nexec {cc} "$@"\n')
     slow.chmod(0o755)
@@ -273,7 +279,7 @@ def test_a_cached_kernel_that_fails_is_compiled_again(ts, tmp_path, bad):
         }[bad]
         src = tmp_path / "fake.c"
         src.write_text(body + "\n")
-        cc = next(found for name in ("cc", "gcc", "clang") if (found := shutil.which(name)))
+        cc = _cc()
         subprocess.run([cc, "-shared", "-fPIC", "-o", str(fake), str(src)], check=True)
     os.replace(fake, target)
     ts._forget_stats_kernel()
@@ -308,7 +314,7 @@ def test_a_cpu_without_avx2_is_told_once(ts, tmp_path):
         "int qp_supported(void) { return 0; }\n"
         "int qp_tensor_stats(const void *p, long n, int k, double *o) { return 1; }\n"
     )
-    cc = next(found for name in ("cc", "gcc", "clang") if (found := shutil.which(name)))
+    cc = _cc()
     subprocess.run([cc, "-shared", "-fPIC", "-o", str(tmp_path / "old.so"), str(src)], check=True)
     os.replace(tmp_path / "old.so", target)
     status = _status_in_a_new_process(where, CC=str(tmp_path / "no-such-cc"))
@@ -403,7 +409,7 @@ def test_without_a_compiler_the_operators_compute_the_stats(ts, monkeypatch, tmp
 @x86
 def test_cc_may_hold_a_command_with_arguments(ts, monkeypatch):
     """``CC="ccache gcc"`` or ``CC="gcc -O1"``: split as a shell would."""
-    cc = next(found for name in ("cc", "gcc", "clang") if (found := shutil.which(name)))
+    cc = _cc()
     monkeypatch.setenv("CC", f"{cc} -Wall")
     assert _ready(ts).startswith("kernel (compiled: ")
 

@@ -592,8 +592,9 @@ def _exact_enough(n: int, squares: float, deviation: float) -> bool:
 def _kernel_dir() -> Path:
     """``TENSOR_SAVE_KERNEL_DIR``, else ``kernels`` in quantpatch's cache (``QUANTPATCH_CACHE``
     or ``XDG_CACHE_HOME``, then ``~/.cache``, each with ``quantpatch``: where the CLI keeps
-    its own); a directory of its own, so that the CLI's (which the umask may leave group-
-    writable) does not decide whether code may be loaded."""
+    its own, as ``quantpatch.megatron_source.cache_dir`` finds it, which this installed
+    module cannot import); a directory of its own, so that the CLI's (which the umask may
+    leave group-writable) does not decide whether code may be loaded."""
     raw = (os.environ.get("TENSOR_SAVE_KERNEL_DIR") or "").strip()
     if raw:
         return Path(raw)
@@ -659,13 +660,10 @@ def _kill_compilers() -> None:
 atexit.register(_kill_compilers)
 
 
-def _compile_stats_kernel(build: Path) -> tuple[Path | None, str]:
-    """``_STATS_C`` compiled in ``build`` (a new directory of this process's own); the
-    library, or None and why not. The compiler runs in a session of its own, so that on a
-    timeout its children (cc1, as, ld) are killed with it."""
-    cc = _compiler()
-    if cc is None:
-        return None, "no C compiler (cc, gcc or clang) on PATH"
+def _compile_stats_kernel(build: Path, cc: list[str]) -> tuple[Path | None, str]:
+    """``_STATS_C`` compiled by ``cc`` in ``build`` (a new directory of this process's own);
+    the library, or None and why not. The compiler runs in a session of its own, so that on
+    a timeout its children (cc1, as, ld) are killed with it."""
     source, built = build / "tensor_stats.c", build / "tensor_stats.so"
     source.write_text(_STATS_C, encoding="utf-8")
     try:
@@ -727,9 +725,9 @@ def _load_stats_kernel(path: Path) -> tuple[_StatsFn | None, str, bool]:
     return stats, str(path), True
 
 
-def _known_kernel(target: Path | None) -> tuple[_StatsFn | None, str] | None:
+def _known_kernel(target: Path | None, cc: list[str] | None) -> tuple[_StatsFn | None, str] | None:
     """What can be had without compiling: the cached kernel, or None and why there can be
-    none; None where it must be compiled."""
+    none (``cc``: the compiler, None where there is none); None where it must be compiled."""
     import platform
 
     if platform.machine().lower() not in ("x86_64", "amd64") or sys.byteorder != "little":
@@ -740,14 +738,14 @@ def _known_kernel(target: Path | None) -> tuple[_StatsFn | None, str] | None:
             return stats, f"cached: {note}"
         if not retry:
             return None, note
-    if _compiler() is None:
+    if cc is None:
         return None, "no C compiler (cc, gcc or clang) on PATH"
     return None
 
 
-def _build_kernel(target: Path | None, uncached: str) -> tuple[_StatsFn | None, str]:
-    """Compile, load and check the kernel, then cache it as ``target`` (None: not cached,
-    for the reason ``uncached``). Built in a new directory (in the cache, else in the
+def _build_kernel(target: Path | None, uncached: str, cc: list[str]) -> tuple[_StatsFn | None, str]:
+    """Compile (by ``cc``), load and check the kernel, then cache it as ``target`` (None:
+    not cached, for the reason ``uncached``). Built in a new directory (in the cache, else in the
     system's temporary directory) that is removed once the library is loaded: ranks that
     start together each build their own, and the last rename wins."""
     import shutil
@@ -762,7 +760,7 @@ def _build_kernel(target: Path | None, uncached: str) -> tuple[_StatsFn | None, 
     if build is None:
         build = Path(tempfile.mkdtemp(prefix="quantpatch-kernel-"))
     try:
-        built, why = _compile_stats_kernel(build)
+        built, why = _compile_stats_kernel(build, cc)
         if built is None:
             return None, why
         stats, note, _ = _load_stats_kernel(built)  # mapped: it survives its file
@@ -797,22 +795,23 @@ def _stats_kernel(wait: bool = False) -> tuple[_StatsFn | None, str]:
     global _kernel, _kernel_build
     with _KERNEL_LOCK:
         if _kernel is None and _kernel_build is None:
-            target, uncached = None, ""
+            target, uncached, cc = None, "", None
             try:
                 target, uncached = _cache_target()
-                known = _known_kernel(target)
+                cc = _compiler()
+                known = _known_kernel(target, cc)
             except Exception as exc:  # never let the saver fail for its kernel
                 known = None, f"the kernel could not be looked for ({type(exc).__name__}: {exc})"
-            if known is not None:
-                _kernel = known
-            else:
+            if known is None and cc is not None:
                 _kernel_build = threading.Thread(
                     target=_build_kernel_thread,
-                    args=(target, uncached),
+                    args=(target, uncached, cc),
                     name="tensor_saver_kernel",
                     daemon=True,
                 )
                 _kernel_build.start()
+            else:
+                _kernel = known
         build = _kernel_build
     if wait and build is not None:
         build.join()
@@ -820,10 +819,10 @@ def _stats_kernel(wait: bool = False) -> tuple[_StatsFn | None, str]:
     return found if found is not None else (None, "being compiled")
 
 
-def _build_kernel_thread(target: Path | None, uncached: str) -> None:
+def _build_kernel_thread(target: Path | None, uncached: str, cc: list[str]) -> None:
     global _kernel
     try:
-        found = _build_kernel(target, uncached)
+        found = _build_kernel(target, uncached, cc)
     except Exception as exc:  # never let the saver fail for its kernel
         found = None, f"the kernel could not be built ({type(exc).__name__}: {exc})"
     with _KERNEL_LOCK:
