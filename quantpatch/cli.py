@@ -529,6 +529,23 @@ def gen_scripts(
         out.print(f"{len(done.prepared)} worktree(s) prepared for the jobs.")
 
 
+@app.command("extra-args", hidden=True)
+def extra_args_cmd(
+    words: list[str] | None = typer.Argument(None, help="Arguments after --."),
+    env_text: str = typer.Option("", "--env", help="EXTRA_ARGS, split as bash words."),
+    release: str | None = ReleaseOpt,
+    repo: Path | None = RepoOpt,
+) -> None:
+    """For the launch scripts: a run's own pretrain_gpt.py arguments, checked, printed as
+    shell words (one line, quoted)."""
+    import shlex
+
+    from quantpatch.scripts import extra_args
+
+    checked = extra_args(_repo(repo), release, env_text, words or [])
+    sys.stdout.write(" ".join(shlex.quote(w) for w in checked) + "\n")
+
+
 @app.command("layout")
 def layout_(
     model: str | None = typer.Option(
@@ -568,6 +585,9 @@ def layout_(
     transformer_impl: str | None = typer.Option(
         None, "--transformer-impl", help="local (default) or transformer_engine."
     ),
+    normalization: str | None = typer.Option(
+        None, "--normalization", help="LayerNorm (Megatron's default) or RMSNorm."
+    ),
     node_rank: str | None = typer.Option(
         None,
         "--node-rank",
@@ -603,6 +623,7 @@ def layout_(
             "experts": experts,
             "seq_length": seq_length,
             "transformer_impl": transformer_impl,
+            "normalization": normalization,
         },
         node_rank,
         master_addr,

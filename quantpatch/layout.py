@@ -20,6 +20,7 @@ from quantpatch.errors import UserError
 SEQUENCE_PARALLEL = ("auto", "on", "off")
 _CANONICAL = re.compile(r"[1-9][0-9]*")
 IMPLEMENTATIONS = ("local", "transformer_engine")
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 MAX_SIZE = 1 << 20
 
 
@@ -49,9 +50,11 @@ class Plan:
     query_groups: int | None = None
     experts: int | None = None
     sequence_parallel: str = "auto"
-    """``auto`` (on when TP > 1, as the scripts do), ``on`` or ``off``."""
+    """``auto`` (on when TP > 1 and the norms support it), ``on`` or ``off``."""
     transformer_impl: str = "local"
     """``local`` (the layers quantpatch patches) or ``transformer_engine``."""
+    normalization: str = "LayerNorm"
+    """Megatron's ``--normalization`` (its default is LayerNorm)."""
 
     @property
     def world(self) -> int:
@@ -70,8 +73,22 @@ class Plan:
         return self.tp if self.etp is None else self.etp
 
     @property
+    def torch_norms(self) -> bool:
+        """The local layer spec builds this model's norms as torch's (``WrappedTorchNorm``),
+        which refuse sequence parallel: always for RMSNorm (``models/backends.py``
+        ``LocalSpecProvider.layer_norm``), for LayerNorm unless apex is installed."""
+        return self.transformer_impl == "local"
+
+    @property
     def sp(self) -> bool:
-        return self.tp > 1 if self.sequence_parallel == "auto" else self.sequence_parallel == "on"
+        if self.sequence_parallel == "auto":
+            return self.tp > 1 and not self.torch_norms
+        return self.sequence_parallel == "on"
+
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches per step on each data-parallel rank (gradient accumulation)."""
+        return self.global_batch // (self.micro_batch * self.dp)
 
 
 @dataclass(frozen=True)
@@ -89,7 +106,7 @@ class Layout:
 
     @property
     def grad_accum(self) -> int:
-        return self.plan.global_batch // (self.plan.micro_batch * self.plan.dp)
+        return self.plan.micro_batches
 
     @property
     def sequence_parallel(self) -> bool:
@@ -176,16 +193,30 @@ _RULES: tuple[_Rule, ...] = (
         lambda p: "sequence parallel needs TP > 1 (TP is 1)",
         ("tp",),
     ),
+    # transformer/torch_norm.py WrappedTorchNorm.__init__: "sequence parallel not supported by
+    # torch LayerNorm". The local spec builds RMSNorm as that class, apex or not
+    # (models/backends.py LocalSpecProvider.layer_norm), and LayerNorm too without apex.
+    _Rule(
+        lambda p: p.sequence_parallel == "on" and p.torch_norms and p.tp > 1,
+        lambda p: p.normalization != "RMSNorm",
+        lambda p: (
+            "sequence parallel cannot run with the local layers: their RMSNorm is torch's norm "
+            "(WrappedTorchNorm), which refuses it"
+        ),
+        ("sequence_parallel",),
+    ),
     # tensor_parallel/mappings.py _split_along_first_dim: "First dimension of the tensor should
-    # be divisible by tensor parallel size" (the sequence is scattered across TP ranks)
+    # be divisible by tensor parallel size"; the sequence is first cut across CP ranks
+    # (training/utils.py get_batch_on_this_cp_rank), then each rank's part across TP ranks
     _Rule(
         lambda p: p.sp,
-        lambda p: p.seq_length % p.tp == 0,
+        lambda p: (p.seq_length // p.cp) % p.tp == 0,
         lambda p: (
-            f"sequence length {p.seq_length} is not divisible by TP {p.tp} "
-            "(sequence parallel splits the sequence across TP ranks)"
+            f"sequence length {p.seq_length} / CP {p.cp} = {p.seq_length // p.cp} is not "
+            f"divisible by TP {p.tp} (sequence parallel splits each CP rank's part of the "
+            "sequence across TP ranks)"
         ),
-        ("tp",),
+        ("sequence_parallel", "tp"),
     ),
     # transformer/dot_product_attention.py DotProductAttention.__init__: "Context parallelism
     # is only supported by TEDotProductAttention!" (the local attention quantpatch patches)
@@ -262,14 +293,18 @@ _RULES: tuple[_Rule, ...] = (
         ("ep",),
     ),
     # model_parallel_config.py ModelParallelConfig.__post_init__: "When using expert parallelism
-    # and tensor parallelism, sequence parallelism must be used"
+    # and tensor parallelism, sequence parallelism must be used"; the local layers' torch norms
+    # cannot (above), so there such a layout cannot be built at all
     _Rule(
         lambda p: p.experts is not None and p.ep > 1 and p.tp > 1,
         lambda p: p.sp,
         lambda p: (
-            f"EP {p.ep} with TP {p.tp} needs sequence parallel (it is off); set it on or auto"
+            f"EP {p.ep} with TP {p.tp} needs sequence parallel, which the local layers cannot "
+            "run (their RMSNorm is torch's norm, which refuses it)"
+            if p.torch_norms and p.normalization == "RMSNorm"
+            else f"EP {p.ep} with TP {p.tp} needs sequence parallel (it is off)"
         ),
-        (),
+        ("sequence_parallel", "tp", "ep"),
     ),
     # num_microbatches_calculator.py ConstantNumMicroBatchesCalculator: "global batch size (...)
     # is not divisible by micro batch size (...) times data parallel size (...)"
@@ -282,6 +317,19 @@ _RULES: tuple[_Rule, ...] = (
         ),
         ("global_batch",),
     ),
+    # pipeline_parallel/schedules.py forward_backward_pipelining_with_interleaving: the
+    # micro-batches of a step come in groups of microbatch_group_size_per_vp_stage (PP unless
+    # set): "should range in [PP, M]", and a last group smaller than PP raises
+    _Rule(
+        lambda p: p.vpp > 1,
+        lambda p: p.micro_batches >= p.pp and p.micro_batches % p.pp == 0,
+        lambda p: (
+            f"VPP {p.vpp} needs the micro-batches per step ({p.global_batch} / (micro batch "
+            f"{p.micro_batch} x DP {p.dp}) = {p.micro_batches}) to be a multiple of PP {p.pp}, "
+            "at least PP"
+        ),
+        ("global_batch", "vpp"),
+    ),
 )
 
 _OPTION = {
@@ -292,7 +340,10 @@ _OPTION = {
     "ep": "EP",
     "vpp": "VPP",
     "global_batch": "global batch",
+    "sequence_parallel": "sequence parallel",
 }
+_VARIABLE = {"global_batch": "GLOBAL_BATCH_SIZE", "sequence_parallel": "SEQUENCE_PARALLEL"}
+"""Fields a person changes through another variable than a size: the fix names it."""
 
 
 def _broken(plan: Plan) -> _Rule | None:
@@ -302,11 +353,15 @@ def _broken(plan: Plan) -> _Rule | None:
     return None
 
 
-def _candidates(plan: Plan, field: str) -> Iterable[int]:
+def _candidates(plan: Plan, field: str) -> Iterable[int | str]:
     """Values of ``field`` nearest to the current one first (smaller first on a tie)."""
+    if field == "sequence_parallel":
+        yield from (v for v in ("off", "on") if v != plan.sequence_parallel)
+        return
     current: int = getattr(plan, field)
     if field == "global_batch":
-        step = plan.micro_batch * plan.dp
+        # whole steps of micro batch x DP, and of PP micro-batches under VPP
+        step = plan.micro_batch * plan.dp * (plan.pp if plan.vpp > 1 else 1)
         low = max(step, current - current % step)
         yield from sorted({low, low + step}, key=lambda v: (abs(v - current), v))
         return
@@ -317,11 +372,17 @@ def _candidates(plan: Plan, field: str) -> Iterable[int]:
                 yield value
 
 
+def _choice(field: str, value: int | str) -> str:
+    """``TP 2``; ``global batch 64 (GLOBAL_BATCH_SIZE=64)``."""
+    shown = f"{_OPTION[field]} {value}"
+    return f"{shown} ({_VARIABLE[field]}={value})" if field in _VARIABLE else shown
+
+
 def _nearby(plan: Plan, rule: _Rule) -> str:
     """A valid choice near the refused one: the nearest value of the rule's first field for
-    which every rule holds (then its other fields); else the nearest for which this rule
+    which every rule holds (then its other fields); else the nearest size for which this rule
     holds."""
-    only_this: tuple[str, int] | None = None
+    only_this: tuple[str, int | str] | None = None
     for field in rule.vary:
         if getattr(plan, field) is None:
             continue
@@ -330,11 +391,11 @@ def _nearby(plan: Plan, rule: _Rule) -> str:
             if rule.applies(other) and not rule.holds(other):
                 continue
             if _broken(other) is None:
-                return f"; {_OPTION[field]} {value} would work"
-            if only_this is None:
+                return f"; {_choice(field, value)} would work"
+            if only_this is None and field != "sequence_parallel":
                 only_this = (field, value)
     if only_this is not None:
-        return f"; {_OPTION[only_this[0]]} {only_this[1]} would pass this check"
+        return f"; {_choice(*only_this)} would pass this check"
     return "; no single size fixes it" if rule.vary else ""
 
 
@@ -345,6 +406,12 @@ def _check_sizes(plan: Plan) -> None:
             if value not in IMPLEMENTATIONS:
                 raise LayoutError(
                     f"transformer impl must be one of {', '.join(IMPLEMENTATIONS)} (got {value!r})."
+                )
+            continue
+        if f.name == "normalization":
+            if value not in NORMALIZATIONS:
+                raise LayoutError(
+                    f"normalization must be one of {', '.join(NORMALIZATIONS)} (got {value!r})."
                 )
             continue
         if f.name == "sequence_parallel":
@@ -374,6 +441,11 @@ def derive(plan: Plan) -> Layout:
     if rule is not None:
         raise LayoutError(f"{rule.says(plan)}{_nearby(plan, rule)}.")
     warnings: list[str] = []
+    if plan.sp and plan.torch_norms:
+        warnings.append(
+            "sequence parallel with the local LayerNorm needs apex (its FusedLayerNorm); "
+            "torch's norm refuses it"
+        )
     if plan.tp > plan.gpus_per_node:
         # allowed by Megatron; its all-reduces then cross the network on every layer
         warnings.append(
@@ -424,7 +496,10 @@ MODEL_FACTS = {
 
 def model_facts(args: Mapping[str, object], who: str) -> dict[str, Any]:
     """The plan's model and batch fields from a model's merged Megatron args."""
-    facts: dict[str, Any] = {"transformer_impl": str(args.get("transformer-impl", "local"))}
+    facts: dict[str, Any] = {
+        "transformer_impl": str(args.get("transformer-impl", "local")),
+        "normalization": str(args.get("normalization", "LayerNorm")),
+    }
     for name, flag in MODEL_FACTS.items():
         value = args.get(flag)
         if name == "query_groups" and not args.get("group-query-attention"):
@@ -480,7 +555,7 @@ def plan_from_text(
         parsed = parse_size(label, given.get(name))
         if parsed is not None:
             values[name] = parsed
-    for name in ("sequence_parallel", "transformer_impl"):
+    for name in ("sequence_parallel", "transformer_impl", "normalization"):
         text = given.get(name)
         if text not in (None, ""):
             values[name] = (

@@ -434,6 +434,10 @@ def render_script(
                 training_args=args.groups[1],
                 impl_args=args.groups[2],
                 is_moe=args.is_moe,
+                release_option=(
+                    "" if source.root is not None else f"--megatron-release {source.release} "
+                ),
+                persist_off=args.values.get("no-persist-layer-norm") is True,
             )
         )
     header = _header(
@@ -456,6 +460,39 @@ def render_script(
         launcher,
         layout,
     )
+
+
+def extra_args(
+    repo: Path | None, release: str | None, env_text: str, words: Sequence[str]
+) -> list[str]:
+    """A script's own arguments for pretrain_gpt.py: ``EXTRA_ARGS`` split as bash splits
+    words (quotes, no expansion), then the words given after ``--``. Every ``--flag`` must be
+    one the checkout's parser accepts (its ``megatron/training/arguments.py``), or, in a
+    checkout without one, one of the bundled list of ``release``; else one sentence refuses
+    the launch, naming them."""
+    try:
+        split = shlex.split(env_text)
+    except ValueError as exc:
+        raise UserError(
+            f"EXTRA_ARGS cannot be split as bash words ({exc}): {env_text!r}."
+        ) from None
+    found = flag_source(repo, None)
+    source = found if found.root is not None or release is None else bundled_flags(release)
+    extra = [*split, *words]
+    unknown = sorted(
+        {
+            w.split("=", 1)[0]
+            for w in extra
+            if w.startswith("--") and w != "--" and w.split("=", 1)[0] not in source.flags
+        }
+    )
+    if unknown:
+        raise UserError(
+            f"pretrain_gpt.py of Megatron-LM {source.release} does not accept "
+            f"{', '.join(unknown)} (from EXTRA_ARGS or the arguments after --), checked against "
+            f"{source.where()}; nothing was started."
+        )
+    return extra
 
 
 def body_matches_header(text: str) -> bool:

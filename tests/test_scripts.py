@@ -288,7 +288,7 @@ def test_shell_quote_round_trips(value):
 STUB = """#!/usr/bin/env bash
 printf '%s\\0' "$@" > "$STUB_DIR/argv.$$"
 pwd > "$STUB_DIR/cwd.$$"
-env | grep -E '^(TENSOR_SAVE_|CUSTOM_QUANT_TYPE)' | sort > "$STUB_DIR/env.$$"
+env | grep -E '^(TENSOR_SAVE_|CUSTOM_QUANT_TYPE|CUDA_DEVICE_MAX)' | sort > "$STUB_DIR/env.$$"
 sleep "${STUB_SLEEP:-0}"
 exit "${STUB_EXIT:-0}"
 """
@@ -394,6 +394,7 @@ EXPECTED_SMOKE_ARGV = [
     "1",
     "--transformer-impl",
     "local",
+    "--no-persist-layer-norm",
     "--no-gradient-accumulation-fusion",
     "--no-rope-fusion",
     "--bf16",
@@ -421,6 +422,8 @@ EXPECTED_SMOKE_ARGV = [
     "CKPT",
     "--tensorboard-dir",
     "TB",
+    # no scaled_masked_softmax_cuda where the tests run: the script turns the fusion off
+    "--no-masked-softmax-fusion",
 ]
 
 
@@ -476,6 +479,90 @@ def test_smoke_script_end_to_end_with_stub_torchrun(make_checkout, tmp_path, stu
         "--dry-run",
     )
     assert res.code == 0
+
+
+def test_extra_arguments_fusion_probe_and_device_connections(
+    make_checkout, tmp_path, stub_env, run
+):
+    """Arguments after `--` and EXTRA_ARGS reach pretrain_gpt.py after the generated ones and
+    are logged; a flag the release does not accept stops the launch; the masked-softmax fusion
+    follows what the training Python imports; TP > 1 exports CUDA_DEVICE_MAX_CONNECTIONS=1."""
+    env, stub_dir = stub_env
+    root = make_checkout()
+    out = tmp_path / "scripts"
+    assert (
+        run("gen-scripts", "--out", out, "--profile", "smoke", "--models", "llama32-1b").code == 0
+    )
+    script = str(out / "llama32-1b" / "pretrain_llama32-1b_wikipedia_bf16.sh")
+
+    def launch(*args: str, **extra: str) -> subprocess.CompletedProcess[str]:
+        for f in stub_dir.iterdir():
+            f.unlink()
+        return subprocess.run(
+            [script, *args], cwd=root, env={**env, **extra}, capture_output=True, text=True
+        )
+
+    res = launch(
+        "--", "--lr", "2e-4", "--train-iters=7", EXTRA_ARGS="--eval-iters 3 --exit-signal-handler"
+    )
+    assert res.returncode == 0, res.stderr
+    ((argv, _, stub_envs),) = _records(stub_dir)
+    assert argv[-7:] == [
+        "--no-masked-softmax-fusion",
+        "--eval-iters",
+        "3",
+        "--exit-signal-handler",
+        "--lr",
+        "2e-4",
+        "--train-iters=7",
+    ]
+    assert "--no-persist-layer-norm" in argv
+    assert "extra arguments: --eval-iters 3 --exit-signal-handler --lr 2e-4 --train-iters=7" in (
+        res.stdout
+    )
+    assert "fusions: masked softmax fusion off (no scaled_masked_softmax_cuda in" in res.stdout
+    assert "CUDA_DEVICE_MAX_CONNECTIONS=(unset)" in res.stdout  # TP 1: nothing to require
+    assert "CUDA_DEVICE_MAX" not in stub_envs
+    # quoted words in EXTRA_ARGS stay one word; nothing in them is expanded
+    res = launch(EXTRA_ARGS="--wandb-exp-name 'a b $HOME'")
+    assert res.returncode == 0, res.stderr
+    ((argv, _, _),) = _records(stub_dir)
+    assert argv[-2:] == ["--wandb-exp-name", "a b $HOME"]
+    # refused before anything starts: an unknown flag, words before `--`, an unclosed quote
+    for args, extra, says in (
+        (("--", "--no-such-flag", "1"), {}, "does not accept --no-such-flag"),
+        ((), {"EXTRA_ARGS": "--lr=1 --bogus-flag"}, "does not accept --bogus-flag"),
+        (("--lr",), {}, "takes pretrain_gpt.py arguments after '--'"),
+        ((), {"EXTRA_ARGS": "--lr 'x"}, "cannot be split as bash words"),
+        ((), {"MASKED_SOFTMAX_FUSION": "maybe"}, "MASKED_SOFTMAX_FUSION must be auto, on or off"),
+    ):
+        res = launch(*args, **extra)
+        assert res.returncode == 2 and says in res.stderr, (args, res.stderr)
+        assert not _records(stub_dir)
+    # a training Python that imports the fused softmax extension keeps Megatron's default
+    fake = tmp_path / "fused"
+    fake.mkdir()
+    (fake / "scaled_masked_softmax_cuda.py").write_text("")
+    res = launch(PYTHONPATH=str(fake), PYTHON=sys.executable)
+    assert res.returncode == 0, res.stderr
+    ((argv, _, _),) = _records(stub_dir)
+    assert "--no-masked-softmax-fusion" not in argv
+    assert "masked softmax fusion on (scaled_masked_softmax_cuda imports in" in res.stdout
+    res = launch(MASKED_SOFTMAX_FUSION="off", PYTHONPATH=str(fake), PYTHON=sys.executable)
+    ((argv, _, _),) = _records(stub_dir)
+    assert argv[-1] == "--no-masked-softmax-fusion"
+    # TP 2 (sequence parallel stays off with the local RMSNorm): the connections variable is set
+    res = launch(TP="2", GPUS_PER_NODE="2")
+    assert res.returncode == 0, res.stderr
+    ((argv, _, stub_envs),) = _records(stub_dir)
+    assert "CUDA_DEVICE_MAX_CONNECTIONS=1" in stub_envs
+    assert "--sequence-parallel" not in argv and "sequence parallel off" in res.stdout
+    assert launch(TP="2", GPUS_PER_NODE="2", CUDA_DEVICE_MAX_CONNECTIONS="4").returncode == 0
+    assert "CUDA_DEVICE_MAX_CONNECTIONS=4" in _records(stub_dir)[0][2]
+    res = launch(TP="2", GPUS_PER_NODE="2", SEQUENCE_PARALLEL="on")
+    assert res.returncode == 2
+    assert "their RMSNorm is torch's norm (WrappedTorchNorm), which refuses it" in res.stderr
+    assert "SEQUENCE_PARALLEL=off" in res.stderr
 
 
 def test_two_scripts_at_once_from_one_checkout(make_checkout, tmp_path, stub_env, run):
