@@ -118,3 +118,40 @@ def test_initialised_checkout_computes_bit_identically_then_quantizes(
         quant_matmul(gy.reshape(64, 80).t(), x.reshape(64, 96), "mxfp8", backward=True),
     )
     assert run("restore", "--repo", stock).code == 0
+
+
+@pytest.mark.parametrize("version", ["0.11.0", "0.13.1"])
+def test_init_teaches_the_local_attention_mla_head_dims(trees, version):
+    """MLA builds its core attention with k_channels / v_channels; init adds exactly those two
+    keyword parameters and the head dims they set (nothing else in __init__), and leaves a
+    DotProductAttention that already takes them as it is."""
+    import difflib
+
+    from quantpatch.codemods.init_sites import inject_sites
+
+    rel = ATTENTION
+    stock = (trees[version].parent / rel).read_text()
+    new = inject_sites(stock, rel, "attention")
+    init_part = new[: new.index("    def forward(")]
+    added = [
+        line[1:]
+        for line in difflib.unified_diff(
+            stock[: stock.index("    def forward(")].splitlines(), init_part.splitlines(), n=0
+        )
+        if line.startswith("+") and not line.startswith("+++")
+    ]
+    assert [a.strip() for a in added if not a.strip().startswith("#")] == [
+        "k_channels: int = None,",
+        "v_channels: int = None,",
+        "if k_channels is not None:",
+        "self.hidden_size_per_attention_head = k_channels",
+        "if v_channels is not None:",
+        "self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition",
+    ]
+    taught = stock.replace(
+        "softmax_scale: float = None,",
+        "softmax_scale: float = None,\n        k_channels: int = None,",
+    )
+    assert "k_channels: int = None" in taught
+    again = inject_sites(taught, rel, "attention")
+    assert again.count("k_channels") == taught.count("k_channels")

@@ -289,6 +289,100 @@ def _ensure_import_os(module: cst.Module) -> cst.Module:
     return module.with_changes(body=body)
 
 
+MLA_HEAD_DIMS = ("k_channels", "v_channels")
+_MLA_COMMENT = (
+    "# quantpatch: Multi-Latent Attention hands its own Q/K and V head dims (as it does to",
+    "# TEDotProductAttention); without them the local attention cannot be built for MLA",
+)
+_MLA_LINES = """\
+if k_channels is not None:
+    self.hidden_size_per_attention_head = k_channels
+if v_channels is not None:
+    self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition
+"""
+
+
+class _TeachHeadDims(cst.CSTTransformer):
+    """``DotProductAttention.__init__`` takes MLA's ``k_channels`` / ``v_channels`` (the
+    keywords ``MLASelfAttention`` passes to its core attention): two keyword parameters and,
+    before the softmax scale is derived, the head dims they set. Nothing else changes, so the
+    layer computes as before for every other attention; ``init --remove`` restores the bytes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cls: list[str] = []
+
+    def visit_ClassDef(self, node: cst.ClassDef) -> None:
+        self.cls.append(node.name.value)
+
+    def leave_ClassDef(
+        self, original_node: cst.ClassDef, updated_node: cst.ClassDef
+    ) -> cst.ClassDef:
+        self.cls.pop()
+        return updated_node
+
+    def leave_FunctionDef(
+        self, original_node: cst.FunctionDef, updated_node: cst.FunctionDef
+    ) -> cst.FunctionDef:
+        if self.cls[-1:] != [ATTENTION_CLASS] or original_node.name.value != "__init__":
+            return updated_node
+        params = updated_node.params
+        names = {p.name.value for p in (*params.params, *params.kwonly_params)}
+        if names & set(MLA_HEAD_DIMS) or not isinstance(updated_node.body, cst.IndentedBlock):
+            return updated_node
+        body = list(updated_node.body.body)
+        anchor = next(
+            (
+                i
+                for i, stmt in enumerate(body)
+                if m.matches(
+                    stmt,
+                    m.If(test=m.Comparison(left=m.Name("softmax_scale"))),
+                )
+            ),
+            None,
+        )
+        if anchor is None:
+            return updated_node
+        # a parameter line's own comma (its newline and indent) for every parameter but the
+        # last, which keeps the comma before the closing parenthesis
+        last = params.params[-1]
+        inner = params.params[-2].comma if len(params.params) > 1 else last.comma
+        if not isinstance(inner, cst.Comma) or not isinstance(last.comma, cst.Comma):
+            return updated_node
+        new_params = [
+            cst.Param(
+                cst.Name(name),
+                annotation=cst.Annotation(cst.Name("int")),
+                default=cst.Name("None"),
+                comma=inner if name != MLA_HEAD_DIMS[-1] else last.comma,
+                equal=cst.AssignEqual(
+                    whitespace_before=cst.SimpleWhitespace(" "),
+                    whitespace_after=cst.SimpleWhitespace(" "),
+                ),
+            )
+            for name in MLA_HEAD_DIMS
+        ]
+        params = params.with_changes(
+            params=[*params.params[:-1], last.with_changes(comma=inner), *new_params]
+        )
+        lines = list(cst.parse_module(_MLA_LINES).body)
+        comments = [cst.EmptyLine(indent=True, comment=cst.Comment(c)) for c in _MLA_COMMENT]
+        anchor_if = cst.ensure_type(body[anchor], cst.If)
+        lines[0] = lines[0].with_changes(leading_lines=[*anchor_if.leading_lines, *comments])
+        body[anchor] = anchor_if.with_changes(leading_lines=())
+        body[anchor:anchor] = lines
+        return updated_node.with_changes(
+            params=params, body=updated_node.body.with_changes(body=body)
+        )
+
+
+def teach_mla_head_dims(module: cst.Module) -> cst.Module:
+    """``module`` with the local ``DotProductAttention`` taking MLA's head dims, where its
+    ``__init__`` has the stock shape (unchanged otherwise, and when it already takes them)."""
+    return module.visit(_TeachHeadDims())
+
+
 def inject_sites(text: str, rel: str, kind: str, layout: Layout | None = None) -> str:
     """``text`` with fork-layout sites and dispatches around every product of ``kind``."""
     layout = layout or Layout()
@@ -305,4 +399,6 @@ def inject_sites(text: str, rel: str, kind: str, layout: Layout | None = None) -
         )
     if layout.env:
         new = _ensure_import_os(new)
+    if kind == "attention":
+        new = teach_mla_head_dims(new)
     return keep_bom(text, new.code)
