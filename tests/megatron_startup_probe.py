@@ -207,7 +207,7 @@ def build_stage(args: argparse.Namespace, rank: int) -> str:
                 f"the remainder of M={micro_batches} by N={group} must be 0 or at least PP={pp}"
             )
         args.use_cpu_initialization, args.perform_initialization = True, False
-        config = config_from_args(args)
+        config = getattr(args, "real_config", config_from_args)(args)
         last = rank == args.world_size - 1 and pp > 1
         chunks = args.virtual_pipeline_model_parallel_size or 1
         vp_stage = chunks - 1 if last else 0
@@ -264,10 +264,40 @@ def build_stage(args: argparse.Namespace, rank: int) -> str:
         dist.destroy_process_group()
 
 
-def run_case(case: dict[str, Any]) -> dict[str, Any]:
+def _training_arguments() -> Any:
+    """Megatron-LM's own ``megatron/training/arguments.py`` where the checkout has it (a full
+    Megatron-LM clone; never the case for PyPI's megatron-core), else None."""
     try:
-        args = parser().parse_args(case["argv"])
-        validate(args, case["env"], case["world"])
+        from megatron.training import arguments
+    except ImportError:
+        return None
+    # validate_args asks the GPU's architecture for the CUDA_DEVICE_MAX_CONNECTIONS rule
+    arguments.get_device_arch_version = lambda: 9  # Hopper, where the rule holds
+    return arguments
+
+
+def real_args(arguments: Any, case: dict[str, Any]) -> argparse.Namespace:
+    """``parse_args`` and ``validate_args`` of the checkout's Megatron-LM, as a rank 0 sees them."""
+    import os
+
+    os.environ.pop("CUDA_DEVICE_MAX_CONNECTIONS", None)
+    os.environ.update(case["env"], RANK="0", WORLD_SIZE=str(case["world"]))
+    sys.argv = ["pretrain_gpt.py", *case["argv"]]
+    args = arguments.parse_args()
+    if args.vocab_size is None:
+        args.vocab_size = case["vocab"]
+    arguments.validate_args(args, {})
+    args.real_config = arguments.core_transformer_config_from_args
+    return args
+
+
+def run_case(case: dict[str, Any], arguments: Any = None) -> dict[str, Any]:
+    try:
+        if arguments is not None:
+            args = real_args(arguments, case)
+        else:
+            args = parser().parse_args(case["argv"])
+            validate(args, case["env"], case["world"])
         if args.vocab_size is None:  # a tokenizer's vocabulary (loaded from the hub in a run)
             args.vocab_size = case["vocab"]
         built = [build_stage(argparse.Namespace(**vars(args)), 0)]
@@ -297,7 +327,10 @@ def main() -> None:
         # tied embeddings across pipeline stages are moved to the GPU for their all-reduce
         torch.Tensor.cuda = lambda self, *args, **kwargs: self  # type: ignore[method-assign]
     cases = json.loads(Path(sys.argv[1]).read_text())
-    results = [run_case(c) for c in cases]
+    arguments = _training_arguments()
+    results = [run_case(c, arguments) for c in cases]
+    for r in results:
+        r["arguments"] = "megatron/training/arguments.py" if arguments else "table"
     Path(sys.argv[2]).write_text(json.dumps(results, indent=1))
 
 

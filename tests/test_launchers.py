@@ -86,11 +86,28 @@ RULES = [
         id="sequence-parallel-needs-tp",
     ),
     pytest.param(
-        {"seq_length": 4100, "tp": 4},
-        {"seq_length": 4098, "tp": 4},
-        "sequence length 4098 is not divisible by TP 4 (sequence parallel splits the sequence "
-        "across TP ranks); TP 2 would work.",
+        {"seq_length": 4100, "tp": 4, "sequence_parallel": "on"},
+        {"seq_length": 4098, "tp": 4, "sequence_parallel": "on"},
+        "sequence length 4098 / CP 1 = 4098 is not divisible by TP 4 (sequence parallel splits "
+        "each CP rank's part of the sequence across TP ranks); sequence parallel off "
+        "(SEQUENCE_PARALLEL=off) would work.",
         id="sequence-divisible-by-tp",
+    ),
+    pytest.param(
+        {"tp": 2, "normalization": "RMSNorm"},
+        {"tp": 2, "normalization": "RMSNorm", "sequence_parallel": "on"},
+        "sequence parallel cannot run with the local layers: their RMSNorm is torch's norm "
+        "(WrappedTorchNorm), which refuses it; sequence parallel off (SEQUENCE_PARALLEL=off) "
+        "would work.",
+        id="local-rmsnorm-refuses-sequence-parallel",
+    ),
+    pytest.param(
+        {"tp": 2, "transformer_impl": "transformer_engine", "seq_length": 4096, "cp": 2},
+        {"tp": 4, "transformer_impl": "transformer_engine", "seq_length": 4100, "cp": 2},
+        "sequence length 4100 / CP 2 = 2050 is not divisible by TP 4 (sequence parallel splits "
+        "each CP rank's part of the sequence across TP ranks); sequence parallel off "
+        "(SEQUENCE_PARALLEL=off) would work.",
+        id="sequence-over-cp-divisible-by-tp",
     ),
     pytest.param(
         {"cp": 1},
@@ -136,23 +153,44 @@ RULES = [
         id="experts-divisible-by-ep",
     ),
     pytest.param(
-        {"experts": 64, "tp": 2, "ep": 16, "etp": 1},
-        {"experts": 64, "tp": 2, "ep": 16},
+        {"experts": 64, "tp": 2, "ep": 16, "etp": 1, "transformer_impl": "transformer_engine"},
+        {"experts": 64, "tp": 2, "ep": 16, "transformer_impl": "transformer_engine"},
         "EP 16 x expert TP 2 = 32 does not divide DP 8 x CP 1 x TP 2 = 16; EP 8 would work.",
         id="ep-etp-divide-dp-cp-tp",
     ),
     pytest.param(
-        {"experts": 64, "tp": 2, "ep": 2, "sequence_parallel": "auto"},
-        {"experts": 64, "tp": 2, "ep": 2, "sequence_parallel": "off"},
-        "EP 2 with TP 2 needs sequence parallel (it is off); set it on or auto.",
+        {"experts": 64, "tp": 2, "ep": 2, "transformer_impl": "transformer_engine"},
+        {
+            "experts": 64,
+            "tp": 2,
+            "ep": 2,
+            "transformer_impl": "transformer_engine",
+            "sequence_parallel": "off",
+        },
+        "EP 2 with TP 2 needs sequence parallel (it is off); sequence parallel on "
+        "(SEQUENCE_PARALLEL=on) would work.",
         id="ep-with-tp-needs-sequence-parallel",
+    ),
+    pytest.param(
+        {"experts": 64, "tp": 2, "ep": 1, "normalization": "RMSNorm"},
+        {"experts": 64, "tp": 2, "ep": 2, "normalization": "RMSNorm"},
+        "EP 2 with TP 2 needs sequence parallel, which the local layers cannot run (their "
+        "RMSNorm is torch's norm, which refuses it); TP 1 would work.",
+        id="local-ep-with-tp-impossible",
     ),
     pytest.param(
         {"global_batch": 272},
         {"global_batch": 264},
         "global batch 264 is not divisible by micro batch 1 x DP 16 = 16; global batch 256 "
-        "would work.",
+        "(GLOBAL_BATCH_SIZE=256) would work.",
         id="global-batch-divisible-by-micro-dp",
+    ),
+    pytest.param(
+        {"pp": 4, "vpp": 2, "global_batch": 16},
+        {"pp": 4, "vpp": 2, "global_batch": 8},
+        "VPP 2 needs the micro-batches per step (8 / (micro batch 1 x DP 4) = 2) to be a "
+        "multiple of PP 4, at least PP; global batch 16 (GLOBAL_BATCH_SIZE=16) would work.",
+        id="vpp-micro-batches-multiple-of-pp",
     ),
 ]
 
@@ -164,16 +202,27 @@ def test_every_layout_rule_on_both_sides_of_its_boundary(good, bad, sentence):
         derive(replace(BASE, **bad))
     assert str(exc.value) == sentence
     # the suggested choice does work
-    found = re.search(r"; (TP|PP|CP|EP|VPP|global batch) (\d+) would work\.$", sentence)
-    if found is None:  # a switch, not a size, fixes it
-        assert "set it on or auto" in sentence
-        return
-    field = {"global batch": "global_batch"}.get(found[1], found[1].lower())
-    derive(replace(BASE, **{**bad, field: int(found[2])}))
+    found = re.search(
+        r"; (TP|PP|CP|EP|VPP|global batch|sequence parallel) (\w+)( \(\w+=\w+\))? would work\.$",
+        sentence,
+    )
+    assert found is not None
+    field = {"global batch": "global_batch", "sequence parallel": "sequence_parallel"}.get(
+        found[1], found[1].lower()
+    )
+    value = int(found[2]) if found[2].isdigit() else found[2]
+    derive(replace(BASE, **{**bad, field: value}))
 
 
 def test_derived_numbers_and_the_cross_node_warning():
-    layout = derive(replace(BASE, tp=2, pp=2, global_batch=64, micro_batch=2))
+    # the local layers' norms refuse sequence parallel: auto leaves it off there
+    local = derive(replace(BASE, tp=2, pp=2, global_batch=64, micro_batch=2))
+    assert not local.sequence_parallel and not local.warnings
+    layout = derive(
+        replace(
+            BASE, tp=2, pp=2, global_batch=64, micro_batch=2, transformer_impl="transformer_engine"
+        )
+    )
     assert (layout.world, layout.dp, layout.grad_accum) == (16, 4, 8)
     assert layout.sequence_parallel and not layout.warnings
     assert layout.line() == (
@@ -184,7 +233,7 @@ def test_derived_numbers_and_the_cross_node_warning():
     assert wide.dp == 1 and wide.warnings == (
         "TP 16 is larger than the 8 GPUs of a node: tensor-parallel all-reduces will cross nodes",
     )
-    moe = derive(replace(BASE, experts=64, ep=8, tp=2))
+    moe = derive(replace(BASE, experts=64, ep=8, tp=2, transformer_impl="transformer_engine"))
     assert "EP 8 x expert TP 2 over 64 experts" in moe.line()
 
 
@@ -255,7 +304,7 @@ def test_layout_command(run):
         "--micro-batch", "1", "--global-batch", "8", "--gpus-per-node", "8", "--tp", "2",
     )  # fmt: skip
     assert res.code == 0 and res.out == (
-        "world 8 (1 node x 8 GPUs) = TP 2 x PP 1 x CP 1 x DP 4; sequence parallel on; "
+        "world 8 (1 node x 8 GPUs) = TP 2 x PP 1 x CP 1 x DP 4; sequence parallel off; "
         "global batch 8 = micro batch 1 x DP 4 x 2 accumulation steps\n"
     )
 
@@ -461,7 +510,8 @@ def test_torchrun_two_nodes_and_a_bad_override(make_checkout, tmp_path, stubs, r
         "pretrain_gpt.py",
     ]
     pairs = dict(zip(first, [*first[1:], ""], strict=True))
-    assert pairs["--tensor-model-parallel-size"] == "2" and "--sequence-parallel" in first
+    # sequence parallel stays off: the local RMSNorm is torch's norm, which refuses it
+    assert pairs["--tensor-model-parallel-size"] == "2" and "--sequence-parallel" not in first
     assert (pairs["--micro-batch-size"], pairs["--global-batch-size"]) == ("1", "32")
     assert Path(cwd).name == "quantpatch__linear-bf16_qk-mxfp8_pv-bf16"
     host = os.uname().nodename.split(".")[0]
@@ -469,7 +519,7 @@ def test_torchrun_two_nodes_and_a_bad_override(make_checkout, tmp_path, stubs, r
     log = next(logs)  # one per node (both "nodes" are this host here)
     assert (
         "[quantpatch] layout: world 16 (2 nodes x 8 GPUs) = TP 2 x PP 1 x CP 1 x DP 8; "
-        "sequence parallel on; global batch 32 = micro batch 1 x DP 8 x 4 accumulation steps"
+        "sequence parallel off; global batch 32 = micro batch 1 x DP 8 x 4 accumulation steps"
     ) in log.read_text()
 
 
@@ -815,7 +865,7 @@ def test_swift_script_end_to_end_with_a_stub_megatron(make_checkout, tmp_path, s
         "--tensorboard_dir",
         str(runs / "tensorboard"),
     ]
-    assert "--sequence_parallel" in argv
+    assert "--sequence_parallel" not in argv  # TP 2, but the local RMSNorm refuses it
     # every --flag is an argument of `megatron pt` (read from the wheel), and every extra
     # kwarg is a flag Megatron-LM accepts
     fields = read_swift(swift3).fields

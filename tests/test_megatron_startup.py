@@ -9,6 +9,14 @@ group of the run's world size, the micro-batch calculator, and the first and las
 stage's ``GPTModel`` built from the local layer spec. Every model x profile at its default
 layout runs, with a table of other layouts; launches the scripts refuse are checked to be ones
 Megatron refuses too.
+
+PyPI's megatron-core holds ``megatron/core`` only, so by default the argument namespace comes
+from a table of core_v0.13.1's parser (``data/megatron-args-core_v0.13.1.json``) and the probe
+mirrors the parts of ``validate_args`` that decide what is built. With
+``QUANTPATCH_MEGATRON_LM`` naming a Megatron-LM clone at core_v0.13.1 (and its Python
+dependencies installed), the same test runs on that clone: the scripts are validated against
+its parser, and the probe calls its own ``parse_args``, ``validate_args`` and
+``core_transformer_config_from_args``.
 """
 
 from __future__ import annotations
@@ -111,7 +119,11 @@ def launched(tmp_path_factory, trees):
     """Every launch of the table, made by the generated scripts of an ``init``ed checkout."""
     tmp = tmp_path_factory.mktemp("startup")
     root = tmp / "megatron-lm"
-    shutil.copytree(trees["0.13.1"], root / "megatron")
+    full = os.environ.get("QUANTPATCH_MEGATRON_LM")
+    if full:  # a Megatron-LM clone at core_v0.13.1: its own parser and validate_args are used
+        shutil.copytree(full, root, ignore=shutil.ignore_patterns(".git"))
+    else:
+        shutil.copytree(trees["0.13.1"], root / "megatron")
     repo = git.Repo.init(root, initial_branch="main")
     with repo.config_writer() as cw:
         cw.set_value("user", "name", "Test")
