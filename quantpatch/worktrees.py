@@ -62,7 +62,7 @@ def _verify(path: Path, values: Mapping[str, str], name: str) -> None:
         raise UserError(
             f"{path}: the worktree does not hold {name} "
             f"({'dirty: ' + ', '.join(dirty) if dirty else f'found {wrong}'}); remove it with "
-            f"'git worktree remove --force {path}'."
+            f"'git worktree remove --force {path}' (which discards its uncommitted edits)."
         )
 
 
@@ -170,12 +170,14 @@ def existing_worktree(path: Path | None, values: Mapping[str, str]) -> WorktreeR
             f"{wt_path}: the worktree is at {head[:12] or 'no commit'} but {name} is at "
             f"{tip[:12] or 'nothing'}; {again}."
         )
-    dirty = plain(wt_path, "status", "--porcelain", "--untracked-files=no")
-    if dirty:
+    # not plain(): stripping the output would cut the status column of the first line
+    dirty = gitrepo.git_plain(wt_path, "status", "--porcelain", "--untracked-files=no").stdout
+    if dirty.strip():
         raise UserError(
             f"{wt_path}: the worktree has uncommitted changes "
-            f"({', '.join(line[3:] for line in dirty.splitlines()[:3])}); remove it with "
-            f"'git worktree remove --force {wt_path}' and {again}."
+            f"({', '.join(line[3:] for line in dirty.splitlines()[:3])}); commit them there, "
+            f"or discard them by removing it with 'git worktree remove --force {wt_path}' "
+            f"(this deletes those edits), and {again}."
         )
     state = gitrepo.load_state(checkout)
     base: dict[str, object] | None = None

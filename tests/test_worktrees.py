@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import git
 
 from quantpatch.worktrees import ensure_worktree
 
 from .conftest import ATTENTION, LINEAR, snapshot
+
+QUANTPATCH = str(Path(sys.executable).with_name("quantpatch"))
+MXFP8 = "quantpatch/linear-bf16_qk-mxfp8_pv-bf16"
+LAYER = "megatron/core/transformer/transformer_layer.py"
 
 
 def test_created_from_the_base_without_touching_the_checkout(run, make_checkout):
@@ -55,3 +63,41 @@ def test_refusals(run, make_checkout):
     repo.git.checkout("-q", "main")
     res = run("worktree", "--repo", root, "--linear", "hifp8", "--qk", "bf16", "--pv", "bf16")
     assert res.code == 2 and "carries your commit" in res.err and "my linear tweak" in res.err
+
+
+def _worktree(run, root: Path, scheme: str = "FA_mxfp8") -> Path:
+    res = run("worktree", "--repo", root, "--scheme", scheme, "--path-only")
+    assert res.code == 0, res
+    return Path(res.out.strip())
+
+
+def _commit(repo_dir: Path, rel: str, text: str, message: str) -> str:
+    repo = git.Repo(repo_dir)
+    (repo_dir / rel).write_text(text)
+    repo.git.add("--", rel)
+    repo.git.commit("-qm", message)
+    return repo.head.commit.hexsha
+
+
+def _on_branch(root: Path, commit: str) -> list[str]:
+    return git.Repo(root).git.branch("--contains", commit, "--format=%(refname:short)").split()
+
+
+def _quantpatch(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """The CLI as a process: ``run`` starts the launch script, whose own quantpatch calls
+    write to the real stderr."""
+    return subprocess.run(
+        [QUANTPATCH, "--repo", str(root), *args], capture_output=True, text=True, check=False
+    )
+
+
+RUN = ("run", "--model", "llama32-1b", "--dataset", "dolma", "--scheme", "FA_mxfp8")
+
+
+def test_a_job_names_the_edited_file_and_what_removing_costs(run, make_checkout):
+    root = make_checkout()
+    wt = _worktree(run, root)
+    (wt / "README.md").write_text("edited on a compute node\n")
+    res = run("worktree", "--repo", root, "--scheme", "FA_mxfp8", "--existing")
+    assert res.code == 2 and "uncommitted changes (README.md)" in res.err, res
+    assert f"'git worktree remove --force {wt}' (this deletes those edits)" in res.err
