@@ -229,6 +229,19 @@ def refuse_index_lock(repo: git.Repo) -> None:
         )
 
 
+def shared_state_dir(checkout: Checkout) -> Path:
+    """The state directory of the repository's main checkout. A linked worktree has a git
+    dir of its own whose ``commondir`` file names the shared one (what ``git rev-parse
+    --git-common-dir`` reads; no git process is started); elsewhere it is ``state_dir``."""
+    if checkout.git_dir is None:
+        return checkout.state_dir
+    try:
+        common = (checkout.git_dir / "commondir").read_text(encoding="utf-8").strip()
+    except OSError:
+        return checkout.state_dir
+    return (checkout.git_dir / common).resolve() / "quantpatch"
+
+
 def read_at(repo: git.Repo, commit: str, rel: str) -> str:
     try:
         blob = repo.commit(commit).tree / rel

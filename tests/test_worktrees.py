@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -101,3 +102,13 @@ def test_a_job_names_the_edited_file_and_what_removing_costs(run, make_checkout)
     res = run("worktree", "--repo", root, "--scheme", "FA_mxfp8", "--existing")
     assert res.code == 2 and "uncommitted changes (README.md)" in res.err, res
     assert f"'git worktree remove --force {wt}' (this deletes those edits)" in res.err
+
+
+def test_check_in_a_worktree_reports_the_saver_of_the_checkout(run, make_checkout):
+    root = make_checkout(extra=(LAYER,))
+    assert run("saver", "install", "--repo", root).code == 0
+    wt = _worktree(run, root)
+    data = json.loads(run("check", "--repo", wt, "--json").out)
+    assert data["saver"]["installed"] and not data["saver"]["other"], data["saver"]
+    res = run("saver", "status", "--repo", wt)
+    assert res.code == 0 and res.out.startswith("installed: megatron/core/tensor_saver.py"), res
