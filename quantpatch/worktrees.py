@@ -11,6 +11,7 @@ Creation is serialized by the checkout's lock (waited for, not refused).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from collections.abc import Mapping
@@ -117,6 +118,7 @@ def ensure_worktree(
         tip = base_tip(repo, base)
         base = {**base, "commit": tip}
         _, planned = plan_from_base(repo, tip, targets, values, split, checkout.state_dir / "cache")
+        wt = _open_worktree(repo, checkout.root, wt_path)
         plan = scheme_branch.plan_scheme_commit(repo, name, base, tip, planned, values)
         if plan.moves and _checked_out_here(repo, name):
             raise UserError(
@@ -124,19 +126,59 @@ def ensure_worktree(
                 "'quantpatch set' there (it rebuilds the branch with your changes kept) first."
             )
         scheme_branch.move_ref(repo, plan)
-        created = _place_worktree(repo, wt_path, plan.commit)
+        created = _place_worktree(repo, wt_path, wt, plan.commit)
         _verify(wt_path, values, name)
         return WorktreeResult(wt_path, name, plan.commit, plan.state != "reused", created)
 
 
-def _place_worktree(repo: git.Repo, wt_path: Path, commit: str) -> bool:
-    """Make (or move) the detached worktree at ``commit``; True when it was created. A
-    directory left by an interrupted ``worktree add`` is pruned and made again."""
+def _linked(wt_path: Path) -> bool:
+    """Whether the worktree's ``.git`` file and its administrative directory in the checkout
+    name each other (a moved checkout leaves both pointing at the old place)."""
+    try:
+        link = (wt_path / ".git").read_text(encoding="utf-8").strip().removeprefix("gitdir: ")
+        admin = (wt_path / link).resolve()
+        back = (admin / "gitdir").read_text(encoding="utf-8").strip()
+    except OSError:
+        return False
+    return (admin / back).resolve() == (wt_path / ".git").resolve()
+
+
+def _reconnect(repo: git.Repo, root: Path) -> None:
+    """``git worktree repair`` for quantpatch's worktrees whose links broke (the checkout was
+    moved), then ``prune``: pruning first would delete what repair needs."""
+    broken = []
+    if root.is_dir():
+        broken = [str(p) for p in sorted(root.iterdir()) if (p / ".git").is_file()]
+        broken = [p for p in broken if not _linked(Path(p))]
+    if broken:
+        with contextlib.suppress(UserError):  # one it cannot repair is named below
+            gitrepo.run_git(repo, "worktree", "repair", *broken)
+    gitrepo.run_git(repo, "worktree", "prune")
+
+
+def _open_worktree(repo: git.Repo, checkout_root: Path, wt_path: Path) -> git.Repo | None:
+    """The scheme's worktree as it is (``None`` when there is none yet). A directory left by
+    an interrupted ``worktree add`` is removed; links broken by a move are repaired."""
     if wt_path.exists() and not (wt_path / ".git").is_file():
         shutil.rmtree(wt_path)  # ours, under the git dir: an add that never finished
-    gitrepo.run_git(repo, "worktree", "prune")
-    if (wt_path / ".git").is_file():
-        wt = gitrepo.open_repo(wt_path)
+    _reconnect(repo, wt_path.parent)
+    if not (wt_path / ".git").is_file():
+        return None
+    try:
+        return gitrepo.open_repo(wt_path)
+    except (git.InvalidGitRepositoryError, git.NoSuchPathError):
+        raise UserError(
+            f"{wt_path}: the worktree lost its link to {checkout_root} (was the checkout "
+            f"moved?) and 'git worktree repair' could not restore it; move away or delete that "
+            "directory (its commits are on its scheme branch or in git's objects) and run this "
+            "again."
+        ) from None
+
+
+def _place_worktree(repo: git.Repo, wt_path: Path, wt: git.Repo | None, commit: str) -> bool:
+    """Make the detached worktree at ``commit``, or move ``wt`` (the existing one) there;
+    True when it was created."""
+    if wt is not None:
         if wt.head.commit.hexsha != commit:
             gitrepo.run_git(wt, "checkout", "--quiet", "--detach", commit)
         return False

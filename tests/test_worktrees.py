@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -93,6 +94,24 @@ def _quantpatch(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 RUN = ("run", "--model", "llama32-1b", "--dataset", "dolma", "--scheme", "FA_mxfp8")
+
+
+def test_a_moved_checkout_keeps_its_worktrees(run, make_checkout, tmp_path):
+    """After ``mv`` of the checkout its worktrees (under its git dir) are repaired, not pruned."""
+    root = make_checkout()
+    _worktree(run, root, "FA_mxfp8")
+    _worktree(run, root, "FA_hifp8")
+    moved = tmp_path / "moved"
+    shutil.move(root, moved)
+    res = run("worktree", "--repo", moved, "--scheme", "FA_mxfp8")
+    assert res.code == 0 and res.out.startswith("reused"), res
+    wt = _worktree(run, moved, "FA_hifp8")
+    assert wt.is_relative_to(moved)
+    assert run("check", "--repo", wt, "--expect", "linear=bf16,qk=hifp8,pv=bf16").code == 0
+    # a link git cannot repair (an older quantpatch pruned its half): one sentence, exit 2
+    shutil.rmtree(moved / ".git" / "worktrees" / wt.name)
+    res = run("worktree", "--repo", moved, "--scheme", "FA_hifp8")
+    assert res.code == 2 and "lost its link" in res.err and "internal error" not in res.err
 
 
 def test_a_job_names_the_edited_file_and_what_removing_costs(run, make_checkout):
