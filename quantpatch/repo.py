@@ -296,7 +296,7 @@ def _git_reason(exc: Any) -> str:
 
 
 _READ_ONLY_GIT = frozenset(
-    {"status", "ls-files", "rev-parse", "log", "diff", "show", "cat-file", "merge-base"}
+    {"status", "ls-files", "rev-parse", "rev-list", "log", "diff", "show", "cat-file", "merge-base"}
 )
 """git commands that change nothing: not fault-injection steps."""
 

@@ -96,7 +96,9 @@ def ensure_worktree(
     wait: float = LOCK_WAIT_S,
 ) -> WorktreeResult:
     """The scheme's worktree, detached at its branch, which always sits on the base's current
-    tip (rebuilt when the base has moved on, the user's own commits on it carried over)."""
+    tip (rebuilt when the base has moved on, the user's own commits on it carried over).
+    Commits made in the worktree itself are put on the branch first, so they are carried
+    too."""
     checkout, repo, targets, name, wt_path = _locate(path, values, allow_unknown=allow_unknown)
     with gitrepo.locked(checkout, wait=wait):
         scheme_branch.check_prefix(repo, targets)
@@ -119,12 +121,20 @@ def ensure_worktree(
         base = {**base, "commit": tip}
         _, planned = plan_from_base(repo, tip, targets, values, split, checkout.state_dir / "cache")
         wt = _open_worktree(repo, checkout.root, wt_path)
-        plan = scheme_branch.plan_scheme_commit(repo, name, base, tip, planned, values)
-        if plan.moves and _checked_out_here(repo, name):
-            raise UserError(
-                f"{name} is checked out in {checkout.root} and the base has moved on; run "
-                "'quantpatch set' there (it rebuilds the branch with your changes kept) first."
-            )
+        kept = _keep_worktree_commits(repo, wt, wt_path, name) if wt is not None else None
+        try:
+            plan = scheme_branch.plan_scheme_commit(repo, name, base, tip, planned, values)
+            if plan.moves and _checked_out_here(repo, name):
+                raise UserError(
+                    f"{name} is checked out in {checkout.root} and the base has moved on; run "
+                    "'quantpatch set' there (it rebuilds the branch with your changes kept) first."
+                )
+        except UserError:
+            if kept is not None:  # the branch back where it was: nothing changed
+                with contextlib.suppress(UserError):
+                    old, new = kept
+                    gitrepo.run_git(repo, "update-ref", f"refs/heads/{name}", old, new)
+            raise
         scheme_branch.move_ref(repo, plan)
         created = _place_worktree(repo, wt_path, wt, plan.commit)
         _verify(wt_path, values, name)
@@ -175,9 +185,38 @@ def _open_worktree(repo: git.Repo, checkout_root: Path, wt_path: Path) -> git.Re
         ) from None
 
 
+def _keep_worktree_commits(
+    repo: git.Repo, wt: git.Repo, wt_path: Path, name: str
+) -> tuple[str, str] | None:
+    """Commits made in the detached worktree are on no branch: moving the worktree would
+    orphan them. When they sit on the scheme branch's tip, the branch is moved onto them
+    (``set`` and this command then carry them like any commit of the user's on the branch);
+    otherwise the command is refused, naming them. Returns (old tip, new tip) when moved."""
+    head = gitrepo.head_commit(wt)
+    if head is None or not wt.head.is_detached:
+        return None  # a worktree switched to a branch of its own: its commits have a ref
+    lost = gitrepo.run_git(repo, "rev-list", "--single-worktree", head, "--not", "--all").split()
+    if not lost:
+        return None
+    tip = gitrepo.branch_tip(repo, name)
+    if (
+        tip is not None
+        and not _checked_out_here(repo, name)
+        and gitrepo.run_git(repo, "merge-base", tip, head).strip() == tip
+    ):
+        gitrepo.run_git(repo, "update-ref", f"refs/heads/{name}", head, tip)
+        return tip, head
+    shown = ", ".join(f"{c[:12]} '{repo.commit(c).summary!s}'" for c in list(reversed(lost))[:5])
+    raise UserError(
+        f"{wt_path}: the worktree holds {len(lost)} commit(s) on no branch ({shown}) that "
+        f"are not on {name}; keep them with 'git -C {wt_path} branch <name>' (or "
+        f"cherry-pick them onto {name}), then run this again."
+    )
+
+
 def _place_worktree(repo: git.Repo, wt_path: Path, wt: git.Repo | None, commit: str) -> bool:
-    """Make the detached worktree at ``commit``, or move ``wt`` (the existing one) there;
-    True when it was created."""
+    """Make the detached worktree at ``commit``, or move ``wt`` (the existing one, clean and
+    with no commits of its own left off the branch) there; True when it was created."""
     if wt is not None:
         if wt.head.commit.hexsha != commit:
             gitrepo.run_git(wt, "checkout", "--quiet", "--detach", commit)

@@ -85,6 +85,42 @@ def _on_branch(root: Path, commit: str) -> list[str]:
     return git.Repo(root).git.branch("--contains", commit, "--format=%(refname:short)").split()
 
 
+def test_commits_made_in_a_worktree_are_kept(run, make_checkout):
+    """A commit made in a scheme's worktree goes onto its branch (carried when the base moves
+    on, like any commit of the user's there); one that is not on the branch is refused."""
+    root = make_checkout()
+    wt = _worktree(run, root)
+    mine = _commit(wt, "NOTES", "a fix made while training\n", "my fix in the worktree")
+    assert run("worktree", "--repo", root, "--scheme", "FA_mxfp8").code == 0  # base unmoved
+    assert _on_branch(root, mine) == [MXFP8] and git.Repo(wt).head.commit.hexsha == mine
+    _commit(root, "OTHER", "moved on\n", "the base moves on")
+    res = run("worktree", "--repo", root, "--scheme", "FA_mxfp8")
+    assert res.code == 0, res
+    tip = git.Repo(root).commit(MXFP8)
+    assert tip.message == "my fix in the worktree\n" and tip.parents[0].parents[0] == (
+        git.Repo(root).heads.main.commit
+    )
+    assert git.Repo(wt).head.commit == tip and (wt / "NOTES").is_file()
+    # a commit changing a target file is refused, naming it; the branch stays where it was
+    text = (
+        (wt / LINEAR)
+        .read_text()
+        .replace("custom_quant_type = 'bf16'", "custom_quant_type = 'mxfp4'", 1)
+    )
+    bad = _commit(wt, LINEAR, text, "my linear tweak")
+    before = snapshot(root)
+    res = run("worktree", "--repo", root, "--scheme", "FA_mxfp8")
+    assert res.code == 2 and "my linear tweak" in res.err, res
+    assert snapshot(root) == before and git.Repo(wt).head.commit.hexsha == bad
+    # a commit off the branch (the worktree moved elsewhere by hand) is refused, naming it
+    git.Repo(wt).git.checkout("-q", "--detach", "main")
+    stray = _commit(wt, "STRAY", "x\n", "a stray commit")
+    res = run("worktree", "--repo", root, "--scheme", "FA_mxfp8")
+    assert res.code == 2 and f"{stray[:12]} 'a stray commit'" in res.err, res
+    assert "on no branch" in res.err and res.err.count(". ") == 0
+    assert snapshot(root) == before and git.Repo(wt).head.commit.hexsha == stray
+
+
 def _quantpatch(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
     """The CLI as a process: ``run`` starts the launch script, whose own quantpatch calls
     write to the real stderr."""
