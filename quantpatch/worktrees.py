@@ -98,7 +98,7 @@ def ensure_worktree(
     """The scheme's worktree, detached at its branch, which always sits on the base's current
     tip (rebuilt when the base has moved on, the user's own commits on it carried over).
     Commits made in the worktree itself are put on the branch first, so they are carried
-    too."""
+    too; a worktree with uncommitted changes is refused before anything is changed."""
     checkout, repo, targets, name, wt_path = _locate(path, values, allow_unknown=allow_unknown)
     with gitrepo.locked(checkout, wait=wait):
         scheme_branch.check_prefix(repo, targets)
@@ -121,6 +121,8 @@ def ensure_worktree(
         base = {**base, "commit": tip}
         _, planned = plan_from_base(repo, tip, targets, values, split, checkout.state_dir / "cache")
         wt = _open_worktree(repo, checkout.root, wt_path)
+        if wt is not None:
+            _refuse_dirty(wt, wt_path, name)
         kept = _keep_worktree_commits(repo, wt, wt_path, name) if wt is not None else None
         try:
             plan = scheme_branch.plan_scheme_commit(repo, name, base, tip, planned, values)
@@ -183,6 +185,19 @@ def _open_worktree(repo: git.Repo, checkout_root: Path, wt_path: Path) -> git.Re
             "directory (its commits are on its scheme branch or in git's objects) and run this "
             "again."
         ) from None
+
+
+def _refuse_dirty(wt: git.Repo, wt_path: Path, name: str) -> None:
+    """A run in a worktree with uncommitted edits would not be the commit it logs."""
+    dirty = gitrepo.dirty_paths(wt, [])
+    if dirty:
+        shown = ", ".join(dirty[:5]) + (f" and {len(dirty) - 5} more" if len(dirty) > 5 else "")
+        raise UserError(
+            f"{wt_path}: the worktree of {name} has uncommitted changes to {shown}, so a run "
+            "there would not be the commit it records; commit them there (quantpatch keeps "
+            f"them on {name}) or discard them with 'git -C {wt_path} reset --hard', then run "
+            "this again."
+        )
 
 
 def _keep_worktree_commits(

@@ -56,7 +56,7 @@ def test_refusals(run, make_checkout):
     wt = ensure_worktree(root, {"linear": "mxfp8", "qk": "bf16", "pv": "bf16"})
     (wt.path / ATTENTION).write_text((wt.path / ATTENTION).read_text() + "# tampered\n")
     res = run("worktree", "--repo", root, "--linear", "mxfp8", "--qk", "bf16", "--pv", "bf16")
-    assert res.code == 2 and "does not hold" in res.err and "dirty" in res.err
+    assert res.code == 2 and f"uncommitted changes to {ATTENTION}" in res.err
     # a branch of that name carrying a commit of the user's that changes a target file
     repo = git.Repo(root)
     repo.git.checkout("-q", "-b", "quantpatch/linear-hifp8_qk-bf16_pv-bf16")
@@ -130,6 +130,22 @@ def _quantpatch(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 RUN = ("run", "--model", "llama32-1b", "--dataset", "dolma", "--scheme", "FA_mxfp8")
+
+
+def test_a_worktree_with_uncommitted_edits_is_refused(run, make_checkout):
+    """A run there would not be the commit it logs (``--existing`` refuses the same)."""
+    root = make_checkout()
+    wt = _worktree(run, root)
+    (wt / "README.md").write_text("edited in the worktree\n")
+    before = snapshot(root)
+    res = run("worktree", "--repo", root, "--scheme", "FA_mxfp8")
+    assert res.code == 2 and "uncommitted changes to README.md" in res.err
+    assert f"git -C {wt} reset --hard" in res.err and snapshot(root) == before
+    res = _quantpatch(root, *RUN, "--profile", "smoke", "--dry-run")
+    assert res.returncode == 2 and "uncommitted changes to README.md" in res.stderr
+    assert "torchrun" not in res.stdout
+    git.Repo(wt).git.checkout("--", ".")
+    assert run("worktree", "--repo", root, "--scheme", "FA_mxfp8").code == 0
 
 
 def test_a_moved_checkout_keeps_its_worktrees(run, make_checkout, tmp_path):
