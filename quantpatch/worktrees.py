@@ -98,9 +98,11 @@ def ensure_worktree(
     """The scheme's worktree, detached at its branch, which always sits on the base's current
     tip (rebuilt when the base has moved on, the user's own commits on it carried over).
     Commits made in the worktree itself are put on the branch first, so they are carried
-    too; a worktree with uncommitted changes is refused before anything is changed."""
+    too; a worktree with uncommitted changes, or a checkout in the middle of a rebase, merge,
+    cherry-pick or bisect, is refused before anything is changed."""
     checkout, repo, targets, name, wt_path = _locate(path, values, allow_unknown=allow_unknown)
     with gitrepo.locked(checkout, wait=wait):
+        gitrepo.refuse_operation_in_progress(checkout)
         scheme_branch.check_prefix(repo, targets)
         state = gitrepo.load_state(checkout)
         head = gitrepo.head_commit(repo)

@@ -148,6 +148,35 @@ def test_a_worktree_with_uncommitted_edits_is_refused(run, make_checkout):
     assert run("worktree", "--repo", root, "--scheme", "FA_mxfp8").code == 0
 
 
+def test_an_operation_in_progress_is_refused(run, make_checkout, tmp_path):
+    """In the middle of a rebase (or merge, cherry-pick, bisect) HEAD is an intermediate
+    commit: ``worktree``, ``run`` and ``gen-scripts --prepare`` refuse to build on it."""
+    root = make_checkout()
+    repo = git.Repo(root)
+    repo.git.checkout("-q", "-b", "other")
+    _commit(root, "README.md", "theirs\n", "theirs")
+    repo.git.checkout("-q", "main")
+    _commit(root, "README.md", "ours\n", "ours")
+    assert subprocess.run(["git", "rebase", "other"], cwd=root, capture_output=True).returncode
+    before = snapshot(root)
+    res = run("worktree", "--repo", root, "--scheme", "FA_mxfp8")
+    assert res.code == 2 and "a git rebase is in progress" in res.err
+    assert "'git rebase --abort'" in res.err and res.err.count(". ") == 0
+    out = tmp_path / "scripts"
+    res = run("--repo", root, "gen-scripts", "--out", out, "--models", "llama32-1b",
+              "--datasets", "dolma", "--schemes", "FA_mxfp8", "--prepare")  # fmt: skip
+    assert res.code == 2 and "a git rebase is in progress" in res.err and not out.exists()
+    res = _quantpatch(root, *RUN, "--profile", "smoke", "--dry-run")
+    assert res.returncode == 2 and "a git rebase is in progress" in res.stderr
+    assert snapshot(root) == before and MXFP8 not in repo.heads
+    repo.git.rebase("--abort")
+    repo.git.bisect("start")
+    res = run("worktree", "--repo", root, "--scheme", "FA_mxfp8")
+    assert res.code == 2 and "a git bisect is in progress" in res.err and "bisect reset" in res.err
+    repo.git.bisect("reset")
+    assert run("worktree", "--repo", root, "--scheme", "FA_mxfp8").code == 0
+
+
 def test_a_moved_checkout_keeps_its_worktrees(run, make_checkout, tmp_path):
     """After ``mv`` of the checkout its worktrees (under its git dir) are repaired, not pruned."""
     root = make_checkout()
