@@ -692,6 +692,9 @@ def run_(
         flags,
     )
     err.print(f"validated against {flags.describe()}", markup=False)
+    from quantpatch.worktrees import left_out
+
+    _notes([note] if (note := left_out(_repo(repo))) else [])
     code = launch(_repo(repo) or Path.cwd(), script, dry_run=dry_run)
     if code:
         raise typer.Exit(code)

@@ -145,6 +145,23 @@ def ensure_worktree(
         return WorktreeResult(wt_path, name, plan.commit, plan.state != "reused", created)
 
 
+def left_out(path: Path | None) -> str | None:
+    """What a run from the checkout at ``path`` will not include: it trains the scheme's
+    worktree, built from commits, so the checkout's uncommitted changes to tracked files
+    (target files too) are left out. One sentence naming them, or ``None``."""
+    checkout = gitrepo.find_checkout(path, need_git=False)
+    if not checkout.has_git:
+        return None  # the script itself says that it needs a git checkout
+    dirty = gitrepo.dirty_paths(checkout.git(), [])
+    if not dirty:
+        return None
+    shown = ", ".join(dirty[:5]) + (f" and {len(dirty) - 5} more" if len(dirty) > 5 else "")
+    return (
+        f"the run trains committed code only: your uncommitted changes to {shown} in "
+        f"{checkout.root} are not included (commit them to include them)."
+    )
+
+
 def _linked(wt_path: Path) -> bool:
     """Whether the worktree's ``.git`` file and its administrative directory in the checkout
     name each other (a moved checkout leaves both pointing at the old place)."""

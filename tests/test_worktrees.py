@@ -148,6 +148,20 @@ def test_a_worktree_with_uncommitted_edits_is_refused(run, make_checkout):
     assert run("worktree", "--repo", root, "--scheme", "FA_mxfp8").code == 0
 
 
+def test_run_names_the_edits_of_the_checkout_it_leaves_out(make_checkout):
+    root = make_checkout()
+    res = _quantpatch(root, *RUN, "--profile", "smoke", "--dry-run")
+    assert res.returncode == 0 and "not included" not in res.stderr, res.stderr
+    (root / "README.md").write_text("edited in the checkout\n")
+    (root / LINEAR).write_text((root / LINEAR).read_text() + "# mine\n")
+    res = _quantpatch(root, *RUN, "--profile", "smoke", "--dry-run")
+    assert res.returncode == 0, res.stderr
+    assert (
+        f"note: the run trains committed code only: your uncommitted changes to README.md, "
+        f"{LINEAR} in {root} are not included (commit them to include them).\n"
+    ) in res.stderr
+
+
 def test_an_operation_in_progress_is_refused(run, make_checkout, tmp_path):
     """In the middle of a rebase (or merge, cherry-pick, bisect) HEAD is an intermediate
     commit: ``worktree``, ``run`` and ``gen-scripts --prepare`` refuse to build on it."""
