@@ -470,7 +470,11 @@ def gen_scripts(
     release: str | None = ReleaseOpt,
     config: Path | None = ConfigOpt,
     repo: Path | None = RepoOpt,
-    force: bool = typer.Option(False, "--force", help="Overwrite scripts edited by hand."),
+    force: bool = typer.Option(
+        False,
+        "--force",
+        help="Overwrite scripts and index.md edited by hand (or an index.md of yours).",
+    ),
     check_only: bool = typer.Option(
         False,
         "--check",
