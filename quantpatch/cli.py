@@ -470,7 +470,11 @@ def gen_scripts(
     release: str | None = ReleaseOpt,
     config: Path | None = ConfigOpt,
     repo: Path | None = RepoOpt,
-    force: bool = typer.Option(False, "--force", help="Overwrite scripts edited by hand."),
+    force: bool = typer.Option(
+        False,
+        "--force",
+        help="Overwrite scripts and index.md edited by hand (or an index.md of yours).",
+    ),
     check_only: bool = typer.Option(
         False,
         "--check",
@@ -713,6 +717,9 @@ def run_(
         flags,
     )
     err.print(f"validated against {flags.describe()}", markup=False)
+    from quantpatch.worktrees import left_out
+
+    _notes([note] if (note := left_out(_repo(repo))) else [])
     code = launch(_repo(repo) or Path.cwd(), script, dry_run=dry_run)
     if code:
         raise typer.Exit(code)

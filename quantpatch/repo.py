@@ -229,6 +229,51 @@ def refuse_index_lock(repo: git.Repo) -> None:
         )
 
 
+_IN_PROGRESS = (
+    ("rebase-merge", "rebase", "continue"),
+    ("rebase-apply", "rebase", "continue"),
+    ("MERGE_HEAD", "merge", "continue"),
+    ("CHERRY_PICK_HEAD", "cherry-pick", "continue"),
+    ("REVERT_HEAD", "revert", "continue"),
+    ("BISECT_LOG", "bisect", "reset"),
+)
+"""Files git keeps in the git dir while an operation is stopped half-way: HEAD is then an
+intermediate commit (or a bisect's candidate), not the user's branch."""
+
+
+def refuse_operation_in_progress(checkout: Checkout) -> None:
+    """Refuse to build on a checkout whose rebase, merge, cherry-pick, revert or bisect is
+    stopped half-way (one sentence: what is going on and how to end it)."""
+    if checkout.git_dir is None:
+        return
+    for name, op, end in _IN_PROGRESS:
+        if (checkout.git_dir / name).exists():
+            if name == "rebase-apply" and (checkout.git_dir / name / "applying").exists():
+                op = "am"
+            how = (
+                f"end it with 'git {op} reset'"
+                if end == "reset"
+                else f"finish it ('git {op} --continue') or abort it ('git {op} --abort')"
+            )
+            raise UserError(
+                f"{checkout.root}: a git {op} is in progress there (quantpatch would build on "
+                f"a commit in the middle of it); {how}, then run this again."
+            )
+
+
+def shared_state_dir(checkout: Checkout) -> Path:
+    """The state directory of the repository's main checkout. A linked worktree has a git
+    dir of its own whose ``commondir`` file names the shared one (what ``git rev-parse
+    --git-common-dir`` reads; no git process is started); elsewhere it is ``state_dir``."""
+    if checkout.git_dir is None:
+        return checkout.state_dir
+    try:
+        common = (checkout.git_dir / "commondir").read_text(encoding="utf-8").strip()
+    except OSError:
+        return checkout.state_dir
+    return (checkout.git_dir / common).resolve() / "quantpatch"
+
+
 def read_at(repo: git.Repo, commit: str, rel: str) -> str:
     try:
         blob = repo.commit(commit).tree / rel
@@ -283,7 +328,7 @@ def _git_reason(exc: Any) -> str:
 
 
 _READ_ONLY_GIT = frozenset(
-    {"status", "ls-files", "rev-parse", "log", "diff", "show", "cat-file", "merge-base"}
+    {"status", "ls-files", "rev-parse", "rev-list", "log", "diff", "show", "cat-file", "merge-base"}
 )
 """git commands that change nothing: not fault-injection steps."""
 

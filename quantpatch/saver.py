@@ -10,7 +10,7 @@ serves every use of it in the checkout (``saver_callers``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -117,8 +117,13 @@ class SaverStatus:
 
 def status(checkout: gitrepo.Checkout) -> SaverStatus:
     """Installed by quantpatch (a record exists and the module is in place), from the record
-    alone: no parsing, so ``check`` stays fast."""
+    alone: no parsing, so ``check`` stays fast. In a linked worktree (a scheme's, where
+    training runs) the record is the main checkout's: the install is committed there, and
+    the worktree's files come from its commits."""
     record = record_of(checkout, RECORD)
+    shared = gitrepo.shared_state_dir(checkout)
+    if record is None and shared != checkout.state_dir:
+        record = record_of(replace(checkout, state_dir=shared), RECORD)
     current = read_exact(checkout.root / SAVER_MODULE)
     files = (record or {}).get("files", {})
     installed = record is not None and current is not None

@@ -11,6 +11,7 @@ Creation is serialized by the checkout's lock (waited for, not refused).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from collections.abc import Mapping
@@ -62,7 +63,7 @@ def _verify(path: Path, values: Mapping[str, str], name: str) -> None:
         raise UserError(
             f"{path}: the worktree does not hold {name} "
             f"({'dirty: ' + ', '.join(dirty) if dirty else f'found {wrong}'}); remove it with "
-            f"'git worktree remove --force {path}'."
+            f"'git worktree remove --force {path}' (which discards its uncommitted edits)."
         )
 
 
@@ -95,9 +96,13 @@ def ensure_worktree(
     wait: float = LOCK_WAIT_S,
 ) -> WorktreeResult:
     """The scheme's worktree, detached at its branch, which always sits on the base's current
-    tip (rebuilt when the base has moved on, the user's own commits on it carried over)."""
+    tip (rebuilt when the base has moved on, the user's own commits on it carried over).
+    Commits made in the worktree itself are put on the branch first, so they are carried
+    too; a worktree with uncommitted changes, or a checkout in the middle of a rebase, merge,
+    cherry-pick or bisect, is refused before anything is changed."""
     checkout, repo, targets, name, wt_path = _locate(path, values, allow_unknown=allow_unknown)
     with gitrepo.locked(checkout, wait=wait):
+        gitrepo.refuse_operation_in_progress(checkout)
         scheme_branch.check_prefix(repo, targets)
         state = gitrepo.load_state(checkout)
         head = gitrepo.head_commit(repo)
@@ -117,26 +122,136 @@ def ensure_worktree(
         tip = base_tip(repo, base)
         base = {**base, "commit": tip}
         _, planned = plan_from_base(repo, tip, targets, values, split, checkout.state_dir / "cache")
-        plan = scheme_branch.plan_scheme_commit(repo, name, base, tip, planned, values)
-        if plan.moves and _checked_out_here(repo, name):
-            raise UserError(
-                f"{name} is checked out in {checkout.root} and the base has moved on; run "
-                "'quantpatch set' there (it rebuilds the branch with your changes kept) first."
-            )
+        wt = _open_worktree(repo, checkout.root, wt_path)
+        if wt is not None:
+            _refuse_dirty(wt, wt_path, name)
+        kept = _keep_worktree_commits(repo, wt, wt_path, name) if wt is not None else None
+        try:
+            plan = scheme_branch.plan_scheme_commit(repo, name, base, tip, planned, values)
+            if plan.moves and _checked_out_here(repo, name):
+                raise UserError(
+                    f"{name} is checked out in {checkout.root} and the base has moved on; run "
+                    "'quantpatch set' there (it rebuilds the branch with your changes kept) first."
+                )
+        except UserError:
+            if kept is not None:  # the branch back where it was: nothing changed
+                with contextlib.suppress(UserError):
+                    old, new = kept
+                    gitrepo.run_git(repo, "update-ref", f"refs/heads/{name}", old, new)
+            raise
         scheme_branch.move_ref(repo, plan)
-        created = _place_worktree(repo, wt_path, plan.commit)
+        created = _place_worktree(repo, wt_path, wt, plan.commit)
         _verify(wt_path, values, name)
         return WorktreeResult(wt_path, name, plan.commit, plan.state != "reused", created)
 
 
-def _place_worktree(repo: git.Repo, wt_path: Path, commit: str) -> bool:
-    """Make (or move) the detached worktree at ``commit``; True when it was created. A
-    directory left by an interrupted ``worktree add`` is pruned and made again."""
+def left_out(path: Path | None) -> str | None:
+    """What a run from the checkout at ``path`` will not include: it trains the scheme's
+    worktree, built from commits, so the checkout's uncommitted changes to tracked files
+    (target files too) are left out. One sentence naming them, or ``None``."""
+    checkout = gitrepo.find_checkout(path, need_git=False)
+    if not checkout.has_git:
+        return None  # the script itself says that it needs a git checkout
+    dirty = gitrepo.dirty_paths(checkout.git(), [])
+    if not dirty:
+        return None
+    shown = ", ".join(dirty[:5]) + (f" and {len(dirty) - 5} more" if len(dirty) > 5 else "")
+    return (
+        f"the run trains committed code only: your uncommitted changes to {shown} in "
+        f"{checkout.root} are not included (commit them to include them)."
+    )
+
+
+def _linked(wt_path: Path) -> bool:
+    """Whether the worktree's ``.git`` file and its administrative directory in the checkout
+    name each other (a moved checkout leaves both pointing at the old place)."""
+    try:
+        link = (wt_path / ".git").read_text(encoding="utf-8").strip().removeprefix("gitdir: ")
+        admin = (wt_path / link).resolve()
+        back = (admin / "gitdir").read_text(encoding="utf-8").strip()
+    except OSError:
+        return False
+    return (admin / back).resolve() == (wt_path / ".git").resolve()
+
+
+def _reconnect(repo: git.Repo, root: Path) -> None:
+    """``git worktree repair`` for quantpatch's worktrees whose links broke (the checkout was
+    moved), then ``prune``: pruning first would delete what repair needs."""
+    broken = []
+    if root.is_dir():
+        broken = [str(p) for p in sorted(root.iterdir()) if (p / ".git").is_file()]
+        broken = [p for p in broken if not _linked(Path(p))]
+    if broken:
+        with contextlib.suppress(UserError):  # one it cannot repair is named below
+            gitrepo.run_git(repo, "worktree", "repair", *broken)
+    gitrepo.run_git(repo, "worktree", "prune")
+
+
+def _open_worktree(repo: git.Repo, checkout_root: Path, wt_path: Path) -> git.Repo | None:
+    """The scheme's worktree as it is (``None`` when there is none yet). A directory left by
+    an interrupted ``worktree add`` is removed; links broken by a move are repaired."""
     if wt_path.exists() and not (wt_path / ".git").is_file():
         shutil.rmtree(wt_path)  # ours, under the git dir: an add that never finished
-    gitrepo.run_git(repo, "worktree", "prune")
-    if (wt_path / ".git").is_file():
-        wt = gitrepo.open_repo(wt_path)
+    _reconnect(repo, wt_path.parent)
+    if not (wt_path / ".git").is_file():
+        return None
+    try:
+        return gitrepo.open_repo(wt_path)
+    except (git.InvalidGitRepositoryError, git.NoSuchPathError):
+        raise UserError(
+            f"{wt_path}: the worktree lost its link to {checkout_root} (was the checkout "
+            f"moved?) and 'git worktree repair' could not restore it; move away or delete that "
+            "directory (its commits are on its scheme branch or in git's objects) and run this "
+            "again."
+        ) from None
+
+
+def _refuse_dirty(wt: git.Repo, wt_path: Path, name: str) -> None:
+    """A run in a worktree with uncommitted edits would not be the commit it logs."""
+    dirty = gitrepo.dirty_paths(wt, [])
+    if dirty:
+        shown = ", ".join(dirty[:5]) + (f" and {len(dirty) - 5} more" if len(dirty) > 5 else "")
+        raise UserError(
+            f"{wt_path}: the worktree of {name} has uncommitted changes to {shown}, so a run "
+            "there would not be the commit it records; commit them there (quantpatch keeps "
+            f"them on {name}) or discard them with 'git -C {wt_path} reset --hard', then run "
+            "this again."
+        )
+
+
+def _keep_worktree_commits(
+    repo: git.Repo, wt: git.Repo, wt_path: Path, name: str
+) -> tuple[str, str] | None:
+    """Commits made in the detached worktree are on no branch: moving the worktree would
+    orphan them. When they sit on the scheme branch's tip, the branch is moved onto them
+    (``set`` and this command then carry them like any commit of the user's on the branch);
+    otherwise the command is refused, naming them. Returns (old tip, new tip) when moved."""
+    head = gitrepo.head_commit(wt)
+    if head is None or not wt.head.is_detached:
+        return None  # a worktree switched to a branch of its own: its commits have a ref
+    lost = gitrepo.run_git(repo, "rev-list", "--single-worktree", head, "--not", "--all").split()
+    if not lost:
+        return None
+    tip = gitrepo.branch_tip(repo, name)
+    if (
+        tip is not None
+        and not _checked_out_here(repo, name)
+        and gitrepo.run_git(repo, "merge-base", tip, head).strip() == tip
+    ):
+        gitrepo.run_git(repo, "update-ref", f"refs/heads/{name}", head, tip)
+        return tip, head
+    shown = ", ".join(f"{c[:12]} '{repo.commit(c).summary!s}'" for c in list(reversed(lost))[:5])
+    raise UserError(
+        f"{wt_path}: the worktree holds {len(lost)} commit(s) on no branch ({shown}) that "
+        f"are not on {name}; keep them with 'git -C {wt_path} branch <name>' (or "
+        f"cherry-pick them onto {name}), then run this again."
+    )
+
+
+def _place_worktree(repo: git.Repo, wt_path: Path, wt: git.Repo | None, commit: str) -> bool:
+    """Make the detached worktree at ``commit``, or move ``wt`` (the existing one, clean and
+    with no commits of its own left off the branch) there; True when it was created."""
+    if wt is not None:
         if wt.head.commit.hexsha != commit:
             gitrepo.run_git(wt, "checkout", "--quiet", "--detach", commit)
         return False
@@ -170,12 +285,14 @@ def existing_worktree(path: Path | None, values: Mapping[str, str]) -> WorktreeR
             f"{wt_path}: the worktree is at {head[:12] or 'no commit'} but {name} is at "
             f"{tip[:12] or 'nothing'}; {again}."
         )
-    dirty = plain(wt_path, "status", "--porcelain", "--untracked-files=no")
-    if dirty:
+    # not plain(): stripping the output would cut the status column of the first line
+    dirty = gitrepo.git_plain(wt_path, "status", "--porcelain", "--untracked-files=no").stdout
+    if dirty.strip():
         raise UserError(
             f"{wt_path}: the worktree has uncommitted changes "
-            f"({', '.join(line[3:] for line in dirty.splitlines()[:3])}); remove it with "
-            f"'git worktree remove --force {wt_path}' and {again}."
+            f"({', '.join(line[3:] for line in dirty.splitlines()[:3])}); commit them there, "
+            f"or discard them by removing it with 'git worktree remove --force {wt_path}' "
+            f"(this deletes those edits), and {again}."
         )
     state = gitrepo.load_state(checkout)
     base: dict[str, object] | None = None

@@ -160,6 +160,30 @@ def test_selection_check_and_hand_edits(run, tmp_path):
     assert "--train-iters 200" in script.read_text()
 
 
+def test_an_index_md_quantpatch_did_not_write_is_kept(run, tmp_path):
+    """``index.md`` is protected like the scripts: a user's own, or one edited by hand, is
+    overwritten only with --force."""
+    out = tmp_path / "s"
+    args = ("gen-scripts", "--out", out, "--models", "llama32-1b", "--datasets", "dolma")
+    out.mkdir()
+    (out / "index.md").write_text("# My experiment notes\n")
+    res = run(*args)
+    assert res.code == 2 and "index.md" in res.err and "--force" in res.err
+    assert [p.name for p in out.iterdir()] == ["index.md"]
+    assert (out / "index.md").read_text() == "# My experiment notes\n"
+    assert run(*args, "--force").code == 0
+    index = out / "index.md"
+    assert index.read_text().startswith("# Launch scripts")
+    assert run(*args, "--profile", "fast").code == 0  # its own index is replaced freely
+    index.write_text(index.read_text().replace("## Layouts", "## Layouts (my note)"))
+    res = run(*args)
+    assert res.code == 2 and "index.md" in res.err
+    assert "(my note)" in index.read_text()
+    # one written before the index carried its hash is quantpatch's
+    index.write_text(index.read_text().split("\n<!-- quantpatch body-sha256:")[0])
+    assert run(*args).code == 0 and run(*args, "--check").code == 0
+
+
 def test_bad_inputs_exit_2_and_write_nothing(run, tmp_path):
     out = tmp_path / "s"
     cases = [
