@@ -516,23 +516,24 @@ def model_facts(args: Mapping[str, object], who: str) -> dict[str, Any]:
 
 
 TEXT_FIELDS = {
-    "gpus_per_node": "GPUS_PER_NODE",
-    "nodes": "NNODES",
-    "tp": "TP",
-    "pp": "PP",
-    "cp": "CP",
-    "ep": "EP",
-    "etp": "ETP",
-    "vpp": "VPP",
-    "micro_batch": "MICRO_BATCH_SIZE",
-    "global_batch": "GLOBAL_BATCH_SIZE",
-    "layers": "num layers",
-    "heads": "heads",
-    "query_groups": "query groups",
-    "experts": "experts",
-    "seq_length": "sequence length",
+    "gpus_per_node": "--gpus-per-node (GPUS_PER_NODE)",
+    "nodes": "--nodes (NNODES)",
+    "tp": "--tp (TP)",
+    "pp": "--pp (PP)",
+    "cp": "--cp (CP)",
+    "ep": "--ep (EP)",
+    "etp": "--etp (ETP)",
+    "vpp": "--vpp (VPP)",
+    "micro_batch": "--micro-batch (MICRO_BATCH_SIZE)",
+    "global_batch": "--global-batch (GLOBAL_BATCH_SIZE)",
+    "layers": "--num-layers",
+    "heads": "--heads",
+    "query_groups": "--query-groups",
+    "experts": "--experts",
+    "seq_length": "--seq-length",
 }
-"""Plan fields given as text (a script's environment), with the name a refusal uses."""
+"""Plan fields given as text, with the name a refusal uses: the option of `quantpatch layout`
+and, for the sizes a launch script takes from its environment, that variable."""
 _REQUIRED = {
     "layers": "--num-layers",
     "heads": "--heads",
@@ -563,7 +564,7 @@ def plan_from_text(
             )
     if given.get("etp") == "" and base is not None:
         values["etp"] = None  # ETP='' in a script: expert TP follows TP
-    total = parse_size("GPUs", gpus)
+    total = parse_size("--gpus", gpus)
     if total is not None:
         per_node = values.get("gpus_per_node", base.gpus_per_node if base else 8)
         if "nodes" in values:
@@ -594,6 +595,8 @@ def plan_from_text(
 
 
 LOCAL_HOSTS = ("", "localhost", "127.0.0.1", "::1")
+_HOST = re.compile(r"[A-Za-z0-9_.:%\[\]-]{1,253}")
+"""A host name, IPv4 or (bracketed) IPv6 address: what torchrun's rendezvous endpoint takes."""
 
 
 def check_rendezvous(
@@ -601,6 +604,11 @@ def check_rendezvous(
 ) -> None:
     """What a multi-node launch needs besides sizes: every node must reach ``MASTER_ADDR``
     (``localhost`` is each node's own), and a static rendezvous needs each node's own rank."""
+    if master_addr is not None and master_addr and not _HOST.fullmatch(master_addr):
+        raise LayoutError(
+            f"MASTER_ADDR (--master-addr) must be a host name or an IP address (got "
+            f"{master_addr!r})."
+        )
     if nodes > 1 and master_addr is not None and master_addr.strip() in LOCAL_HOSTS:
         raise LayoutError(
             f"NNODES={nodes} needs MASTER_ADDR set to a host every node reaches (it is "

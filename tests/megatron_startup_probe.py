@@ -86,14 +86,12 @@ def validate(args: argparse.Namespace, env: dict[str, str], world: int) -> None:
     model *= args.context_parallel_size
     assert world % model == 0, f"world size {world} is not divisible by TP x PP x CP = {model}"
     args.data_parallel_size = world // model
-    # interleaved pipeline: virtual stages per rank, micro-batch groups of PP by default
+    # interleaved pipeline: virtual stages per rank
     if args.num_virtual_stages_per_pipeline_rank is not None:
         assert args.pipeline_model_parallel_size > 1, "interleaved schedule needs PP > 1"
         args.virtual_pipeline_model_parallel_size = args.num_virtual_stages_per_pipeline_rank
     else:
         args.virtual_pipeline_model_parallel_size = None
-    if args.microbatch_group_size_per_vp_stage is None:
-        args.microbatch_group_size_per_vp_stage = args.pipeline_model_parallel_size
     args.params_dtype = torch.bfloat16 if args.bf16 else torch.half if args.fp16 else torch.float
     if args.ffn_hidden_size is None:
         args.ffn_hidden_size = 4 * args.hidden_size
@@ -196,9 +194,12 @@ def build_stage(args: argparse.Namespace, rank: int) -> str:
         )
         micro_batches = get_num_microbatches()
         pp = args.pipeline_model_parallel_size
+        args.use_cpu_initialization, args.perform_initialization = True, False
+        config = getattr(args, "real_config", config_from_args)(args)
         if args.virtual_pipeline_model_parallel_size is not None:
-            # pipeline_parallel/schedules.py forward_backward_pipelining_with_interleaving
-            group = args.microbatch_group_size_per_vp_stage
+            # pipeline_parallel/schedules.py forward_backward_pipelining_with_interleaving (the
+            # group size defaults to PP in model_parallel_config.py __post_init__)
+            group = config.microbatch_group_size_per_vp_stage
             assert pp <= group <= micro_batches, (
                 "The number of contiguous micro-batches in a virtual pipeline stage should "
                 f"range in [PP={pp} , M={micro_batches}]"
@@ -206,8 +207,6 @@ def build_stage(args: argparse.Namespace, rank: int) -> str:
             assert not 0 < micro_batches % group < pp, (
                 f"the remainder of M={micro_batches} by N={group} must be 0 or at least PP={pp}"
             )
-        args.use_cpu_initialization, args.perform_initialization = True, False
-        config = getattr(args, "real_config", config_from_args)(args)
         last = rank == args.world_size - 1 and pp > 1
         chunks = args.virtual_pipeline_model_parallel_size or 1
         vp_stage = chunks - 1 if last else 0
@@ -326,12 +325,13 @@ def main() -> None:
         torch.cuda.Stream = lambda *args, **kwargs: None  # type: ignore[assignment, misc]
         # tied embeddings across pipeline stages are moved to the GPU for their all-reduce
         torch.Tensor.cuda = lambda self, *args, **kwargs: self  # type: ignore[method-assign]
-    cases = json.loads(Path(sys.argv[1]).read_text())
+    cases_path, results_path = Path(sys.argv[1]), Path(sys.argv[2])  # real_args sets argv
+    cases = json.loads(cases_path.read_text())
     arguments = _training_arguments()
     results = [run_case(c, arguments) for c in cases]
     for r in results:
         r["arguments"] = "megatron/training/arguments.py" if arguments else "table"
-    Path(sys.argv[2]).write_text(json.dumps(results, indent=1))
+    results_path.write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

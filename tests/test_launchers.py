@@ -262,14 +262,14 @@ def test_every_suggestion_is_valid_over_a_grid():
 @pytest.mark.parametrize(
     ("given", "gpus", "sentence"),
     [
-        ({"tp": "abc"}, None, "TP must be an integer from 1 to 1048576, written in plain"),
-        ({"tp": "0"}, None, "TP must be an integer from 1 to 1048576"),
+        ({"tp": "abc"}, None, "--tp (TP) must be an integer from 1 to 1048576, written in plain"),
+        ({"tp": "0"}, None, "--tp (TP) must be an integer from 1 to 1048576"),
         # bash arithmetic reads 08 as octal and ' 2' would reach torchrun with its space
-        ({"vpp": "08"}, None, "VPP must be an integer from 1 to 1048576"),
-        ({"tp": " 2"}, None, "TP must be an integer from 1 to 1048576"),
-        ({"tp": "\u0661"}, None, "TP must be an integer"),  # an Arabic-Indic one
-        ({"nodes": "99999999"}, None, "NNODES must be an integer from 1 to 1048576"),
-        ({"gpus_per_node": "0"}, "16", "GPUS_PER_NODE must be an integer from 1"),
+        ({"vpp": "08"}, None, "--vpp (VPP) must be an integer from 1 to 1048576"),
+        ({"tp": " 2"}, None, "--tp (TP) must be an integer from 1 to 1048576"),
+        ({"tp": "\u0661"}, None, "--tp (TP) must be an integer"),  # an Arabic-Indic one
+        ({"nodes": "99999999"}, None, "--nodes (NNODES) must be an integer from 1 to 1048576"),
+        ({"gpus_per_node": "0"}, "16", "--gpus-per-node (GPUS_PER_NODE) must be an integer from 1"),
         ({"sequence_parallel": "maybe"}, None, "SEQUENCE_PARALLEL must be auto, on or off"),
         ({"nodes": "3"}, "16", "--gpus 16 does not match 3 nodes x 8 GPUs per node = 24"),
         ({"nodes": "1"}, "16", "--gpus 16 does not match 1 node x 8 GPUs per node = 8"),
@@ -280,6 +280,21 @@ def test_text_values_are_refused_with_a_sentence(given, gpus, sentence):
     with pytest.raises(LayoutError) as exc:
         derive(plan_from_text(given, BASE, gpus))
     assert str(exc.value).startswith(sentence)
+
+
+def test_layout_names_flags_and_refuses_a_host_with_a_space(run):
+    """Refusals name the option given (and the script's variable), and MASTER_ADDR must be
+    one host: 'a b' reached torchrun's --rdzv-endpoint as two words' worth of text."""
+    res = run("layout", "--model", "llama31-8b", "--nodes", "0")
+    assert res.code == 2 and "--nodes (NNODES) must be an integer from 1" in res.err
+    res = run("layout", "--model", "llama31-8b", "--micro-batch", "x")
+    assert res.code == 2 and "--micro-batch (MICRO_BATCH_SIZE) must be an integer" in res.err
+    res = run("layout", "--model", "llama31-8b", "--gpus", "16", "--master-addr", "a b")
+    assert res.code == 2
+    assert "MASTER_ADDR (--master-addr) must be a host name or an IP address" in res.err
+    for host in ("node-0.cluster", "10.1.2.3", "[fe80::1%eth0]"):
+        res = run("layout", "--model", "llama31-8b", "--gpus", "16", "--master-addr", host)
+        assert res.code == 0, (host, res)
 
 
 def test_layout_command(run):
@@ -463,9 +478,9 @@ def test_torchrun_two_nodes_and_a_bad_override(make_checkout, tmp_path, stubs, r
         res.stderr
     )
     for bad, sentence in (
-        ({"VPP": "08", "PP": "2"}, "VPP must be an integer from 1 to 1048576"),
+        ({"VPP": "08", "PP": "2"}, "--vpp (VPP) must be an integer from 1 to 1048576"),
         ({"MASTER_ADDR": "localhost"}, "NNODES=2 needs MASTER_ADDR set to a host every node"),
-        ({"TP": "$(touch pwned)"}, "TP must be an integer"),
+        ({"TP": "$(touch pwned)"}, "--tp (TP) must be an integer"),
         ({"MASTER_PORT": "abc"}, "MASTER_PORT must be a port from 1 to 65535 (got 'abc')."),
     ):
         res = subprocess.run(
