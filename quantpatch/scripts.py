@@ -331,6 +331,41 @@ def check_flags(reg: Registry, models: Sequence[str], profile: str, source: Flag
     )
 
 
+def refuse_mla_without_head_dims(
+    root: Path, reg: Registry, models: list[str], profile: str
+) -> None:
+    """Multi-Latent Attention builds its core attention with ``k_channels`` / ``v_channels``;
+    with the local layers that is the checkout's ``DotProductAttention``, which must take them
+    (``init`` teaches a stock checkout; a fork's own may not). Refused here, naming the file,
+    rather than in model construction on the cluster."""
+    from quantpatch.codemods.init_sites import takes_mla_head_dims
+    from quantpatch.config import load_targets
+
+    mla = sorted(
+        {
+            m
+            for m in models
+            if (values := _model_args(reg, m, profile).values).get("multi-latent-attention") is True
+            and values.get("transformer-impl", "local") == "local"
+        }
+    )
+    if not mla:
+        return
+    for rel in load_targets(root).attention:
+        path = root / rel
+        if not path.is_file():
+            continue
+        if takes_mla_head_dims(path.read_text(encoding="utf-8"), rel) is False:
+            raise UserError(
+                f"{', '.join(mla)} {'uses' if len(mla) == 1 else 'use'} Multi-Latent Attention, "
+                "which hands the local DotProductAttention its k_channels and v_channels, but "
+                f"{rel} does not take them "
+                "(the model could not be built); `quantpatch init` adds them to a stock "
+                "checkout, a fork needs the two keyword parameters (see the README), or leave "
+                f"{'it' if len(mla) == 1 else 'them'} out with --models."
+            )
+
+
 def _reject_unaccepted(used: dict[str, tuple[str, ...]], source: FlagSource) -> None:
     """One sentence naming the flags the release does not accept, the model/profile using
     each, and the file the accepted flags came from."""
@@ -544,6 +579,8 @@ def render_all(
         )
     source = _source(release)
     check_flags(reg, models, profile, source)  # every model at once: one sentence
+    if source.root is not None:
+        refuse_mla_without_head_dims(source.root, reg, models, profile)
     layouts = plan_layout(reg, models, profile, parallel)
     if launcher == "swift":
         from quantpatch import swift

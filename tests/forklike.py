@@ -229,7 +229,7 @@ def fork_attention(stock: str, layout: Layout) -> str:
     """Sites with one shared Q.K^T/P.V assignment, and a label site before it that names the
     tensors handed to the fork's saver at the top of ``DotProductAttention.forward``."""
     shared = Layout(**{**layout.__dict__, "shared_attention": True, "label": False})
-    module = cst.parse_module(inject_sites(stock, ATTENTION, "attention", shared))
+    module = cst.parse_module(inject_sites(stock, ATTENTION, "attention", shared, teach_mla=False))
     q = layout.quote
     value = f"{q}{layout.value}{q}"
     if layout.env:

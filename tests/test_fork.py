@@ -306,7 +306,37 @@ def test_scheme_branch_with_no_record_recovers_the_base(run, clone):
     assert git.Repo(clone).active_branch.name == "quant"
 
 
+def test_a_fork_without_mla_head_dims_is_told_before_any_script(run, clone, tmp_path):
+    """The fork's local DotProductAttention does not take MLA's k_channels / v_channels (as
+    stock Megatron): DeepSeek-V2-Lite could never be built there, so its scripts are refused
+    at generation, naming the file; the other models' scripts are written."""
+    out = tmp_path / "mla"
+    before = snapshot(clone)
+    res = run("gen-scripts", "--repo", clone, "--out", out, "--profile", "smoke")
+    assert res.code == 2 and not out.exists()
+    assert (
+        "deepseek2_lite uses Multi-Latent Attention, which hands the local DotProductAttention its "
+        "k_channels and v_channels, but megatron/core/transformer/dot_product_attention.py does "
+        "not take them"
+    ) in " ".join(res.err.split())
+    assert snapshot(clone) == before
+    res = run(
+        "gen-scripts", "--repo", clone, "--out", out, "--profile", "smoke",
+        "--models", "llama31-8b,llama32-1b",
+    )  # fmt: skip
+    assert res.code == 0, res
+
+
 def test_gen_scripts_for_the_clones_own_release(run, clone, tmp_path):
+    """All 60 scripts once the fork's DotProductAttention takes MLA's head dims (a commit on
+    `quant` adding the two keyword parameters, as the README says)."""
+    import libcst as cst
+
+    from quantpatch.codemods.init_sites import teach_mla_head_dims
+
+    attention = clone / ATTENTION
+    attention.write_text(teach_mla_head_dims(cst.parse_module(attention.read_text())).code)
+    git_out(clone, "commit", "-qam", "attention: take MLA's k_channels / v_channels")
     out = tmp_path / "scripts"
     res = run("gen-scripts", "--repo", clone, "--out", out)
     assert res.code == 0, res

@@ -377,14 +377,32 @@ class _TeachHeadDims(cst.CSTTransformer):
         )
 
 
+def takes_mla_head_dims(text: str, rel: str) -> bool | None:
+    """Whether the file's ``DotProductAttention.__init__`` takes MLA's ``k_channels`` and
+    ``v_channels`` (or ``**kwargs``); None when the file has no such class."""
+    module = parse_source(text, rel)
+    for cls in m.findall(module, m.ClassDef(name=m.Name(ATTENTION_CLASS))):
+        for fn in m.findall(cls, m.FunctionDef(name=m.Name("__init__"))):
+            params = cst.ensure_type(fn, cst.FunctionDef).params
+            if isinstance(params.star_kwarg, cst.Param):
+                return True
+            names = {p.name.value for p in (*params.params, *params.kwonly_params)}
+            return set(MLA_HEAD_DIMS) <= names
+    return None
+
+
 def teach_mla_head_dims(module: cst.Module) -> cst.Module:
     """``module`` with the local ``DotProductAttention`` taking MLA's head dims, where its
     ``__init__`` has the stock shape (unchanged otherwise, and when it already takes them)."""
     return module.visit(_TeachHeadDims())
 
 
-def inject_sites(text: str, rel: str, kind: str, layout: Layout | None = None) -> str:
-    """``text`` with fork-layout sites and dispatches around every product of ``kind``."""
+def inject_sites(
+    text: str, rel: str, kind: str, layout: Layout | None = None, *, teach_mla: bool = True
+) -> str:
+    """``text`` with fork-layout sites and dispatches around every product of ``kind`` (and,
+    in the attention file, the MLA head dims of ``teach_mla_head_dims`` unless told not to:
+    real forks do not have them)."""
     layout = layout or Layout()
     module = parse_source(text, rel)
     if SITE_NAME in text and m.findall(module, m.Name(SITE_NAME)):
@@ -399,6 +417,6 @@ def inject_sites(text: str, rel: str, kind: str, layout: Layout | None = None) -
         )
     if layout.env:
         new = _ensure_import_os(new)
-    if kind == "attention":
+    if kind == "attention" and teach_mla:
         new = teach_mla_head_dims(new)
     return keep_bom(text, new.code)
