@@ -1,6 +1,7 @@
 """Every GPU figure of the project in one command, written as JSON and as a Markdown table.
 
 Usage: python benchmarks/gpu_suite.py [--device cuda|cpu] [--out DIR] [--skip saver,e2e]
+    [--megatron-lm PATH]
 
 1. Fake quant (``fake_quant`` through the fused Triton kernels, and the PyTorch reference for
    comparison) on an 8192 x 8192 bf16 tensor: GB/s (input read + output written) next to a
@@ -10,6 +11,11 @@ Usage: python benchmarks/gpu_suite.py [--device cuda|cpu] [--out DIR] [--skip sa
    the saving-step stall against a pinned device-to-host copy of the same bytes.
 3. The tiny megatron-core GPT (``gpu_e2e.py --json``) from an ``init``ed checkout: step time per
    scheme, bf16 = 1.0.
+4. The generated scripts, run (``pretrain_runs.py``): a Megatron-LM clone (``--megatron-lm``,
+   core_v0.13.1) ``init``ed with the saver installed, ``smoke`` scripts for llama32-1b and
+   deepseek2_lite run through ``torchrun pretrain_gpt.py`` (bf16, FA_linear_mxfp8 with the saver
+   on, FA_linear_hifp8), then ``runs`` and ``report``: step time per scheme against bf16, finite
+   losses, the commit each log names, the saver's files. Off a GPU a stub ``torchrun`` stands in.
 
 Bars (issue 10): each op >= 30 % of the copy (goal 50 %), <= 2 kernels per MX call, extra
 memory <= one output tensor; FA_linear_mxfp8 step <= 1.3x bf16; saver stall <= 3x the pinned
@@ -183,6 +189,14 @@ def markdown(r: dict[str, Any]) -> str:
         lines.append("")
     elif e2e:
         lines += [f"End to end: {e2e['error']}", ""]
+    pre = r.get("pretrain")
+    if pre and "error" not in pre:
+        from pretrain_runs import markdown as runs_table
+
+        kind = "stub torchrun (no training)" if pre["stub"] else "torchrun pretrain_gpt.py"
+        lines += [f"Generated smoke scripts through {kind}:", "", runs_table(pre)]
+    elif pre:
+        lines += [f"Generated scripts: {pre['error']}", ""]
     lines += ["Bars:", ""] + [f"- {b}" for b in r["bars"]]
     return "\n".join(lines) + "\n"
 
@@ -207,6 +221,14 @@ def bars(r: dict[str, Any]) -> list[str]:
     if e2e and "error" not in e2e:
         ratio = e2e["step_vs_bf16"]["FA_linear_mxfp8"]
         say(ratio <= 1.3, f"FA_linear_mxfp8 step <= 1.3x bf16 ({ratio:.2f}x)")
+    pre = r.get("pretrain")
+    if pre and "error" not in pre and not pre["stub"]:
+        ran = [d for d in pre["runs"] if d["exit"] == 0 and d["losses_finite"]]
+        say(
+            len(ran) == len(pre["runs"]),
+            f"every generated smoke script trained with finite losses ({len(ran)} of "
+            f"{len(pre['runs'])})",
+        )
     s = r.get("saver")
     if s and "error" not in s:
         stall = s["stall_vs_copy"]
@@ -223,7 +245,12 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", type=Path, default=Path("gpu-suite"))
     ap.add_argument("--size", type=int, default=None, help="square tensor side for the ops")
-    ap.add_argument("--skip", default="", help="comma list of: ops, saver, e2e")
+    ap.add_argument("--skip", default="", help="comma list of: ops, saver, e2e, pretrain")
+    ap.add_argument(
+        "--megatron-lm",
+        type=Path,
+        help="a Megatron-LM clone (core_v0.13.1) for the generated scripts' real runs",
+    )
     args = ap.parse_args()
     gpu = args.device == "cuda"
     skip = set(filter(None, args.skip.split(",")))
@@ -250,6 +277,17 @@ def main() -> None:
                 ["--device", args.device, "--steps", "20" if gpu else "4", "--no-saving-run"],
                 Path(tmp) / "e2e.json",
             )
+        if "pretrain" not in skip:
+            if gpu and args.megatron_lm is None:
+                r["pretrain"] = {
+                    "error": "not run: --megatron-lm names the Megatron-LM clone to train with"
+                }
+            else:
+                r["pretrain"] = _script(
+                    "pretrain_runs.py",
+                    ["--megatron-lm", str(args.megatron_lm)] if gpu else ["--stub"],
+                    Path(tmp) / "pretrain.json",
+                )
     r["bars"] = bars(r)
     (args.out / "gpu_suite.json").write_text(json.dumps(r, indent=1))
     md = markdown(r)
