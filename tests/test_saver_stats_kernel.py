@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -720,6 +721,126 @@ def test_a_directory_swapped_above_the_cache_never_gets_its_library_loaded(
                 swapper.kill()
                 swapper.wait()
         shutil.rmtree(base, ignore_errors=True)
+
+
+# --- the compiler in the cache key; a build that does not follow the user's -march -----------
+
+
+def _logging_cc(tmp_path: Path, name: str) -> tuple[Path, Path]:
+    """A compiler command that writes its arguments (one a line) to a log, then compiles."""
+    log, script = tmp_path / f"{name}.log", tmp_path / name
+    script.write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" > {log}\nexec {_cc()} "$@"\n')
+    script.chmod(0o755)
+    return script, log
+
+
+@needs_cc
+@x86
+def test_each_compiler_command_gets_its_own_cache_entry(ts, monkeypatch, tmp_path):
+    """Two ``$CC`` commands, two entries: neither is served the other's library."""
+    where = tmp_path / "kernels"
+    first, _ = _logging_cc(tmp_path, "cc-one")
+    monkeypatch.setenv("CC", str(first))
+    assert _ready(ts).startswith("kernel (compiled: ")
+    monkeypatch.setenv("CC", f"{first} -O1")
+    ts._forget_stats_kernel()
+    assert _ready(ts).startswith("kernel (compiled: ")
+    assert len(list(where.iterdir())) == 2
+    ts._forget_stats_kernel()
+    assert _ready(ts).startswith("kernel (cached: ")
+
+
+@needs_cc
+@x86
+def test_the_build_ends_with_the_generic_isa_whatever_cc_says(tmp_path):
+    """``CC="cc -march=sapphirerapids -mavx512f"``: the flags the saver adds come after the
+    user's, and end with plain x86-64 (the AVX2 code comes from function attributes). In a
+    process of its own: on a CPU without AVX-512 the build this replaced died of SIGILL."""
+    script, log = _logging_cc(tmp_path, "cc-log")
+    cc = f"{script} -march=sapphirerapids -mavx512f"
+    status = _status_in_a_new_process(tmp_path / "kernels", CC=cc)
+    args = log.read_text().split("\n")
+    assert args[:2] == ["-march=sapphirerapids", "-mavx512f"]
+    out = args.index("-o")
+    assert args[out - 3 : out] == ["-march=x86-64", "-mtune=generic", "-mno-avx"], args
+    assert [a for a in args if a.startswith("-march=")][-1] == "-march=x86-64"
+    if status.startswith("kernel (compiled: "):  # this compiler knows sapphirerapids
+        objdump = shutil.which("objdump")
+        if objdump is not None:
+            (lib,) = (tmp_path / "kernels").iterdir()
+            code = subprocess.run(
+                [objdump, "-d", str(lib)], capture_output=True, text=True, check=True
+            ).stdout
+            # EVEX only: zmm registers, ymm/xmm 16-31, opmask registers
+            assert not re.search(r"zmm|[xy]mm(1[6-9]|2\d|3[01])|\{%?k[1-7]\}", code)
+
+
+# --- the cache under umask 002; build folders a killed process left ---------------------------
+
+
+@needs_cc
+@x86
+def test_a_umask_002_run_caches_the_kernel_for_the_next(tmp_path):
+    """Made 0700 (directories) and 0700 (library) whatever the umask: the second process
+    loads what the first compiled (it was cached 0775, then refused as not this user's
+    alone)."""
+    where = tmp_path / "cache" / "quantpatch" / "kernels"
+    code = "import os; os.umask(0o002)\n" + (
+        "from quantpatch.runtime import tensor_saver as ts; print(ts.stats_kernel_status())"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TENSOR_SAVE")}
+    env["TENSOR_SAVE_KERNEL_DIR"] = str(where)
+    got = [
+        subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        for _ in range(2)
+    ]
+    (lib,) = where.iterdir()
+    assert got == [f"kernel (compiled: {lib})", f"kernel (cached: {lib})"]
+    for path in (where.parent.parent, where.parent, where, lib):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o700, path
+
+
+@needs_cc
+@x86
+def test_a_build_folder_left_by_a_killed_process_is_swept(ts, tmp_path):
+    """A process killed while its kernel compiles leaves its ``.build-HOST-PID-XXXX``
+    folder; the next build removes it (its process is gone), and one older than an hour
+    whoever made it, but not that of a process still running."""
+    import signal
+    import socket
+
+    where = tmp_path / "kernels"
+    pidfile, slow = tmp_path / "cc.pid", tmp_path / "slow-cc"
+    slow.write_text(
+        f'#!/bin/sh\ncase "$*" in *--version*) exec {_cc()} "$@";; esac\n'
+        f"echo $$ > {pidfile}\nexec sleep 60\n"
+    )
+    slow.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TENSOR_SAVE")}
+    env.update(TENSOR_SAVE_KERNEL_DIR=str(where), CC=str(slow))
+    code = "from quantpatch.runtime import tensor_saver as ts; ts.stats_kernel_status()"
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while not pidfile.exists() or not pidfile.read_text().strip():
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.05)
+    finally:
+        proc.kill()
+        proc.wait()
+    os.killpg(int(pidfile.read_text()), signal.SIGKILL)  # the compiler's session
+    (left,) = where.glob(".build-*")
+    old = where / ".build-a1b2c3d4"  # an older name, or another host's: by age
+    old.mkdir()
+    os.utime(old, (time.time() - 7200, time.time() - 7200))
+    running = where / f".build-{socket.gethostname()}-{os.getpid()}-0000"
+    running.mkdir()
+    assert _ready(ts).startswith("kernel (compiled: ")
+    assert sorted(p.name for p in where.iterdir() if p.name.startswith(".")) == [running.name]
+    assert len(list(where.glob("tensor_stats_*.so"))) == 1
+    assert not left.exists() and not old.exists()
 
 
 def test_the_installed_module_imports_torch_and_the_standard_library_only():
