@@ -34,7 +34,11 @@ File name: ``{timestamp}_{counter:04d}_{layer_type}_L{layer_idx}_{operation}_{qu
 [_rank{r}]_{tensor_name}.pt`` holding ``{"tensor", "tensor_info", "metadata"}``, byte for byte
 what ``torch.save`` writes in its non-zip format (``torch.load`` reads it, ``weights_only=True``
 included; it cannot be memory-mapped) because the zip format's CRC-32 and records cost 2.7x
-the write.
+the write. That format holds the dtypes with a legacy storage class only: a tensor of any
+other (float8, uint16/32/64, complex32, bits, packed fp4) is written in the zip format,
+``torch.save``'s default; one torch cannot save at all (int1-7, uint1-7) is counted as
+failed with torch's reason. ``tensor_info``'s min, max, mean and std are None for a dtype
+without them (complex, bits, packed fp4, quantized).
 
 On CUDA the training stream never waits for the host: statistics are computed on the device,
 the tensor is copied into pinned host memory on a side stream, and a background thread waits
@@ -279,6 +283,76 @@ def linear_meta(weight: torch.Tensor) -> dict[str, Any]:
 # -- the writer ------------------------------------------------------------------------------
 
 
+_NATIVE_STATS = frozenset(
+    {
+        torch.float16,
+        torch.bfloat16,
+        torch.float32,
+        torch.float64,
+        torch.uint8,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.bool,
+    }
+)
+"""Dtypes torch's reductions (``aminmax``, ``var_mean``, sums) take as they are."""
+
+_RAW_COPY = frozenset(
+    getattr(torch, name)
+    for name in (
+        "bits8",
+        "bits16",
+        "bits1x8",
+        "bits2x4",
+        "bits4x2",
+        "float4_e2m1fn_x2",
+        *(f"int{b}" for b in range(1, 8)),
+        *(f"uint{b}" for b in range(1, 8)),
+    )
+    if isinstance(getattr(torch, name, None), torch.dtype)
+)
+"""Dtypes torch has no copy for (bits, packed fp4, sub-byte integers): their snapshots are
+copied as the integers of their element size, byte for byte."""
+
+_PACKED_QUANT = frozenset({torch.quint4x2, torch.quint2x4})
+_SAME_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a view of its bytes as the integer type of its element size where torch
+    cannot copy its dtype (``_RAW_COPY``)."""
+    return t.view(_SAME_SIZE[t.element_size()]) if t.dtype in _RAW_COPY else t
+
+
+def _clone(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of ``t`` on its device, whatever its dtype (a quantized tensor keeps
+    its quantizer: it is never viewed as another dtype). Packed 4- and 2-bit quantized
+    tensors, which torch has no copy for, are quantized again from their values, with their
+    own scale and zero point: the same integers."""
+    if t.is_quantized and t.dtype in _PACKED_QUANT and t.qscheme() == torch.per_tensor_affine:
+        return torch.quantize_per_tensor(t.dequantize(), t.q_scale(), t.q_zero_point(), t.dtype)
+    if t.dtype not in _RAW_COPY:
+        return t.clone(memory_format=torch.contiguous_format)
+    return _raw(t).clone(memory_format=torch.contiguous_format).view(t.dtype)
+
+
+def _statable(t: torch.Tensor) -> torch.Tensor | None:
+    """``t`` where torch's reductions take its dtype; a float64 copy where its values are
+    real numbers torch converts (float8, uint16/32/64); None where min, max, mean and std
+    have no meaning or no operators (complex, bits, packed fp4, sub-byte integers,
+    quantized): its statistics are then recorded as None."""
+    if t.dtype in _NATIVE_STATS:
+        return t
+    if t.dtype.is_complex or t.is_quantized or t.dtype in _RAW_COPY:
+        return None
+    try:
+        return t.to(torch.float64)
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+
+
 _DEVICE_CHUNK = 1 << 24
 """Elements of a device tensor in one float64 copy for its moments (128 MB of device memory,
 what the float32 copy of a 64 MB bf16 tensor took before)."""
@@ -298,7 +372,10 @@ def _device_moments(t: torch.Tensor) -> torch.Tensor:
     9.6 ms step. Float64 tensors take ``_two_pass``. A device without float64 (MPS) sums
     in float32: values beyond 1e19 in magnitude give an infinite std there."""
     acc = torch.float32 if t.device.type == "mps" else torch.float64
-    flat = t.reshape(-1)
+    values = _statable(t)
+    if values is None:  # no statistics: ``_combine`` gives None for each
+        return torch.empty(0, dtype=acc, device=t.device)
+    flat = values.reshape(-1)
     if flat.dtype == torch.bool:
         flat = flat.to(torch.uint8)
     if not flat.numel():
@@ -333,14 +410,17 @@ def _float32s(*values: float) -> list[float]:
     return torch.tensor(values, dtype=torch.float32).tolist()
 
 
-def _combine(values: list[float], n: int) -> list[float]:
+def _combine(values: list[float], n: int) -> list[float | None]:
     """min, max, mean, std (float32 values) from ``_device_moments``'s numbers for a tensor of
     ``n`` elements: the chunks' means and variances are combined in Python floats (Chan's
     formula; weighted by k/n, so the sum stays within the largest mean). A value that is not
     finite makes the mean what the sum would be (inf, -inf, or NaN for both or for a NaN, in
-    one chunk or in two) and the std NaN (0 for a single element), as on the host."""
+    one chunk or in two) and the std NaN (0 for a single element), as on the host. No
+    numbers at all (a dtype without statistics, ``_statable``): None for each."""
     if not n:
         return [0.0] * 4
+    if not values:
+        return [None] * 4
     mn, mx = values[0], values[1]
     sizes = [min(_DEVICE_CHUNK, n - start) for start in range(0, n, _DEVICE_CHUNK)]
     means, variances = values[2::2], values[3::2]
@@ -359,23 +439,29 @@ def _combine(values: list[float], n: int) -> list[float]:
         else:  # finite values whose float64 sum overflowed: its sign
             mean = next(m for m in means if not math.isfinite(m))
         std = 0.0 if n == 1 else math.nan
-    return _float32s(mn, mx, mean, std)
+    return list(_float32s(mn, mx, mean, std))
 
 
-def _host_stats(t: torch.Tensor) -> list[float]:
+def _host_stats(t: torch.Tensor) -> list[float | None]:
     """min, max, mean, std of a host tensor as float32 values (``t`` is never written): by the
     one-pass kernel (``_fused_stats``) where it applies, else by torch's operators, with the
     reductions' results as Python floats (the dozen scalar tensor operations that combined
-    them cost 60 us a tensor: 5 of 46 ms for 80 tensors of 1024x1024)."""
+    them cost 60 us a tensor: 5 of 46 ms for 80 tensors of 1024x1024). A dtype without
+    statistics (``_statable``) gets None for each; float8 and uint16/32/64 values are
+    measured as float64."""
     if not t.numel():
         return [0.0] * 4
+    values = _statable(t)
+    if values is None:
+        return [None] * 4
+    t = values
     fused = _fused_stats(t)
     if fused is not None:
-        return fused
+        return list(fused)
     d = _float_copy(t)
     mn, mx = (float(v) for v in torch.aminmax(d))
     mean, std = _moments_host(t, d, max(abs(mn), abs(mx)))
-    return _float32s(mn, mx, mean, std)
+    return list(_float32s(mn, mx, mean, std))
 
 
 def _moments_host(t: torch.Tensor, d: torch.Tensor, big: float) -> tuple[float, float]:
@@ -1199,7 +1285,11 @@ class _HostPool:
         self.lock = threading.Lock()
 
     def take(self, t: torch.Tensor) -> torch.Tensor | None:
-        """A free buffer of ``t``'s dtype and shape, or None."""
+        """A free buffer of ``t``'s dtype and shape, or None (always for a quantized tensor,
+        whose scale and zero point a buffer would not have, and which copies only from
+        float)."""
+        if t.is_quantized:
+            return None
         key = (t.dtype, tuple(t.shape))
         with self.lock:
             bucket = self.free.get(key)
@@ -1211,10 +1301,13 @@ class _HostPool:
     def snapshot(self, t: torch.Tensor) -> torch.Tensor:
         buf = self.take(t)
         if buf is None:
-            return t.clone(memory_format=torch.contiguous_format)
-        return buf.copy_(t)
+            return _clone(t)
+        _raw(buf).copy_(_raw(t))
+        return buf
 
     def give_back(self, buf: torch.Tensor) -> None:
+        if buf.is_quantized:
+            return
         nbytes = buf.numel() * buf.element_size()
         with self.lock:
             if self.bytes + nbytes <= self.cap:
@@ -1433,12 +1526,45 @@ def _plain_bytes(obj: Any, host: torch.Tensor) -> list[Any] | None:
     return [buffer.getvalue(), _view(host)]
 
 
+_LEGACY_DTYPES = frozenset(
+    {
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+        torch.complex64,
+        torch.complex128,
+        torch.qint8,
+        torch.quint8,
+        torch.qint32,
+        torch.quint4x2,
+        torch.quint2x4,
+    }
+)
+"""Dtypes torch's non-zip format can hold (those with a legacy storage class, such as
+``torch.FloatStorage``). It writes any other (float8, uint16/32/64, complex32, bits, packed
+fp4) under a storage class that does not exist, and ``torch.load`` then fails."""
+
+
 def _torch_bytes(obj: Any, host: torch.Tensor | None) -> list[Any]:
     """What ``torch.save(obj, f, _use_new_zipfile_serialization=False)`` writes, in pieces;
     ``host`` is the tensor in ``obj``. torch.load (weights_only too) has always read this
     format, at 0.7 ms per 2 MiB against 1.9 ms for the zip format, whose CRC-32 and record
     layout cost more than the write itself. The saver's usual dict goes through the plain
-    pickler (64 against 190 us a file); anything else through torch.save itself."""
+    pickler (64 against 190 us a file); anything else through torch.save itself. A tensor
+    of a dtype that format cannot hold (``_LEGACY_DTYPES``) is written in the zip format,
+    ``torch.save``'s default; one torch cannot save at all (sub-byte integers) raises, and
+    is counted as failed with torch's reason."""
+    if host is not None and host.dtype not in _LEGACY_DTYPES:
+        buffer = io.BytesIO()
+        torch.save(obj, buffer)
+        return [buffer.getbuffer()]
     if _plain_host(host):
         assert host is not None
         parts = _plain_bytes(obj, host)
@@ -1635,7 +1761,14 @@ class _Saver:
         if _ITERATION is not None:
             meta["iteration"] = _ITERATION
         directory = save_dir or _CFG.save_dir
-        item = self._capture(t, name, meta, cost, directory)
+        try:
+            item = self._capture(t, name, meta, cost, directory)
+        except (RuntimeError, NotImplementedError) as exc:
+            if t.dtype in _LEGACY_DTYPES and not t.is_quantized:
+                raise
+            # a dtype torch cannot copy (here, on this device): this tensor fails, not saving
+            self._count_failure(cost, directory, exc)
+            return None
         self._start()
         if _CFG.drop:
             try:
@@ -1663,7 +1796,7 @@ class _Saver:
         # a snapshot on the device, on the training stream: training may write into t right
         # after this call (a reused all-gather buffer, an in-place update), and an on-device
         # copy costs a fraction of the PCIe copy that then runs on the side stream
-        snap = None if _CFG.stats_only else t.clone()
+        snap = None if _CFG.stats_only else _clone(t)
         if self.stream is None:
             self.stream = torch.cuda.Stream(device=t.device)  # type: ignore[no-untyped-call]
         current = torch.cuda.current_stream(t.device)
@@ -1680,7 +1813,7 @@ class _Saver:
                 elif host is None:  # the device holds enough snapshots already: made here
                     host = _pinned_like(snap)
                 if host is not None:
-                    host.copy_(snap, non_blocking=True)
+                    _raw(host).copy_(_raw(snap), non_blocking=True)
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(self.stream)
         if snap is not None:  # the allocator must not reuse the snapshot before the copy
@@ -1711,7 +1844,7 @@ class _Saver:
         # this thread's current device is 0 until set: the training process's GPU instead
         with torch.cuda.device(snap.device), torch.cuda.stream(self.stream):
             host = _pinned_like(snap)
-            host.copy_(snap, non_blocking=True)
+            _raw(host).copy_(_raw(snap), non_blocking=True)
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(self.stream)
         event.synchronize()
@@ -1742,12 +1875,15 @@ class _Saver:
 
     def _failed(self, item: _Item, exc: Exception) -> None:
         """Count a tensor that will not be written (training goes on; reported at flush)."""
+        self._count_failure(item.cost, item.directory, exc)
+        self._release(item)
+
+    def _count_failure(self, cost: int, directory: Path, exc: Exception) -> None:
         with self.lock:
-            self.pending_bytes -= item.cost
+            self.pending_bytes -= cost
             self.failed += 1
             if self.failure is None:
-                self.failure = (item.directory, f"{type(exc).__name__}: {exc}")
-        self._release(item)
+                self.failure = (directory, f"{type(exc).__name__}: {exc}")
 
     def _release(self, item: _Item) -> None:
         """Give ``item``'s buffers back once it is written, failed or dropped (a dropped
