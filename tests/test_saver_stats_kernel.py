@@ -578,6 +578,22 @@ def test_a_cache_that_could_be_swapped_is_not_used(ts, monkeypatch, tmp_path, sc
     assert status.startswith(f"kernel (compiled, not cached: {why}"), status
 
 
+@x86
+def test_without_proc_nothing_is_loaded(ts, monkeypatch, scratch_tmp):
+    """The kernel is loaded only through ``/proc/self/fd``: where that is missing, neither
+    the cache nor a build of this process's own is used, and torch's operators stay."""
+
+    def no_proc(fd: int) -> str:
+        raise ts._Refused("no /proc/self/fd to load the kernel through a descriptor")
+
+    monkeypatch.setattr(ts, "_proc_path", no_proc)
+    assert (
+        _ready(ts) == "torch operators (no /proc/self/fd to load the kernel through a descriptor)"
+    )
+    assert ts._fused_stats(torch.randn(100).to(torch.bfloat16)) is None
+    assert not list(scratch_tmp.iterdir())
+
+
 _EVIL_C = r"""
 #include <fcntl.h>
 #include <unistd.h>

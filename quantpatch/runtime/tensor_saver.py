@@ -326,16 +326,18 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
     return t.view(_SAME_SIZE[t.element_size()]) if t.dtype in _RAW_COPY else t
 
 
-def _clone(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous copy of ``t`` on its device, whatever its dtype (a quantized tensor keeps
+def _clone(t: torch.Tensor, contiguous: bool = True) -> torch.Tensor:
+    """A copy of ``t`` on its device (contiguous, or with ``t``'s strides where
+    ``contiguous`` is False), whatever its dtype (a quantized tensor keeps
     its quantizer: it is never viewed as another dtype). Packed 4- and 2-bit quantized
     tensors, which torch has no copy for, are quantized again from their values, with their
     own scale and zero point: the same integers."""
     if t.is_quantized and t.dtype in _PACKED_QUANT and t.qscheme() == torch.per_tensor_affine:
         return torch.quantize_per_tensor(t.dequantize(), t.q_scale(), t.q_zero_point(), t.dtype)
+    layout = torch.contiguous_format if contiguous else torch.preserve_format
     if t.dtype not in _RAW_COPY:
-        return t.clone(memory_format=torch.contiguous_format)
-    return _raw(t).clone(memory_format=torch.contiguous_format).view(t.dtype)
+        return t.clone(memory_format=layout)
+    return _raw(t).clone(memory_format=layout).view(t.dtype)
 
 
 def _statable(t: torch.Tensor) -> torch.Tensor | None:
@@ -451,7 +453,7 @@ def _host_stats(t: torch.Tensor) -> list[float | None]:
     reductions' results as Python floats (the dozen scalar tensor operations that combined
     them cost 60 us a tensor: 5 of 46 ms for 80 tensors of 1024x1024). A dtype without
     statistics (``_statable``) gets None for each; float8 and uint16/32/64 values are
-    measured as float64."""
+    measured in a float copy (float32 for float8 and uint16, float64 for the others)."""
     if not t.numel():
         return [0.0] * 4
     values = _statable(t)
@@ -1799,7 +1801,7 @@ class _Saver:
         # a snapshot on the device, on the training stream: training may write into t right
         # after this call (a reused all-gather buffer, an in-place update), and an on-device
         # copy costs a fraction of the PCIe copy that then runs on the side stream
-        snap = None if _CFG.stats_only else _clone(t)
+        snap = None if _CFG.stats_only else _clone(t, contiguous=False)
         if self.stream is None:
             self.stream = torch.cuda.Stream(device=t.device)  # type: ignore[no-untyped-call]
         current = torch.cuda.current_stream(t.device)
