@@ -1277,3 +1277,89 @@ def test_stats_only_lines_stay_whole_with_several_writers(saver_module, tmp_path
     lines = (tmp_path / "t" / "stats_rank0.jsonl").read_text().splitlines()
     recs = [json.loads(line) for line in lines]
     assert sorted(r["tensor_info"]["max"] for r in recs) == [float(i) for i in range(40)]
+
+
+_QUANTIZED = ("qint8", "quint8", "qint32", "quint4x2", "quint2x4")
+
+
+def _every_dtype() -> list:
+    import torch
+
+    return sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
+
+
+def _sample(dtype, seed: int):
+    """A tensor of ``dtype`` with varied bytes: random bytes (0 and 1 for bool), or
+    quantized from random floats."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    if str(dtype).removeprefix("torch.") in _QUANTIZED:
+        return torch.quantize_per_tensor(torch.rand(8, 8, generator=gen), 0.05, 2, dtype)
+    raw = torch.randint(0, 256, (8, 8 * dtype.itemsize), dtype=torch.uint8, generator=gen)
+    return (raw % 2 if dtype == torch.bool else raw).view(dtype)
+
+
+def _bytes(t) -> bytes:
+    """The bytes of ``t``'s elements (a quantized tensor's integers, scale and zero point)."""
+    import torch
+
+    if t.is_quantized:
+        params = repr((t.q_scale(), t.q_zero_point())).encode()
+        return bytes(t.int_repr().reshape(-1).view(torch.uint8).tolist()) + params
+    return bytes(t.contiguous().view(torch.uint8).reshape(-1).tolist())
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("dtype", [str(d).removeprefix("torch.") for d in _every_dtype()])
+def test_every_dtype_is_saved_so_that_torch_load_reads_it_bit_for_bit(
+    saver_module, tmp_path, dtype
+):
+    """Every dtype torch has: what torch can save is written (the non-zip format where it
+    holds the dtype, else the zip format: float8, uint16/32/64, complex32, bits and packed
+    fp4 were written in a format torch.load cannot read), read back by
+    ``torch.load(weights_only=True)`` with the same bytes, twice (the second through a
+    pooled snapshot buffer); what torch cannot save at all is counted as failed, with
+    torch's reason. Statistics are None where the dtype has none (complex, bits, packed
+    fp4, quantized), float64's where its values are numbers."""
+    import math
+
+    import torch
+
+    ts = saver_module(TENSOR_SAVE_STATS_KERNEL="false")
+    dt = getattr(torch, dtype)
+    try:
+        torch.save(_sample(dt, 0), io.BytesIO())
+        savable = True
+    except Exception:
+        savable = False
+    for seed in (1, 2):
+        t = _sample(dt, seed)
+        ts.save_tensor(t, "linear", "forward", "bf16", f"x{seed}", 1)
+        report = ts.flush()
+        if not savable:
+            assert (report["files"], report["failed"]) == (0, seed), report
+            assert dtype in report["errors"][0], report
+            continue
+        assert (report["files"], report["failed"]) == (seed, 0), report
+        (path,) = (tmp_path / "t").glob(f"*_x{seed}.pt")
+        obj = torch.load(path, weights_only=True)
+        got = obj["tensor"]
+        assert got.dtype == dt and got.shape == t.shape
+        assert _bytes(got) == _bytes(t)
+        info = obj["tensor_info"]
+        assert info["dtype"] == str(dt)
+        stats = [info[k] for k in ("min", "max", "mean", "std")]
+        reducible = not (
+            dt.is_complex or t.is_quantized or dtype.startswith("bits") or "float4" in dtype
+        )
+        if reducible:
+            d = t.to(torch.float64)
+            want = torch.tensor([d.min(), d.max()], dtype=torch.float32).tolist()
+            assert [math.isnan(v) for v in stats[:2]] == [math.isnan(v) for v in want]
+            assert [v for v in stats[:2] if v == v] == [v for v in want if v == v]
+        else:
+            assert stats == [None] * 4
+    if savable:  # the statistics a device tensor's would get, on the host here
+        t = _sample(dt, 3)
+        assert len(ts._combine(ts._device_moments(t).tolist(), t.numel())) == 4

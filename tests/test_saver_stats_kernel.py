@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -221,7 +222,7 @@ def test_a_compile_never_holds_up_the_saver(ts, monkeypatch, tmp_path):
     t = (torch.randn(4096) * 2).to(torch.bfloat16)
     start = time.perf_counter()
     assert ts._fused_stats(t) is None
-    assert ts._stats_kernel() == (None, "being compiled")
+    assert ts._stats_kernel() == (None, "being loaded or compiled")
     eager = ts._host_stats(t)
     assert time.perf_counter() - start < 2.0
     assert _ready(ts).startswith("kernel (compiled: ")
@@ -317,7 +318,8 @@ def test_a_cpu_without_avx2_is_told_once(ts, tmp_path):
     cc = _cc()
     subprocess.run([cc, "-shared", "-fPIC", "-o", str(tmp_path / "old.so"), str(src)], check=True)
     os.replace(tmp_path / "old.so", target)
-    status = _status_in_a_new_process(where, CC=str(tmp_path / "no-such-cc"))
+    (tmp_path / "no-cc").mkdir()  # no compiler: any cached library of this source is used
+    status = _status_in_a_new_process(where, PATH=str(tmp_path / "no-cc"))
     assert status == "torch operators (the CPU lacks AVX2, FMA or F16C)"
 
 
@@ -344,7 +346,7 @@ def test_a_cache_that_cannot_be_used_leaves_nothing_behind(
         why = f"{target} is not this user's alone"
     elif what == "not_a_directory":
         where.write_text("a file")
-        why = "no cache directory: [Errno 17] File exists: "
+        why = f"no cache directory: {where} is not a directory"
     else:
         for name in ("TENSOR_SAVE_KERNEL_DIR", "QUANTPATCH_CACHE", "XDG_CACHE_HOME"):
             monkeypatch.delenv(name, raising=False)
@@ -367,7 +369,7 @@ def test_a_failure_looking_for_the_kernel_never_fails_a_save(ts, monkeypatch, tm
     """Whatever goes wrong while the kernel is looked for, the operators compute the
     statistics and the file is written."""
 
-    def broken() -> tuple[Path | None, str]:
+    def broken(cc: object) -> tuple[object, str]:
         raise OSError("something unforeseen")
 
     monkeypatch.setattr(ts, "_cache_target", broken)
@@ -488,6 +490,373 @@ def test_saved_files_hold_the_kernels_statistics(ts, monkeypatch, tmp_path):
         got = [info["min"], info["max"], info["mean"], info["std"]]
         _one_ulp(got, _truth(obj["tensor"]))
         assert math.isfinite(info["std"])
+
+
+# --- the cache's trust rule, checked on descriptors ------------------------------------------
+
+
+def _refusal(ts, directory: Path) -> str:
+    """Why ``_open_cache_dir`` refuses ``directory`` ("" where it opens it)."""
+    try:
+        fd = ts._open_cache_dir(directory)
+    except ts._Refused as exc:
+        return str(exc)
+    os.close(fd)
+    return ""
+
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a file to uid 65534")
+
+
+def test_the_cache_directory_may_not_be_a_link(ts, tmp_path):
+    real = tmp_path / "real"
+    real.mkdir(mode=0o700)
+    (tmp_path / "kernels").symlink_to(real)
+    assert _refusal(ts, tmp_path / "kernels") == f"{tmp_path / 'kernels'} is a symbolic link"
+    assert _refusal(ts, real) == ""
+    # a link above it is resolved once, by name, and what it leads to is checked instead
+    (tmp_path / "up").symlink_to(tmp_path)
+    assert _refusal(ts, tmp_path / "up" / "real") == ""
+
+
+def test_a_directory_above_the_cache_that_others_can_write_is_refused(ts, tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o775)  # umask 002 and a shared group: the group can rename kernels/
+    assert _refusal(ts, shared / "deep" / "kernels") == (
+        f"{shared} lets others rename what it holds (owner uid {os.geteuid()}, mode 775)"
+    )
+    assert not (shared / "deep").exists()  # refused before anything is made below it
+    shared.chmod(0o1777)  # sticky (/tmp): others cannot rename what is not theirs
+    assert _refusal(ts, shared / "deep" / "kernels") == ""
+    for made in (shared / "deep", shared / "deep" / "kernels"):
+        assert stat.S_IMODE(made.stat().st_mode) == 0o700
+
+
+@needs_root
+def test_a_directory_above_the_cache_of_another_user_is_refused(ts, tmp_path):
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o755)
+    os.chown(theirs, 65534, 65534)
+    assert _refusal(ts, theirs / "kernels") == (
+        f"{theirs} lets others rename what it holds (owner uid 65534, mode 755)"
+    )
+    mine = tmp_path / "kernels"
+    mine.mkdir(mode=0o700)
+    os.chown(mine, 65534, 65534)
+    assert _refusal(ts, mine) == f"{mine} is not a directory of this user's alone"
+
+
+@needs_cc
+@x86
+@pytest.mark.parametrize("how", ["linked_directory", "linked_library", "shared_parent"])
+def test_a_cache_that_could_be_swapped_is_not_used(ts, monkeypatch, tmp_path, scratch_tmp, how):
+    """What the descriptor-based check refuses, end to end: the kernel is compiled for this
+    process alone, and nothing is loaded from the cache."""
+    assert _ready(ts).startswith("kernel (compiled: ")
+    (genuine,) = (tmp_path / "kernels").iterdir()
+    if how == "linked_directory":
+        where = tmp_path / "link"
+        where.symlink_to(tmp_path / "kernels")
+        why = f"{where} is a symbolic link"
+    elif how == "linked_library":
+        where = tmp_path / "other"
+        where.mkdir(mode=0o700)
+        (where / genuine.name).symlink_to(genuine)
+        why = f"{where / genuine.name} is not this user's alone ("
+    else:
+        shared = tmp_path / "shared"
+        shared.mkdir()
+        shared.chmod(0o777)
+        (shared / "kernels").mkdir(mode=0o700)
+        shutil.copy2(genuine, shared / "kernels" / genuine.name)
+        where = shared / "kernels"
+        why = f"{shared} lets others rename what it holds"
+    monkeypatch.setenv("TENSOR_SAVE_KERNEL_DIR", str(where))
+    ts._forget_stats_kernel()
+    status = _ready(ts)
+    assert status.startswith(f"kernel (compiled, not cached: {why}"), status
+
+
+@x86
+def test_without_proc_nothing_is_loaded(ts, monkeypatch, scratch_tmp):
+    """The kernel is loaded only through ``/proc/self/fd``: where that is missing, neither
+    the cache nor a build of this process's own is used, and torch's operators stay."""
+
+    def no_proc(fd: int) -> str:
+        raise ts._Refused("no /proc/self/fd to load the kernel through a descriptor")
+
+    monkeypatch.setattr(ts, "_proc_path", no_proc)
+    assert (
+        _ready(ts) == "torch operators (no /proc/self/fd to load the kernel through a descriptor)"
+    )
+    assert ts._fused_stats(torch.randn(100).to(torch.bfloat16)) is None
+    assert not list(scratch_tmp.iterdir())
+
+
+_EVIL_C = r"""
+#include <fcntl.h>
+#include <unistd.h>
+__attribute__((constructor)) static void evil(void) {
+    int fd = open("MARKER", O_WRONLY | O_CREAT, 0644);
+    if (fd >= 0) close(fd);
+}
+"""
+
+_SWAPPER_C = r"""
+#define _GNU_SOURCE
+#include <fcntl.h>
+#include <stdio.h>
+#include <string.h>
+/* argv[1]: the shared directory, argv[2]: the file naming the pair to swap, argv[3]: where
+   to count the swaps. Exchanges c<i> and e<i> (atomically: c<i> is always there, the
+   victim's or the swapper's), over and over, until told "stop". */
+int main(int argc, char **argv) {
+    char c[4096], e[4096], buf[32];
+    long swaps = 0;
+    if (argc != 4) return 2;
+    for (;;) {
+        FILE *f = fopen(argv[2], "r");
+        if (!f) continue;
+        size_t n = fread(buf, 1, sizeof buf - 1, f);
+        fclose(f);
+        buf[n] = 0;
+        if (!strcmp(buf, "stop")) break;
+        if (!n || buf[0] == '-') continue;
+        snprintf(c, sizeof c, "%s/c%s", argv[1], buf);
+        snprintf(e, sizeof e, "%s/e%s", argv[1], buf);
+        for (int k = 0; k < 1000; k++)
+            if (!renameat2(AT_FDCWD, c, AT_FDCWD, e, RENAME_EXCHANGE)) swaps++;
+    }
+    FILE *out = fopen(argv[3], "w");
+    if (out) { fprintf(out, "%ld\n", swaps); fclose(out); }
+    return 0;
+}
+"""
+
+
+@needs_cc
+@x86
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("setpriv") is None,
+    reason="needs root and setpriv to run the swapping process as a second user (uid 65534)",
+)
+@pytest.mark.parametrize("rule", ["as_is", "descriptors_alone"])
+def test_a_directory_swapped_above_the_cache_never_gets_its_library_loaded(
+    ts, monkeypatch, tmp_path, rule
+):
+    """A second user who can rename entries of a directory above ``kernels/`` swaps in, over
+    and over, a directory holding a library of the cached name whose constructor writes a
+    marker file, while this process looks for its kernel there: the marker never appears
+    (the check once went by path, and the load by path again). The rule on the directories
+    above refuses such a cache outright; with it switched off, the descriptors alone keep
+    what was checked what is loaded."""
+    import tempfile
+
+    if rule == "descriptors_alone":
+        monkeypatch.setattr(ts, "_ancestor_trusted", lambda st: True)
+
+    cc = _cc()
+    # a compiler that builds the genuine library once, then fails at once: every try below
+    # looks in the cache (under this compiler's entry) without a 0.5 s compile
+    gate, once = tmp_path / "may-compile", tmp_path / "cc-once"
+    gate.touch()
+    once.write_text(
+        f'#!/bin/sh\ncase "$*" in *--version*) exec {cc} "$@";; esac\n'
+        f'[ -e {gate} ] && exec {cc} "$@"\nexit 1\n'
+    )
+    once.chmod(0o755)
+    monkeypatch.setenv("CC", str(once))
+    assert _ready(ts).startswith("kernel (compiled: ")
+    gate.unlink()
+    (genuine,) = (tmp_path / "kernels").iterdir()
+    base = Path(tempfile.mkdtemp(prefix="qp-swap-"))  # tmp_path is 0700: out of uid 65534's reach
+    swapper = None
+    try:
+        base.chmod(0o711)
+        marker, current, count = base / "marker", base / "current", base / "count"
+        current.write_text("-")
+        current.chmod(0o644)
+        shared = base / "shared"
+        shared.mkdir()
+        shared.chmod(0o777)
+        (tmp_path / "evil.c").write_text(_EVIL_C.replace("MARKER", str(marker)))
+        (tmp_path / "swapper.c").write_text(_SWAPPER_C)
+        evil, program = tmp_path / "evil.so", base / "swapper"
+        subprocess.run(
+            [cc, "-shared", "-fPIC", "-o", str(evil), str(tmp_path / "evil.c")], check=True
+        )
+        subprocess.run([cc, "-O2", "-o", str(program), str(tmp_path / "swapper.c")], check=True)
+        program.chmod(0o755)
+        tries = 500
+        for i in range(tries):
+            mine, theirs = shared / f"c{i}" / "kernels", shared / f"e{i}" / "kernels"
+            mine.mkdir(parents=True, mode=0o700)
+            mine.parent.chmod(0o700)
+            shutil.copy2(genuine, mine / genuine.name)
+            theirs.mkdir(parents=True)
+            shutil.copy2(evil, theirs / genuine.name)
+            for path in (theirs.parent, theirs, theirs / genuine.name):
+                os.chown(path, 65534, 65534)
+                path.chmod(0o755)
+        count.touch()
+        os.chown(count, 65534, 65534)
+        swapper = subprocess.Popen(
+            [
+                "setpriv",
+                "--reuid=65534",
+                "--regid=65534",
+                "--clear-groups",
+                str(program),
+                str(shared),
+                str(current),
+                str(count),
+            ]
+        )
+        seen = []
+        for i in range(tries):
+            current.write_text(str(i))
+            monkeypatch.setenv("TENSOR_SAVE_KERNEL_DIR", str(shared / f"c{i}" / "kernels"))
+            ts._forget_stats_kernel()
+            seen.append(ts.stats_kernel_status())
+            assert not marker.exists(), f"the swapped-in library ran (try {i})"
+        current.write_text("stop")
+        assert swapper.wait(timeout=60) == 0
+        swapper = None
+        assert int(count.read_text()) > 0  # the swaps did happen
+        # refused outright; with the rule off, the genuine library is loaded in some tries
+        cached = sum(s.startswith("kernel (cached: ") for s in seen)
+        assert (cached == 0) if rule == "as_is" else (cached > 0)
+        assert not marker.exists()
+    finally:
+        if swapper is not None:
+            current.write_text("stop")
+            try:
+                swapper.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                swapper.kill()
+                swapper.wait()
+        shutil.rmtree(base, ignore_errors=True)
+
+
+# --- the compiler in the cache key; a build that does not follow the user's -march -----------
+
+
+def _logging_cc(tmp_path: Path, name: str) -> tuple[Path, Path]:
+    """A compiler command that writes its arguments (one a line) to a log, then compiles."""
+    log, script = tmp_path / f"{name}.log", tmp_path / name
+    script.write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" > {log}\nexec {_cc()} "$@"\n')
+    script.chmod(0o755)
+    return script, log
+
+
+@needs_cc
+@x86
+def test_each_compiler_command_gets_its_own_cache_entry(ts, monkeypatch, tmp_path):
+    """Two ``$CC`` commands, two entries: neither is served the other's library."""
+    where = tmp_path / "kernels"
+    first, _ = _logging_cc(tmp_path, "cc-one")
+    monkeypatch.setenv("CC", str(first))
+    assert _ready(ts).startswith("kernel (compiled: ")
+    monkeypatch.setenv("CC", f"{first} -O1")
+    ts._forget_stats_kernel()
+    assert _ready(ts).startswith("kernel (compiled: ")
+    assert len(list(where.iterdir())) == 2
+    ts._forget_stats_kernel()
+    assert _ready(ts).startswith("kernel (cached: ")
+
+
+@needs_cc
+@x86
+def test_the_build_ends_with_the_generic_isa_whatever_cc_says(tmp_path):
+    """``CC="cc -march=sapphirerapids -mavx512f"``: the flags the saver adds come after the
+    user's, and end with plain x86-64 (the AVX2 code comes from function attributes). In a
+    process of its own: on a CPU without AVX-512 the build this replaced died of SIGILL."""
+    script, log = _logging_cc(tmp_path, "cc-log")
+    cc = f"{script} -march=sapphirerapids -mavx512f"
+    status = _status_in_a_new_process(tmp_path / "kernels", CC=cc)
+    args = log.read_text().split("\n")
+    assert args[:2] == ["-march=sapphirerapids", "-mavx512f"]
+    out = args.index("-o")
+    assert args[out - 3 : out] == ["-march=x86-64", "-mtune=generic", "-mno-avx"], args
+    assert [a for a in args if a.startswith("-march=")][-1] == "-march=x86-64"
+    if status.startswith("kernel (compiled: "):  # this compiler knows sapphirerapids
+        objdump = shutil.which("objdump")
+        if objdump is not None:
+            (lib,) = (tmp_path / "kernels").iterdir()
+            code = subprocess.run(
+                [objdump, "-d", str(lib)], capture_output=True, text=True, check=True
+            ).stdout
+            # EVEX only: zmm registers, ymm/xmm 16-31, opmask registers
+            assert not re.search(r"zmm|[xy]mm(1[6-9]|2\d|3[01])|\{%?k[1-7]\}", code)
+
+
+# --- the cache under umask 002; build folders a killed process left ---------------------------
+
+
+@needs_cc
+@x86
+def test_a_umask_002_run_caches_the_kernel_for_the_next(tmp_path):
+    """Made 0700 (directories) and 0700 (library) whatever the umask: the second process
+    loads what the first compiled (it was cached 0775, then refused as not this user's
+    alone)."""
+    where = tmp_path / "cache" / "quantpatch" / "kernels"
+    code = "import os; os.umask(0o002)\n" + (
+        "from quantpatch.runtime import tensor_saver as ts; print(ts.stats_kernel_status())"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TENSOR_SAVE")}
+    env["TENSOR_SAVE_KERNEL_DIR"] = str(where)
+    got = [
+        subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        for _ in range(2)
+    ]
+    (lib,) = where.iterdir()
+    assert got == [f"kernel (compiled: {lib})", f"kernel (cached: {lib})"]
+    for path in (where.parent.parent, where.parent, where, lib):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o700, path
+
+
+@needs_cc
+@x86
+def test_a_build_folder_left_by_a_killed_process_is_swept(ts, tmp_path):
+    """A process killed while its kernel compiles leaves its ``.build-HOST-PID-XXXX``
+    folder; the next build removes it (its process is gone), and one older than an hour
+    whoever made it, but not that of a process still running."""
+    import signal
+    import socket
+
+    where = tmp_path / "kernels"
+    pidfile, slow = tmp_path / "cc.pid", tmp_path / "slow-cc"
+    slow.write_text(
+        f'#!/bin/sh\ncase "$*" in *--version*) exec {_cc()} "$@";; esac\n'
+        f"echo $$ > {pidfile}\nexec sleep 60\n"
+    )
+    slow.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TENSOR_SAVE")}
+    env.update(TENSOR_SAVE_KERNEL_DIR=str(where), CC=str(slow))
+    code = "from quantpatch.runtime import tensor_saver as ts; ts.stats_kernel_status()"
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while not pidfile.exists() or not pidfile.read_text().strip():
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.05)
+    finally:
+        proc.kill()
+        proc.wait()
+    os.killpg(int(pidfile.read_text()), signal.SIGKILL)  # the compiler's session
+    (left,) = where.glob(".build-*")
+    old = where / ".build-a1b2c3d4"  # an older name, or another host's: by age
+    old.mkdir()
+    os.utime(old, (time.time() - 7200, time.time() - 7200))
+    running = where / f".build-{socket.gethostname()}-{os.getpid()}-0000"
+    running.mkdir()
+    assert _ready(ts).startswith("kernel (compiled: ")
+    assert sorted(p.name for p in where.iterdir() if p.name.startswith(".")) == [running.name]
+    assert len(list(where.glob("tensor_stats_*.so"))) == 1
+    assert not left.exists() and not old.exists()
 
 
 def test_the_installed_module_imports_torch_and_the_standard_library_only():

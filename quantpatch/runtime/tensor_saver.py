@@ -34,7 +34,11 @@ File name: ``{timestamp}_{counter:04d}_{layer_type}_L{layer_idx}_{operation}_{qu
 [_rank{r}]_{tensor_name}.pt`` holding ``{"tensor", "tensor_info", "metadata"}``, byte for byte
 what ``torch.save`` writes in its non-zip format (``torch.load`` reads it, ``weights_only=True``
 included; it cannot be memory-mapped) because the zip format's CRC-32 and records cost 2.7x
-the write.
+the write. That format holds the dtypes with a legacy storage class only: a tensor of any
+other (float8, uint16/32/64, complex32, bits, packed fp4) is written in the zip format,
+``torch.save``'s default; one torch cannot save at all (int1-7, uint1-7) is counted as
+failed with torch's reason. ``tensor_info``'s min, max, mean and std are None for a dtype
+without them (complex, bits, packed fp4, quantized).
 
 On CUDA the training stream never waits for the host: statistics are computed on the device,
 the tensor is copied into pinned host memory on a side stream, and a background thread waits
@@ -66,6 +70,7 @@ import math
 import os
 import pickle
 import queue
+import stat
 import subprocess
 import sys
 import threading
@@ -278,6 +283,81 @@ def linear_meta(weight: torch.Tensor) -> dict[str, Any]:
 # -- the writer ------------------------------------------------------------------------------
 
 
+_NATIVE_STATS = frozenset(
+    {
+        torch.float16,
+        torch.bfloat16,
+        torch.float32,
+        torch.float64,
+        torch.uint8,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.bool,
+    }
+)
+"""Dtypes torch's reductions (``aminmax``, ``var_mean``, sums) take as they are."""
+
+_RAW_COPY = frozenset(
+    getattr(torch, name)
+    for name in (
+        "bits8",
+        "bits16",
+        "bits1x8",
+        "bits2x4",
+        "bits4x2",
+        "float4_e2m1fn_x2",
+        *(f"int{b}" for b in range(1, 8)),
+        *(f"uint{b}" for b in range(1, 8)),
+    )
+    if isinstance(getattr(torch, name, None), torch.dtype)
+)
+"""Dtypes torch has no copy for (bits, packed fp4, sub-byte integers): their snapshots are
+copied as the integers of their element size, byte for byte."""
+
+_PACKED_QUANT = frozenset({torch.quint4x2, torch.quint2x4})
+_SAME_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a view of its bytes as the integer type of its element size where torch
+    cannot copy its dtype (``_RAW_COPY``)."""
+    return t.view(_SAME_SIZE[t.element_size()]) if t.dtype in _RAW_COPY else t
+
+
+def _clone(t: torch.Tensor, contiguous: bool = True) -> torch.Tensor:
+    """A copy of ``t`` on its device (contiguous, or with ``t``'s strides where
+    ``contiguous`` is False), whatever its dtype (a quantized tensor keeps
+    its quantizer: it is never viewed as another dtype). Packed 4- and 2-bit quantized
+    tensors, which torch has no copy for, are quantized again from their values, with their
+    own scale and zero point: the same integers."""
+    if t.is_quantized and t.dtype in _PACKED_QUANT and t.qscheme() == torch.per_tensor_affine:
+        return torch.quantize_per_tensor(t.dequantize(), t.q_scale(), t.q_zero_point(), t.dtype)
+    layout = torch.contiguous_format if contiguous else torch.preserve_format
+    if t.dtype not in _RAW_COPY:
+        return t.clone(memory_format=layout)
+    return _raw(t).clone(memory_format=layout).view(t.dtype)
+
+
+def _statable(t: torch.Tensor) -> torch.Tensor | None:
+    """``t`` where torch's reductions take its dtype; an exact float copy where its values
+    are real numbers torch converts (float8 and uint16 as float32, which the one-pass kernel
+    takes: 11 against 20 ms as float64 for a 1024x1024 float8 tensor on one thread here;
+    uint32/64 as float64); None where min, max, mean and std have no meaning or no
+    operators (complex, bits, packed fp4, sub-byte integers, quantized): its statistics are
+    then recorded as None."""
+    if t.dtype in _NATIVE_STATS:
+        return t
+    if t.dtype.is_complex or t.is_quantized or t.dtype in _RAW_COPY:
+        return None
+    exact = torch.float32 if t.dtype.is_floating_point or t.dtype == torch.uint16 else None
+    try:
+        return t.to(exact or torch.float64)
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+
+
 _DEVICE_CHUNK = 1 << 24
 """Elements of a device tensor in one float64 copy for its moments (128 MB of device memory,
 what the float32 copy of a 64 MB bf16 tensor took before)."""
@@ -297,7 +377,10 @@ def _device_moments(t: torch.Tensor) -> torch.Tensor:
     9.6 ms step. Float64 tensors take ``_two_pass``. A device without float64 (MPS) sums
     in float32: values beyond 1e19 in magnitude give an infinite std there."""
     acc = torch.float32 if t.device.type == "mps" else torch.float64
-    flat = t.reshape(-1)
+    values = _statable(t)
+    if values is None:  # no statistics: ``_combine`` gives None for each
+        return torch.empty(0, dtype=acc, device=t.device)
+    flat = values.reshape(-1)
     if flat.dtype == torch.bool:
         flat = flat.to(torch.uint8)
     if not flat.numel():
@@ -332,14 +415,17 @@ def _float32s(*values: float) -> list[float]:
     return torch.tensor(values, dtype=torch.float32).tolist()
 
 
-def _combine(values: list[float], n: int) -> list[float]:
+def _combine(values: list[float], n: int) -> list[float | None]:
     """min, max, mean, std (float32 values) from ``_device_moments``'s numbers for a tensor of
     ``n`` elements: the chunks' means and variances are combined in Python floats (Chan's
     formula; weighted by k/n, so the sum stays within the largest mean). A value that is not
     finite makes the mean what the sum would be (inf, -inf, or NaN for both or for a NaN, in
-    one chunk or in two) and the std NaN (0 for a single element), as on the host."""
+    one chunk or in two) and the std NaN (0 for a single element), as on the host. No
+    numbers at all (a dtype without statistics, ``_statable``): None for each."""
     if not n:
         return [0.0] * 4
+    if not values:
+        return [None] * 4
     mn, mx = values[0], values[1]
     sizes = [min(_DEVICE_CHUNK, n - start) for start in range(0, n, _DEVICE_CHUNK)]
     means, variances = values[2::2], values[3::2]
@@ -358,23 +444,29 @@ def _combine(values: list[float], n: int) -> list[float]:
         else:  # finite values whose float64 sum overflowed: its sign
             mean = next(m for m in means if not math.isfinite(m))
         std = 0.0 if n == 1 else math.nan
-    return _float32s(mn, mx, mean, std)
+    return list(_float32s(mn, mx, mean, std))
 
 
-def _host_stats(t: torch.Tensor) -> list[float]:
+def _host_stats(t: torch.Tensor) -> list[float | None]:
     """min, max, mean, std of a host tensor as float32 values (``t`` is never written): by the
     one-pass kernel (``_fused_stats``) where it applies, else by torch's operators, with the
     reductions' results as Python floats (the dozen scalar tensor operations that combined
-    them cost 60 us a tensor: 5 of 46 ms for 80 tensors of 1024x1024)."""
+    them cost 60 us a tensor: 5 of 46 ms for 80 tensors of 1024x1024). A dtype without
+    statistics (``_statable``) gets None for each; float8 and uint16/32/64 values are
+    measured in a float copy (float32 for float8 and uint16, float64 for the others)."""
     if not t.numel():
         return [0.0] * 4
+    values = _statable(t)
+    if values is None:
+        return [None] * 4
+    t = values
     fused = _fused_stats(t)
     if fused is not None:
-        return fused
+        return list(fused)
     d = _float_copy(t)
     mn, mx = (float(v) for v in torch.aminmax(d))
     mean, std = _moments_host(t, d, max(abs(mn), abs(mx)))
-    return _float32s(mn, mx, mean, std)
+    return list(_float32s(mn, mx, mean, std))
 
 
 def _moments_host(t: torch.Tensor, d: torch.Tensor, big: float) -> tuple[float, float]:
@@ -603,33 +695,190 @@ def _kernel_dir() -> Path:
     return root / "kernels"
 
 
-def _private(path: Path) -> bool:
-    """Whether ``path`` (a directory or the kernel) belongs to this user and nobody else can
-    write it: code is loaded from there."""
+_DIR_OPEN = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_FILE_OPEN = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+_STALE_BUILD = 3600.0
+"""Seconds after which a build directory in the cache is removed whoever left it (a
+compile takes ``_COMPILE_TIMEOUT`` at most)."""
+
+
+class _Refused(Exception):
+    """The kernel cache is not used, for the reason given."""
+
+
+def _ancestor_trusted(st: os.stat_result) -> bool:
+    """Whether only root and this user can rename entries of a directory above the cache:
+    it is theirs, and nobody else can write it, or it is sticky (``/tmp``), where others
+    cannot rename what they do not own (the next directory down is checked for that)."""
+    return st.st_uid in (0, os.geteuid()) and (
+        not st.st_mode & 0o022 or bool(st.st_mode & stat.S_ISVTX)
+    )
+
+
+def _open_child(parent: int, name: str, where: Path) -> int:
+    """Directory ``name`` in ``parent`` opened without following a link (made, 0700 whatever
+    the umask, where it is not there)."""
     try:
-        st = path.stat()
+        return os.open(name, _DIR_OPEN, dir_fd=parent)
+    except FileNotFoundError:
+        pass
+    except NotADirectoryError:
+        with contextlib.suppress(OSError):
+            if stat.S_ISLNK(os.stat(name, dir_fd=parent, follow_symlinks=False).st_mode):
+                raise _Refused(f"{where} is a symbolic link") from None
+        raise _Refused(f"no cache directory: {where} is not a directory") from None
+    with contextlib.suppress(FileExistsError):  # a rank beside this one made it first
+        os.mkdir(name, 0o700, dir_fd=parent)
+    fd = os.open(name, _DIR_OPEN, dir_fd=parent)
+    if os.fstat(fd).st_uid == os.geteuid():
+        os.fchmod(fd, 0o700)
+    return fd
+
+
+def _open_cache_dir(directory: Path) -> int:
+    """A descriptor of the kernel cache ``directory`` (made where it is not there), or
+    ``_Refused``. Opened a directory at a time from ``/``, following no link (those above it
+    are resolved once, by name, first); every directory above it must pass
+    ``_ancestor_trusted`` and it must be this user's, a directory, and not writable by
+    group or others, each checked on its open descriptor: nothing renamed in between
+    can change what is then read, written or loaded through it."""
+    path = Path(os.path.abspath(directory))
+    if path == path.parent:
+        raise _Refused(f"{path} cannot hold the kernel cache")
+    names = [*Path(os.path.realpath(path.parent)).parts[1:], path.name]
+    fd = os.open("/", _DIR_OPEN)
+    where = Path("/")
+    try:
+        for name in names:
+            st = os.fstat(fd)
+            if not _ancestor_trusted(st):
+                raise _Refused(
+                    f"{where} lets others rename what it holds (owner uid {st.st_uid}, mode "
+                    f"{stat.S_IMODE(st.st_mode):o})"
+                )
+            where = where / name
+            child = _open_child(fd, name, where)
+            os.close(fd)
+            fd = child
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid() or st.st_mode & 0o022:
+            raise _Refused(f"{directory} is not a directory of this user's alone")
+        _proc_path(fd)
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _proc_path(fd: int) -> str:
+    """``/proc/self/fd/N`` for ``fd``, where that is the same file (else ``_Refused``): the
+    kernel is loaded through it, never by a name that could be swapped."""
+    path = f"/proc/self/fd/{fd}"
+    own = os.fstat(fd)
+    try:
+        st = os.stat(path)
     except OSError:
-        return False
-    return st.st_uid == os.getuid() and not st.st_mode & 0o022
+        st = None
+    if st is None or (st.st_dev, st.st_ino) != (own.st_dev, own.st_ino):
+        raise _Refused("no /proc/self/fd to load the kernel through a descriptor")
+    return path
 
 
-def _cache_target() -> tuple[Path | None, str]:
-    """Where the compiled kernel is cached, or None and why it is not (no home directory, a
-    directory that cannot be made, or one that others can write)."""
+def _own_file(fd: int, shown: Path) -> None:
+    """``_Refused`` unless ``fd`` is a regular file of this user that nobody else can
+    write."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        raise _Refused(f"{shown} is not this user's alone")
+
+
+_GENERIC_ISA = ("-march=x86-64", "-mtune=generic", "-mno-avx")
+"""Passed after ``$CC``'s own words: the library's code outside the AVX2 functions (which
+``QP_TARGET`` enables, and which run only where the CPU has them) is plain x86-64 whatever
+``-march``/``-mavx*`` the user's compiler command holds (an AVX-512 build on a shared home
+would stop an AVX2 node with SIGILL)."""
+
+
+def _stats_cflags() -> tuple[str, ...]:
+    return (*_STATS_CFLAGS, *_GENERIC_ISA)
+
+
+def _source_key() -> str:
     import hashlib
 
-    digest = hashlib.sha256("\0".join((_STATS_C, *_STATS_CFLAGS)).encode()).hexdigest()[:16]
+    return hashlib.sha256("\0".join((_STATS_C, *_stats_cflags())).encode()).hexdigest()[:16]
+
+
+def _kernel_name(cc: list[str], version: str) -> str:
+    """The cache entry for the kernel's source and flags compiled by ``cc`` (its words and
+    ``version``, the first line of its ``--version``): another compiler gets another entry."""
+    import hashlib
+
+    words = hashlib.sha256("\0".join((*cc, version)).encode()).hexdigest()[:12]
+    return f"tensor_stats_{_source_key()}_{words}.so"
+
+
+def _compiler_version(cc: list[str]) -> str:
+    """The first line ``cc --version`` prints, or "" where it prints none or fails."""
+    try:
+        code, output = _run([*cc, "--version"])
+    except OSError:  # then it cannot compile either, and says so
+        return ""
+    lines = output.strip().splitlines() if code == 0 else []
+    return lines[0].strip() if lines else ""
+
+
+class _Cache:
+    """The kernel cache, opened (``_open_cache_dir``): its directory's descriptor, the name of
+    the library for this source and compiler in it (None: no compiler here, any library of
+    this source), and that library's descriptor if it is there (-1: it is not)."""
+
+    def __init__(self, fd: int, directory: Path, name: str | None) -> None:
+        self.fd, self.directory, self.name, self.lib = fd, directory, name, -1
+
+    @property
+    def target(self) -> Path:
+        return self.directory / (self.name or f"tensor_stats_{_source_key()}_*.so")
+
+    def close(self) -> None:
+        for fd in (self.lib, self.fd):
+            if fd >= 0:
+                os.close(fd)
+        self.fd = self.lib = -1
+
+
+def _cache_target(cc: list[str] | None) -> tuple[_Cache | None, str]:
+    """The kernel cache, opened, with the library for ``cc`` (None: no compiler, then any
+    library of this source, all built with ``_GENERIC_ISA``) opened if it is there; or None
+    and why it is not used (no home directory, a directory that cannot be made, a directory
+    or library that others could write or swap, no ``/proc``)."""
     try:
         directory = _kernel_dir()
-        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = _open_cache_dir(directory)
+    except _Refused as exc:
+        return None, str(exc)
     except (OSError, RuntimeError) as exc:  # RuntimeError: Path.home() found no home
         return None, f"no cache directory: {exc}"
-    if not directory.is_dir() or not _private(directory):
-        return None, f"{directory} is not a directory of this user's alone"
-    target = directory / f"tensor_stats_{digest}.so"
-    if target.exists() and not _private(target):
-        return None, f"{target} is not this user's alone"
-    return target, ""
+    cache = _Cache(fd, directory, None if cc is None else _kernel_name(cc, _compiler_version(cc)))
+    name = cache.name
+    if name is None:
+        prefix = f"tensor_stats_{_source_key()}_"
+        found = sorted(n for n in os.listdir(fd) if n.startswith(prefix) and n.endswith(".so"))
+        name = found[0] if found else None
+    try:
+        if name is not None:
+            cache.lib = os.open(name, _FILE_OPEN, dir_fd=fd)
+            cache.name = name
+            _own_file(cache.lib, cache.target)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        cache.close()
+        return None, f"{directory / name} is not this user's alone ({exc})" if name else str(exc)
+    except _Refused as exc:
+        cache.close()
+        return None, str(exc)
+    return cache, ""
 
 
 def _compiler() -> list[str] | None:
@@ -660,23 +909,18 @@ def _kill_compilers() -> None:
 atexit.register(_kill_compilers)
 
 
-def _compile_stats_kernel(build: Path, cc: list[str]) -> tuple[Path | None, str]:
-    """``_STATS_C`` compiled by ``cc`` in ``build`` (a new directory of this process's own);
-    the library, or None and why not. The compiler runs in a session of its own, so that on
-    a timeout its children (cc1, as, ld) are killed with it."""
-    source, built = build / "tensor_stats.c", build / "tensor_stats.so"
-    source.write_text(_STATS_C, encoding="utf-8")
-    try:
-        proc = subprocess.Popen(
-            [*cc, *_STATS_CFLAGS, "-o", str(built), str(source)],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )
-    except OSError as exc:
-        return None, f"{cc[0]} could not run ({type(exc).__name__}: {exc})"
+def _run(command: list[str]) -> tuple[int | None, str]:
+    """Run the compiler ``command`` in a session of its own (so that on a timeout its
+    children, cc1, as, ld, are killed with it): its exit status (None: stopped after
+    ``_COMPILE_TIMEOUT``) and output; ``OSError`` where it cannot run."""
+    proc = subprocess.Popen(
+        command,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     _COMPILING.add(proc)
     try:
         output, _ = proc.communicate(timeout=_COMPILE_TIMEOUT)
@@ -684,29 +928,68 @@ def _compile_stats_kernel(build: Path, cc: list[str]) -> tuple[Path | None, str]
         with contextlib.suppress(OSError):
             os.killpg(proc.pid, 9)
         proc.communicate()
-        return None, f"{cc[0]} took over {_COMPILE_TIMEOUT:g} s and was stopped"
+        return None, ""
     finally:
         _COMPILING.discard(proc)
-    if proc.returncode:
+    return proc.returncode, output
+
+
+def _compile_stats_kernel(build: int, cc: list[str]) -> tuple[int | None, str]:
+    """``_STATS_C`` compiled by ``cc`` in the directory open as ``build`` (new, this process's
+    own, 0700), named to the compiler through ``/proc/PID/fd``: a descriptor of the library
+    (0700, checked to be this user's alone), or None and why not."""
+    where = f"/proc/{os.getpid()}/fd/{build}"
+    fd = os.open(
+        "tensor_stats.c", os.O_WRONLY | os.O_CREAT | os.O_EXCL | _FILE_OPEN, 0o600, dir_fd=build
+    )
+    try:
+        _write_all(fd, [_STATS_C.encode("utf-8")])
+    finally:
+        os.close(fd)
+    command = [*cc, *_stats_cflags(), "-o", f"{where}/tensor_stats.so", f"{where}/tensor_stats.c"]
+    try:
+        code, output = _run(command)
+    except OSError as exc:
+        return None, f"{cc[0]} could not run ({type(exc).__name__}: {exc})"
+    if code is None:
+        return None, f"{cc[0]} took over {_COMPILE_TIMEOUT:g} s and was stopped"
+    if code:
         lines = output.strip().splitlines() or ["no output"]
         return None, f"{cc[0]} failed ({lines[0][:200]})"
-    return built, ""
+    lib = os.open("tensor_stats.so", _FILE_OPEN, dir_fd=build)
+    try:
+        os.fchmod(lib, 0o700)  # the compiler made it by the umask (0775 under 002)
+        _own_file(lib, Path(where) / "tensor_stats.so")
+    except BaseException:
+        os.close(lib)
+        raise
+    return lib, ""
 
 
 _StatsFn = Callable[[int, int, int], "tuple[float, ...] | None"]
+_LOADED: list[int] = []
+"""Descriptors of the libraries loaded, kept open: dlopen answers a name it has loaded
+(``/proc/self/fd/N``) with what it loaded, so N must never name another library."""
 
 
-def _load_stats_kernel(path: Path) -> tuple[_StatsFn | None, str, bool]:
-    """The kernel in ``path`` as a Python function, checked on a known tensor; or None, why
-    not, and whether compiling it again could help (not for a CPU without AVX2, FMA or
-    F16C). ctypes lets go of the GIL for the call, so the writer thread runs beside it."""
+def _load_stats_kernel(fd: int, shown: Path) -> tuple[_StatsFn | None, str, bool]:
+    """The kernel open as ``fd`` (``shown`` in messages; the descriptor is taken over) as a
+    Python function, checked on a known tensor; or None, why not, and whether compiling it
+    again could help (not for a CPU without AVX2, FMA or F16C). Loaded through
+    ``/proc/self/fd``: the file checked is the file loaded, whatever is renamed meanwhile.
+    ctypes lets go of the GIL for the call, so the writer thread runs beside it."""
     import ctypes
 
     try:
-        lib = ctypes.CDLL(str(path))
+        lib = ctypes.CDLL(_proc_path(fd))
+    except (OSError, _Refused) as exc:
+        os.close(fd)
+        return None, f"{shown} does not load ({exc})", True
+    _LOADED.append(fd)
+    try:
         supported, fn = lib.qp_supported, lib.qp_tensor_stats
-    except (OSError, AttributeError) as exc:
-        return None, f"{path} does not load ({exc})", True
+    except AttributeError as exc:
+        return None, f"{shown} does not load ({exc})", True
     supported.restype = ctypes.c_int
     if not supported():
         return None, "the CPU lacks AVX2, FMA or F16C", False
@@ -721,60 +1004,139 @@ def _load_stats_kernel(path: Path) -> tuple[_StatsFn | None, str, bool]:
     probe = torch.tensor([1.5, -2.25, 0.5] * 7, dtype=torch.bfloat16)  # 16 at once, 5 alone
     got = stats(probe.data_ptr(), probe.numel(), _STATS_KINDS[torch.bfloat16])
     if got != (-2.25, 1.5, -1.75, 7 * (1.5**2 + 2.25**2 + 0.5**2)):
-        return None, f"{path} gives {got} on a known tensor", True
-    return stats, str(path), True
+        return None, f"{shown} gives {got} on a known tensor", True
+    return stats, str(shown), True
 
 
-def _known_kernel(target: Path | None, cc: list[str] | None) -> tuple[_StatsFn | None, str] | None:
-    """What can be had without compiling: the cached kernel, or None and why there can be
-    none (``cc``: the compiler, None where there is none); None where it must be compiled."""
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's
+        return True
+    return True
+
+
+def _sweep_builds(cache: int) -> None:
+    """Remove the build directories (``.build-HOST-PID-XXXX``) this user left in the cache
+    open as ``cache``: those of a process of this host that has ended (killed while it
+    compiled), and any older than ``_STALE_BUILD`` (another host's, or an older name)."""
+    import shutil
+    import socket
+
+    host, now = socket.gethostname(), time.time()
+    for entry in os.listdir(cache):
+        if not entry.startswith(".build-"):
+            continue
+        try:
+            st = os.stat(entry, dir_fd=cache, follow_symlinks=False)
+        except OSError:
+            continue
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+            continue
+        stale = now - st.st_mtime > _STALE_BUILD
+        parts = entry[len(".build-") :].rsplit("-", 2)
+        if not stale and len(parts) == 3 and parts[0] == host and parts[1].isdigit():
+            stale = not _alive(int(parts[1]))
+        if stale:
+            shutil.rmtree(entry, dir_fd=cache, ignore_errors=True)
+
+
+def _build_kernel(
+    cache: _Cache | None, uncached: str, cc: list[str]
+) -> tuple[_StatsFn | None, str]:
+    """Compile (by ``cc``), load and check the kernel, then cache it (``cache`` None: not
+    cached, for the reason ``uncached``). Built in a new directory of this process's own
+    (``.build-HOST-PID-XXXX`` in the cache, after the ones a dead process left are swept;
+    else in the system's temporary directory), reached through descriptors only and removed
+    once the library is loaded: ranks that start together each build their own, and the last
+    rename wins."""
+    import secrets
+    import shutil
+    import socket
+    import tempfile
+
+    parent = -1
+    if cache is not None:
+        name = f".build-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
+        try:
+            _sweep_builds(cache.fd)
+            os.mkdir(name, 0o700, dir_fd=cache.fd)
+            parent = os.dup(cache.fd)
+        except OSError as exc:
+            cache, uncached = None, f"the cache cannot be written: {exc}"
+    if parent < 0:
+        name = f"quantpatch-kernel-{os.getpid()}-{secrets.token_hex(4)}"
+        parent = os.open(tempfile.gettempdir(), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.mkdir(name, 0o700, dir_fd=parent)
+        except BaseException:
+            os.close(parent)
+            raise
+    try:
+        build = os.open(name, _DIR_OPEN, dir_fd=parent)
+        try:
+            os.fchmod(build, 0o700)
+            if os.fstat(build).st_uid != os.geteuid():
+                return None, "the kernel's build directory is not this user's"
+            _proc_path(build)
+            lib, why = _compile_stats_kernel(build, cc)
+            if lib is None:
+                return None, why
+            shown = cache.directory / str(cache.name) if cache else Path(name) / "tensor_stats.so"
+            stats, note, _ = _load_stats_kernel(lib, shown)  # mapped: it survives its file
+            if stats is None:
+                return None, note
+            if cache is None:
+                return stats, f"compiled, not cached: {uncached}"
+            try:
+                os.replace(
+                    "tensor_stats.so", str(cache.name), src_dir_fd=build, dst_dir_fd=cache.fd
+                )
+            except OSError as exc:
+                return stats, f"compiled, not cached: {exc}"
+            return stats, f"compiled: {shown}"
+        finally:
+            os.close(build)
+    except _Refused as exc:
+        return None, str(exc)
+    finally:
+        shutil.rmtree(name, dir_fd=parent, ignore_errors=True)
+        os.close(parent)
+
+
+def _find_kernel() -> tuple[_StatsFn | None, str]:
+    """The cached kernel (this source, this compiler), else one compiled now (``_build_kernel``),
+    or None and why there is none."""
     import platform
 
     if platform.machine().lower() not in ("x86_64", "amd64") or sys.byteorder != "little":
         return None, f"not an x86-64 host ({platform.machine()})"
-    if target is not None and target.exists():
-        stats, note, retry = _load_stats_kernel(target)
-        if stats is not None:
-            return stats, f"cached: {note}"
-        if not retry:
-            return None, note
-    if cc is None:
-        return None, "no C compiler (cc, gcc or clang) on PATH"
-    return None
-
-
-def _build_kernel(target: Path | None, uncached: str, cc: list[str]) -> tuple[_StatsFn | None, str]:
-    """Compile (by ``cc``), load and check the kernel, then cache it as ``target`` (None:
-    not cached, for the reason ``uncached``). Built in a new directory (in the cache, else in the
-    system's temporary directory) that is removed once the library is loaded: ranks that
-    start together each build their own, and the last rename wins."""
-    import shutil
-    import tempfile
-
-    build = None
-    if target is not None:
-        try:
-            build = Path(tempfile.mkdtemp(prefix=".build-", dir=target.parent))
-        except OSError as exc:
-            target, uncached = None, f"the cache cannot be written: {exc}"
-    if build is None:
-        build = Path(tempfile.mkdtemp(prefix="quantpatch-kernel-"))
+    cache = None
     try:
-        built, why = _compile_stats_kernel(build, cc)
-        if built is None:
-            return None, why
-        stats, note, _ = _load_stats_kernel(built)  # mapped: it survives its file
-        if stats is None:
-            return None, note
-        if target is None:
-            return stats, f"compiled, not cached: {uncached}"
-        try:
-            os.replace(built, target)
-        except OSError as exc:
-            return stats, f"compiled, not cached: {exc}"
-        return stats, f"compiled: {target}"
+        cc = _compiler()
+        cache, uncached = _cache_target(cc)
+        if cache is not None and cache.lib >= 0:
+            lib, cache.lib = cache.lib, -1
+            stats, note, retry = _load_stats_kernel(lib, cache.target)
+            if stats is not None:
+                return stats, f"cached: {note}"
+            if not retry:
+                return None, note
+    except Exception as exc:  # never let the saver fail for its kernel
+        if cache is not None:
+            cache.close()
+        return None, f"the kernel could not be looked for ({type(exc).__name__}: {exc})"
+    try:
+        if cc is None:
+            return None, "no C compiler (cc, gcc or clang) on PATH"
+        return _build_kernel(cache, uncached, cc)
+    except Exception as exc:  # never let the saver fail for its kernel
+        return None, f"the kernel could not be built ({type(exc).__name__}: {exc})"
     finally:
-        shutil.rmtree(build, ignore_errors=True)
+        if cache is not None:
+            cache.close()
 
 
 _KERNEL_LOCK = threading.Lock()
@@ -785,46 +1147,31 @@ _kernel_build: threading.Thread | None = None
 
 def _stats_kernel(wait: bool = False) -> tuple[_StatsFn | None, str]:
     """The one-pass kernel and where it came from, or None and why there is none (yet).
-    Looked for once per process, on the first host tensor measured: loaded from the cache
-    when it is there (0.4 ms), else compiled in a thread of its own (0.5 s) while torch's
-    operators compute the statistics, so that neither training nor the saver ever waits
-    for a compiler (``wait``: this caller does). Only a directory and a file of this user
-    that nobody else can write are used; otherwise it is compiled for this process alone.
-    A cached kernel that does not load or gives a wrong answer on a known tensor is
-    compiled again (and replaced); any error on the way leaves torch's operators in use."""
-    global _kernel, _kernel_build
+    Looked for once per process, on the first host tensor measured, in a thread of its own:
+    loaded from the cache when it is there (a few ms, with the compiler's ``--version``),
+    else compiled (0.5 s), while torch's operators compute the statistics, so that neither
+    training nor the saver ever waits for a compiler (``wait``: this caller does). Only a
+    cache that passes ``_open_cache_dir`` and a library of this user that nobody else can
+    write are used; otherwise it is compiled for this process alone. A cached kernel that
+    does not load or gives a wrong answer on a known tensor is compiled again (and
+    replaced); any error on the way leaves torch's operators in use."""
+    global _kernel_build
     with _KERNEL_LOCK:
         if _kernel is None and _kernel_build is None:
-            target, uncached, cc = None, "", None
-            try:
-                target, uncached = _cache_target()
-                cc = _compiler()
-                known = _known_kernel(target, cc)
-            except Exception as exc:  # never let the saver fail for its kernel
-                known = None, f"the kernel could not be looked for ({type(exc).__name__}: {exc})"
-            if known is None and cc is not None:
-                _kernel_build = threading.Thread(
-                    target=_build_kernel_thread,
-                    args=(target, uncached, cc),
-                    name="tensor_saver_kernel",
-                    daemon=True,
-                )
-                _kernel_build.start()
-            else:
-                _kernel = known
+            _kernel_build = threading.Thread(
+                target=_find_kernel_thread, name="tensor_saver_kernel", daemon=True
+            )
+            _kernel_build.start()
         build = _kernel_build
     if wait and build is not None:
         build.join()
     found = _kernel
-    return found if found is not None else (None, "being compiled")
+    return found if found is not None else (None, "being loaded or compiled")
 
 
-def _build_kernel_thread(target: Path | None, uncached: str, cc: list[str]) -> None:
+def _find_kernel_thread() -> None:
     global _kernel
-    try:
-        found = _build_kernel(target, uncached, cc)
-    except Exception as exc:  # never let the saver fail for its kernel
-        found = None, f"the kernel could not be built ({type(exc).__name__}: {exc})"
+    found = _find_kernel()
     with _KERNEL_LOCK:
         _kernel = found
 
@@ -943,7 +1290,11 @@ class _HostPool:
         self.lock = threading.Lock()
 
     def take(self, t: torch.Tensor) -> torch.Tensor | None:
-        """A free buffer of ``t``'s dtype and shape, or None."""
+        """A free buffer of ``t``'s dtype and shape, or None (always for a quantized tensor,
+        whose scale and zero point a buffer would not have, and which copies only from
+        float)."""
+        if t.is_quantized:
+            return None
         key = (t.dtype, tuple(t.shape))
         with self.lock:
             bucket = self.free.get(key)
@@ -955,10 +1306,13 @@ class _HostPool:
     def snapshot(self, t: torch.Tensor) -> torch.Tensor:
         buf = self.take(t)
         if buf is None:
-            return t.clone(memory_format=torch.contiguous_format)
-        return buf.copy_(t)
+            return _clone(t)
+        _raw(buf).copy_(_raw(t))
+        return buf
 
     def give_back(self, buf: torch.Tensor) -> None:
+        if buf.is_quantized:
+            return
         nbytes = buf.numel() * buf.element_size()
         with self.lock:
             if self.bytes + nbytes <= self.cap:
@@ -1177,12 +1531,45 @@ def _plain_bytes(obj: Any, host: torch.Tensor) -> list[Any] | None:
     return [buffer.getvalue(), _view(host)]
 
 
+_LEGACY_DTYPES = frozenset(
+    {
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+        torch.complex64,
+        torch.complex128,
+        torch.qint8,
+        torch.quint8,
+        torch.qint32,
+        torch.quint4x2,
+        torch.quint2x4,
+    }
+)
+"""Dtypes torch's non-zip format can hold (those with a legacy storage class, such as
+``torch.FloatStorage``). It writes any other (float8, uint16/32/64, complex32, bits, packed
+fp4) under a storage class that does not exist, and ``torch.load`` then fails."""
+
+
 def _torch_bytes(obj: Any, host: torch.Tensor | None) -> list[Any]:
     """What ``torch.save(obj, f, _use_new_zipfile_serialization=False)`` writes, in pieces;
     ``host`` is the tensor in ``obj``. torch.load (weights_only too) has always read this
     format, at 0.7 ms per 2 MiB against 1.9 ms for the zip format, whose CRC-32 and record
     layout cost more than the write itself. The saver's usual dict goes through the plain
-    pickler (64 against 190 us a file); anything else through torch.save itself."""
+    pickler (64 against 190 us a file); anything else through torch.save itself. A tensor
+    of a dtype that format cannot hold (``_LEGACY_DTYPES``) is written in the zip format,
+    ``torch.save``'s default; one torch cannot save at all (sub-byte integers) raises, and
+    is counted as failed with torch's reason."""
+    if host is not None and host.dtype not in _LEGACY_DTYPES:
+        buffer = io.BytesIO()
+        torch.save(obj, buffer)
+        return [buffer.getbuffer()]
     if _plain_host(host):
         assert host is not None
         parts = _plain_bytes(obj, host)
@@ -1379,7 +1766,14 @@ class _Saver:
         if _ITERATION is not None:
             meta["iteration"] = _ITERATION
         directory = save_dir or _CFG.save_dir
-        item = self._capture(t, name, meta, cost, directory)
+        try:
+            item = self._capture(t, name, meta, cost, directory)
+        except (RuntimeError, NotImplementedError) as exc:
+            if t.dtype in _LEGACY_DTYPES and not t.is_quantized:
+                raise
+            # a dtype torch cannot copy (here, on this device): this tensor fails, not saving
+            self._count_failure(cost, directory, exc)
+            return None
         self._start()
         if _CFG.drop:
             try:
@@ -1407,7 +1801,7 @@ class _Saver:
         # a snapshot on the device, on the training stream: training may write into t right
         # after this call (a reused all-gather buffer, an in-place update), and an on-device
         # copy costs a fraction of the PCIe copy that then runs on the side stream
-        snap = None if _CFG.stats_only else t.clone()
+        snap = None if _CFG.stats_only else _clone(t, contiguous=False)
         if self.stream is None:
             self.stream = torch.cuda.Stream(device=t.device)  # type: ignore[no-untyped-call]
         current = torch.cuda.current_stream(t.device)
@@ -1424,7 +1818,7 @@ class _Saver:
                 elif host is None:  # the device holds enough snapshots already: made here
                     host = _pinned_like(snap)
                 if host is not None:
-                    host.copy_(snap, non_blocking=True)
+                    _raw(host).copy_(_raw(snap), non_blocking=True)
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(self.stream)
         if snap is not None:  # the allocator must not reuse the snapshot before the copy
@@ -1455,7 +1849,7 @@ class _Saver:
         # this thread's current device is 0 until set: the training process's GPU instead
         with torch.cuda.device(snap.device), torch.cuda.stream(self.stream):
             host = _pinned_like(snap)
-            host.copy_(snap, non_blocking=True)
+            _raw(host).copy_(_raw(snap), non_blocking=True)
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(self.stream)
         event.synchronize()
@@ -1486,12 +1880,15 @@ class _Saver:
 
     def _failed(self, item: _Item, exc: Exception) -> None:
         """Count a tensor that will not be written (training goes on; reported at flush)."""
+        self._count_failure(item.cost, item.directory, exc)
+        self._release(item)
+
+    def _count_failure(self, cost: int, directory: Path, exc: Exception) -> None:
         with self.lock:
-            self.pending_bytes -= item.cost
+            self.pending_bytes -= cost
             self.failed += 1
             if self.failure is None:
-                self.failure = (item.directory, f"{type(exc).__name__}: {exc}")
-        self._release(item)
+                self.failure = (directory, f"{type(exc).__name__}: {exc}")
 
     def _release(self, item: _Item) -> None:
         """Give ``item``'s buffers back once it is written, failed or dropped (a dropped
