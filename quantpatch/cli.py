@@ -827,11 +827,13 @@ def runs_cmd(
         plots.require_matplotlib()
     res = training_logs.runs(paths or None, jobs=jobs, names=(reg.models, reg.datasets))
     if _analysis_json(json_):
-        pa.emit_json({"logs": res.logs, "runs": res.rows})
+        pa.emit_json({"logs": res.logs, "runs": res.rows, "skipped": pa.skipped_logs(res)})
     elif csv_:
+        pa.print_skipped_logs(err, res)
         pa.emit_csv(res.rows)
     else:
         err.print(f"read {res.logs} logs", markup=False)
+        pa.print_skipped_logs(err, res)
         pa.print_rows(
             out, "runs against bf16 (same model, dataset, profile)", pa.runs_display(res.rows)
         )

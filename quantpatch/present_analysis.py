@@ -123,6 +123,22 @@ def print_inventory(out: Console, inv: Any) -> None:
     )
 
 
+def skipped_logs(res: Any) -> list[dict[str, str]]:
+    """The logs ``runs`` could not read, for JSON."""
+    return [{"path": path, "reason": why} for path, why in res.skipped]
+
+
+def print_skipped_logs(err: Console, res: Any) -> None:
+    """One line per log ``runs`` could not read (at most 20), and their count."""
+    if not res.skipped:
+        return
+    err.print(f"skipped {len(res.skipped)} of {res.logs} logs", style="yellow", markup=False)
+    for path, why in res.skipped[:20]:
+        err.print(f"  skipped {path}: {why}", style="yellow", markup=False)
+    if len(res.skipped) > 20:
+        err.print(f"  ... and {len(res.skipped) - 20} more", style="yellow", markup=False)
+
+
 _RUN_LABELS = {
     "loss_delta_vs_bf16": "Δloss",
     "rel_delta_vs_bf16": "Δloss rel",
@@ -130,6 +146,7 @@ _RUN_LABELS = {
     "step_ms": "step ms",
     "step_vs_bf16": "step/bf16",
     "nan_iterations": "nan",
+    "last_finite_iteration": "loss at",
     "unreadable_lines": "bad lines",
 }
 

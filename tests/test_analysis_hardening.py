@@ -1,0 +1,236 @@
+"""``runs``, ``tensors`` and ``report`` on odd inputs: noisy and NaN training logs as
+Megatron core_v0.13.1 prints them, logs and files that are not what their names say, hostile
+names, metrics at the edges of the float range, and ``--out`` / ``--jobs`` refusals."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import re
+import signal
+from pathlib import Path
+
+import pytest
+
+from quantpatch.analysis import training_logs
+
+# Megatron core_v0.13.1 ``training_log``: one iteration line (the brief's, with
+# ``--log-throughput``); a NaN interval prints no ``lm loss`` but ``grad norm: nan`` and
+# ``number of nan iterations: N``
+MEGATRON = (
+    " [2025-06-03 10:12:45] iteration {it:8d}/{total:8d} | consumed samples: {cs:12d} | "
+    "elapsed time per iteration (ms): 512.3 | throughput per GPU (TFLOP/s/GPU): 101.2 | "
+    "learning rate: 3.000000E-04 | global batch size:    32 | {loss}loss scale: 1.0 | "
+    "grad norm: {grad} | number of skipped iterations: {sk:3d} | "
+    "number of nan iterations: {nan:3d} |"
+)
+
+
+def _megatron_log(
+    path: Path, losses: list[float], *, scheme: str = "bf16", exit_status: int | None = 0
+) -> Path:
+    """A log of one iteration line per loss (NaN: the line Megatron prints for a NaN
+    interval), with the launch scripts' header and exit line."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = [f"[quantpatch] llama32-1b / wikipedia / {scheme} (smoke): linear=bf16 qk=bf16 pv=bf16"]
+    n = len(losses)
+    for i, loss in enumerate(losses, 1):
+        bad = not math.isfinite(loss)
+        printed = "" if bad else f"lm loss: {loss:.6E} | "
+        grad = "nan" if bad else "2.345"
+        line = MEGATRON.format(it=i, total=n, cs=32 * i, loss=printed, grad=grad, sk=0, nan=bad)
+        lines.append(line)
+    if exit_status is not None:
+        lines.append(f"[quantpatch] training exited with status {exit_status}")
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _falling(n: int, seed: int, noise: float = 0.3) -> list[float]:
+    """A falling loss with multiplicative noise of +-``noise`` on every iteration."""
+    rng = random.Random(seed)
+    return [(2 + 8 * math.exp(-4 * i / n)) * (1 + rng.uniform(-noise, noise)) for i in range(n)]
+
+
+# -- diverged: judged against the run's own noise, and against bf16 ---------------------------
+
+
+@pytest.mark.parametrize("n", [20, 2000])
+def test_a_noisy_falling_loss_has_not_diverged(tmp_path, n):
+    """20 noisy losses once marked every run diverged, the bf16 reference included (the
+    last of 10 windows of 2 was 5 % above the best): the level is now judged against the
+    run's own iteration-to-iteration noise."""
+    for seed in range(5):
+        root = tmp_path / str(seed)
+        _megatron_log(root / "ref" / "x.log", _falling(n, seed))
+        _megatron_log(root / "q" / "x.log", _falling(n, seed + 100), scheme="FA_mxfp8")
+        rows = {r["scheme"]: r for r in training_logs.runs([root]).rows}
+        assert rows["bf16"]["diverged"] is False, (seed, rows["bf16"])
+        assert rows["FA_mxfp8"]["diverged"] is False, (seed, rows["FA_mxfp8"])
+        assert rows["bf16"]["status"] == "finished"
+
+
+@pytest.mark.parametrize("n", [20, 2000])
+def test_a_loss_rising_over_its_last_third_has_diverged(tmp_path, n):
+    losses = _falling(n, 1, noise=0.05)
+    third = n - n // 3
+    losses[third:] = [v * (1 + 2 * (i + 1) / (n // 3)) for i, v in enumerate(losses[third:])]
+    _megatron_log(tmp_path / "ref" / "x.log", _falling(n, 2, noise=0.05))
+    _megatron_log(tmp_path / "q" / "x.log", losses, scheme="FA_hifp8")
+    rows = {r["scheme"]: r for r in training_logs.runs([tmp_path]).rows}
+    assert rows["FA_hifp8"]["diverged"] is True and rows["bf16"]["diverged"] is False
+
+
+def test_the_gap_to_bf16_that_grows_is_divergence(tmp_path):
+    """A run whose loss still falls, but ever more slowly than bf16's beside it, is
+    judged against bf16: its gap to bf16 rises over the last third."""
+    n = 300
+    ref = _falling(n, 3, noise=0.01)
+    run = [v + (3.0 * max(0, i - 2 * n // 3) / (n // 3)) for i, v in enumerate(ref)]
+    run = [v * 0.999 for v in run]
+    _megatron_log(tmp_path / "ref" / "x.log", ref)
+    _megatron_log(tmp_path / "q" / "x.log", run, scheme="linear_mxfp4")
+    q = training_logs.parse_log(tmp_path / "q" / "x.log")
+    b = training_logs.parse_log(tmp_path / "ref" / "x.log")
+    assert training_logs.diverged(b) is False and training_logs.diverged(b, b) is False
+    assert training_logs.diverged(q, b) is True
+
+
+def test_too_short_to_judge_and_nan_whatever_the_length(tmp_path):
+    short = _megatron_log(tmp_path / "a" / "x.log", [3.0, 2.9, 2.8])
+    assert training_logs.diverged(training_logs.parse_log(short)) is None
+    nan = _megatron_log(tmp_path / "b" / "x.log", [3.0, math.nan, 2.8], scheme="x")
+    assert training_logs.diverged(training_logs.parse_log(nan)) is True
+    res = training_logs.runs([tmp_path / "a"])
+    assert res.rows[0]["diverged"] is None
+
+
+def test_nan_as_megatron_prints_it(tmp_path):
+    """core_v0.13.1 prints no ``lm loss`` on a NaN interval, only ``grad norm: nan`` and
+    ``number of nan iterations: N``: the run is diverged with status ``nan``, and the loss
+    reported (from before the NaNs) says which iteration it is from."""
+    losses = _falling(40, 4, noise=0.01)[:30] + [math.nan] * 10
+    _megatron_log(tmp_path / "q" / "x.log", losses, scheme="FA_hifp8")
+    _megatron_log(tmp_path / "ref" / "x.log", _falling(40, 5, noise=0.01))
+    rows = {r["scheme"]: r for r in training_logs.runs([tmp_path]).rows}
+    q = rows["FA_hifp8"]
+    assert q["diverged"] is True and q["status"] == "nan" and q["nan_iterations"] == 10
+    assert q["iterations"] == 40 and q["last_finite_iteration"] == 30
+    assert math.isfinite(q["loss"])
+    assert rows["bf16"]["last_finite_iteration"] == 40 and rows["bf16"]["status"] == "finished"
+    # a NaN run too short to judge otherwise is still diverged
+    _megatron_log(tmp_path / "s" / "x.log", [3.0, math.nan], scheme="FA_mxfp4")
+    rows = {r["scheme"]: r for r in training_logs.runs([tmp_path / "s"]).rows}
+    assert rows["FA_mxfp4"]["diverged"] is True and rows["FA_mxfp4"]["status"] == "nan"
+
+
+# -- one odd log never stops the others ---------------------------------------------------------
+
+
+def test_odd_logs_are_read_and_never_stop_the_others(tmp_path, monkeypatch):
+    good = _megatron_log(tmp_path / "good" / "x.log", _falling(30, 6))
+    digits = tmp_path / "digits" / "x.log"  # an exit status of 5000 digits
+    _megatron_log(digits, _falling(30, 6), exit_status=None)
+    digits.write_text(digits.read_text() + "[quantpatch] training exited with status "
+                      + "9" * 5000 + "\n")  # fmt: skip
+    _megatron_log(tmp_path / "huge" / "x.log", [1e308] * 30, scheme="h")  # sum overflows
+    wide = _megatron_log(tmp_path / "wide" / "x.log", _falling(30, 6), scheme="w")
+    text = wide.read_text().splitlines()
+    text[1] = re.sub(r"lm loss: \S+", "lm loss: 1.12345678901234567890123456", text[1])
+    wide.write_text("\n".join(text) + "\n")  # 26 decimals on the first iteration line
+    res = training_logs.runs([tmp_path])
+    assert res.logs == 4 and not res.skipped
+    paths = {Path(r["path"]).parent.name: r for r in res.rows}
+    assert paths["digits"]["status"].startswith("no exit line")
+    assert paths["huge"]["loss"] == 1e308 and paths["huge"]["diverged"] is False
+    assert paths["wide"]["iterations"] == 30
+    # an internal error in one log's parse: that log is reported, the others are read
+    real = training_logs.parse_log
+
+    def boom(path: Path, chunk: int = 0) -> training_logs.Run:
+        if path == good:
+            raise IndexError("planted")
+        return real(path, chunk)
+
+    monkeypatch.setattr(training_logs, "parse_log", boom)
+    res = training_logs.runs([tmp_path])
+    assert len(res.rows) == 3 and res.skipped == [
+        (str(good), "could not be parsed (IndexError: planted)")
+    ]
+
+
+# -- special files, long lines, memory ----------------------------------------------------------
+
+
+@pytest.fixture
+def alarm():
+    """Fail (instead of hanging the suite) when a test blocks for 20 seconds."""
+
+    def hang(*_: object) -> None:
+        raise TimeoutError("blocked")
+
+    old = signal.signal(signal.SIGALRM, hang)
+    signal.alarm(20)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, old)
+
+
+def test_special_files_are_skipped_not_read(tmp_path, alarm, run):
+    _megatron_log(tmp_path / "good" / "x.log", _falling(30, 6))
+    os.mkfifo(tmp_path / "fifo.log")
+    (tmp_path / "zero.log").symlink_to("/dev/zero")
+    res = training_logs.runs([tmp_path])
+    assert len(res.rows) == 1
+    assert dict(res.skipped) == {
+        str(tmp_path / "fifo.log"): "not a regular file (a FIFO)",
+        str(tmp_path / "zero.log"): "not a regular file (a character device)",
+    }
+    out = run("runs", tmp_path, "--json")
+    assert out.code == 0 and len(json.loads(out.out)["skipped"]) == 2
+    out = run("runs", tmp_path)
+    assert out.code == 0 and "skipped" in out.err and "a FIFO" in out.err
+
+
+def test_a_log_read_in_pieces_is_the_log_read_whole(tmp_path):
+    """Pieces of whole lines, a line longer than a piece skipped and counted, an iteration
+    printed again in a later piece, a crash at the end: the same run as read in one
+    piece, with memory bounded by the piece."""
+    losses = _falling(400, 8, noise=0.1)
+    losses[100] = math.nan
+    p = _megatron_log(tmp_path / "x.log", losses, exit_status=None)
+    lines = p.read_text().splitlines()
+    lines.insert(300, lines[120])  # iteration 120 again, far from its first print
+    lines.insert(200, "x" * 50_000)  # one very long line (no newline for 50 kB)
+    lines.append("Traceback (most recent call last):")
+    p.write_text("\n".join(lines) + "\n" + "RuntimeError: CUDA err")  # still being written
+    whole = training_logs.parse_log(p)
+    for chunk in (4096, 20_000, 333_333):
+        piece = training_logs.parse_log(p, chunk)
+        assert list(piece.iterations) == list(whole.iterations) == list(range(1, 401))
+        assert (piece.garbage, piece.duplicates, piece.crashed, piece.model) == (
+            whole.garbage + (chunk < 50_000), whole.duplicates, whole.crashed, "llama32-1b",
+        )  # fmt: skip
+        for name in ("loss", "nan", "skipped", "grad_norm", "step_ms", "loss_scale", "tflops"):
+            a, b = list(piece.column(name)), list(whole.column(name))
+            assert [x if x == x else None for x in a] == [x if x == x else None for x in b], name
+    assert whole.garbage == 0 and whole.duplicates == 1 and whole.crashed
+
+
+def test_memory_is_bounded_by_the_piece(tmp_path):
+    """A log is never held whole: what a parse allocates at its peak is a few times a
+    piece (the piece, its positions and windows), a small part of a 20 MB log."""
+    import tracemalloc
+
+    p = _megatron_log(tmp_path / "x.log", _falling(60_000, 9))
+    size = p.stat().st_size
+    assert size > 18 << 20
+    training_logs.parse_log(p, 1 << 18)  # the reused scratch buffers, allocated once
+    tracemalloc.start()
+    run = training_logs.parse_log(p, 1 << 18)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert len(run.iterations) == 60_000
+    assert peak < size / 3, (peak, size)  # the columns read (60k x 8 doubles) included
