@@ -234,3 +234,41 @@ def test_memory_is_bounded_by_the_piece(tmp_path):
     tracemalloc.stop()
     assert len(run.iterations) == 60_000
     assert peak < size / 3, (peak, size)  # the columns read (60k x 8 doubles) included
+
+
+# -- format metrics in float64 ------------------------------------------------------------------
+
+
+def _float64_metrics(t, fmt: str) -> tuple[float, float, float]:
+    """SQNR, relative error and cosine computed directly in float64 from the quant op."""
+    from quantpatch.runtime import quantpatch_ops as ops
+
+    x = t.double()
+    q = ops.fake_quant(t, fmt, dim=-1, backward=False).double()
+    signal, noise = float((x * x).sum()), float(((x - q) ** 2).sum())
+    cos = float((x * q).sum()) / math.sqrt(signal * float((q * q).sum()) or math.inf)
+    return 10 * math.log10(signal / noise), math.sqrt(noise / signal), cos
+
+
+def test_metrics_are_finite_and_right_at_the_float_range_edges():
+    """A tensor HiF8 flushes entirely (|x| ~ 2^-83: its squares are 0 in float32) was reported
+    SQNR inf, relative error 0, cosine 1; values of 1e30 (squares inf in float32) gave NaN."""
+    torch = pytest.importorskip("torch")
+    from quantpatch.analysis.tensor_metrics import format_sums
+
+    gen = torch.Generator().manual_seed(11)
+    tiny = (torch.randn(64, 64, generator=gen) * 2**-83).to(torch.bfloat16)
+    s = format_sums(tiny, "hifp8").summary()
+    assert s["underflows %"] == 100.0
+    assert (s["sqnr_db"], s["rel_error"], s["cosine"]) == (0.0, 1.0, 0.0)
+    for fmt in ("mxfp8", "mxfp4"):  # MX scales the block: nothing flushes, finite and right
+        s = format_sums(tiny, fmt).summary()
+        want = _float64_metrics(tiny, fmt)
+        assert (s["sqnr_db"], s["rel_error"], s["cosine"]) == pytest.approx(want, rel=1e-9)
+    huge = torch.randn(64, 64, generator=gen) * 1e30
+    for fmt in ("mxfp8", "mxfp4", "hifp8"):
+        s = format_sums(huge, fmt).summary()
+        got = (s["sqnr_db"], s["rel_error"], s["cosine"])
+        assert all(math.isfinite(v) for v in got), (fmt, s)
+        assert got == pytest.approx(_float64_metrics(huge, fmt), rel=1e-9, abs=1e-12)
+    assert format_sums(huge, "hifp8").summary()["overflows %"] == 100.0
