@@ -113,10 +113,16 @@ def print_count(err: Console, inv: Any) -> None:
         err.print(f"  ... and {len(inv.skipped) - 20} more", style="yellow", markup=False)
 
 
+def _layers(layers: Any) -> list[Any]:
+    from quantpatch.analysis.tensors import sorted_layers
+
+    return sorted_layers(layers)
+
+
 def print_inventory(out: Console, inv: Any) -> None:
     out.print(
         f"{inv.files} tensor files, {inv.stats_records} stats records, "
-        f"{inv.bytes / 1e6:.1f} MB; layers {sorted(inv.layers) or '-'}; "
+        f"{inv.bytes / 1e6:.1f} MB; layers {_layers(inv.layers) or '-'}; "
         f"micro-steps {sorted(inv.steps) or '-'}; ranks {sorted(inv.ranks) or '-'}; "
         f"saved under {', '.join(sorted(inv.formats)) or '-'}",
         markup=False,

@@ -272,3 +272,47 @@ def test_metrics_are_finite_and_right_at_the_float_range_edges():
         assert all(math.isfinite(v) for v in got), (fmt, s)
         assert got == pytest.approx(_float64_metrics(huge, fmt), rel=1e-9, abs=1e-12)
     assert format_sums(huge, "hifp8").summary()["overflows %"] == 100.0
+
+
+# -- a module outside the layers is named, never None ------------------------------------------
+
+
+def _layered_dir(root: Path) -> Path:
+    torch = pytest.importorskip("torch")
+    gen = torch.Generator().manual_seed(12)
+    root.mkdir(parents=True, exist_ok=True)
+    for i, layer in enumerate(("0", "1", "None")):
+        t = torch.randn(8, 64, generator=gen)
+        name = f"20250908_091143_{i:04d}_linear_L{layer}_forward_mxfp8_input.pt"
+        torch.save({"tensor": t, "metadata": {}}, root / name)  # the fork: the name only
+    md = {"layer_idx": None, "module_kind": "output_layer", "tensor_name": "weight"}
+    torch.save({"tensor": torch.randn(8, 64, generator=gen), "metadata": md}, root / "w.pt")
+    return root
+
+
+def test_the_output_layer_is_named_by_its_module(tmp_path, run):
+    """The saver writes the output layer as ``..._linear_LNone_...`` (``layer_idx`` null):
+    it is ``output_layer`` in the tables and the JSON, never ``None`` or ``-``."""
+    d = _layered_dir(tmp_path / "t")
+    res = run("tensors", "summary", d, "--by", "layer,tensor", "--json")
+    assert res.code == 0, res
+    data = json.loads(res.out)
+    assert data["inventory"]["layers"] == [0, 1, "output_layer"]
+    assert {(g["layer"], g["tensor"]) for g in data["groups"]} == {
+        (0, "input"), (1, "input"), ("output_layer", "input"), ("output_layer", "weight"),
+    }  # fmt: skip
+    res = run("tensors", "formats", d, "--by", "layer", "--formats", "mxfp8")
+    assert res.code == 0 and "output_layer" in res.out and "None" not in res.out
+    res = run("tensors", "summary", d, "--by", "layer")
+    assert "layers [0, 1, 'output_layer']" in res.out and "None" not in res.out
+    if _has_matplotlib():
+        res = run("tensors", "plot", d, "--out", tmp_path / "figs", "--formats", "mxfp8")
+        assert res.code == 0 and (tmp_path / "figs" / "sqnr_heatmap.png").is_file(), res
+
+
+def _has_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True

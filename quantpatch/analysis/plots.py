@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from quantpatch.analysis.tensor_files import Skipped, discover, load_tensor, meta_of
+from quantpatch.analysis.tensors import sorted_layers
 from quantpatch.errors import UserError
 
 LO, HI, WIDTH = -48.0, 24.0, 0.25  # log2 bins
@@ -134,9 +135,7 @@ def plot_formats(rows: list[dict[str, Any]], formats: tuple[str, ...], out: Path
     (``rows`` from ``tensors.formats(..., by=("layer", "tensor"))``)."""
     plt = _pyplot()
     written: list[Path] = []
-    layers = sorted(
-        {r["layer"] for r in rows}, key=lambda v: (v is None, v if v is not None else 0)
-    )
+    layers = sorted_layers({r["layer"] for r in rows})
     kinds = sorted({str(r["tensor"]) for r in rows})
     if not rows:
         return written

@@ -22,7 +22,7 @@ from quantpatch.config import QUANT_TYPES
 # {timestamp}_{counter}_{layer_type}_L{layer}_{operation}_{quant}[_rank{r}]_{tensor}.pt, the
 # name our saver and the fork's write (a file name, not Python source)
 _NAME = re.compile(
-    r"^(?P<stamp>\d{8}_\d{6})_(?P<counter>\d+)_(?P<layer_type>.+?)_L(?P<layer>\d+|None)_"
+    r"^(?P<stamp>\d{8}_\d{6})_(?P<counter>\d+)_(?P<layer_type>.+?)_L(?P<layer>\d+|None|[A-Za-z]\w*?)_"
     r"(?P<operation>forward|backward)_(?P<quant>[A-Za-z0-9]+)(?:_rank(?P<rank>\d+))?_"
     r"(?P<tensor>.+)$"
 )
@@ -34,7 +34,7 @@ class TensorMeta:
     """What a saved tensor is: the grouping keys of ``tensors summary``/``formats``."""
 
     path: str
-    layer: int | None = None
+    layer: int | str | None = None  # a number; a module outside the layers by its name
     kind: str | None = None  # module kind (qkv, proj, fc1, fc2, core_attention, ...)
     operation: str | None = None  # forward / backward
     tensor: str | None = None  # input, weight, grad_output, query, key, value, ...
@@ -74,6 +74,27 @@ def _int(value: Any) -> int | None:
         return None
 
 
+OUTPUT_LAYER = "output_layer"
+
+
+def layer_of(raw: Any, module_kind: Any, kind: Any) -> int | str | None:
+    """The layer a tensor belongs to: its number, or, for a module outside the transformer
+    layers (saved as ``L None``, or with ``layer_idx`` null), the module's name: its
+    ``module_kind`` where the metadata has one, ``output_layer`` for a linear (the only
+    linear of Megatron's GPT model outside its layers), its layer type otherwise. ``None``
+    only where nothing names it."""
+    number = _int(raw)
+    if number is not None:
+        return number
+    if isinstance(raw, str) and raw not in ("", "None"):
+        return raw  # a name where the number goes (``..._Loutput_layer_forward_...``)
+    if isinstance(module_kind, str) and module_kind:
+        return module_kind
+    if kind == "linear":
+        return OUTPUT_LAYER
+    return str(kind) if kind else None
+
+
 def meta_of(path: Path, metadata: dict[str, Any] | None, root: Path | None = None) -> TensorMeta:
     md = metadata if isinstance(metadata, dict) else {}
     m = _NAME.match(path.stem)
@@ -82,10 +103,11 @@ def meta_of(path: Path, metadata: dict[str, Any] | None, root: Path | None = Non
     if not fmt and path.parent.name in QUANT_TYPES and path.parent != root:
         fmt = path.parent.name
     layer = md.get("layer_idx", md.get("layer", parsed.get("layer")))
+    kind = md.get("module_kind") or md.get("layer_type") or parsed.get("layer_type")
     return TensorMeta(
         path=str(path if root is None else path.relative_to(root)),
-        layer=_int(layer),
-        kind=md.get("module_kind") or md.get("layer_type") or parsed.get("layer_type"),
+        layer=layer_of(layer, md.get("module_kind"), kind),
+        kind=kind,
         operation=md.get("operation") or parsed.get("operation"),
         tensor=md.get("tensor_name") or parsed.get("tensor"),
         format=str(fmt) if fmt else None,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,7 +37,7 @@ class Inventory:
     stats_records: int = 0
     bytes: int = 0
     skipped: list[Skipped] = field(default_factory=list)
-    layers: set[int] = field(default_factory=set)
+    layers: set[int | str] = field(default_factory=set)
     steps: set[int] = field(default_factory=set)
     ranks: set[int] = field(default_factory=set)
     formats: set[str] = field(default_factory=set)
@@ -56,7 +56,7 @@ class Inventory:
             "stats_records": self.stats_records,
             "bytes": self.bytes,
             "skipped": [{"path": s.path, "reason": s.reason} for s in self.skipped],
-            "layers": sorted(self.layers),
+            "layers": sorted_layers(self.layers),
             "micro_steps": sorted(self.steps),
             "ranks": sorted(self.ranks),
             "formats": sorted(self.formats),
@@ -201,7 +201,15 @@ def summary(
 
 
 def _sort_key(key: tuple[Any, ...]) -> tuple[Any, ...]:
-    return tuple((v is None, v if isinstance(v, int) else str(v)) for v in key)
+    """Numbers first, in order, then names (a module outside the layers), then None."""
+    return tuple(
+        (v is None, not isinstance(v, int), v if isinstance(v, int) else str(v)) for v in key
+    )
+
+
+def sorted_layers(layers: Iterable[int | str | None]) -> list[int | str | None]:
+    """Layer numbers in order, then modules outside the layers by name."""
+    return [k[0] for k in sorted(((v,) for v in layers), key=_sort_key)]
 
 
 @dataclass
