@@ -789,18 +789,20 @@ def tensors_plot(
 ) -> None:
     """PNGs: log2|x| histograms with each format's range, SQNR heatmap, underflow/overflow bars."""
     from quantpatch import present_analysis as pa
-    from quantpatch.analysis import plots, tensors
+    from quantpatch.analysis import outputs, plots, tensors
 
     fmts = tensors.parse_formats(formats)
     plots.require_matplotlib()
-    with pa.progress_bar(err, "quantizing") as progress:
-        res = tensors.formats(
-            directory, fmts, ("layer", "tensor"), sample=sample, jobs=jobs, progress=progress
-        )
-    with pa.progress_bar(err, "histograms") as progress:
-        hist, _ = plots.histograms(directory.resolve(), sample=sample, progress=progress)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    written = plots.plot_formats(res.rows, fmts, out_dir) + plots.plot_histograms(hist, out_dir)
+    tensors.check_dir(directory)
+    with outputs.output_dir(out_dir):
+        with pa.progress_bar(err, "quantizing") as progress:
+            res = tensors.formats(
+                directory, fmts, ("layer", "tensor"), sample=sample, jobs=jobs, progress=progress
+            )
+        with pa.progress_bar(err, "histograms") as progress:
+            hist, _ = plots.histograms(directory.resolve(), sample=sample, progress=progress)
+        written = plots.plot_formats(res.rows, fmts, out_dir)
+        written += plots.plot_histograms(hist, out_dir)
     pa.print_count(err, res.inventory)
     for p in written:
         out.print(str(p), markup=False)
@@ -819,13 +821,18 @@ def runs_cmd(
 ) -> None:
     """Loss and speed of every run against bf16 at matched iterations, from the training logs."""
     from quantpatch import present_analysis as pa
-    from quantpatch.analysis import plots, training_logs
+    from quantpatch.analysis import outputs, plots, training_logs
     from quantpatch.registry import load_registry
 
     reg = load_registry(config)
     if plot is not None:
         plots.require_matplotlib()
-    res = training_logs.runs(paths or None, jobs=jobs, names=(reg.models, reg.datasets))
+    with contextlib.ExitStack() as stack:
+        if plot is not None:  # checked (and made) before the logs are read
+            stack.enter_context(outputs.output_dir(plot, "--plot"))
+        res = training_logs.runs(paths or None, jobs=jobs, names=(reg.models, reg.datasets))
+        if plot is not None:
+            figures = plots.plot_runs(res, plot)
     if _analysis_json(json_):
         pa.emit_json({"logs": res.logs, "runs": res.rows, "skipped": pa.skipped_logs(res)})
     elif csv_:
@@ -838,8 +845,7 @@ def runs_cmd(
             out, "runs against bf16 (same model, dataset, profile)", pa.runs_display(res.rows)
         )
     if plot is not None:
-        plot.mkdir(parents=True, exist_ok=True)
-        for p in plots.plot_runs(res, plot):
+        for p in figures:
             err.print(str(p), markup=False)
 
 

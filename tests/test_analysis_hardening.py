@@ -316,3 +316,91 @@ def _has_matplotlib() -> bool:
     except ImportError:
         return False
     return True
+
+
+# -- the report: escaped, written atomically, its destination checked first -------------------
+
+HOSTILE = "<script>alert(1)</script>"
+
+
+def _hostile_inputs(tmp_path: Path) -> tuple[Path, Path]:
+    torch = pytest.importorskip("torch")
+    tensors_dir = tmp_path / "tensors-<script>alert(1)<" / "script>"  # '/' ends a name
+    tensors_dir.mkdir(parents=True)
+    md = {"quant_type": "<img src=x onerror=alert(1)>", "tensor_name": "<b>t</b>"}
+    t = torch.randn(8, 64, generator=torch.Generator().manual_seed(13))
+    torch.save({"tensor": t, "metadata": md}, tensors_dir / "a.pt")
+    (tensors_dir / "b.pt").write_bytes(b"<i>not a tensor</i>")
+    log = _megatron_log(tmp_path / "runs" / "x.log", _falling(30, 14))
+    text = log.read_text().replace("llama32-1b", HOSTILE, 1).replace("wikipedia", "<u>d</u>", 1)
+    log.write_text(text)
+    (tmp_path / "runs" / "<s>.log").symlink_to("/dev/null")
+    return tensors_dir, tmp_path / "runs"
+
+
+def test_the_report_escapes_every_input(tmp_path, run):
+    pytest.importorskip("matplotlib")
+    tensors_dir, runs_dir = _hostile_inputs(tmp_path)
+    out = tmp_path / "r.html"
+    res = run("report", "--tensors", tensors_dir, "--runs", runs_dir, "--out", out)
+    assert res.code == 0, res
+    html = out.read_text()
+    for raw in (HOSTILE, "<script", "<img src=x", "<b>t", "<u>d", "<i>not", "<s>"):
+        assert raw not in html, raw
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in html  # the log header's model
+    assert "tensors-&lt;script&gt;alert(1)&lt;/script&gt;" in html  # the directory
+    assert "&lt;img src=x onerror=alert(1)&gt;" in html  # the metadata's quant_type
+    assert "&lt;s&gt;.log: not a regular file" in html  # a log skipped, its name escaped
+
+
+def test_the_report_is_written_atomically_and_never_over_its_inputs(tmp_path, run):
+    pytest.importorskip("matplotlib")
+    log = _megatron_log(tmp_path / "runs" / "x.log", _falling(30, 15))
+    before = log.read_bytes()
+    # a link planted at the predictable temp name: never followed
+    victim = tmp_path / "victim"
+    victim.write_text("keep")
+    out = tmp_path / "r.html"
+    (tmp_path / "r.html.tmp").symlink_to(victim)
+    res = run("report", "--runs", log, "--out", out)
+    assert res.code == 0, res
+    assert victim.read_text() == "keep" and not out.is_symlink()
+    assert out.read_text().startswith("<!doctype html>")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.html", "r.html.tmp", "runs", "victim"]
+    # one of its own inputs, named directly, through a link, or found under a directory
+    (tmp_path / "link.log").symlink_to(log)
+    for dest, runs_arg in ((log, log), (tmp_path / "link.log", log), (log, tmp_path / "runs")):
+        res = run("report", "--runs", runs_arg, "--out", dest)
+        assert res.code == 2 and "--out" in res.err, res
+        assert log.read_bytes() == before
+    # a symbolic link as --out
+    res = run("report", "--runs", log, "--out", tmp_path / "r.html.tmp")
+    assert res.code == 2 and "symbolic link" in res.err and victim.read_text() == "keep"
+
+
+def test_destinations_are_checked_before_any_work(tmp_path, run, monkeypatch):
+    pytest.importorskip("matplotlib")
+    from quantpatch.analysis import tensors
+
+    log = _megatron_log(tmp_path / "runs" / "x.log", _falling(30, 16))
+    d = _layered_dir(tmp_path / "t")
+    existing = tmp_path / "file.png"
+    existing.write_text("x")
+
+    def never(*_: object, **__: object) -> None:
+        raise AssertionError("the work started")
+
+    monkeypatch.setattr(tensors, "formats", never)
+    monkeypatch.setattr(training_logs, "runs", never)
+    for args in (
+        ("tensors", "plot", d, "--out", existing),
+        ("tensors", "plot", d, "--out", existing / "sub"),
+        ("runs", log, "--plot", existing),
+        ("report", "--runs", log, "--out", "/proc/r.html"),
+        ("report", "--runs", log, "--out", existing / "r.html"),
+    ):
+        res = run(*args)
+        assert res.code == 2, (args, res)
+        assert len(res.err.strip().splitlines()) == 1 and "internal error" not in res.err, res
+    assert existing.read_text() == "x"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file.png", "runs", "t"]

@@ -87,7 +87,7 @@ def parse_formats(value: str | None) -> tuple[str, ...]:
     return _choices(value, FORMATS, "--formats", "format")
 
 
-def _check_dir(root: Path) -> Path:
+def check_dir(root: Path) -> Path:
     if not root.is_dir():
         raise UserError(f"{root}: no such directory.")
     return root.resolve()
@@ -159,7 +159,7 @@ def summary(
     """What is in ``root`` and grouped statistics of every tensor (and stats-only record)."""
     from quantpatch.analysis.tensor_metrics import TensorSums, sums_from_info
 
-    root = _check_dir(root)
+    root = check_dir(root)
     pts, jsonl = discover(root)
     inv = Inventory()
     groups: dict[tuple[Any, ...], TensorSums] = {}
@@ -232,7 +232,7 @@ def formats(
     """What each candidate format does to the tensors in ``root``, grouped, worst first."""
     from quantpatch.analysis.tensor_metrics import FormatSums
 
-    root = _check_dir(root)
+    root = check_dir(root)
     if sample is not None and sample < 1:
         raise UserError(f"--sample {sample}: give a positive number of elements per tensor.")
     pts, jsonl = discover(root)
