@@ -75,13 +75,27 @@ def emit_json(data: Any) -> None:
     sys.stdout.write(json.dumps(_json_safe(data), indent=2) + "\n")
 
 
+_FORMULA = ("=", "+", "-", "@", "\t", "\r")
+
+
+def csv_cell(v: Any) -> Any:
+    """A CSV cell: a text that a spreadsheet would take for a formula (it starts with =, +,
+    -, @, a tab or a carriage return) is quoted with a leading apostrophe; numbers stay
+    numbers, missing values are empty."""
+    if v is None:
+        return ""
+    if isinstance(v, str) and v.startswith(_FORMULA):
+        return "'" + v
+    return v
+
+
 def emit_csv(rows: list[dict[str, Any]]) -> None:
     if not rows:
         return
-    w = csv.DictWriter(sys.stdout, fieldnames=list(rows[0]), lineterminator="\n")
+    w = csv.DictWriter(sys.stdout, fieldnames=[csv_cell(k) for k in rows[0]], lineterminator="\n")
     w.writeheader()
     for r in rows:
-        w.writerow({k: ("" if v is None else v) for k, v in r.items()})
+        w.writerow({csv_cell(k): csv_cell(v) for k, v in r.items()})
 
 
 def print_rows(out: Console, title: str, rows: list[dict[str, Any]], limit: int = 0) -> None:

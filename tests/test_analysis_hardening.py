@@ -404,3 +404,83 @@ def test_destinations_are_checked_before_any_work(tmp_path, run, monkeypatch):
         assert len(res.err.strip().splitlines()) == 1 and "internal error" not in res.err, res
     assert existing.read_text() == "x"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file.png", "runs", "t"]
+
+
+# -- tensor files that are not what their names say ---------------------------------------------
+
+
+def _odd_tensor_dir(root: Path) -> Path:
+    torch = pytest.importorskip("torch")
+    gen = torch.Generator().manual_seed(17)
+    root.mkdir(parents=True)
+    md = {"tensor_name": '=HYPERLINK("http://x")', "layer_idx": 0}
+    torch.save({"tensor": torch.randn(8, 64, generator=gen), "metadata": md}, root / "good.pt")
+    torch.save({"tensor": torch.randn(8, 64, generator=gen).to_sparse()}, root / "sparse.pt")
+    with pytest.warns(UserWarning):  # torch's deprecation of quantized tensors
+        q = torch.quantize_per_tensor(torch.randn(8, 64, generator=gen), 0.1, 0, torch.qint8)
+    torch.save({"tensor": q}, root / "quantized.pt")
+    legacy = {"tensor": torch.randn(8, 64, generator=gen), "metadata": {"tensor_name": "old"}}
+    for protocol in (3, 4):  # torch warns of both; its safe loader reads 3, not 4 (FRAME)
+        torch.save(legacy, root / f"legacy{protocol}.pt", _use_new_zipfile_serialization=False,
+                   pickle_protocol=protocol)  # fmt: skip
+    os.mkfifo(root / "fifo.pt")
+    os.mkfifo(root / "fifo.jsonl")
+    (root / "zero.pt").symlink_to("/dev/zero")
+    (root / "zeros.pt").write_bytes(bytes(1 << 16))  # /dev/zero's bytes, saved as a file
+
+    class Evil:
+        def __reduce__(self) -> tuple[object, ...]:
+            return (os.system, ("true",))
+
+    torch.save({"tensor": Evil()}, root / "evil.pt")
+    record = {"name": "x", "tensor_info": {"min": -1, "max": 1, "mean": 0, "std": 1,
+                                           "shape": [4]}, "metadata": {}}  # fmt: skip
+    (root / "stats_rank0.jsonl").write_text("x" * (2 << 20) + "\n" + json.dumps(record) + "\n")
+    return root
+
+
+def test_odd_tensor_files_are_skipped_with_one_line_each(tmp_path, run, alarm):
+    import warnings
+
+    d = _odd_tensor_dir(tmp_path / "t")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        res = run("tensors", "summary", d, "--json")
+    assert res.code == 0, res
+    assert not [w for w in seen if "pickle protocol" in str(w.message)]
+    inv = json.loads(res.out)["inventory"]
+    reasons = {s["path"]: s["reason"] for s in inv["skipped"]}
+    assert reasons == {
+        "evil.pt": "refused: loading it would run code (it imports posix.system)",
+        "fifo.jsonl": "not a regular file (a FIFO)",
+        "fifo.pt": "not a regular file (a FIFO)",
+        "legacy4.pt": "refused: torch's safe loader does not read its pickle "
+        "(Unsupported operand 149)",
+        "quantized.pt": "a quantized tensor (qint8)",
+        "sparse.pt": "not a dense tensor (sparse_coo)",
+        "stats_rank0.jsonl:1": "a line longer than 1 MiB",
+        "zero.pt": "not a regular file (a character device)",
+        "zeros.pt": "not a tensor file (neither a zip archive nor a pickle)",
+    }
+    assert inv["files"] == 2 and inv["stats_records"] == 1  # good.pt, legacy3.pt
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        res = run("tensors", "formats", d)
+    assert res.code == 0 and "skipped 10" in res.err, res  # and the stats-only record
+    assert "a quantized tensor (qint8)" in res.err and "Traceback" not in res.err
+    assert not [w for w in seen if "pickle protocol" in str(w.message)]
+
+
+def test_csv_cells_are_never_formulas(tmp_path, run):
+    d = _layered_dir(tmp_path / "t")
+    import torch
+
+    md = {"tensor_name": '=HYPERLINK("http://x","y")', "module_kind": "@k"}
+    torch.save({"tensor": torch.randn(8, 64), "metadata": md}, d / "f.pt")
+    res = run("tensors", "formats", d, "--csv", "--by", "kind,tensor", "--formats", "hifp8")
+    assert res.code == 0, res
+    lines = res.out.splitlines()
+    row = next(ln for ln in lines if "HYPERLINK" in ln)
+    assert row.startswith("'@k,\"'=HYPERLINK(") and ",hifp8," in row
+    for ln in lines[1:]:  # numbers stay numbers
+        float(ln.rsplit(",", 1)[1])

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from quantpatch.analysis.tensor_files import Skipped, discover, load_tensor, meta_of
+from quantpatch.analysis.tensor_files import Skipped, discover_all, load_tensor, meta_of
 from quantpatch.analysis.tensors import sorted_layers
 from quantpatch.errors import UserError
 
@@ -61,45 +61,49 @@ def _bins(lo: float, hi: float) -> int:
 def histograms(
     root: Path, sample: int | None = None, progress: Callable[[int, int], None] | None = None
 ) -> tuple[Histograms, list[Skipped]]:
+    from quantpatch.analysis.tensors import skip_reason
+
+    h = Histograms()
+    pts, _, skipped = discover_all(root)
+    for done, path in enumerate(pts, 1):
+        try:
+            t, md = load_tensor(path)
+            _histogram_of(h, t, meta_of(path, md, root), sample)
+        except Exception as exc:  # one file never stops the others: skipped, with why
+            skipped.append(Skipped(str(path.relative_to(root)), skip_reason(exc)))
+        if progress:
+            progress(done, len(pts))
+    return h, skipped
+
+
+def _histogram_of(h: Histograms, t: Any, meta: Any, sample: int | None) -> None:
+    """Add one tensor's magnitudes (absolute, and within its 32-block) to ``h``."""
     import torch
 
     from quantpatch.analysis.tensor_metrics import reduction_of, sample_rows
 
-    h = Histograms()
-    skipped: list[Skipped] = []
-    pts, _ = discover(root)
-    for done, path in enumerate(pts, 1):
-        try:
-            t, md = load_tensor(path)
-        except ValueError as exc:
-            skipped.append(Skipped(str(path.relative_to(root)), str(exc)))
-            continue
-        meta = meta_of(path, md, root)
-        kind = meta.tensor or "?"
-        dim, _ = reduction_of(meta.tensor, meta.operation)
-        if not t.is_floating_point() or t.dim() == 0:
-            continue
-        if not -t.dim() <= dim < t.dim():
-            dim = -1
-        t, dim = sample_rows(t, dim, sample)
-        x = t.detach().float().movedim(dim, -1)
-        x = torch.where(torch.isfinite(x), x, torch.zeros((), dtype=x.dtype)).abs()
-        n = x.shape[-1]
-        pad = (-n) % 32
-        blocks = torch.nn.functional.pad(x, (0, pad)).reshape(-1, 32)
-        amax = blocks.amax(dim=-1, keepdim=True)
-        nz = blocks > 0
-        a = torch.log2(blocks[nz])
-        rel = (torch.log2(blocks) - torch.floor(torch.log2(torch.where(amax > 0, amax, 1.0))))[nz]
-        ab = torch.histc(a.clamp(LO, HI - 1e-3), _bins(LO, HI), LO, HI).long().tolist()
-        rb = torch.histc(rel.clamp(REL_LO, 1 - 1e-3), _bins(REL_LO, 1), REL_LO, 1).long().tolist()
-        for store, counts in ((h.absolute, ab), (h.relative, rb)):
-            old = store.setdefault(kind, [0] * len(counts))
-            store[kind] = [p + q for p, q in zip(old, counts, strict=True)]
-        h.zeros[kind] = h.zeros.get(kind, 0) + int((x == 0).sum())
-        if progress:
-            progress(done, len(pts))
-    return h, skipped
+    kind = meta.tensor or "?"
+    dim, _ = reduction_of(meta.tensor, meta.operation)
+    if not t.is_floating_point() or t.dim() == 0:
+        return
+    if not -t.dim() <= dim < t.dim():
+        dim = -1
+    t, dim = sample_rows(t, dim, sample)
+    x = t.detach().float().movedim(dim, -1)
+    x = torch.where(torch.isfinite(x), x, torch.zeros((), dtype=x.dtype)).abs()
+    n = x.shape[-1]
+    pad = (-n) % 32
+    blocks = torch.nn.functional.pad(x, (0, pad)).reshape(-1, 32)
+    amax = blocks.amax(dim=-1, keepdim=True)
+    nz = blocks > 0
+    a = torch.log2(blocks[nz])
+    rel = (torch.log2(blocks) - torch.floor(torch.log2(torch.where(amax > 0, amax, 1.0))))[nz]
+    ab = torch.histc(a.clamp(LO, HI - 1e-3), _bins(LO, HI), LO, HI).long().tolist()
+    rb = torch.histc(rel.clamp(REL_LO, 1 - 1e-3), _bins(REL_LO, 1), REL_LO, 1).long().tolist()
+    for store, counts in ((h.absolute, ab), (h.relative, rb)):
+        old = store.setdefault(kind, [0] * len(counts))
+        store[kind] = [p + q for p, q in zip(old, counts, strict=True)]
+    h.zeros[kind] = h.zeros.get(kind, 0) + int((x == 0).sum())
 
 
 def plot_histograms(h: Histograms, out: Path) -> list[Path]:

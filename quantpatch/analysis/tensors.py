@@ -20,7 +20,7 @@ from quantpatch.analysis.tensor_files import (
     Skipped,
     StatsRecord,
     TensorMeta,
-    discover,
+    discover_all,
     load_tensor,
     meta_of,
     read_stats_lines,
@@ -102,10 +102,20 @@ def _summarise_file(args: tuple[str, str]) -> tuple[TensorMeta, Any, int] | Skip
     path, root = Path(args[0]), Path(args[1])
     try:
         t, md = load_tensor(path)
-    except ValueError as exc:
-        return Skipped(str(path.relative_to(root)), str(exc))
-    meta = meta_of(path, md, root)
-    return meta, tensor_sums(t), path.stat().st_size
+        meta = meta_of(path, md, root)
+        return meta, tensor_sums(t), path.stat().st_size
+    except Exception as exc:  # one file never stops the others: skipped, with why
+        return Skipped(str(path.relative_to(root)), skip_reason(exc))
+
+
+def skip_reason(exc: BaseException) -> str:
+    """One line for a file that could not be read or analysed: a ``ValueError``'s reason
+    as it is, anything else by its type and its first line."""
+    if isinstance(exc, ValueError):
+        return str(exc)
+    text = str(exc).strip()
+    first = text.splitlines()[0][:160] if text else ""
+    return f"could not be analysed ({type(exc).__name__}{': ' + first if first else ''})"
 
 
 def _formats_file(
@@ -116,16 +126,16 @@ def _formats_file(
     path, root, fmts, sample = Path(args[0]), Path(args[1]), args[2], args[3]
     try:
         t, md = load_tensor(path)
-    except ValueError as exc:
-        return Skipped(str(path.relative_to(root)), str(exc))
-    meta = meta_of(path, md, root)
-    if not t.is_floating_point():
-        return Skipped(meta.path, f"not a floating-point tensor ({t.dtype})")
-    dim, backward = reduction_of(meta.tensor, meta.operation)
-    if t.dim() and not -t.dim() <= dim < t.dim():
-        dim = -1
-    t, dim = sample_rows(t, dim if t.dim() else 0, sample)
-    return meta, formats_sums(t, fmts, dim, backward), path.stat().st_size
+        meta = meta_of(path, md, root)
+        if not t.is_floating_point():
+            return Skipped(meta.path, f"not a floating-point tensor ({t.dtype})")
+        dim, backward = reduction_of(meta.tensor, meta.operation)
+        if t.dim() and not -t.dim() <= dim < t.dim():
+            dim = -1
+        t, dim = sample_rows(t, dim if t.dim() else 0, sample)
+        return meta, formats_sums(t, fmts, dim, backward), path.stat().st_size
+    except Exception as exc:  # one file never stops the others: skipped, with why
+        return Skipped(str(path.relative_to(root)), skip_reason(exc))
 
 
 def _init_worker(threads: int) -> None:
@@ -160,8 +170,8 @@ def summary(
     from quantpatch.analysis.tensor_metrics import TensorSums, sums_from_info
 
     root = check_dir(root)
-    pts, jsonl = discover(root)
-    inv = Inventory()
+    pts, jsonl, special = discover_all(root)
+    inv = Inventory(skipped=special)
     groups: dict[tuple[Any, ...], TensorSums] = {}
 
     def add(meta: TensorMeta, sums: TensorSums) -> None:
@@ -235,8 +245,8 @@ def formats(
     root = check_dir(root)
     if sample is not None and sample < 1:
         raise UserError(f"--sample {sample}: give a positive number of elements per tensor.")
-    pts, jsonl = discover(root)
-    inv = Inventory()
+    pts, jsonl, special = discover_all(root)
+    inv = Inventory(skipped=special)
     groups: dict[tuple[Any, ...], dict[str, FormatSums]] = {}
     items = [(str(p), str(root), fmts, sample) for p in pts]
     for done, res in enumerate(_map(_formats_file, items, jobs), 1):

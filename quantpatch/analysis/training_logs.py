@@ -162,7 +162,7 @@ def open_regular(path: Path) -> BinaryIO:
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
-            raise ValueError(f"not a regular file ({_kind_of(mode)})")
+            raise ValueError(f"not a regular file ({kind_of(mode)})")
         os.set_blocking(fd, True)
         return os.fdopen(fd, "rb")
     except BaseException:
@@ -170,7 +170,8 @@ def open_regular(path: Path) -> BinaryIO:
         raise
 
 
-def _kind_of(mode: int) -> str:
+def kind_of(mode: int) -> str:
+    """What a file that is not a regular file is, in words."""
     for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
                        (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"),
                        (stat.S_ISDIR, "a directory")):  # fmt: skip
