@@ -262,25 +262,28 @@ def _merge(run: Run, parts: list[Run]) -> None:
     top = max(p.iterations[-1] for p in parts)
     run.total_iterations = next(p for p in parts if p.iterations[-1] == top).total_iterations
     names = sorted({n for p in parts for n in (*p.series, *p.constant)})
+    for n in names:  # one value throughout every part: one value still, never expanded
+        values = {_bits(p.constant[n]) if n in p.constant else None for p in parts}
+        if len(values) == 1 and None not in values:
+            run.constant[n] = parts[0].constant[n]
     its = array("q")
     for p in parts:
         its.extend(p.iterations)
-    columns: dict[str, array[float]] = {n: array("d") for n in names}
+    columns: dict[str, array[float]] = {n: array("d") for n in names if n not in run.constant}
     for p in parts:
-        for n in names:
-            columns[n].extend(p.column(n))
+        for n, c in columns.items():
+            c.extend(p.column(n))
     keep = _first_of_each(its)
     if keep is not None:
         run.duplicates += len(its) - len(keep)
         its = array("q", [its[i] for i in keep])
         columns = {n: array("d", [c[i] for i in keep]) for n, c in columns.items()}
     run.iterations = its
-    for n, c in columns.items():
-        same = all(n in p.constant and p.constant[n] == parts[0].constant[n] for p in parts)
-        if same:
-            run.constant[n] = parts[0].constant[n]
-        else:
-            run.series[n] = c
+    run.series = dict(columns)
+
+
+def _bits(v: float) -> bytes:
+    return array("d", [v]).tobytes()
 
 
 def _first_of_each(its: array[int]) -> list[int] | None:
