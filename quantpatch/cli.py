@@ -705,7 +705,7 @@ tensors_app = typer.Typer(
 )
 app.add_typer(tensors_app, name="tensors")
 DirArg = typer.Argument(..., help="A directory of saved tensors (searched recursively).")
-JobsOpt = typer.Option(1, "--jobs", "-j", min=1, help="Worker processes.")
+JobsOpt = typer.Option(1, "--jobs", "-j", help="Worker processes: 1 to 4 per CPU, 64 at most.")
 SampleOpt = typer.Option(
     None, "--sample", help="At most about N elements per tensor (whole rows, MX blocks intact)."
 )

@@ -107,10 +107,12 @@ def write_report(
     """Build the report; returns what went into it (counts). ``out`` is checked before any
     work and written atomically (``outputs.atomic_file``)."""
     from quantpatch.analysis import outputs, plots, tensor_files, tensors, training_logs
+    from quantpatch.analysis.limits import check_jobs
     from quantpatch.analysis.tensors import sorted_layers
 
     if tensors_dir is None and run_paths is None:
         raise UserError("report: give --tensors DIR, --runs PATH, or both.")
+    check_jobs(jobs)
     inputs: list[Path] = []
     if run_paths is not None:
         inputs += run_paths + training_logs.find_logs(run_paths)

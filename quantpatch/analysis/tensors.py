@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from quantpatch.analysis.limits import check_jobs
 from quantpatch.analysis.tensor_files import (
     GROUPS,
     Skipped,
@@ -169,6 +170,7 @@ def summary(
     """What is in ``root`` and grouped statistics of every tensor (and stats-only record)."""
     from quantpatch.analysis.tensor_metrics import TensorSums, sums_from_info
 
+    check_jobs(jobs)
     root = check_dir(root)
     pts, jsonl, special = discover_all(root)
     inv = Inventory(skipped=special)
@@ -242,6 +244,7 @@ def formats(
     """What each candidate format does to the tensors in ``root``, grouped, worst first."""
     from quantpatch.analysis.tensor_metrics import FormatSums
 
+    check_jobs(jobs)
     root = check_dir(root)
     if sample is not None and sample < 1:
         raise UserError(f"--sample {sample}: give a positive number of elements per tensor.")

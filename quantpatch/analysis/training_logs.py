@@ -842,6 +842,9 @@ def runs(
     names: tuple[Iterable[str], Iterable[str]] | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> RunsResult:
+    from quantpatch.analysis.limits import check_jobs
+
+    check_jobs(jobs)
     logs = find_logs(paths or default_paths())
     results = _parse_many(logs, jobs)
     if progress:
