@@ -47,16 +47,17 @@ class _OnFirstUse:
 def _make_out() -> "Console":
     from rich.console import Console
 
-    console = Console(highlight=False, soft_wrap=True)
+    # emoji off: a name such as ":smile:" (a file, a tensor) is printed as it is
+    console = Console(highlight=False, soft_wrap=True, emoji=False)
     if not console.is_terminal:  # piped or captured: never truncate file paths in tables
-        console = Console(highlight=False, soft_wrap=True, width=200)
+        console = Console(highlight=False, soft_wrap=True, width=200, emoji=False)
     return console
 
 
 def _make_err() -> "Console":
     from rich.console import Console
 
-    return Console(stderr=True, highlight=False, soft_wrap=True)
+    return Console(stderr=True, highlight=False, soft_wrap=True, emoji=False)
 
 
 out = cast("Console", _OnFirstUse(_make_out))
@@ -980,9 +981,10 @@ def main() -> None:
             sys.exit(2)
         if debug:
             raise
-        err.print(
+        err.print(  # the message may hold any text (a file name): never read as markup
             f"internal error: {type(exc).__name__}: {exc} (run with --debug for the traceback)",
             style="red",
+            markup=False,
         )
         sys.exit(3)
     sys.exit(code if isinstance(code, int) else 0)  # typer.Exit(n) comes back as a value

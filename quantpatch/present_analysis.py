@@ -14,6 +14,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 
 @contextmanager
@@ -102,12 +103,13 @@ def print_rows(out: Console, title: str, rows: list[dict[str, Any]], limit: int 
     if not rows:
         out.print(f"{title}: nothing to show.", markup=False)
         return
-    table = Table(title=title, title_justify="left")
+    # every cell and header a Text: names from the files ("[/x]", "[bold]y") are never markup
+    table = Table(title=Text(title), title_justify="left")
     for c in rows[0]:
-        table.add_column(c, justify="left" if isinstance(rows[0][c], str) else "right")
+        table.add_column(Text(c), justify="left" if isinstance(rows[0][c], str) else "right")
     shown = rows if not limit else rows[:limit]
     for r in shown:
-        table.add_row(*(format_value(v) for v in r.values()))
+        table.add_row(*(Text(format_value(v)) for v in r.values()))
     out.print(table)
     if limit and len(rows) > limit:
         out.print(
