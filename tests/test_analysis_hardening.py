@@ -484,3 +484,80 @@ def test_csv_cells_are_never_formulas(tmp_path, run):
     assert row.startswith("'@k,\"'=HYPERLINK(") and ",hifp8," in row
     for ln in lines[1:]:  # numbers stay numbers
         float(ln.rsplit(",", 1)[1])
+
+
+# -- --jobs, rich markup, mathtext -------------------------------------------------------------
+
+
+def test_jobs_are_bounded(tmp_path, run):
+    """--jobs 10000 forked until the process limit, exited 3 and left workers running."""
+    from quantpatch.analysis import tensors
+    from quantpatch.errors import UserError
+
+    d = _layered_dir(tmp_path / "t")
+    log = _megatron_log(tmp_path / "runs" / "x.log", _falling(30, 18))
+    top = min(64, 4 * (os.cpu_count() or 1))
+    for args in (  # the first just past the bound: one that fails without it forks little
+        ("tensors", "plot", d, "--out", tmp_path / "figs", "--jobs", str(top + 1)),
+        ("tensors", "summary", d, "--jobs", "10000"),
+        ("tensors", "formats", d, "-j", "0"),
+        ("runs", log, "--jobs", "10000"),
+        ("report", "--runs", log, "--out", tmp_path / "r.html", "--jobs", "-3"),
+    ):
+        res = run(*args)
+        assert res.code == 2, (args, res)
+        assert res.err.strip().splitlines() == [
+            f"error: --jobs {args[-1]}: give 1 to {top} worker processes "
+            "(at most 4 per CPU and 64 in all)."
+        ]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs", "t"]  # nothing written
+    with pytest.raises(UserError):
+        tensors.summary(d, jobs=10000)
+    assert run("tensors", "summary", d, "--jobs", str(min(top, 2))).code == 0
+
+
+def _marked_up(tmp_path: Path) -> tuple[Path, Path]:
+    torch = pytest.importorskip("torch")
+    d = tmp_path / "t"
+    d.mkdir()
+    gen = torch.Generator().manual_seed(19)
+    for i, (kind, name) in enumerate((("[/k]", "[/x]"), ("k", "[bold]y"), (":smile:", r"$\x$"))):
+        md = {"module_kind": kind, "tensor_name": name, "layer_idx": i}
+        torch.save({"tensor": torch.randn(8, 64, generator=gen), "metadata": md}, d / f"{i}.pt")
+    log = _megatron_log(tmp_path / "runs" / "x.log", _falling(30, 20))
+    log.write_text(log.read_text().replace("llama32-1b", r"[/m]$\frac{$", 1))
+    bf = _megatron_log(tmp_path / "runs" / "y.log", _falling(30, 21), scheme="FA_mxfp8")
+    bf.write_text(bf.read_text().replace("llama32-1b", r"[/m]$\frac{$", 1))
+    return d, tmp_path / "runs"
+
+
+def test_names_holding_rich_markup_are_printed_as_they_are(tmp_path, run, monkeypatch):
+    d, runs_dir = _marked_up(tmp_path)
+    res = run("tensors", "summary", d, "--by", "kind,tensor")
+    assert res.code == 0, res
+    for name in ("[/k]", "[/x]", "[bold]y", ":smile:", r"$\x$"):
+        assert name in res.out, name
+    res = run("tensors", "formats", d, "--by", "kind,tensor", "--formats", "mxfp8")
+    assert res.code == 0 and "[/x]" in res.out and "[bold]y" in res.out, res
+    res = run("runs", runs_dir)
+    assert res.code == 0 and r"[/m]$\frac{$" in res.out, res
+    # the internal-error handler prints the message as it is too
+    from quantpatch.analysis import tensors
+
+    def boom(*_: object, **__: object) -> None:
+        raise RuntimeError("[/x] [bold]y :smile:")
+
+    monkeypatch.setattr(tensors, "summary", boom)
+    res = run("tensors", "summary", d)
+    assert res.code == 3 and "RuntimeError: [/x] [bold]y :smile:" in res.err, res
+
+
+def test_dollars_in_names_never_stop_a_plot(tmp_path, run):
+    pytest.importorskip("matplotlib")
+    d, runs_dir = _marked_up(tmp_path)
+    res = run("tensors", "plot", d, "--out", tmp_path / "figs", "--formats", "mxfp8")
+    assert res.code == 0, res
+    res = run("runs", runs_dir, "--plot", tmp_path / "p")
+    assert res.code == 0 and any((tmp_path / "p").glob("loss_*.png")), res
+    res = run("report", "--tensors", d, "--runs", runs_dir, "--out", tmp_path / "r.html")
+    assert res.code == 0 and r"$\frac{$" in (tmp_path / "r.html").read_text(), res

@@ -3,16 +3,19 @@ backend: the optional extra ``plot``). Every function returns the paths it wrote
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 from quantpatch.analysis.tensor_files import Skipped, discover_all, load_tensor, meta_of
 from quantpatch.analysis.tensors import sorted_layers
 from quantpatch.errors import UserError
 
+P = ParamSpec("P")
+R = TypeVar("R")
 LO, HI, WIDTH = -48.0, 24.0, 0.25  # log2 bins
 REL_LO = -40.0
 # representable magnitudes: HiF8 absolutely; MX relative to the block's amax 2^E, where the
@@ -43,6 +46,21 @@ def _pyplot() -> Any:
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def _plain_text(fn: Callable[P, R]) -> Callable[P, R]:
+    """``fn`` with every text it draws taken as it is: no mathtext (a ``$`` in a tensor name
+    or a log header's model stopped the plot), no TeX."""
+
+    @functools.wraps(fn)
+    def plain(*args: P.args, **kwargs: P.kwargs) -> R:
+        require_matplotlib()
+        import matplotlib
+
+        with matplotlib.rc_context({"text.parse_math": False, "text.usetex": False}):
+            return fn(*args, **kwargs)
+
+    return plain
 
 
 @dataclass
@@ -106,6 +124,7 @@ def _histogram_of(h: Histograms, t: Any, meta: Any, sample: int | None) -> None:
     h.zeros[kind] = h.zeros.get(kind, 0) + int((x == 0).sum())
 
 
+@_plain_text
 def plot_histograms(h: Histograms, out: Path) -> list[Path]:
     plt = _pyplot()
     written = []
@@ -134,6 +153,7 @@ def plot_histograms(h: Histograms, out: Path) -> list[Path]:
     return written
 
 
+@_plain_text
 def plot_formats(rows: list[dict[str, Any]], formats: tuple[str, ...], out: Path) -> list[Path]:
     """Heatmap layers x tensor kinds of SQNR per format, and underflow/overflow bars per kind
     (``rows`` from ``tensors.formats(..., by=("layer", "tensor"))``)."""
@@ -189,6 +209,7 @@ def plot_formats(rows: list[dict[str, Any]], formats: tuple[str, ...], out: Path
     return written
 
 
+@_plain_text
 def plot_runs(result: Any, out: Path) -> list[Path]:
     """Loss curves and relative difference to bf16 per model/dataset/profile, and step-time
     ratios (``result`` from ``training_logs.runs``)."""
