@@ -308,6 +308,14 @@ def test_the_output_layer_is_named_by_its_module(tmp_path, run):
     if _has_matplotlib():
         res = run("tensors", "plot", d, "--out", tmp_path / "figs", "--formats", "mxfp8")
         assert res.code == 0 and (tmp_path / "figs" / "sqnr_heatmap.png").is_file(), res
+    # a saver that writes the module's name where the number goes is read the same
+    from quantpatch.analysis.tensor_files import meta_of
+
+    named = Path("20250908_091143_0007_linear_Loutput_layer_forward_mxfp8_input.pt")
+    meta = meta_of(named, {})
+    assert (meta.layer, meta.kind, meta.operation, meta.tensor) == (
+        "output_layer", "linear", "forward", "input",
+    )  # fmt: skip
 
 
 def _has_matplotlib() -> bool:
