@@ -226,7 +226,8 @@ def parse_log(path: Path, chunk: int = 0) -> Run:
                     head += piece[: _EDGE - len(head)]
                 last = (last + piece[-_EDGE:])[-_EDGE:]
                 at = piece.rfind(b" iteration ")
-                since_iteration = (piece[at:] if at >= 0 else since_iteration + piece)[-_TAIL:]
+                tail = piece[at:] if at >= 0 else since_iteration + piece[-_TAIL:]
+                since_iteration = tail[-_TAIL:]
     except OSError as exc:
         raise ValueError(f"cannot be read ({exc.strerror or exc})") from None
     found = _HEADER.search(head)
