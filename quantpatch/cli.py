@@ -47,16 +47,17 @@ class _OnFirstUse:
 def _make_out() -> "Console":
     from rich.console import Console
 
-    console = Console(highlight=False, soft_wrap=True)
+    # emoji off: a name such as ":smile:" (a file, a tensor) is printed as it is
+    console = Console(highlight=False, soft_wrap=True, emoji=False)
     if not console.is_terminal:  # piped or captured: never truncate file paths in tables
-        console = Console(highlight=False, soft_wrap=True, width=200)
+        console = Console(highlight=False, soft_wrap=True, width=200, emoji=False)
     return console
 
 
 def _make_err() -> "Console":
     from rich.console import Console
 
-    return Console(stderr=True, highlight=False, soft_wrap=True)
+    return Console(stderr=True, highlight=False, soft_wrap=True, emoji=False)
 
 
 out = cast("Console", _OnFirstUse(_make_out))
@@ -733,7 +734,7 @@ tensors_app = typer.Typer(
 )
 app.add_typer(tensors_app, name="tensors")
 DirArg = typer.Argument(..., help="A directory of saved tensors (searched recursively).")
-JobsOpt = typer.Option(1, "--jobs", "-j", min=1, help="Worker processes.")
+JobsOpt = typer.Option(1, "--jobs", "-j", help="Worker processes: 1 to 4 per CPU, 64 at most.")
 SampleOpt = typer.Option(
     None, "--sample", help="At most about N elements per tensor (whole rows, MX blocks intact)."
 )
@@ -817,18 +818,20 @@ def tensors_plot(
 ) -> None:
     """PNGs: log2|x| histograms with each format's range, SQNR heatmap, underflow/overflow bars."""
     from quantpatch import present_analysis as pa
-    from quantpatch.analysis import plots, tensors
+    from quantpatch.analysis import outputs, plots, tensors
 
     fmts = tensors.parse_formats(formats)
     plots.require_matplotlib()
-    with pa.progress_bar(err, "quantizing") as progress:
-        res = tensors.formats(
-            directory, fmts, ("layer", "tensor"), sample=sample, jobs=jobs, progress=progress
-        )
-    with pa.progress_bar(err, "histograms") as progress:
-        hist, _ = plots.histograms(directory.resolve(), sample=sample, progress=progress)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    written = plots.plot_formats(res.rows, fmts, out_dir) + plots.plot_histograms(hist, out_dir)
+    tensors.check_dir(directory)
+    with outputs.output_dir(out_dir):
+        with pa.progress_bar(err, "quantizing") as progress:
+            res = tensors.formats(
+                directory, fmts, ("layer", "tensor"), sample=sample, jobs=jobs, progress=progress
+            )
+        with pa.progress_bar(err, "histograms") as progress:
+            hist, _ = plots.histograms(directory.resolve(), sample=sample, progress=progress)
+        written = plots.plot_formats(res.rows, fmts, out_dir)
+        written += plots.plot_histograms(hist, out_dir)
     pa.print_count(err, res.inventory)
     for p in written:
         out.print(str(p), markup=False)
@@ -847,25 +850,31 @@ def runs_cmd(
 ) -> None:
     """Loss and speed of every run against bf16 at matched iterations, from the training logs."""
     from quantpatch import present_analysis as pa
-    from quantpatch.analysis import plots, training_logs
+    from quantpatch.analysis import outputs, plots, training_logs
     from quantpatch.registry import load_registry
 
     reg = load_registry(config)
     if plot is not None:
         plots.require_matplotlib()
-    res = training_logs.runs(paths or None, jobs=jobs, names=(reg.models, reg.datasets))
+    with contextlib.ExitStack() as stack:
+        if plot is not None:  # checked (and made) before the logs are read
+            stack.enter_context(outputs.output_dir(plot, "--plot"))
+        res = training_logs.runs(paths or None, jobs=jobs, names=(reg.models, reg.datasets))
+        if plot is not None:
+            figures = plots.plot_runs(res, plot)
     if _analysis_json(json_):
-        pa.emit_json({"logs": res.logs, "runs": res.rows})
+        pa.emit_json({"logs": res.logs, "runs": res.rows, "skipped": pa.skipped_logs(res)})
     elif csv_:
+        pa.print_skipped_logs(err, res)
         pa.emit_csv(res.rows)
     else:
         err.print(f"read {res.logs} logs", markup=False)
+        pa.print_skipped_logs(err, res)
         pa.print_rows(
             out, "runs against bf16 (same model, dataset, profile)", pa.runs_display(res.rows)
         )
     if plot is not None:
-        plot.mkdir(parents=True, exist_ok=True)
-        for p in plots.plot_runs(res, plot):
+        for p in figures:
             err.print(str(p), markup=False)
 
 
@@ -1000,9 +1009,10 @@ def main() -> None:
             sys.exit(2)
         if debug:
             raise
-        err.print(
+        err.print(  # the message may hold any text (a file name): never read as markup
             f"internal error: {type(exc).__name__}: {exc} (run with --debug for the traceback)",
             style="red",
+            markup=False,
         )
         sys.exit(3)
     sys.exit(code if isinstance(code, int) else 0)  # typer.Exit(n) comes back as a value

@@ -14,6 +14,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 
 @contextmanager
@@ -75,25 +76,40 @@ def emit_json(data: Any) -> None:
     sys.stdout.write(json.dumps(_json_safe(data), indent=2) + "\n")
 
 
+_FORMULA = ("=", "+", "-", "@", "\t", "\r")
+
+
+def csv_cell(v: Any) -> Any:
+    """A CSV cell: a text that a spreadsheet would take for a formula (it starts with =, +,
+    -, @, a tab or a carriage return) is quoted with a leading apostrophe; numbers stay
+    numbers, missing values are empty."""
+    if v is None:
+        return ""
+    if isinstance(v, str) and v.startswith(_FORMULA):
+        return "'" + v
+    return v
+
+
 def emit_csv(rows: list[dict[str, Any]]) -> None:
     if not rows:
         return
-    w = csv.DictWriter(sys.stdout, fieldnames=list(rows[0]), lineterminator="\n")
+    w = csv.DictWriter(sys.stdout, fieldnames=[csv_cell(k) for k in rows[0]], lineterminator="\n")
     w.writeheader()
     for r in rows:
-        w.writerow({k: ("" if v is None else v) for k, v in r.items()})
+        w.writerow({csv_cell(k): csv_cell(v) for k, v in r.items()})
 
 
 def print_rows(out: Console, title: str, rows: list[dict[str, Any]], limit: int = 0) -> None:
     if not rows:
         out.print(f"{title}: nothing to show.", markup=False)
         return
-    table = Table(title=title, title_justify="left")
+    # every cell and header a Text: names from the files ("[/x]", "[bold]y") are never markup
+    table = Table(title=Text(title), title_justify="left")
     for c in rows[0]:
-        table.add_column(c, justify="left" if isinstance(rows[0][c], str) else "right")
+        table.add_column(Text(c), justify="left" if isinstance(rows[0][c], str) else "right")
     shown = rows if not limit else rows[:limit]
     for r in shown:
-        table.add_row(*(format_value(v) for v in r.values()))
+        table.add_row(*(Text(format_value(v)) for v in r.values()))
     out.print(table)
     if limit and len(rows) > limit:
         out.print(
@@ -113,14 +129,36 @@ def print_count(err: Console, inv: Any) -> None:
         err.print(f"  ... and {len(inv.skipped) - 20} more", style="yellow", markup=False)
 
 
+def _layers(layers: Any) -> list[Any]:
+    from quantpatch.analysis.tensors import sorted_layers
+
+    return sorted_layers(layers)
+
+
 def print_inventory(out: Console, inv: Any) -> None:
     out.print(
         f"{inv.files} tensor files, {inv.stats_records} stats records, "
-        f"{inv.bytes / 1e6:.1f} MB; layers {sorted(inv.layers) or '-'}; "
+        f"{inv.bytes / 1e6:.1f} MB; layers {_layers(inv.layers) or '-'}; "
         f"micro-steps {sorted(inv.steps) or '-'}; ranks {sorted(inv.ranks) or '-'}; "
         f"saved under {', '.join(sorted(inv.formats)) or '-'}",
         markup=False,
     )
+
+
+def skipped_logs(res: Any) -> list[dict[str, str]]:
+    """The logs ``runs`` could not read, for JSON."""
+    return [{"path": path, "reason": why} for path, why in res.skipped]
+
+
+def print_skipped_logs(err: Console, res: Any) -> None:
+    """One line per log ``runs`` could not read (at most 20), and their count."""
+    if not res.skipped:
+        return
+    err.print(f"skipped {len(res.skipped)} of {res.logs} logs", style="yellow", markup=False)
+    for path, why in res.skipped[:20]:
+        err.print(f"  skipped {path}: {why}", style="yellow", markup=False)
+    if len(res.skipped) > 20:
+        err.print(f"  ... and {len(res.skipped) - 20} more", style="yellow", markup=False)
 
 
 _RUN_LABELS = {
@@ -130,6 +168,7 @@ _RUN_LABELS = {
     "step_ms": "step ms",
     "step_vs_bf16": "step/bf16",
     "nan_iterations": "nan",
+    "last_finite_iteration": "loss at",
     "unreadable_lines": "bad lines",
 }
 

@@ -247,7 +247,9 @@ def parse_numbers(win: Any) -> Any:
         return out
     layout = _layout(bytes(win[:, 0]).strip()) or _layout(bytes(win[:, -1]).strip())
     good = np.zeros(n, np.bool_)
-    if layout is not None and w > len(layout.suffix):
+    # more digits after the point than an exact integer holds never take the fast path (and
+    # its table of powers of ten stops at 10**22)
+    if layout is not None and w > len(layout.suffix) and layout.frac <= _EXACT_DIGITS:
         good, values = _fast(win, layout)
         out[good] = values[good]
     bad = np.flatnonzero(~good)

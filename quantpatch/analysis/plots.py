@@ -3,15 +3,19 @@ backend: the optional extra ``plot``). Every function returns the paths it wrote
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
-from quantpatch.analysis.tensor_files import Skipped, discover, load_tensor, meta_of
+from quantpatch.analysis.tensor_files import Skipped, discover_all, load_tensor, meta_of
+from quantpatch.analysis.tensors import sorted_layers
 from quantpatch.errors import UserError
 
+P = ParamSpec("P")
+R = TypeVar("R")
 LO, HI, WIDTH = -48.0, 24.0, 0.25  # log2 bins
 REL_LO = -40.0
 # representable magnitudes: HiF8 absolutely; MX relative to the block's amax 2^E, where the
@@ -44,6 +48,21 @@ def _pyplot() -> Any:
     return plt
 
 
+def _plain_text(fn: Callable[P, R]) -> Callable[P, R]:
+    """``fn`` with every text it draws taken as it is: no mathtext (a ``$`` in a tensor name
+    or a log header's model stopped the plot), no TeX."""
+
+    @functools.wraps(fn)
+    def plain(*args: P.args, **kwargs: P.kwargs) -> R:
+        require_matplotlib()
+        import matplotlib
+
+        with matplotlib.rc_context({"text.parse_math": False, "text.usetex": False}):
+            return fn(*args, **kwargs)
+
+    return plain
+
+
 @dataclass
 class Histograms:
     """Counts of log2|x| (absolute) and log2(|x| / block amax) per tensor kind."""
@@ -60,47 +79,52 @@ def _bins(lo: float, hi: float) -> int:
 def histograms(
     root: Path, sample: int | None = None, progress: Callable[[int, int], None] | None = None
 ) -> tuple[Histograms, list[Skipped]]:
-    import torch
-
-    from quantpatch.analysis.tensor_metrics import reduction_of, sample_rows
+    from quantpatch.analysis.tensors import skip_reason
 
     h = Histograms()
-    skipped: list[Skipped] = []
-    pts, _ = discover(root)
+    pts, _, skipped = discover_all(root)
     for done, path in enumerate(pts, 1):
         try:
             t, md = load_tensor(path)
-        except ValueError as exc:
-            skipped.append(Skipped(str(path.relative_to(root)), str(exc)))
-            continue
-        meta = meta_of(path, md, root)
-        kind = meta.tensor or "?"
-        dim, _ = reduction_of(meta.tensor, meta.operation)
-        if not t.is_floating_point() or t.dim() == 0:
-            continue
-        if not -t.dim() <= dim < t.dim():
-            dim = -1
-        t, dim = sample_rows(t, dim, sample)
-        x = t.detach().float().movedim(dim, -1)
-        x = torch.where(torch.isfinite(x), x, torch.zeros((), dtype=x.dtype)).abs()
-        n = x.shape[-1]
-        pad = (-n) % 32
-        blocks = torch.nn.functional.pad(x, (0, pad)).reshape(-1, 32)
-        amax = blocks.amax(dim=-1, keepdim=True)
-        nz = blocks > 0
-        a = torch.log2(blocks[nz])
-        rel = (torch.log2(blocks) - torch.floor(torch.log2(torch.where(amax > 0, amax, 1.0))))[nz]
-        ab = torch.histc(a.clamp(LO, HI - 1e-3), _bins(LO, HI), LO, HI).long().tolist()
-        rb = torch.histc(rel.clamp(REL_LO, 1 - 1e-3), _bins(REL_LO, 1), REL_LO, 1).long().tolist()
-        for store, counts in ((h.absolute, ab), (h.relative, rb)):
-            old = store.setdefault(kind, [0] * len(counts))
-            store[kind] = [p + q for p, q in zip(old, counts, strict=True)]
-        h.zeros[kind] = h.zeros.get(kind, 0) + int((x == 0).sum())
+            _histogram_of(h, t, meta_of(path, md, root), sample)
+        except Exception as exc:  # one file never stops the others: skipped, with why
+            skipped.append(Skipped(str(path.relative_to(root)), skip_reason(exc)))
         if progress:
             progress(done, len(pts))
     return h, skipped
 
 
+def _histogram_of(h: Histograms, t: Any, meta: Any, sample: int | None) -> None:
+    """Add one tensor's magnitudes (absolute, and within its 32-block) to ``h``."""
+    import torch
+
+    from quantpatch.analysis.tensor_metrics import reduction_of, sample_rows
+
+    kind = meta.tensor or "?"
+    dim, _ = reduction_of(meta.tensor, meta.operation)
+    if not t.is_floating_point() or t.dim() == 0:
+        return
+    if not -t.dim() <= dim < t.dim():
+        dim = -1
+    t, dim = sample_rows(t, dim, sample)
+    x = t.detach().float().movedim(dim, -1)
+    x = torch.where(torch.isfinite(x), x, torch.zeros((), dtype=x.dtype)).abs()
+    n = x.shape[-1]
+    pad = (-n) % 32
+    blocks = torch.nn.functional.pad(x, (0, pad)).reshape(-1, 32)
+    amax = blocks.amax(dim=-1, keepdim=True)
+    nz = blocks > 0
+    a = torch.log2(blocks[nz])
+    rel = (torch.log2(blocks) - torch.floor(torch.log2(torch.where(amax > 0, amax, 1.0))))[nz]
+    ab = torch.histc(a.clamp(LO, HI - 1e-3), _bins(LO, HI), LO, HI).long().tolist()
+    rb = torch.histc(rel.clamp(REL_LO, 1 - 1e-3), _bins(REL_LO, 1), REL_LO, 1).long().tolist()
+    for store, counts in ((h.absolute, ab), (h.relative, rb)):
+        old = store.setdefault(kind, [0] * len(counts))
+        store[kind] = [p + q for p, q in zip(old, counts, strict=True)]
+    h.zeros[kind] = h.zeros.get(kind, 0) + int((x == 0).sum())
+
+
+@_plain_text
 def plot_histograms(h: Histograms, out: Path) -> list[Path]:
     plt = _pyplot()
     written = []
@@ -129,14 +153,13 @@ def plot_histograms(h: Histograms, out: Path) -> list[Path]:
     return written
 
 
+@_plain_text
 def plot_formats(rows: list[dict[str, Any]], formats: tuple[str, ...], out: Path) -> list[Path]:
     """Heatmap layers x tensor kinds of SQNR per format, and underflow/overflow bars per kind
     (``rows`` from ``tensors.formats(..., by=("layer", "tensor"))``)."""
     plt = _pyplot()
     written: list[Path] = []
-    layers = sorted(
-        {r["layer"] for r in rows}, key=lambda v: (v is None, v if v is not None else 0)
-    )
+    layers = sorted_layers({r["layer"] for r in rows})
     kinds = sorted({str(r["tensor"]) for r in rows})
     if not rows:
         return written
@@ -186,6 +209,7 @@ def plot_formats(rows: list[dict[str, Any]], formats: tuple[str, ...], out: Path
     return written
 
 
+@_plain_text
 def plot_runs(result: Any, out: Path) -> list[Path]:
     """Loss curves and relative difference to bf16 per model/dataset/profile, and step-time
     ratios (``result`` from ``training_logs.runs``)."""

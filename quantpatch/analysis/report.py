@@ -1,11 +1,15 @@
 """``quantpatch report``: one self-contained HTML file (plots embedded as data URIs, no
-network, no JavaScript) with the runs table, the format comparison and the figures."""
+network, no JavaScript) with the runs table, the format comparison and the figures.
+
+The page is rendered by jinja2 with autoescape on: every text that comes from the inputs
+(directory and file names, log headers, metadata labels, reasons) is escaped, whatever it
+holds; only our own style sheet is marked safe."""
 
 from __future__ import annotations
 
 import base64
-import html
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,35 +24,69 @@ img{max-width:100%;border:1px solid #eee;margin:.5em 0}
 .note{color:#666;font-size:13px}
 """
 
+_PAGE = """<!doctype html><meta charset="utf-8"><title>quantpatch report</title>
+<style>{{ style }}</style><h1>quantpatch report</h1>
+{%- for s in sections %}
+<h2>{{ s.title }}</h2>
+{%- if s.note %}<p class="note">{{ s.note }}</p>{% endif %}
+{%- if s.columns %}<table><tr>{% for c in s.columns %}<th>{{ c }}</th>{% endfor %}</tr>
+{%- for r in s.rows %}<tr{% if r.bad %} class="bad"{% endif %}>
+{%- for text, left in r.cells %}<td{% if left %} class="t"{% endif %}>{{ text }}</td>
+{%- endfor %}</tr>
+{%- endfor %}</table>{% endif %}
+{%- for alt, data in s.images %}
+<img alt="{{ alt }}" src="data:image/png;base64,{{ data }}">
+{%- endfor %}
+{%- if s.skipped %}<h3>Skipped</h3><ul>
+{%- for path, why in s.skipped %}<li>{{ path }}: {{ why }}</li>{% endfor %}</ul>{% endif %}
+{%- endfor %}
+"""
 
-def _cell(v: Any) -> str:
+
+@dataclass
+class Section:
+    title: str
+    note: str = ""
+    columns: list[str] = field(default_factory=list)
+    rows: list[dict[str, Any]] = field(default_factory=list)  # {"bad": bool, "cells": [...]}
+    images: list[tuple[str, str]] = field(default_factory=list)  # (alt, base64 PNG)
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+
+
+def render(sections: list[Section]) -> str:
+    """The page, every text escaped (jinja2 with autoescape on)."""
+    import jinja2
+    from markupsafe import Markup
+
+    env = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined)
+    return env.from_string(_PAGE).render(style=Markup(_STYLE), sections=sections) + "\n"
+
+
+def table_rows(
+    rows: list[dict[str, Any]], columns: list[str], bad: str | None = None
+) -> list[dict[str, Any]]:
+    """The cells of a table, as text, each with whether it is left-aligned (text)."""
     from quantpatch.present_analysis import format_value
 
-    return html.escape(format_value(v))
+    return [
+        {
+            "bad": bool(bad and r.get(bad)),
+            "cells": [
+                (format_value(r.get(c)), isinstance(r.get(c), str) or r.get(c) is None)
+                for c in columns
+            ],
+        }
+        for r in rows
+    ]
 
 
-def table(rows: list[dict[str, Any]], columns: list[str], bad: str | None = None) -> str:
-    head = "".join(f"<th>{html.escape(c)}</th>" for c in columns)
-    body = []
-    for r in rows:
-        cls = ' class="bad"' if bad and r.get(bad) else ""
-        cells = "".join(
-            f'<td class="t">{_cell(r.get(c))}</td>'
-            if isinstance(r.get(c), str) or r.get(c) is None
-            else f"<td>{_cell(r.get(c))}</td>"
-            for c in columns
-        )
-        body.append(f"<tr{cls}>{cells}</tr>")
-    return f"<table><tr>{head}</tr>{''.join(body)}</table>"
-
-
-def _img(path: Path) -> str:
-    data = base64.b64encode(path.read_bytes()).decode("ascii")
-    return f'<img alt="{html.escape(path.stem)}" src="data:image/png;base64,{data}">'
+def _img(path: Path) -> tuple[str, str]:
+    return path.stem, base64.b64encode(path.read_bytes()).decode("ascii")
 
 
 RUN_COLUMNS = [
-    "model", "dataset", "profile", "scheme", "iterations", "loss", "loss_delta_vs_bf16",
+    "model", "dataset", "profile", "scheme", "iterations", "loss", "last_finite_iteration",
+    "loss_delta_vs_bf16",
     "rel_delta_vs_bf16", "step_ms", "step_vs_bf16", "skipped", "nan_iterations", "diverged",
     "status",
 ]  # fmt: skip
@@ -66,53 +104,64 @@ def write_report(
     jobs: int = 1,
     names: Any = None,
 ) -> dict[str, Any]:
-    """Build the report; returns what went into it (counts)."""
-    from quantpatch.analysis import plots, tensors, training_logs
+    """Build the report; returns what went into it (counts). ``out`` is checked before any
+    work and written atomically (``outputs.atomic_file``)."""
+    from quantpatch.analysis import outputs, plots, tensor_files, tensors, training_logs
+    from quantpatch.analysis.limits import check_jobs
+    from quantpatch.analysis.tensors import sorted_layers
 
     if tensors_dir is None and run_paths is None:
         raise UserError("report: give --tensors DIR, --runs PATH, or both.")
-    if out.exists() and out.is_dir():
-        raise UserError(f"{out}: is a directory; give a file name such as report.html.")
-    parts = [f"<!doctype html><meta charset='utf-8'><title>quantpatch report</title>"
-             f"<style>{_STYLE}</style><h1>quantpatch report</h1>"]  # fmt: skip
+    check_jobs(jobs)
+    inputs: list[Path] = []
+    if run_paths is not None:
+        inputs += run_paths + training_logs.find_logs(run_paths)
+    if tensors_dir is not None:
+        if not tensors_dir.is_dir():
+            raise UserError(f"{tensors_dir}: no such directory.")
+        pts, jsonl = tensor_files.discover(tensors_dir)
+        inputs += pts + jsonl
     facts: dict[str, Any] = {}
-    with tempfile.TemporaryDirectory() as tmp:
+    sections: list[Section] = []
+    with outputs.atomic_file(out, inputs) as dest, tempfile.TemporaryDirectory() as tmp:
         figs = Path(tmp)
         if run_paths is not None:
             rr = training_logs.runs(run_paths, jobs=jobs, names=names)
             facts["runs"] = len(rr.rows)
-            parts.append(f"<h2>Runs ({rr.logs} logs)</h2>")
-            parts.append(
-                "<p class='note'>loss: mean over the last window of logged iterations; deltas "
-                "against the bf16 run of the same model, dataset and profile at the iterations "
-                "both logged; rows in red diverged.</p>"
+            sections.append(
+                Section(
+                    f"Runs ({rr.logs} logs)",
+                    "loss: mean over the last window of logged iterations with a finite loss "
+                    "(loss at: the last of them); deltas against the bf16 run of the same "
+                    "model, dataset and profile at the iterations both logged; rows in red "
+                    "diverged.",
+                    RUN_COLUMNS,
+                    table_rows(rr.rows, RUN_COLUMNS, bad="diverged"),
+                    [_img(p) for p in plots.plot_runs(rr, figs)],
+                    list(rr.skipped),
+                )
             )
-            parts.append(table(rr.rows, RUN_COLUMNS, bad="diverged"))
-            parts += [_img(p) for p in plots.plot_runs(rr, figs)]
         if tensors_dir is not None:
             fr = tensors.formats(tensors_dir, by=("layer", "tensor"), sample=sample, jobs=jobs)
             inv = fr.inventory
             facts["tensor_files"] = inv.files
-            parts.append(f"<h2>Formats on the saved tensors ({inv.files} files)</h2>")
-            parts.append(
-                f"<p class='note'>{tensors_dir}: layers {inv.layers and sorted(inv.layers)}, "
-                f"micro-steps {sorted(inv.steps)}, saved under {sorted(inv.formats)}; "
-                f"{len(inv.skipped)} skipped. Computed with the quant ops training runs, "
-                "along each tensor's reduction dimension; worst first.</p>"
-            )
-            parts.append(table(fr.rows, FORMAT_COLUMNS))
-            parts += [_img(p) for p in plots.plot_formats(fr.rows, fr.formats, figs)]
-            h, _ = plots.histograms(tensors_dir, sample=sample)
-            parts += [_img(p) for p in plots.plot_histograms(h, figs)]
-            if inv.skipped:
-                items = "".join(
-                    f"<li>{html.escape(s.path)}: {html.escape(s.reason)}</li>" for s in inv.skipped
+            h, _ = plots.histograms(tensors_dir.resolve(), sample=sample)
+            sections.append(
+                Section(
+                    f"Formats on the saved tensors ({inv.files} files)",
+                    f"{tensors_dir}: layers {sorted_layers(inv.layers)}, micro-steps "
+                    f"{sorted(inv.steps)}, saved under {sorted(inv.formats)}; "
+                    f"{len(inv.skipped)} skipped. Computed with the quant ops training runs, "
+                    "along each tensor's reduction dimension; worst first.",
+                    FORMAT_COLUMNS,
+                    table_rows(fr.rows, FORMAT_COLUMNS),
+                    [_img(p) for p in plots.plot_formats(fr.rows, fr.formats, figs)]
+                    + [_img(p) for p in plots.plot_histograms(h, figs)],
+                    [(s.path, s.reason) for s in inv.skipped],
                 )
-                parts.append(f"<h3>Skipped</h3><ul>{items}</ul>")
-        text = "".join(parts) + "\n"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp_out = out.with_name(out.name + ".tmp")
-    tmp_out.write_text(text, encoding="utf-8")
-    tmp_out.replace(out)
-    facts["bytes"] = len(text.encode())
+            )
+        data = render(sections).encode("utf-8")
+        dest.write(data)
+        dest.commit()
+    facts["bytes"] = len(data)
     return facts

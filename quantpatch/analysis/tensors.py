@@ -9,18 +9,19 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from quantpatch.analysis.limits import check_jobs
 from quantpatch.analysis.tensor_files import (
     GROUPS,
     Skipped,
     StatsRecord,
     TensorMeta,
-    discover,
+    discover_all,
     load_tensor,
     meta_of,
     read_stats_lines,
@@ -37,7 +38,7 @@ class Inventory:
     stats_records: int = 0
     bytes: int = 0
     skipped: list[Skipped] = field(default_factory=list)
-    layers: set[int] = field(default_factory=set)
+    layers: set[int | str] = field(default_factory=set)
     steps: set[int] = field(default_factory=set)
     ranks: set[int] = field(default_factory=set)
     formats: set[str] = field(default_factory=set)
@@ -56,7 +57,7 @@ class Inventory:
             "stats_records": self.stats_records,
             "bytes": self.bytes,
             "skipped": [{"path": s.path, "reason": s.reason} for s in self.skipped],
-            "layers": sorted(self.layers),
+            "layers": sorted_layers(self.layers),
             "micro_steps": sorted(self.steps),
             "ranks": sorted(self.ranks),
             "formats": sorted(self.formats),
@@ -87,7 +88,7 @@ def parse_formats(value: str | None) -> tuple[str, ...]:
     return _choices(value, FORMATS, "--formats", "format")
 
 
-def _check_dir(root: Path) -> Path:
+def check_dir(root: Path) -> Path:
     if not root.is_dir():
         raise UserError(f"{root}: no such directory.")
     return root.resolve()
@@ -102,10 +103,20 @@ def _summarise_file(args: tuple[str, str]) -> tuple[TensorMeta, Any, int] | Skip
     path, root = Path(args[0]), Path(args[1])
     try:
         t, md = load_tensor(path)
-    except ValueError as exc:
-        return Skipped(str(path.relative_to(root)), str(exc))
-    meta = meta_of(path, md, root)
-    return meta, tensor_sums(t), path.stat().st_size
+        meta = meta_of(path, md, root)
+        return meta, tensor_sums(t), path.stat().st_size
+    except Exception as exc:  # one file never stops the others: skipped, with why
+        return Skipped(str(path.relative_to(root)), skip_reason(exc))
+
+
+def skip_reason(exc: BaseException) -> str:
+    """One line for a file that could not be read or analysed: a ``ValueError``'s reason
+    as it is, anything else by its type and its first line."""
+    if isinstance(exc, ValueError):
+        return str(exc)
+    text = str(exc).strip()
+    first = text.splitlines()[0][:160] if text else ""
+    return f"could not be analysed ({type(exc).__name__}{': ' + first if first else ''})"
 
 
 def _formats_file(
@@ -116,16 +127,16 @@ def _formats_file(
     path, root, fmts, sample = Path(args[0]), Path(args[1]), args[2], args[3]
     try:
         t, md = load_tensor(path)
-    except ValueError as exc:
-        return Skipped(str(path.relative_to(root)), str(exc))
-    meta = meta_of(path, md, root)
-    if not t.is_floating_point():
-        return Skipped(meta.path, f"not a floating-point tensor ({t.dtype})")
-    dim, backward = reduction_of(meta.tensor, meta.operation)
-    if t.dim() and not -t.dim() <= dim < t.dim():
-        dim = -1
-    t, dim = sample_rows(t, dim if t.dim() else 0, sample)
-    return meta, formats_sums(t, fmts, dim, backward), path.stat().st_size
+        meta = meta_of(path, md, root)
+        if not t.is_floating_point():
+            return Skipped(meta.path, f"not a floating-point tensor ({t.dtype})")
+        dim, backward = reduction_of(meta.tensor, meta.operation)
+        if t.dim() and not -t.dim() <= dim < t.dim():
+            dim = -1
+        t, dim = sample_rows(t, dim if t.dim() else 0, sample)
+        return meta, formats_sums(t, fmts, dim, backward), path.stat().st_size
+    except Exception as exc:  # one file never stops the others: skipped, with why
+        return Skipped(str(path.relative_to(root)), skip_reason(exc))
 
 
 def _init_worker(threads: int) -> None:
@@ -159,9 +170,10 @@ def summary(
     """What is in ``root`` and grouped statistics of every tensor (and stats-only record)."""
     from quantpatch.analysis.tensor_metrics import TensorSums, sums_from_info
 
-    root = _check_dir(root)
-    pts, jsonl = discover(root)
-    inv = Inventory()
+    check_jobs(jobs)
+    root = check_dir(root)
+    pts, jsonl, special = discover_all(root)
+    inv = Inventory(skipped=special)
     groups: dict[tuple[Any, ...], TensorSums] = {}
 
     def add(meta: TensorMeta, sums: TensorSums) -> None:
@@ -201,7 +213,15 @@ def summary(
 
 
 def _sort_key(key: tuple[Any, ...]) -> tuple[Any, ...]:
-    return tuple((v is None, v if isinstance(v, int) else str(v)) for v in key)
+    """Numbers first, in order, then names (a module outside the layers), then None."""
+    return tuple(
+        (v is None, not isinstance(v, int), v if isinstance(v, int) else str(v)) for v in key
+    )
+
+
+def sorted_layers(layers: Iterable[int | str | None]) -> list[int | str | None]:
+    """Layer numbers in order, then modules outside the layers by name."""
+    return [k[0] for k in sorted(((v,) for v in layers), key=_sort_key)]
 
 
 @dataclass
@@ -224,11 +244,12 @@ def formats(
     """What each candidate format does to the tensors in ``root``, grouped, worst first."""
     from quantpatch.analysis.tensor_metrics import FormatSums
 
-    root = _check_dir(root)
+    check_jobs(jobs)
+    root = check_dir(root)
     if sample is not None and sample < 1:
         raise UserError(f"--sample {sample}: give a positive number of elements per tensor.")
-    pts, jsonl = discover(root)
-    inv = Inventory()
+    pts, jsonl, special = discover_all(root)
+    inv = Inventory(skipped=special)
     groups: dict[tuple[Any, ...], dict[str, FormatSums]] = {}
     items = [(str(p), str(root), fmts, sample) for p in pts]
     for done, res in enumerate(_map(_formats_file, items, jobs), 1):

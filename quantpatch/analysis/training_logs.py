@@ -25,16 +25,18 @@ without them is keyed from its path where the run folder's name allows.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import re
+import stat
 import statistics
 from array import array
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from quantpatch.errors import UserError
 
@@ -141,28 +143,165 @@ def _template(names: list[str]) -> re.Pattern[bytes]:
     return re.compile(b"".join(parts) + rb"[ \t\r]*$", re.M)
 
 
-def parse_log(path: Path) -> Run:
-    data = path.read_bytes()
+_CHUNK = 64 << 20
+"""A log is read this many bytes at a time, cut at its last newline (whole lines): memory
+holds one chunk and the columns read so far, whatever the file's size. A line longer than a
+chunk is no Megatron line: it is skipped up to its newline and counted unreadable."""
+_EDGE = 65536  # the header is looked for in the first, the exit line in the last, bytes
+_TAIL = 1 << 20  # what follows the last iteration line, kept to look for a crash
+
+
+def open_regular(path: Path) -> BinaryIO:
+    """``path`` opened for reading if it is a regular file (a symbolic link to one counts);
+    ``ValueError`` naming what it is otherwise. Opened without blocking and checked on the
+    open descriptor, so that a FIFO or a device never blocks or streams forever."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        raise ValueError(f"cannot be opened ({exc.strerror or exc})") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise ValueError(f"not a regular file ({kind_of(mode)})")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def kind_of(mode: int) -> str:
+    """What a file that is not a regular file is, in words."""
+    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISDIR, "a directory")):  # fmt: skip
+        if test(mode):
+            return name
+    return "a special file"
+
+
+def _whole_lines(fh: BinaryIO, run: Run, chunk: int) -> Iterator[bytes]:
+    """The file's bytes in pieces of whole lines (each ends with a newline), then what
+    follows the last newline (a line still being written), which may be empty."""
+    carry = b""
+    skipping = False  # inside a line longer than a chunk: dropped up to its newline
+    while True:
+        block = fh.read(chunk)
+        if not block:
+            break
+        if skipping:
+            nl = block.find(b"\n")
+            if nl < 0:
+                continue
+            block, skipping = block[nl + 1 :], False
+        data = carry + block if carry else block
+        cut = data.rfind(b"\n") + 1
+        if cut:
+            yield data[:cut]
+        carry = data[cut:]
+        if len(carry) >= chunk:
+            run.garbage += 1
+            carry, skipping = b"", True
+    yield b"" if skipping else carry
+
+
+def parse_log(path: Path, chunk: int = 0) -> Run:
+    """One log, read in pieces of whole lines (``chunk`` bytes, ``_CHUNK`` by default), each
+    parsed as it is read; raises ``ValueError`` when it is no regular file or cannot be read."""
     run = Run(path=str(path))
-    head = _HEADER.search(data, 0, 65536)
-    if head:
-        g = {k: v.decode("utf-8", "replace") for k, v in head.groupdict().items()}
+    parts: list[Run] = []
+    head = last = b""  # the first bytes (the header), the last bytes (the exit line)
+    since_iteration = b""  # what follows the last iteration line, where a crash shows
+    try:
+        with open_regular(path) as fh:
+            for piece in _whole_lines(fh, run, chunk or _CHUNK):
+                if piece.endswith(b"\n"):
+                    part = Run(path=run.path)
+                    if not (_template_columns(piece, part) or _numpy_columns(piece, part)):
+                        _pattern_path(piece, part)
+                    parts.append(part)
+                elif ITERATION.search(piece):  # a last line still being written: not read
+                    run.garbage += 1
+                if len(head) < _EDGE:
+                    head += piece[: _EDGE - len(head)]
+                last = (last + piece[-_EDGE:])[-_EDGE:]
+                at = piece.rfind(b" iteration ")
+                tail = piece[at:] if at >= 0 else since_iteration + piece[-_TAIL:]
+                since_iteration = tail[-_TAIL:]
+    except OSError as exc:
+        raise ValueError(f"cannot be read ({exc.strerror or exc})") from None
+    found = _HEADER.search(head)
+    if found:
+        g = {k: v.decode("utf-8", "replace") for k, v in found.groupdict().items()}
         run.model, run.dataset, run.scheme, run.profile = (
             g["model"], g["dataset"], g["scheme"], g["profile"],
         )  # fmt: skip
         run.values = {r: g[r] for r in ("linear", "qk", "pv")}
-    ex = _EXIT.search(data, max(0, len(data) - 65536))
-    if ex:
-        run.exit_status = int(ex.group(1))
-    # a last line without its newline is still being written: counted, not read
-    body_end = data.rfind(b"\n") + 1
-    if ITERATION.search(data, body_end):
-        run.garbage += 1
-    body = data if body_end == len(data) else data[:body_end]
-    if not (_template_columns(body, run) or _numpy_columns(body, run)):
-        _pattern_path(body, run)
-    _finish(data, run)
+    ex = _EXIT.search(last)
+    if ex:  # a status of more digits than any process exits with is no exit line
+        run.exit_status = int(ex.group(1)) if len(ex.group(1)) <= 9 else None
+    _merge(run, parts)
+    run.crashed = run.exit_status is None and bool(_CRASH.search(since_iteration))
     return run
+
+
+def _merge(run: Run, parts: list[Run]) -> None:
+    """The parts of a log read piece by piece, as one run: the first line of an iteration
+    printed in several pieces is kept (as within a piece), the counts added up. (A loss
+    printed as NaN on a line dropped as a repeat from another piece is still counted.)"""
+    for p in parts:
+        run.garbage += p.garbage
+        run.duplicates += p.duplicates
+        run.nonfinite_loss += p.nonfinite_loss
+    parts = [p for p in parts if len(p.iterations)]
+    if len(parts) <= 1:
+        if parts:
+            p = parts[0]
+            run.iterations, run.series, run.constant = p.iterations, p.series, p.constant
+            run.total_iterations = p.total_iterations
+        return
+    top = max(p.iterations[-1] for p in parts)
+    run.total_iterations = next(p for p in parts if p.iterations[-1] == top).total_iterations
+    names = sorted({n for p in parts for n in (*p.series, *p.constant)})
+    for n in names:  # one value throughout every part: one value still, never expanded
+        values = {_bits(p.constant[n]) if n in p.constant else None for p in parts}
+        if len(values) == 1 and None not in values:
+            run.constant[n] = parts[0].constant[n]
+    its = array("q")
+    for p in parts:
+        its.extend(p.iterations)
+    columns: dict[str, array[float]] = {n: array("d") for n in names if n not in run.constant}
+    for p in parts:
+        for n, c in columns.items():
+            c.extend(p.column(n))
+    keep = _first_of_each(its)
+    if keep is not None:
+        run.duplicates += len(its) - len(keep)
+        its = array("q", [its[i] for i in keep])
+        columns = {n: array("d", [c[i] for i in keep]) for n, c in columns.items()}
+    run.iterations = its
+    run.series = dict(columns)
+
+
+def _bits(v: float) -> bytes:
+    return array("d", [v]).tobytes()
+
+
+def _first_of_each(its: array[int]) -> list[int] | None:
+    """The positions of each iteration's first occurrence, in iteration order; None when
+    ``its`` is already strictly increasing."""
+    np = _numpy()
+    if np is not None:
+        v = np.frombuffer(its, np.int64)
+        if len(v) < 2 or bool((v[1:] > v[:-1]).all()):
+            return None
+        return [int(i) for i in np.unique(v, return_index=True)[1]]
+    if all(b > a for a, b in itertools.pairwise(its)):
+        return None
+    first: dict[int, int] = {}
+    for i, it in enumerate(its):
+        first.setdefault(it, i)
+    return [first[it] for it in sorted(first)]
 
 
 def _pattern_path(data: bytes, run: Run) -> None:
@@ -195,11 +334,6 @@ def _pattern_path(data: bytes, run: Run) -> None:
     )
     for ours in sorted({k for r in rows.values() for k in r}):
         run.series[ours] = array("d", [rows[i].get(ours, math.nan) for i in run.iterations])
-
-
-def _finish(data: bytes, run: Run) -> None:
-    last_iteration_at = data.rfind(b" iteration ")
-    run.crashed = run.exit_status is None and bool(_CRASH.search(data, max(0, last_iteration_at)))
 
 
 _FIELD_NAMES = [name.encode() for name in FIELDS]
@@ -433,11 +567,14 @@ def key_from_path(run: Run, models: Iterable[str], datasets: Iterable[str]) -> N
 
 
 def find_logs(paths: list[Path]) -> list[Path]:
+    """The logs named and the ``*.log`` under the directories named. Whatever is not a
+    directory is kept: ``parse_log`` opens only regular files, and a FIFO, a device or a
+    dangling link is reported as skipped, with what it is."""
     out: list[Path] = []
     for p in paths:
         if p.is_dir():
-            out += sorted(q for q in p.rglob("*.log") if q.is_file())
-        elif p.is_file():
+            out += sorted(q for q in p.rglob("*.log") if not q.is_dir())
+        elif p.exists() or p.is_symlink():
             out.append(p)
         else:
             raise UserError(f"{p}: no such file or directory.")
@@ -478,10 +615,26 @@ def _finite(values: Sequence[float]) -> Any:
 
 
 def _count(values: Sequence[float]) -> int:
-    """The sum of a column of counts (skipped or NaN iterations), NaN (not printed) left out."""
+    """The sum of a column of counts (skipped or NaN iterations), NaN (not printed) left out;
+    exact whatever was printed (a count of 1e308 is summed as an integer, never overflows)."""
     finite = _finite(values)
     np = _numpy()
-    return int(finite.sum()) if np is not None else int(math.fsum(finite))
+    if np is not None:
+        total = float(finite.sum()) if len(finite) else 0.0
+        if math.isfinite(total) and abs(total) < 2**53:
+            return int(total)
+        finite = finite.tolist()
+    return sum(int(v) for v in finite)
+
+
+def _mean(values: Any) -> float:
+    """The mean of finite values; inf (not ``OverflowError``) where their sum is past the
+    largest double (losses printed as 1e308)."""
+    try:
+        return statistics.fmean(values)
+    except OverflowError:
+        n = len(values)
+        return float(sum(v / n for v in values))
 
 
 def _window(n: int) -> int:
@@ -490,7 +643,23 @@ def _window(n: int) -> int:
 
 def last_window_loss(run: Run) -> float:
     losses = _finite(run.column("loss"))
-    return statistics.fmean(losses[-_window(len(losses)) :]) if len(losses) else math.nan
+    return _mean(losses[-_window(len(losses)) :]) if len(losses) else math.nan
+
+
+def last_finite_iteration(run: Run) -> int | None:
+    """The last iteration whose loss was printed and finite: the loss reported is from before
+    it when the run went on to NaN (or stopped printing its loss)."""
+    for it, v in zip(reversed(run.iterations), reversed(run.column("loss")), strict=True):
+        if math.isfinite(v):
+            return int(it)
+    return None
+
+
+def nan_seen(run: Run) -> bool:
+    """A loss printed as NaN or Inf, or Megatron's ``number of nan iterations`` above 0
+    (core_v0.13.1 prints no ``lm loss`` at all on such an interval, only that count and
+    ``grad norm: nan``)."""
+    return bool(run.nonfinite_loss) or _count(run.column("nan")) > 0
 
 
 def step_time(run: Run) -> float:
@@ -503,26 +672,86 @@ def step_time(run: Run) -> float:
     return float(np.median(rest)) if np is not None else statistics.median(rest)
 
 
-def diverged(run: Run) -> bool:
-    """A loss printed as NaN or Inf, or the last window's mean loss 5 % above the best
-    window's."""
-    if run.nonfinite_loss:
-        return True
-    finite = _finite(run.column("loss"))
-    w = _window(len(finite))
-    if len(finite) < 2 * w:
-        return False
+MIN_ITERATIONS = 10
+"""Below this many logged iterations with a finite loss, ``diverged`` says ``None`` (too
+short to judge), unless the run printed a NaN."""
+NOISE_UNITS = 3.0
+"""How far (in the run's own iteration-to-iteration noise) the last third's level must lie
+above the best earlier level to count as diverged."""
+LEVEL_FLOOR = 0.01
+"""... and at least this fraction of that level (a noise-free series has a noise of 0)."""
+
+
+def _median(v: Any) -> float:
+    """The median, the two middle values halved before they are added (no overflow at
+    1e308), the same with numpy or without."""
+    n = len(v)
     np = _numpy()
     if np is not None:
-        means = finite[: len(finite) // w * w].reshape(-1, w).mean(axis=1)
-        return bool(means[-1] > 1.05 * means.min())
-    means = [statistics.fmean(finite[i : i + w]) for i in range(0, len(finite) - w + 1, w)]
-    return bool(means[-1] > 1.05 * min(means))
+        mid = np.partition(np.asarray(v, np.float64), [(n - 1) // 2, n // 2])
+        a, b = float(mid[(n - 1) // 2]), float(mid[n // 2])
+    else:
+        ordered = sorted(v)
+        a, b = ordered[(n - 1) // 2], ordered[n // 2]
+    return a if n % 2 else a / 2 + b / 2
 
 
-def matched_delta(run: Run, ref: Run) -> tuple[float, float, int]:
-    """(mean loss difference, relative difference, iterations compared) over the last window
-    of the iterations both runs logged with a finite loss."""
+def _noise(v: Any) -> float:
+    """The iteration-to-iteration noise of a series as a standard deviation: the median
+    absolute deviation of its successive differences x 1.4826 / sqrt(2) (a difference holds
+    two draws; a steady trend is its median and drops out)."""
+    np = _numpy()
+    if len(v) < 2:
+        return 0.0
+    if np is not None:
+        d = np.diff(v)
+        m = _median(d)
+        dev: Any = np.abs(d - m)
+    else:
+        diffs = [b - a for a, b in itertools.pairwise(v)]
+        m = _median(diffs)
+        dev = [abs(x - m) for x in diffs]
+    return 1.4826 * _median(dev) / math.sqrt(2)
+
+
+def _rises(v: Any, scale: float) -> bool:
+    """Whether the median of the last third of ``v`` lies above the lowest median of the
+    earlier blocks of the same length by more than ``NOISE_UNITS`` times the series' noise
+    and ``LEVEL_FLOOR`` times ``scale``."""
+    n = len(v)
+    k = max(n // 3, 1)
+    last = _median(v[n - k :])
+    best = min(_median(v[i : i + k]) for i in range(0, max(n - 2 * k, 0) + 1, k))
+    if not math.isfinite(last - best):
+        return True
+    return last - best > max(NOISE_UNITS * _noise(v), LEVEL_FLOOR * abs(scale))
+
+
+def diverged(run: Run, ref: Run | None = None) -> bool | None:
+    """Whether the run diverged: NaN printed (``nan_seen``), or its loss over the last third
+    of its logged iterations rose above its best earlier level, in units of its own noise
+    (``_rises``), or, against ``ref`` (the bf16 run of the same model, dataset and profile),
+    the gap to it at the iterations both logged rose the same way. ``None`` below
+    ``MIN_ITERATIONS`` finite losses (too short to judge)."""
+    if nan_seen(run):
+        return True
+    finite = _finite(run.column("loss"))
+    if len(finite) < MIN_ITERATIONS:
+        return None
+    if _rises(finite, _median(finite[-max(len(finite) // 3, 1) :])):
+        return True
+    if ref is None or ref is run:
+        return False
+    va, vb = _matched(run, ref)
+    if len(va) < MIN_ITERATIONS:
+        return False
+    np = _numpy()
+    gap = va - vb if np is not None else [a - b for a, b in zip(va, vb, strict=True)]
+    return _rises(gap, _median(vb[-max(len(vb) // 3, 1) :]))
+
+
+def _matched(run: Run, ref: Run) -> tuple[Any, Any]:
+    """The losses of both runs at the iterations both logged with a finite loss, in order."""
     np = _numpy()
     if np is not None:  # iterations are sorted and unique: look each up in the other
         la, lb = _vector(run.column("loss")), _vector(ref.column("loss"))
@@ -534,18 +763,21 @@ def matched_delta(run: Run, ref: Run) -> tuple[float, float, int]:
             xa = np.flatnonzero(ib[at] == ia) if len(ib) else np.zeros(0, np.int64)
             xb = at[xa]
         keep = np.isfinite(la[xa]) & np.isfinite(lb[xb])
-        va, vb = la[xa[keep]], lb[xb[keep]]
-    else:
-        a = dict(zip(run.iterations, run.column("loss"), strict=True))
-        b = dict(zip(ref.iterations, ref.column("loss"), strict=True))
-        common = sorted(
-            i for i in a.keys() & b.keys() if math.isfinite(a[i]) and math.isfinite(b[i])
-        )
-        va, vb = [a[i] for i in common], [b[i] for i in common]
+        return la[xa[keep]], lb[xb[keep]]
+    a = dict(zip(run.iterations, run.column("loss"), strict=True))
+    b = dict(zip(ref.iterations, ref.column("loss"), strict=True))
+    common = sorted(i for i in a.keys() & b.keys() if math.isfinite(a[i]) and math.isfinite(b[i]))
+    return [a[i] for i in common], [b[i] for i in common]
+
+
+def matched_delta(run: Run, ref: Run) -> tuple[float, float, int]:
+    """(mean loss difference, relative difference, iterations compared) over the last window
+    of the iterations both runs logged with a finite loss."""
+    va, vb = _matched(run, ref)
     if not len(va):
         return math.nan, math.nan, 0
     w = _window(len(va))
-    ma, mb = statistics.fmean(va[-w:]), statistics.fmean(vb[-w:])
+    ma, mb = _mean(va[-w:]), _mean(vb[-w:])
     return ma - mb, (ma - mb) / mb if mb else math.nan, w
 
 
@@ -554,6 +786,7 @@ class RunsResult:
     runs: list[Run]
     rows: list[dict[str, Any]]
     logs: int
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # (path, why), not read
 
 
 def keep_freed_memory() -> None:
@@ -577,13 +810,31 @@ def keep_freed_memory() -> None:
 _BIG = 256 << 20  # logs above this in total: worth keeping freed memory in this process
 
 
-def _parse_many(paths: list[Path], jobs: int) -> list[Run]:
-    if sum(p.stat().st_size for p in paths) > _BIG:  # this process parses, or holds the runs
+def _size(p: Path) -> int:
+    try:
+        return p.stat().st_size
+    except OSError:
+        return 0
+
+
+def parse_or_skip(path: Path) -> Run | tuple[str, str]:
+    """``parse_log``, or (path, why) for a log that cannot be read: one odd log never stops
+    the others (an internal error in the parse is reported as such, with its type)."""
+    try:
+        return parse_log(path)
+    except ValueError as exc:
+        return str(path), str(exc)
+    except Exception as exc:  # reported per log, never aborting the others
+        return str(path), f"could not be parsed ({type(exc).__name__}: {str(exc)[:200]})"
+
+
+def _parse_many(paths: list[Path], jobs: int) -> list[Run | tuple[str, str]]:
+    if sum(_size(p) for p in paths) > _BIG:  # this process parses, or holds the runs
         keep_freed_memory()
     if jobs <= 1 or len(paths) < 2:
-        return [parse_log(p) for p in paths]
+        return [parse_or_skip(p) for p in paths]
     with ProcessPoolExecutor(jobs, initializer=keep_freed_memory) as pool:
-        return list(pool.map(parse_log, paths, chunksize=1))
+        return list(pool.map(parse_or_skip, paths, chunksize=1))
 
 
 def runs(
@@ -592,10 +843,15 @@ def runs(
     names: tuple[Iterable[str], Iterable[str]] | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> RunsResult:
+    from quantpatch.analysis.limits import check_jobs
+
+    check_jobs(jobs)
     logs = find_logs(paths or default_paths())
-    parsed = _parse_many(logs, jobs)
+    results = _parse_many(logs, jobs)
     if progress:
         progress(len(logs), len(logs))
+    parsed = [r for r in results if isinstance(r, Run)]
+    skipped = [r for r in results if not isinstance(r, Run)]
     if names:
         for r in parsed:
             key_from_path(r, *names)
@@ -611,6 +867,7 @@ def runs(
         base = ref.get((r.model, r.dataset, r.profile))
         delta, rel, n = matched_delta(r, base) if base else (math.nan, math.nan, 0)
         st, base_st = steps[id(r)], steps[id(base)] if base else math.nan
+        nan_iterations = _count(r.column("nan"))
         rows.append(
             {
                 "model": r.model,
@@ -620,18 +877,19 @@ def runs(
                 "iterations": r.iterations[-1] if r.iterations else 0,
                 "of": r.total_iterations,
                 "loss": last_window_loss(r),
+                "last_finite_iteration": last_finite_iteration(r),
                 "loss_delta_vs_bf16": delta,
                 "rel_delta_vs_bf16": rel,
                 "matched_iterations": n,
                 "step_ms": st,
                 "step_vs_bf16": st / base_st if base_st and math.isfinite(base_st) else math.nan,
                 "skipped": _count(r.column("skipped")),
-                "nan_iterations": _count(r.column("nan")),
-                "diverged": diverged(r),
-                "status": r.status,
+                "nan_iterations": nan_iterations,
+                "diverged": diverged(r, base),
+                "status": "nan" if nan_seen(r) else r.status,
                 "unreadable_lines": r.garbage,
                 "path": r.path,
             }
         )
     rows.sort(key=lambda x: tuple(str(x[k]) for k in ("model", "dataset", "profile", "scheme")))
-    return RunsResult(parsed, rows, len(logs))
+    return RunsResult(parsed, rows, len(logs), skipped)
