@@ -332,7 +332,7 @@ def check_flags(reg: Registry, models: Sequence[str], profile: str, source: Flag
 
 
 def refuse_mla_without_head_dims(
-    root: Path, reg: Registry, models: list[str], profile: str
+    root: Path, reg: Registry, models: Sequence[str], profile: str
 ) -> None:
     """Multi-Latent Attention builds its core attention with ``k_channels`` / ``v_channels``;
     with the local layers that is the checkout's ``DotProductAttention``, which must take them
