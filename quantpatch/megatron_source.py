@@ -25,6 +25,24 @@ def cache_dir() -> Path:
     return Path(base) / "quantpatch" if base else Path.home() / ".cache" / "quantpatch"
 
 
+def make_private_dirs(path: Path) -> None:
+    """``path`` and every missing directory above it made 0700, whatever the umask: the
+    installed saver loads a compiled kernel from ``kernels/`` of this cache only while no other
+    user can rename a directory above it, so the cache directories quantpatch makes (and
+    ``~/.cache`` where it makes that too) must not be group-writable under umask 002."""
+    missing: list[Path] = []
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        missing.append(probe)
+        probe = probe.parent
+    for d in reversed(missing):
+        try:
+            os.mkdir(d, 0o700)
+        except FileExistsError:
+            continue
+        os.chmod(d, 0o700)
+
+
 def _installed(version: str) -> Path | None:
     try:
         dist = metadata.distribution("megatron-core")
@@ -37,7 +55,7 @@ def _installed(version: str) -> Path | None:
 
 
 def fetch_wheel(version: str, dest: Path) -> Path:
-    dest.mkdir(parents=True, exist_ok=True)
+    make_private_dirs(dest)
     found = sorted(dest.glob(f"megatron_core-{version}-*.whl"))
     if found:
         return found[0]

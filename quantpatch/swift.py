@@ -307,7 +307,7 @@ def swift_source(path: Path | None) -> SwiftSource:
     root = path if path is not None else _installed()
     if root is None:
         return bundled()
-    from quantpatch.megatron_source import cache_dir
+    from quantpatch.megatron_source import cache_dir, make_private_dirs
 
     if not root.exists():
         raise UserError(f"--swift: {root} does not exist.")
@@ -326,7 +326,7 @@ def swift_source(path: Path | None) -> SwiftSource:
         pass
     source = read_swift(root)
     try:
-        cached.parent.mkdir(parents=True, exist_ok=True)
+        make_private_dirs(cached.parent)
         tmp = cached.with_suffix(".tmp")
         tmp.write_text(
             json.dumps(

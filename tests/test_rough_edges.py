@@ -98,3 +98,23 @@ def test_init_indents_the_added_arguments_like_the_others(run, make_checkout):
     assert fmt.strip() == "fmt=custom_quant_type,"
     closing = call[call.index(fmt) + 1]
     assert closing.strip() == ")" and len(closing) - len(closing.lstrip()) == indent - 4
+
+
+def test_the_cache_directories_quantpatch_makes_are_private_under_umask_002(tmp_path):
+    """The saver loads its compiled kernel from quantpatch's cache only while nobody else can
+    rename a directory above it: the directories the CLI makes there are 0700, umask or not."""
+    import os
+
+    from quantpatch.megatron_source import make_private_dirs
+
+    old = os.umask(0o002)
+    try:
+        make_private_dirs(tmp_path / "home" / ".cache" / "quantpatch" / "wheels")
+    finally:
+        os.umask(old)
+    for d in ("home", "home/.cache", "home/.cache/quantpatch", "home/.cache/quantpatch/wheels"):
+        assert (tmp_path / d).stat().st_mode & 0o777 == 0o700, d
+    (tmp_path / "shared").mkdir()
+    (tmp_path / "shared").chmod(0o775)
+    make_private_dirs(tmp_path / "shared" / "q")  # an existing directory is left as it is
+    assert (tmp_path / "shared").stat().st_mode & 0o777 == 0o775
