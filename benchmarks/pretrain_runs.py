@@ -1,6 +1,6 @@
-"""The generated scripts, run: ``init`` a Megatron-LM checkout, install the saver, generate
-``smoke`` scripts and run them through ``torchrun pretrain_gpt.py``, then ``runs`` and
-``report`` on what they wrote.
+"""The generated scripts, run: ``init`` a Megatron-LM checkout, install the saver, and
+``quantpatch sweep run`` the ``smoke`` scripts through ``torchrun pretrain_gpt.py``, then
+``runs`` and ``sweep report`` on what they wrote.
 
 Usage::
 
@@ -8,14 +8,17 @@ Usage::
         [--out DIR] [--json FILE]
     python benchmarks/pretrain_runs.py --stub [--json FILE]      # no GPU: a stub torchrun
 
-For llama32-1b and deepseek2_lite (wikipedia, mock data) it runs bf16, FA_linear_mxfp8 (saver
-on) and FA_linear_hifp8, and reports per run: the exit status, the step time against bf16 (from
-``quantpatch runs``), whether every logged loss is finite, the source commit the log names
-(and that it is the scheme worktree's HEAD), and the saver's files. ``--megatron-lm`` names a
-Megatron-LM clone (core_v0.13.1: its ``pretrain_gpt.py``, ``megatron/training``); it is copied,
-never changed. ``--stub`` runs the same pipeline on CPU with a ``torchrun`` that prints
-core_v0.13.1's log lines (and a megatron-core 0.13.1 tree from PyPI as the checkout), so that
-everything but the training itself is exercised where no GPU is: its step times are the stub's.
+For llama32-1b and deepseek2_lite (wikipedia, mock data) one sweep runs bf16, FA_linear_mxfp8
+and FA_linear_hifp8 with the saver off (so the step times compare like with like) and a second
+runs FA_linear_mxfp8 with the saver on. Per run it reports the exit status, the step time
+against bf16 (from ``quantpatch runs``), whether every logged loss is finite, the source
+commit the log names (and that it is the scheme worktree's HEAD), and the saver's files.
+
+``--megatron-lm`` names a Megatron-LM clone (core_v0.13.1: its ``pretrain_gpt.py``,
+``megatron/training``); it is copied, never changed. ``--stub`` runs the same pipeline on CPU
+with a ``torchrun`` that prints core_v0.13.1's log lines (and a megatron-core 0.13.1 tree from
+PyPI as the checkout), so that everything but the training itself is exercised where no GPU
+is: its step times are the stub's.
 """
 
 from __future__ import annotations
@@ -91,65 +94,67 @@ def checkout(work: Path, megatron_lm: Path | None) -> Path:
     return root
 
 
-def run_scripts(
-    root: Path, work: Path, steps: int, torchrun: str, timeout: float
-) -> list[dict[str, Any]]:
-    scripts = work / "scripts"
-    quantpatch(
-        "--repo", root, "gen-scripts", "--out", scripts, "--profile", "smoke",
-        "--models", ",".join(MODELS), "--datasets", "wikipedia", "--schemes", ",".join(SCHEMES),
+def _sweep(
+    root: Path, sweep_dir: Path, schemes: tuple[str, ...], steps: int, env: dict[str, str]
+) -> tuple[int, float]:
+    """``quantpatch sweep run`` over the models and ``schemes`` (smoke, local queue)."""
+    start = time.perf_counter()
+    res = subprocess.run(
+        [
+            QUANTPATCH, "--repo", str(root), "sweep", "run", str(sweep_dir),
+            "--models", ",".join(MODELS), "--datasets", "wikipedia", "--profile", "smoke",
+            "--schemes", ",".join(schemes), "--", "--train-iters", str(steps),
+        ],
+        env=env, capture_output=True, text=True,
     )  # fmt: skip
+    print(res.stdout + res.stderr[-3000:], end="", flush=True)
+    return res.returncode, time.perf_counter() - start
+
+
+def run_sweeps(root: Path, work: Path, steps: int, torchrun: str) -> list[dict[str, Any]]:
+    """Two sweeps: every scheme with the saver off (the step times compare like with like),
+    then FA_linear_mxfp8 again with the saver on (its files)."""
+    env = {**os.environ, "QUANTPATCH": QUANTPATCH, "TORCHRUN": torchrun}
+    code, wall = _sweep(root, work / "sweep", SCHEMES, steps, env)
+    saver_code, _ = _sweep(
+        root, work / "saver", (SAVER_SCHEME,), steps, {**env, "TENSOR_SAVE_ENABLED": "true"}
+    )
+    record = json.loads((work / "sweep" / "sweep.json").read_text())
+    saver = json.loads((work / "saver" / "sweep.json").read_text())
+    files = {
+        r["model"]: len(list((work / "saver" / "runs" / r["name"] / "tensor_logs").rglob("*.pt")))
+        for r in saver["runs"]
+    }
     done = []
-    for model in MODELS:
-        for scheme in SCHEMES:
-            script = scripts / model / f"pretrain_{model}_wikipedia_{scheme}.sh"
-            env = {
-                **os.environ,
-                "OUTPUT_ROOT": str(work / "runs"),
-                "QUANTPATCH": QUANTPATCH,
-                "TORCHRUN": torchrun,
-                "EXTRA_ARGS": f"--train-iters {steps}",
-                "TENSOR_SAVE_ENABLED": "true" if scheme == SAVER_SCHEME else "false",
+    for r in record["runs"]:
+        head = None
+        if r["commit"]:
+            wt = subprocess.run(
+                [QUANTPATCH, "--repo", str(root), "worktree", "--scheme", r["scheme"],
+                 "--path-only"],
+                capture_output=True, text=True, env=env,
+            ).stdout.strip()  # fmt: skip
+            head = subprocess.run(
+                ["git", "-C", wt, "rev-parse", "HEAD"], capture_output=True, text=True
+            ).stdout.strip()
+        done.append(
+            {
+                "model": r["model"],
+                "scheme": r["scheme"],
+                "exit": r["exit_code"],
+                "state": r["state"],
+                "commit": r["commit"],
+                "commit_is_worktree_head": bool(r["commit"]) and head == r["commit"],
+                "saver_files": files.get(r["model"], 0) if r["scheme"] == SAVER_SCHEME else 0,
+                "log": r["log"],
             }
-            print(f"$ {script.name}", flush=True)
-            start = time.perf_counter()
-            try:
-                res = subprocess.run(
-                    ["bash", str(script)], cwd=root, env=env, capture_output=True, text=True,
-                    timeout=timeout,
-                )  # fmt: skip
-                code, tail = res.returncode, (res.stdout + res.stderr)[-2000:]
-            except subprocess.TimeoutExpired:
-                code, tail = 124, f"timed out after {timeout:.0f} s"
-            run_dir = work / "runs" / f"{model}_wikipedia_{scheme}_smoke"
-            logs = sorted((run_dir / "logs").glob("*.log"))
-            text = logs[-1].read_text() if logs else ""
-            commit = re.search(r"source commit ([0-9a-f]{40}) in (\S+)", text)
-            head = None
-            if commit:
-                head = subprocess.run(
-                    ["git", "-C", commit[2], "rev-parse", "HEAD"], capture_output=True, text=True
-                ).stdout.strip()
-            files = sorted((run_dir / "tensor_logs").rglob("*.pt"))
-            done.append(
-                {
-                    "model": model,
-                    "scheme": scheme,
-                    "exit": code,
-                    "wall_s": round(time.perf_counter() - start, 1),
-                    "commit": commit[1] if commit else None,
-                    "commit_is_worktree_head": bool(commit) and head == commit[1],
-                    "saver_files": len(files),
-                    "log": str(logs[-1]) if logs else None,
-                    "tail": tail if code else "",
-                }
-            )
-            print(f"  exit {code}, {done[-1]['wall_s']} s, {len(files)} saver files", flush=True)
+        )
+    print(f"sweep: exit {code} in {wall:.0f} s; saver sweep: exit {saver_code}", flush=True)
     return done
 
 
 def analyse(work: Path, done: list[dict[str, Any]]) -> dict[str, Any]:
-    rows = json.loads(quantpatch("runs", "--json", work / "runs"))["runs"]
+    rows = json.loads(quantpatch("runs", "--json", work / "sweep" / "runs"))["runs"]
     by = {(r["model"], r["scheme"]): r for r in rows}
     for d in done:
         r = by.get((d["model"], d["scheme"]), {})
@@ -165,14 +170,21 @@ def analyse(work: Path, done: list[dict[str, Any]]) -> dict[str, Any]:
             ]
         d["losses"] = len(losses)
         d["losses_finite"] = bool(losses) and all(math.isfinite(x) for x in losses)
-    report = work / "report.html"
-    tensors = [d for d in done if d["saver_files"]]
-    extra: list[str | Path] = []
-    if tensors:
-        run_dir = work / "runs" / f"{tensors[0]['model']}_wikipedia_{SAVER_SCHEME}_smoke"
-        extra = ["--tensors", run_dir / "tensor_logs"]
-    quantpatch("report", "--runs", work / "runs", *extra, "--out", report)
-    return {"runs": done, "report": str(report), "report_bytes": report.stat().st_size}
+    report = work / "sweep" / "report.html"
+    quantpatch("sweep", "report", work / "sweep", "--out", report)
+    tensors = sorted((work / "saver" / "runs").glob("*/tensor_logs"))
+    with_tensors = work / "report-with-tensors.html"
+    if any(any(t.rglob("*.pt")) for t in tensors):
+        quantpatch(
+            "report", "--runs", work / "sweep" / "runs", "--tensors", tensors[0],
+            "--out", with_tensors,
+        )  # fmt: skip
+    return {
+        "runs": done,
+        "report": str(report),
+        "report_bytes": report.stat().st_size,
+        "report_with_tensors": str(with_tensors) if with_tensors.exists() else None,
+    }
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -198,7 +210,6 @@ def main() -> None:
     ap.add_argument("--megatron-lm", type=Path, help="a Megatron-LM clone (core_v0.13.1)")
     ap.add_argument("--stub", action="store_true", help="a stub torchrun (no GPU, no training)")
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
     ap.add_argument("--out", type=Path, help="keep the checkout, logs and report here")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
@@ -215,12 +226,12 @@ def main() -> None:
             stub.chmod(0o755)
             torchrun = str(stub)
         root = checkout(work, args.megatron_lm)
-        done = run_scripts(root, work, args.steps, torchrun, args.timeout)
+        done = run_sweeps(root, work, args.steps, torchrun)
         result = {"stub": args.stub, **analyse(work, done)}
         print(markdown(result))
         if args.json:
             args.json.write_text(json.dumps(result, indent=1))
-    failed = [f"{d['model']}/{d['scheme']}" for d in result["runs"] if d["exit"]]
+    failed = [f"{d['model']}/{d['scheme']}" for d in result["runs"] if d["state"] != "finished"]
     if failed:
         raise SystemExit(f"failed: {', '.join(failed)}")
 

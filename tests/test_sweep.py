@@ -127,6 +127,16 @@ def test_a_local_queue_two_at_once_on_their_own_gpus_then_the_report(sweep_env):
     starts = [c for c in calls(stub) if c[-1] == "start"]
     assert len(starts) == 3 and {c[2] for c in starts[:2]} == {"0", "1"}
     assert (out / "report.html").is_file()
+    parsed = json.loads(
+        subprocess.run(
+            [QUANTPATCH, "runs", "--json", str(out / "runs")], capture_output=True, text=True
+        ).stdout
+    )["runs"]
+    assert sorted((r["scheme"], r["iterations"]) for r in parsed) == [
+        ("FA_mxfp8", 4),
+        ("bf16", 4),
+        ("linear_mxfp4", 0),
+    ]
     html = (out / "report.html").read_text()
     assert "FA_mxfp8" in html and "bf16" in html
     # resume with no options: the failed run again (it passes now), finished ones kept
