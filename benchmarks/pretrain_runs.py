@@ -72,10 +72,20 @@ def quantpatch(*args: str | Path, cwd: Path | None = None) -> str:
     return res.stdout
 
 
-def checkout(work: Path, megatron_lm: Path | None) -> Path:
-    """A git checkout of the Megatron-LM clone (or, for the stub, of megatron-core 0.13.1)."""
+def commit_all(root: Path, message: str) -> None:
+    """``root`` made a git repository holding everything in it as one commit."""
     import git
 
+    repo = git.Repo.init(root, initial_branch="main")
+    with repo.config_writer() as cw:
+        cw.set_value("user", "name", "quantpatch benchmark")
+        cw.set_value("user", "email", "bench@example.com")
+    repo.git.add("-A")
+    repo.git.commit("-qm", message)
+
+
+def checkout(work: Path, megatron_lm: Path | None) -> Path:
+    """A git checkout of the Megatron-LM clone (or, for the stub, of megatron-core 0.13.1)."""
     root = work / "Megatron-LM"
     if megatron_lm is not None:
         shutil.copytree(megatron_lm, root, ignore=shutil.ignore_patterns(".git"))
@@ -83,12 +93,7 @@ def checkout(work: Path, megatron_lm: Path | None) -> Path:
         from quantpatch.megatron_source import megatron_tree
 
         shutil.copytree(megatron_tree("0.13.1"), root / "megatron")
-    repo = git.Repo.init(root, initial_branch="main")
-    with repo.config_writer() as cw:
-        cw.set_value("user", "name", "quantpatch benchmark")
-        cw.set_value("user", "email", "bench@example.com")
-    repo.git.add("-A")
-    repo.git.commit("-qm", "Megatron-LM as given")
+    commit_all(root, "Megatron-LM as given")
     quantpatch("--repo", root, "init")
     quantpatch("--repo", root, "saver", "install")
     return root

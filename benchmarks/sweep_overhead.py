@@ -45,7 +45,7 @@ def main() -> None:
     ap.add_argument("--parallel", type=int, default=2)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
-    import git
+    from pretrain_runs import commit_all
 
     from quantpatch.megatron_source import megatron_tree
 
@@ -53,12 +53,7 @@ def main() -> None:
         work = Path(tmp)
         root = work / "Megatron-LM"
         shutil.copytree(megatron_tree("0.13.1"), root / "megatron")
-        repo = git.Repo.init(root, initial_branch="main")
-        with repo.config_writer() as cw:
-            cw.set_value("user", "name", "bench")
-            cw.set_value("user", "email", "bench@example.com")
-        repo.git.add("-A")
-        repo.git.commit("-qm", "megatron-core 0.13.1")
+        commit_all(root, "megatron-core 0.13.1")
         (work / "bin").mkdir()
         (work / "bin" / "torchrun").write_text(STUB)
         (work / "bin" / "torchrun").chmod(0o755)

@@ -308,73 +308,70 @@ class _TeachHeadDims(cst.CSTTransformer):
     before the softmax scale is derived, the head dims they set. Nothing else changes, so the
     layer computes as before for every other attention; ``init --remove`` restores the bytes."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.cls: list[str] = []
-
-    def visit_ClassDef(self, node: cst.ClassDef) -> None:
-        self.cls.append(node.name.value)
-
     def leave_ClassDef(
         self, original_node: cst.ClassDef, updated_node: cst.ClassDef
     ) -> cst.ClassDef:
-        self.cls.pop()
-        return updated_node
-
-    def leave_FunctionDef(
-        self, original_node: cst.FunctionDef, updated_node: cst.FunctionDef
-    ) -> cst.FunctionDef:
-        if self.cls[-1:] != [ATTENTION_CLASS] or original_node.name.value != "__init__":
+        if updated_node.name.value != ATTENTION_CLASS:
             return updated_node
-        params = updated_node.params
-        names = {p.name.value for p in (*params.params, *params.kwonly_params)}
-        if names & set(MLA_HEAD_DIMS) or not isinstance(updated_node.body, cst.IndentedBlock):
-            return updated_node
-        body = list(updated_node.body.body)
-        anchor = next(
-            (
-                i
-                for i, stmt in enumerate(body)
-                if m.matches(
-                    stmt,
-                    m.If(test=m.Comparison(left=m.Name("softmax_scale"))),
-                )
-            ),
-            None,
-        )
-        if anchor is None:
-            return updated_node
-        # a parameter line's own comma (its newline and indent) for every parameter but the
-        # last, which keeps the comma before the closing parenthesis
-        last = params.params[-1]
-        inner = params.params[-2].comma if len(params.params) > 1 else last.comma
-        if not isinstance(inner, cst.Comma) or not isinstance(last.comma, cst.Comma):
-            return updated_node
-        new_params = [
-            cst.Param(
-                cst.Name(name),
-                annotation=cst.Annotation(cst.Name("int")),
-                default=cst.Name("None"),
-                comma=inner if name != MLA_HEAD_DIMS[-1] else last.comma,
-                equal=cst.AssignEqual(
-                    whitespace_before=cst.SimpleWhitespace(" "),
-                    whitespace_after=cst.SimpleWhitespace(" "),
-                ),
-            )
-            for name in MLA_HEAD_DIMS
+        body = [
+            _teach(stmt)
+            if isinstance(stmt, cst.FunctionDef) and stmt.name.value == "__init__"
+            else stmt
+            for stmt in updated_node.body.body
         ]
-        params = params.with_changes(
-            params=[*params.params[:-1], last.with_changes(comma=inner), *new_params]
+        return updated_node.with_changes(body=updated_node.body.with_changes(body=body))
+
+
+def _teach(init: cst.FunctionDef) -> cst.FunctionDef:
+    """The stock ``__init__`` with the two parameters and the head dims they set (as it is
+    when it already takes them or has another shape)."""
+    params = init.params
+    names = {p.name.value for p in (*params.params, *params.kwonly_params)}
+    if names & set(MLA_HEAD_DIMS) or not isinstance(init.body, cst.IndentedBlock):
+        return init
+    body = list(init.body.body)
+    anchor = next(
+        (
+            i
+            for i, stmt in enumerate(body)
+            if m.matches(
+                stmt,
+                m.If(test=m.Comparison(left=m.Name("softmax_scale"))),
+            )
+        ),
+        None,
+    )
+    if anchor is None:
+        return init
+    # a parameter line's own comma (its newline and indent) for every parameter but the
+    # last, which keeps the comma before the closing parenthesis
+    last = params.params[-1]
+    inner = params.params[-2].comma if len(params.params) > 1 else last.comma
+    if not isinstance(inner, cst.Comma) or not isinstance(last.comma, cst.Comma):
+        return init
+    new_params = [
+        cst.Param(
+            cst.Name(name),
+            annotation=cst.Annotation(cst.Name("int")),
+            default=cst.Name("None"),
+            comma=inner if name != MLA_HEAD_DIMS[-1] else last.comma,
+            equal=cst.AssignEqual(
+                whitespace_before=cst.SimpleWhitespace(" "),
+                whitespace_after=cst.SimpleWhitespace(" "),
+            ),
         )
-        lines = list(cst.parse_module(_MLA_LINES).body)
-        comments = [cst.EmptyLine(indent=True, comment=cst.Comment(c)) for c in _MLA_COMMENT]
-        anchor_if = cst.ensure_type(body[anchor], cst.If)
-        lines[0] = lines[0].with_changes(leading_lines=[*anchor_if.leading_lines, *comments])
-        body[anchor] = anchor_if.with_changes(leading_lines=())
-        body[anchor:anchor] = lines
-        return updated_node.with_changes(
-            params=params, body=updated_node.body.with_changes(body=body)
-        )
+        for name in MLA_HEAD_DIMS
+    ]
+    params = params.with_changes(
+        params=[*params.params[:-1], last.with_changes(comma=inner), *new_params]
+    )
+    lines = list(cst.parse_module(_MLA_LINES).body)
+    comments = [cst.EmptyLine(indent=True, comment=cst.Comment(c)) for c in _MLA_COMMENT]
+    anchor_if = cst.ensure_type(body[anchor], cst.If)
+    lines[0] = lines[0].with_changes(leading_lines=[*anchor_if.leading_lines, *comments])
+    body[anchor] = anchor_if.with_changes(leading_lines=())
+    body[anchor:anchor] = lines
+    return init.with_changes(params=params, body=init.body.with_changes(body=body))
 
 
 def takes_mla_head_dims(text: str, rel: str) -> bool | None:
