@@ -10,6 +10,7 @@ starts with a header naming the combination, the generator and the SHA-256 of it
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shlex
 import shutil
@@ -338,7 +339,7 @@ def refuse_mla_without_head_dims(
     with the local layers that is the checkout's ``DotProductAttention``, which must take them
     (``init`` teaches a stock checkout; a fork's own may not). Refused here, naming the file,
     rather than in model construction on the cluster."""
-    from quantpatch.codemods.init_sites import takes_mla_head_dims
+    from quantpatch import repo as gitrepo
     from quantpatch.config import load_targets
 
     mla = sorted(
@@ -355,7 +356,8 @@ def refuse_mla_without_head_dims(
         path = root / rel
         if not path.is_file():
             continue
-        if takes_mla_head_dims(path.read_text(encoding="utf-8"), rel) is False:
+        cache = gitrepo.find_checkout(root, need_git=False).state_dir / "cache"
+        if _takes_mla_head_dims(path.read_text(encoding="utf-8"), rel, cache) is False:
             raise UserError(
                 f"{', '.join(mla)} {'uses' if len(mla) == 1 else 'use'} Multi-Latent Attention, "
                 "which hands the local DotProductAttention its k_channels and v_channels, but "
@@ -364,6 +366,30 @@ def refuse_mla_without_head_dims(
                 "checkout, a fork needs the two keyword parameters (see the README), or leave "
                 f"{'it' if len(mla) == 1 else 'them'} out with --models."
             )
+
+
+def _takes_mla_head_dims(text: str, rel: str, cache: Path) -> bool | None:
+    """``takes_mla_head_dims`` of the file, cached by its content (a warm ``gen-scripts``
+    parses nothing: libcst stays unloaded)."""
+    key = hashlib.sha256(b"mla-head-dims-v1\0" + text.encode()).hexdigest()[:40]
+    entry = cache / f"mla-{key}.json"
+    try:
+        value = json.loads(entry.read_text(encoding="utf-8"))
+        if value is None or isinstance(value, bool):
+            return value
+    except (OSError, ValueError):
+        pass
+    from quantpatch.codemods.init_sites import takes_mla_head_dims
+
+    found = takes_mla_head_dims(text, rel)
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        tmp = entry.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(found), encoding="utf-8")
+        tmp.replace(entry)
+    except OSError:
+        pass  # a cache that cannot be written only costs the next call a parse
+    return found
 
 
 def _reject_unaccepted(used: dict[str, tuple[str, ...]], source: FlagSource) -> None:
