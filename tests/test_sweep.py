@@ -55,7 +55,7 @@ echo "4242_3|FAILED"
 
 
 @pytest.fixture
-def sweep_env(tmp_path, make_checkout):
+def sweep_env(tmp_path, make_checkout, monkeypatch):
     root = make_checkout()
     bin_dir, stub = tmp_path / "bin", tmp_path / "stub"
     bin_dir.mkdir()
@@ -74,6 +74,8 @@ def sweep_env(tmp_path, make_checkout):
         "STUB_DIR": str(stub),
         "QUANTPATCH": QUANTPATCH,
     }
+    for key in ("PATH", "STUB_DIR", "QUANTPATCH"):  # the in-process runs see them too
+        monkeypatch.setenv(key, env[key])
     return root, env, stub, tmp_path / "sweep"
 
 
@@ -98,13 +100,15 @@ SELECT = (
 )  # fmt: skip
 
 
-def test_a_local_queue_two_at_once_on_their_own_gpus_then_the_report(sweep_env):
-    root, env, stub, out = sweep_env
-    env = {**env, "STUB_SLEEP": "1", "STUB_FAIL": "linear-mxfp4"}
-    res = sweep(env, "run", out, *SELECT, "--parallel", "2", "--gpus", "0,1", "--repo", root,
-                "--", "--eval-iters", "0")  # fmt: skip
-    assert res.returncode == 1, res.stderr  # one run failed: not every run finished
-    assert "sweep " in res.stdout and "2 of 3 finished, 1 failed" in res.stdout
+def test_a_local_queue_two_at_once_on_their_own_gpus_then_the_report(sweep_env, run, monkeypatch):
+    root, _env, stub, out = sweep_env
+    monkeypatch.setenv("STUB_SLEEP", "1")
+    monkeypatch.setenv("STUB_FAIL", "linear-mxfp4")
+    res = run("sweep", "run", out, *SELECT, "--parallel", "2", "--gpus", "0,1", "--repo", root,
+              "--", "--eval-iters", "0")  # fmt: skip
+    assert res.code == 1, res  # one run failed: not every run finished
+    assert "sweep " in res.out and "2 of 3 finished, 1 failed" in res.out
+    assert "[1/3 finished, 0 failed, 2 running, 0 pending]" in res.err
     rec = record(out)
     assert rec["version"] == 1 and rec["launcher"] == "local"
     assert rec["checkout"] == str(root) and rec["selection"]["extra"] == ["--eval-iters", "0"]
@@ -140,36 +144,41 @@ def test_a_local_queue_two_at_once_on_their_own_gpus_then_the_report(sweep_env):
     html = (out / "report.html").read_text()
     assert "FA_mxfp8" in html and "bf16" in html
     # resume with no options: the failed run again (it passes now), finished ones kept
-    env.pop("STUB_FAIL")
-    res = sweep(env, "run", out, "--repo", root)
-    assert res.returncode == 0, res.stderr
-    assert "3 of 3 finished, 0 failed" in res.stdout
+    monkeypatch.delenv("STUB_FAIL")
+    res = run("sweep", "run", out, "--repo", root)
+    assert res.code == 0, res
+    assert "3 of 3 finished, 0 failed" in res.out
     assert len([c for c in calls(stub) if c[-1] == "start"]) == 4
     # status: the table, counts and JSON
-    res = sweep(env, "status", out, "--json")
-    data = json.loads(res.stdout)
+    res = run("sweep", "status", out, "--json")
+    data = json.loads(res.out)
     assert data["counts"]["finished"] == 3 and len(data["runs"]) == 3
-    res = sweep(env, "status", out)
-    assert res.returncode == 0 and "3 runs: 3 finished" in res.stdout
-    res = sweep(env, "report", out, "--out", out / "again.html")
-    assert res.returncode == 0 and (out / "again.html").is_file()
+    res = run("sweep", "status", out, "--watch")  # nothing left to wait for: one table
+    assert res.code == 0 and "3 runs: 3 finished" in res.out
+    assert "llama32-1b_wikipedia_FA_mxfp8_smoke" in res.out
+    res = run("sweep", "report", out, "--out", out / "again.html")
+    assert res.code == 0 and (out / "again.html").is_file()
 
 
-def test_a_moved_scheme_branch_runs_again_and_only_pending_keeps_failures(sweep_env):
-    root, env, stub, out = sweep_env
-    res = sweep({**env, "STUB_FAIL": "linear-mxfp4"}, "run", out, *SELECT, "--repo", root)
-    assert res.returncode == 1
+def test_a_moved_scheme_branch_runs_again_and_only_pending_keeps_failures(
+    sweep_env, run, monkeypatch
+):
+    root, _env, stub, out = sweep_env
+    monkeypatch.setenv("STUB_FAIL", "linear-mxfp4")
+    res = run("sweep", "run", out, *SELECT, "--repo", root)
+    monkeypatch.delenv("STUB_FAIL")
+    assert res.code == 1
     # --only-pending: the failed run is kept as it is, nothing runs
-    res = sweep(env, "run", out, "--only-pending", "--repo", root)
-    assert res.returncode == 1 and len([c for c in calls(stub) if c[-1] == "start"]) == 3
+    res = run("sweep", "run", out, "--only-pending", "--repo", root)
+    assert res.code == 1 and len([c for c in calls(stub) if c[-1] == "start"]) == 3
     # the base moves on: every finished run's scheme branch moves with it
     (root / "NOTES.md").write_text("a note\n")
     subprocess.run(["git", "-C", str(root), "add", "NOTES.md"], check=True)
     subprocess.run(["git", "-C", str(root), "commit", "-qm", "notes"], check=True)
-    res = sweep(env, "run", out, "--repo", root)
-    assert res.returncode == 0, res.stderr
+    res = run("sweep", "run", out, "--repo", root)
+    assert res.code == 0, res
     assert "llama32-1b_wikipedia_bf16_smoke: running it again, its scheme branch moved" in (
-        res.stderr
+        " ".join(res.err.split())
     )
     assert len([c for c in calls(stub) if c[-1] == "start"]) == 6
 
@@ -254,11 +263,11 @@ def test_ctrl_c_and_sigterm_stop_every_child(sweep_env, sig):
     assert len([c for c in calls(stub) if c[-1] == "term"]) == 2
 
 
-def test_slurm_submission_and_status(sweep_env):
-    root, env, stub, out = sweep_env
-    res = sweep(env, "run", out, *SELECT, "--launcher", "slurm", "--repo", root)
-    assert res.returncode == 0, res.stderr
-    assert "submitted 3 runs as Slurm job array 4242" in res.stdout
+def test_slurm_submission_and_status(sweep_env, run):
+    root, _env, stub, out = sweep_env
+    res = run("sweep", "run", out, *SELECT, "--launcher", "slurm", "--repo", root)
+    assert res.code == 0, res
+    assert "submitted 3 runs as Slurm job array 4242" in res.out
     args = (stub / "sbatch.args").read_text().splitlines()
     assert args[0] == "--parsable" and args[1] == f"--chdir={root}"
     assert args[-1] == str((out / "sweep.sbatch").resolve())
@@ -269,8 +278,8 @@ def test_slurm_submission_and_status(sweep_env):
         ("submitted", 1),
         ("submitted", 2),
     ]
-    res = sweep(env, "status", out, "--json")
-    data = json.loads(res.stdout)
+    res = run("sweep", "status", out, "--json")
+    data = json.loads(res.out)
     assert [(r["state"], r.get("slurm_state")) for r in data["runs"]] == [
         ("finished", "COMPLETED"),
         ("running", "RUNNING"),
@@ -278,24 +287,42 @@ def test_slurm_submission_and_status(sweep_env):
     ]
     assert data["counts"]["finished"] == 1 and data["counts"]["running"] == 1
     # the submitted sweep is not submitted twice
-    res = sweep(env, "run", out, "--launcher", "slurm", "--repo", root)
-    assert res.returncode == 2 and "was submitted as Slurm job 4242" in res.stderr
+    res = run("sweep", "run", out, "--launcher", "slurm", "--repo", root)
+    assert res.code == 2 and "was submitted as Slurm job 4242" in " ".join(res.err.split())
+    res = run("sweep", "status", out)
+    assert res.code == 0 and "submitted (PENDING)" in res.out
 
 
-def test_refusals_change_nothing(sweep_env, tmp_path):
-    root, env, stub, out = sweep_env
-    res = sweep(env, "run", out, *SELECT, "--gpus", "0,x", "--repo", root)
-    assert res.returncode == 2 and "--gpus must be GPU indices" in res.stderr
-    res = sweep(env, "run", out, *SELECT, "--parallel", "0", "--repo", root)
-    assert res.returncode == 2 and "--parallel must be from 1 to 64" in res.stderr
-    res = sweep(env, "run", out, *SELECT, "--launcher", "pbs", "--repo", root)
-    assert res.returncode == 2 and "unknown launcher 'pbs'" in res.stderr
+def test_refusals_change_nothing(sweep_env, tmp_path, run):
+    root, _env, _stub, out = sweep_env
+    for args, says in (
+        (("--gpus", "0,x"), "--gpus must be GPU indices"),
+        (("--gpus", "0,0"), "--gpus names a GPU twice"),
+        (("--parallel", "0"), "--parallel must be from 1 to 64"),
+        (("--launcher", "pbs"), "unknown launcher 'pbs'"),
+    ):
+        res = run("sweep", "run", out, *SELECT, *args, "--repo", root)
+        assert res.code == 2 and says in res.err, (args, res)
     assert not out.exists()
-    res = sweep(env, "status", tmp_path / "nowhere")
-    assert res.returncode == 2 and "not a sweep" in res.stderr
+    res = run("sweep", "status", tmp_path / "nowhere")
+    assert res.code == 2 and "not a sweep" in res.err
+    res = run("sweep", "report", tmp_path / "nowhere")
+    assert res.code == 2 and "not a sweep" in res.err
     out.mkdir()
-    (out / "sweep.json").write_text("{not json")
-    res = sweep(env, "run", out, "--repo", root)
-    assert res.returncode == 2 and "is not a sweep record" in res.stderr
-    assert (out / "sweep.json").read_text() == "{not json"
-    assert not calls(stub)
+    for text in ("{not json", '{"version": 7, "runs": []}'):
+        (out / "sweep.json").write_text(text)
+        res = run("sweep", "run", out, "--repo", root)
+        assert res.code == 2 and "is not a" in res.err and "sweep record" in res.err, res
+        assert (out / "sweep.json").read_text() == text
+    # a sweep that needs more GPUs per run than there are
+    (out / "sweep.json").unlink()
+    res = run("sweep", "run", out, *SELECT, "--gpus", "0", "--repo", root)
+    assert res.code == 0, res  # the smoke profile: one GPU a run
+    res = run("sweep", "run", out, "--profile", "fast", "--gpus", "0,1", "--repo", root)
+    assert res.code == 2 and "each run needs 8 GPUs" in " ".join(res.err.split())
+    # a report before any run wrote a log
+    fresh = tmp_path / "fresh"
+    res = run("sweep", "run", fresh, *SELECT, "--launcher", "slurm", "--repo", root)
+    assert res.code == 0
+    res = run("sweep", "report", fresh)
+    assert res.code == 2 and "no run of the sweep has written a log yet" in res.err
