@@ -12,8 +12,9 @@ from typing import Any
 
 from quantpatch.errors import UserError
 
-QUANT_TYPES: tuple[str, ...] = ("bf16", "mxfp8", "mxfp4", "hifp8")
-"""Values a site may hold: bf16 is the unquantized PyTorch path."""
+QUANT_TYPES: tuple[str, ...] = ("bf16", "mxfp8", "mxfp4", "hifp8", "nvfp4", "nvfp4-2d")
+"""Values a site may hold: bf16 is the unquantized PyTorch path. ``nvfp4-2d`` is ``nvfp4``
+with 16 x 16 weight tiles: it differs from ``nvfp4`` at the linear role only."""
 
 ROLES: tuple[str, ...] = ("linear", "qk", "pv")
 """The three GEMM families a checkout's sites govern."""
