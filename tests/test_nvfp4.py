@@ -198,6 +198,16 @@ def test_backward_stochastic_rounding_matches_the_oracle_with_the_same_bits(
     assert not torch.equal(ops.fake_quant(x, fmt, backward=True), got1)  # another rank's bits
 
 
+def test_stochastic_rounding_at_uniforms_equal_to_the_fraction():
+    """p = x (amax 6): a midpoint goes down for a uniform of exactly 1/2, up just below it."""
+    mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 0.125, 5.5, -0.75, -5.0])
+    x = torch.cat([torch.tensor([6.0]), mids, torch.zeros(4)]).expand(3, 16).contiguous()
+    rand = torch.tensor([[0.5], [0.0], [0.5 - 2.0**-24]]).expand(3, 16).contiguous()
+    got = ops._fake_quant(x, "nvfp4", -1, True, rand)
+    assert_bits(got, nvfp4_oracle(x, rand=rand))
+    assert got[:, 2].tolist() == [0.5, 1.0, 1.0] and got[:, 10].tolist() == [-0.5, -1.0, -1.0]
+
+
 def test_stochastic_rounding_is_unbiased_and_nearest_even_is_not():
     """Rows of one block [6, values]: amax 6, so g = 448, s = 448 and x * g / s = x. Over many
     rows the mean error of each value is within 3 standard errors of 0."""
