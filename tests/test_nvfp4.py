@@ -251,3 +251,77 @@ def test_straight_through_gradient():
     ops.quant_matmul(x, w, "nvfp4").sum().backward()
     assert x.grad is not None and w.grad is not None
     assert bool(torch.isfinite(x.grad).all()) and bool(torch.isfinite(w.grad).all())
+
+
+# -- tensors formats: NVFP4 as a candidate --------------------------------------------------------
+
+
+def _metrics_oracle(x: torch.Tensor, amax: float) -> dict[str, float | int]:
+    """Counts and SQNR from the definition: an element overflows where |x| * g / s > 6, a
+    block's E4M3 scale saturated (amax_b / 6 * g > 448) or flushed (nonzero block, s = 0)."""
+    g = F32(1) if amax == 0 else F32(min(F32(F32(2688) / F32(amax)), np.finfo(F32).max))
+    v = x.numpy().astype(F32)
+    over = clipped = saturated = 0
+    for row in v:
+        for c0 in range(0, row.shape[0], 16):
+            block = row[c0 : c0 + 16]
+            raw = F32(F32(np.abs(block).max() / F32(6)) * g)
+            s = F32(np.minimum(raw, F32(448)).astype(ml_dtypes.float8_e4m3fn).astype(F32))
+            unsaturated = raw.astype(ml_dtypes.float8_e4m3fn)  # NaN past E4M3's range
+            clipped += int(bool(np.isnan(unsaturated)) or (np.abs(block).max() > 0 and s == 0))
+            n = int((np.abs(block) * g / s > 6).sum()) if s > 0 else 0
+            over, saturated = over + n, saturated + int(n > 0)
+    g_x = x.double().numpy()
+    q = nvfp4_oracle(x).double().numpy() if amax == float(x.abs().max()) else None
+    sqnr = None if q is None else 10 * np.log10((g_x**2).sum() / ((g_x - q) ** 2).sum())
+    return {"overflows": over, "clipped": clipped, "saturated": saturated, "sqnr": sqnr}
+
+
+def test_formats_metrics_for_nvfp4_match_the_definition():
+    from quantpatch.analysis.tensor_metrics import format_sums, formats_sums
+
+    x = _mixed((8, 64), 41)
+    x = x / x.abs().max() * 1000
+    x[0, 0] = 2688.0  # g = 1
+    x[1, :16] = 6 * 2.0**-11 * torch.linspace(0.5, 1, 16)  # E4M3 scale flushes to 0
+    x[2, :16] = torch.tensor([6.375] + [1.0] * 15)  # s = E4M3(1.0625) = 1: 6.375 clamps to 6
+    got = format_sums(x, "nvfp4")
+    want = _metrics_oracle(x, 2688.0)
+    assert (got.overflows, got.blocks_scale_clipped, got.blocks_saturated) == (
+        want["overflows"],
+        want["clipped"],
+        want["saturated"],
+    )
+    assert got.blocks == 8 * 4 and got.overflows >= 1 and got.blocks_scale_clipped >= 1
+    assert got.summary()["sqnr_db"] == pytest.approx(want["sqnr"], rel=1e-9)
+    assert got.underflows == int(((x != 0) & (nvfp4_oracle(x) == 0)).sum())
+    # a sample of rows is quantized with the whole tensor's scale when given its amax
+    amax = torch.tensor(4000.0)
+    sample = formats_sums(x, ("nvfp4",), -1, False, amax)["nvfp4"]
+    assert sample.blocks_scale_clipped == _metrics_oracle(x, 4000.0)["clipped"]
+    huge = formats_sums(x, ("nvfp4",), -1, False, torch.tensor(2688.0 / 1.2))["nvfp4"]
+    assert huge.blocks_scale_clipped == _metrics_oracle(x, 2688.0 / 1.2)["clipped"] >= 1
+    assert sample.noise != got.noise
+
+
+def test_tensors_formats_takes_nvfp4_as_a_candidate(run, tmp_path):
+    d = tmp_path / "t"
+    d.mkdir()
+    gen = torch.Generator().manual_seed(2)
+    for i, name in enumerate(("input", "weight", "grad_output")):
+        t = torch.randn(32, 64, generator=gen) * 10.0 ** (i - 1)
+        torch.save({"tensor": t, "metadata": {"tensor_name": name, "layer_idx": 0}},
+                   d / f"{i}.pt")  # fmt: skip
+    res = run("tensors", "formats", d, "--json", "--formats", "mxfp4,nvfp4", "--by", "tensor")
+    assert res.code == 0, res
+    rows = {(r["tensor"], r["candidate"]): r for r in __import__("json").loads(res.out)["rows"]}
+    assert {c for _, c in rows} == {"mxfp4", "nvfp4"}
+    for name in ("input", "weight", "grad_output"):
+        nv, mx = rows[(name, "nvfp4")], rows[(name, "mxfp4")]
+        assert nv["blocks scale clipped %"] == 0.0 and nv["sqnr_db"] > mx["sqnr_db"]
+    res = run("tensors", "formats", d, "--json")  # the default candidates are unchanged
+    assert {r["candidate"] for r in __import__("json").loads(res.out)["rows"]} == {
+        "mxfp8",
+        "mxfp4",
+        "hifp8",
+    }

@@ -176,17 +176,22 @@ def _nv_block_amax(mags: torch.Tensor, dim: int, two_d: bool) -> torch.Tensor:
 
 
 def _nvfp4(
-    x: torch.Tensor, dim: int, two_d: bool, rand: torch.Tensor | None = None
+    x: torch.Tensor,
+    dim: int,
+    two_d: bool,
+    rand: torch.Tensor | None = None,
+    amax: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """NVFP4 fake quantization (see the module docstring); ``rand`` (float32 in [0, 1), the
-    shape of ``x``) rounds the elements stochastically, None to nearest even."""
+    shape of ``x``) rounds the elements stochastically, None to nearest even; ``amax`` is the
+    tensor's when ``x`` is a slice of it (None: the amax of ``x``)."""
     if x.dim() == 0:
         r = None if rand is None else rand.reshape(1)
-        return _nvfp4(x.reshape(1), 0, False, r).reshape(())
+        return _nvfp4(x.reshape(1), 0, False, r, amax).reshape(())
     v = x.to(torch.float32)
     finite = torch.isfinite(v)
     mags = torch.where(finite, v.abs(), torch.zeros_like(v))
-    g = nv_global_scale(mags.amax())
+    g = nv_global_scale(mags.amax() if amax is None else amax)
     bmax = _nv_block_amax(mags, dim, two_d and x.dim() >= 2)
     s = _round_element((bmax / 6.0) * g, _E4M3)  # >= 0: the block's E4M3 scale
     usable = finite & (s > 0)
