@@ -155,3 +155,38 @@ def test_init_teaches_the_local_attention_mla_head_dims(trees, version):
     assert "k_channels: int = None" in taught
     again = inject_sites(taught, rel, "attention")
     assert again.count("k_channels") == taught.count("k_channels")
+
+
+def test_nvfp4_through_real_megatron_layers(run, make_checkout, tmp_path, monkeypatch):
+    """`set --linear nvfp4 --qk nvfp4` on an initialised checkout: finite results, the linear
+    GEMMs equal to the ops (the gradients rounded stochastically from the rank's seed, dgrad
+    drawing first), and `check --expect` accepting the values."""
+    torch = pytest.importorskip("torch")
+    from quantpatch.runtime import quantpatch_ops as ops
+
+    stock = make_checkout("0.13.1", inject=False, full=True)
+    assert run("init", "--repo", stock).code == 0
+    ref = _probe(stock, tmp_path / "ref.pt")
+    assert run("set", "--repo", stock, "--linear", "nvfp4", "--qk", "nvfp4").code == 0
+    res = run("check", "--repo", stock, "--expect", "linear=nvfp4,qk=nvfp4,pv=bf16")
+    assert res.code == 0, res
+    quant = _probe(stock, tmp_path / "quant.pt")
+    for key in ("linear_forward", "linear_dgrad", "linear_wgrad", "attn_out", "attn_dq"):
+        assert torch.isfinite(quant[key]).all() and not torch.equal(quant[key], ref[key]), key
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 1, 96, generator=gen).to(torch.bfloat16)
+    w = (torch.randn(80, 96, generator=gen) * 96**-0.5).to(torch.bfloat16)
+    gy = torch.randn(64, 1, 80, generator=gen).to(torch.bfloat16)
+    monkeypatch.delenv("QUANTPATCH_SR_SEED", raising=False)
+    monkeypatch.setenv("RANK", "0")
+    ops.reset_sr_generators()
+    assert torch.equal(quant["linear_forward"], ops.quant_matmul(x, w.t(), "nvfp4"))
+    assert torch.equal(quant["linear_dgrad"], ops.quant_matmul(gy, w, "nvfp4", backward=True))
+    wgrad = ops.quant_matmul(gy.reshape(64, 80).t(), x.reshape(64, 96), "nvfp4", backward=True)
+    assert torch.equal(quant["linear_wgrad"], wgrad)
+    assert run("set", "--repo", stock, "--linear", "nvfp4-2d").code == 0
+    res = run("check", "--repo", stock, "--expect", "linear=nvfp4-2d,qk=nvfp4")
+    assert res.code == 0, res
+    two_d = _probe(stock, tmp_path / "2d.pt")
+    assert all(torch.isfinite(v).all() for v in two_d.values())
+    assert run("restore", "--repo", stock).code == 0
