@@ -325,3 +325,20 @@ def test_tensors_formats_takes_nvfp4_as_a_candidate(run, tmp_path):
         "mxfp4",
         "hifp8",
     }
+
+
+def test_the_ops_module_imports_torch_and_the_standard_library_only():
+    import ast
+    import sys
+    from pathlib import Path
+
+    tree = ast.parse(Path(ops.__file__).read_text())
+    names = {
+        a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names
+    }
+    names |= {
+        n.module.split(".")[0]
+        for n in ast.walk(tree)
+        if isinstance(n, ast.ImportFrom) and n.module and n.level == 0
+    }
+    assert names - set(sys.stdlib_module_names) == {"torch"}
