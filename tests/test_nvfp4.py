@@ -342,3 +342,21 @@ def test_the_ops_module_imports_torch_and_the_standard_library_only():
         if isinstance(n, ast.ImportFrom) and n.module and n.level == 0
     }
     assert names - set(sys.stdlib_module_names) == {"torch"}
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "nvfp4-2d"])
+def test_cpu_slices_equal_the_whole_tensor(monkeypatch, fmt):
+    """Large CPU tensors are worked slice by slice with the whole tensor's amax: the same bits
+    as one pass (blocks and tiles never cut), stochastic rounding included."""
+    cases = [((40, 48), -1), ((40, 48), 0), ((3, 40, 33), 1), ((100,), 0), ((2, 3, 4, 32), -1)]
+    for shape, dim in cases:
+        x = _mixed(shape, len(shape) * 7 + dim)
+        x.view(-1)[5] = float("nan")
+        rand = torch.rand(shape, generator=torch.Generator().manual_seed(1))
+        whole = [ops._fake_quant(x, fmt, dim, bw, rand) for bw in (False, True)]
+        monkeypatch.setattr(ops, "_CHUNK", 24)
+        sliced = [ops._fake_quant(x, fmt, dim, bw, rand) for bw in (False, True)]
+        monkeypatch.undo()
+        for a, b in zip(sliced, whole, strict=True):
+            assert_bits(a, b)
+        assert_bits(whole[0], nvfp4_oracle(x, dim, fmt == "nvfp4-2d"))

@@ -327,8 +327,8 @@ def fake_quant(x: torch.Tensor, fmt: str, *, dim: int = -1, backward: bool = Fal
     if _use_kernels(x):
         out: torch.Tensor = _kernels_module.fake_quant(x, fmt, dim, backward, rand)
         return out
-    if fmt in NVFP4_FORMATS:  # one per-tensor scale: never sliced; random draws: not compiled
-        return _nvfp4(x, dim, fmt == "nvfp4-2d", rand)
+    if fmt in NVFP4_FORMATS:  # random draws: not compiled
+        return _fake_quant(x, fmt, dim, backward, rand)
     if _COMPILE:
         key = (fmt, backward)
         if key not in _COMPILED:  # one compiled function per format and direction
@@ -347,7 +347,10 @@ def _fake_quant(
 ) -> torch.Tensor:
     """The reference path (``rand``: the stochastic-rounding draws of ``nvfp4`` backward)."""
     if fmt in NVFP4_FORMATS:
-        return _nvfp4(x, dim, fmt == "nvfp4-2d", rand if backward else None)
+        two_d, r = fmt == "nvfp4-2d", rand if backward else None
+        if x.device.type == "cpu" and x.numel() > 2 * _CHUNK and x.dim() >= 1:
+            return _nv_sliced(x, dim, two_d, r)
+        return _nvfp4(x, dim, two_d, r)
     if x.device.type == "cpu" and x.numel() > 2 * _CHUNK and x.dim() >= 1:
         return _sliced(x, fmt, dim, backward)
     return _whole(x, fmt, dim, backward)
@@ -369,6 +372,29 @@ def _sliced(x: torch.Tensor, fmt: str, dim: int, backward: bool) -> torch.Tensor
     for start in range(0, x.shape[split], step):
         n = min(step, x.shape[split] - start)
         out.narrow(split, start, n).copy_(_whole(x.narrow(split, start, n), fmt, dim, backward))
+    return out
+
+
+def _nv_sliced(x: torch.Tensor, dim: int, two_d: bool, rand: torch.Tensor | None) -> torch.Tensor:
+    """NVFP4 slice by slice (as :func:`_sliced`), every slice with the whole tensor's amax.
+    Slices never cut a block: they run along a dimension the blocks do not span, or along one
+    they do in multiples of 16."""
+    v = x.to(torch.float32)
+    amax = torch.where(torch.isfinite(v), v.abs(), torch.zeros_like(v)).amax()
+    del v
+    d = dim % x.dim()
+    spanned = {x.dim() - 2, x.dim() - 1} if two_d and x.dim() >= 2 else {d}
+    others = [i for i in range(x.dim()) if i not in spanned]
+    split = max(others, key=lambda i: x.shape[i]) if others else min(spanned)
+    per_index = x.numel() // max(1, x.shape[split])
+    step = max(1, _CHUNK // max(1, per_index))
+    if split in spanned:
+        step = max(NV_BLOCK, step - step % NV_BLOCK)
+    out = torch.empty_like(x)
+    for start in range(0, x.shape[split], step):
+        n = min(step, x.shape[split] - start)
+        r = None if rand is None else rand.narrow(split, start, n)
+        out.narrow(split, start, n).copy_(_nvfp4(x.narrow(split, start, n), dim, two_d, r, amax))
     return out
 
 
