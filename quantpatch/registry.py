@@ -304,7 +304,7 @@ def load_registry(extra: Path | None = None) -> Registry:
     schemes = {}
     for name, e in raw["schemes"].items():
         for role in ROLES:
-            validate_value(e[role], allow_unknown=False, where=f"scheme '{name}'")
+            validate_value(e[role], allow_unknown=False, where=f"scheme '{name}'", role=role)
         schemes[name] = Scheme(name, e["linear"], e["qk"], e["pv"], e.get("default", True))
     models = {}
     for name, e in raw["models"].items():

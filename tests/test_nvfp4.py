@@ -360,3 +360,16 @@ def test_cpu_slices_equal_the_whole_tensor(monkeypatch, fmt):
         for a, b in zip(sliced, whole, strict=True):
             assert_bits(a, b)
         assert_bits(whole[0], nvfp4_oracle(x, dim, fmt == "nvfp4-2d"))
+
+
+def test_nvfp4_2d_is_a_linear_value_only(run, make_checkout):
+    root = make_checkout()
+    for args in (("--qk", "nvfp4-2d"), ("--pv", "nvfp4-2d")):
+        res = run("set", "--repo", root, "--no-branch", *args)
+        assert res.code == 2 and "only the linear role has weights" in res.err, res
+    res = run("check", "--repo", root, "--expect", "qk=nvfp4-2d")
+    assert res.code == 2 and "use 'nvfp4' for qk" in res.err, res
+    res = run("set", "--repo", root, "--no-branch", "--linear", "nvfp4-2d", "--pv", "nvfp4")
+    assert res.code == 0, res
+    res = run("check", "--repo", root, "--expect", "linear=nvfp4-2d,pv=nvfp4")
+    assert res.code == 0, res
