@@ -157,10 +157,10 @@ def set_(
         None, "--linear", help=f"Value of the linear sites: {VALUES}."
     ),
     qk: str | None = typer.Option(
-        None, "--qk", help="Value of the Q.K^T site(s): bf16, mxfp8, mxfp4, hifp8."
+        None, "--qk", help="Value of the Q.K^T site(s): bf16, mxfp8, mxfp4, hifp8, nvfp4."
     ),
     pv: str | None = typer.Option(
-        None, "--pv", help="Value of the P.V site(s): bf16, mxfp8, mxfp4, hifp8."
+        None, "--pv", help="Value of the P.V site(s): bf16, mxfp8, mxfp4, hifp8, nvfp4."
     ),
     scheme: str | None = typer.Option(
         None,
@@ -650,10 +650,14 @@ def layout_(
 @app.command()
 def worktree(
     linear: str | None = typer.Option(
-        None, "--linear", help="Linear value: bf16, mxfp8, mxfp4, hifp8."
+        None, "--linear", help="Linear value: bf16, mxfp8, mxfp4, hifp8, nvfp4, nvfp4-2d."
     ),
-    qk: str | None = typer.Option(None, "--qk", help="Q.K^T value: bf16, mxfp8, mxfp4, hifp8."),
-    pv: str | None = typer.Option(None, "--pv", help="P.V value: bf16, mxfp8, mxfp4, hifp8."),
+    qk: str | None = typer.Option(
+        None, "--qk", help="Q.K^T value: bf16, mxfp8, mxfp4, hifp8, nvfp4."
+    ),
+    pv: str | None = typer.Option(
+        None, "--pv", help="P.V value: bf16, mxfp8, mxfp4, hifp8, nvfp4."
+    ),
     scheme: str | None = typer.Option(
         None, "--scheme", help="A named scheme (see `list`); --linear/--qk/--pv override it."
     ),
@@ -779,7 +783,9 @@ def tensors_summary(
 def tensors_formats(
     directory: Path = DirArg,
     formats: str = typer.Option(
-        "mxfp8,mxfp4,hifp8", "--formats", help="Candidate formats, comma-separated."
+        "mxfp8,mxfp4,hifp8",
+        "--formats",
+        help="Candidate formats, comma-separated (of mxfp8, mxfp4, hifp8, nvfp4).",
     ),
     by: str = typer.Option(
         "layer,kind,operation,tensor",
@@ -813,7 +819,9 @@ def tensors_formats(
 def tensors_plot(
     directory: Path = DirArg,
     out_dir: Path = typer.Option(..., "--out", help="Directory for the PNG files."),
-    formats: str = typer.Option("mxfp8,mxfp4,hifp8", "--formats", help="Candidate formats."),
+    formats: str = typer.Option(
+        "mxfp8,mxfp4,hifp8", "--formats", help="Candidate formats (of mxfp8, mxfp4, hifp8, nvfp4)."
+    ),
     sample: int | None = SampleOpt,
     jobs: int = JobsOpt,
 ) -> None:

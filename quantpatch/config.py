@@ -12,8 +12,9 @@ from typing import Any
 
 from quantpatch.errors import UserError
 
-QUANT_TYPES: tuple[str, ...] = ("bf16", "mxfp8", "mxfp4", "hifp8")
-"""Values a site may hold: bf16 is the unquantized PyTorch path."""
+QUANT_TYPES: tuple[str, ...] = ("bf16", "mxfp8", "mxfp4", "hifp8", "nvfp4", "nvfp4-2d")
+"""Values a site may hold: bf16 is the unquantized PyTorch path. ``nvfp4-2d`` is ``nvfp4``
+with 16 x 16 weight tiles: it differs from ``nvfp4`` at the linear role only."""
 
 ROLES: tuple[str, ...] = ("linear", "qk", "pv")
 """The three GEMM families a checkout's sites govern."""
@@ -139,8 +140,20 @@ def _branch_prefix(raw: Any, where: str) -> str:
     return raw
 
 
-def validate_value(value: str, *, allow_unknown: bool, where: str = "value") -> str:
-    """Refuse a quant type that is not known (unless allowed) or cannot sit in a literal."""
+LINEAR_ONLY: tuple[str, ...] = ("nvfp4-2d",)
+"""Values only the linear role may hold: ``nvfp4-2d`` tiles weights, which attention lacks."""
+
+
+def validate_value(
+    value: str, *, allow_unknown: bool, where: str = "value", role: str | None = None
+) -> str:
+    """Refuse a quant type that is not known (unless allowed), cannot sit in a literal, or
+    (given the ``role``) does not belong to that role."""
+    if role is not None and role != "linear" and value in LINEAR_ONLY:
+        raise UserError(
+            f"{where}: '{value}' tiles weights 16 x 16, and only the linear role has weights; "
+            f"use '{value.removesuffix('-2d')}' for {role}."
+        )
     if not _VALUE_RE.fullmatch(value):
         raise UserError(
             f"{where}: {value!r} is not a valid quant type name (letters, digits, '_.+-' only)."

@@ -34,6 +34,8 @@ class Scheme:
     linear: str
     qk: str
     pv: str
+    default: bool = True
+    """Whether a run with no ``--schemes`` takes it (``all`` takes every scheme)."""
 
     def values(self) -> dict[str, str]:
         return {"linear": self.linear, "qk": self.qk, "pv": self.pv}
@@ -104,9 +106,15 @@ class Registry:
     slurm: Slurm = field(default_factory=Slurm)
 
     def pick(self, kind: str, names: list[str] | None) -> list[str]:
-        """Validate a user's selection (all entries when ``names`` is empty)."""
+        """Validate a user's selection: every entry for ``all``; when ``names`` is empty every
+        entry too, but for schemes only the default ones (``default = false`` leaves a scheme
+        to ``all`` or its name)."""
         table: dict[str, Any] = getattr(self, kind)
+        if names == ["all"] and "all" not in table:
+            return list(table)
         if not names:
+            if kind == "schemes":
+                return [n for n, s in self.schemes.items() if s.default]
             return list(table)
         unknown = [n for n in names if n not in table]
         if unknown:
@@ -134,9 +142,9 @@ _FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
         "args": dict,
         "parallel": dict,
     },
-    "schemes": {"linear": str, "qk": str, "pv": str},
+    "schemes": {"linear": str, "qk": str, "pv": str, "default": bool},
 }
-_OPTIONAL = {"models": {"profiles"}, "profiles": {"parallel"}}
+_OPTIONAL = {"models": {"profiles"}, "profiles": {"parallel"}, "schemes": {"default"}}
 SLURM_FIELDS: dict[str, type] = {
     "partition": str,
     "account": str,
@@ -296,8 +304,8 @@ def load_registry(extra: Path | None = None) -> Registry:
     schemes = {}
     for name, e in raw["schemes"].items():
         for role in ROLES:
-            validate_value(e[role], allow_unknown=False, where=f"scheme '{name}'")
-        schemes[name] = Scheme(name, e["linear"], e["qk"], e["pv"])
+            validate_value(e[role], allow_unknown=False, where=f"scheme '{name}'", role=role)
+        schemes[name] = Scheme(name, e["linear"], e["qk"], e["pv"], e.get("default", True))
     models = {}
     for name, e in raw["models"].items():
         prof = {

@@ -86,7 +86,7 @@ def parse_expect(text: str) -> dict[str, str]:
             raise UserError(
                 f"--expect: '{part}' is not role=value with a role among {', '.join(ROLES)}."
             )
-        out[role] = validate_value(value, allow_unknown=False, where=f"--expect {role}")
+        out[role] = validate_value(value, allow_unknown=False, where=f"--expect {role}", role=role)
     return out
 
 
@@ -283,7 +283,7 @@ def plan_from_base(
 
 def set_values(path: Path | None, req: SetRequest) -> SetResult:
     for role, value in req.values.items():
-        validate_value(value, allow_unknown=req.allow_unknown, where=f"--{role}")
+        validate_value(value, allow_unknown=req.allow_unknown, where=f"--{role}", role=role)
     checkout = gitrepo.find_checkout(path, need_git=req.branch, no_branch_hint=True)
     targets = load_targets(checkout.root)
     if req.dry_run:

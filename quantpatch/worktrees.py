@@ -79,7 +79,7 @@ def _locate(
     if missing:
         raise UserError(f"worktree: give all three roles (missing: {', '.join(missing)}).")
     for role in ROLES:
-        validate_value(values[role], allow_unknown=allow_unknown, where=f"--{role}")
+        validate_value(values[role], allow_unknown=allow_unknown, where=f"--{role}", role=role)
     checkout = gitrepo.find_checkout(path, need_git=True)
     repo = checkout.git()
     targets = load_targets(checkout.root)

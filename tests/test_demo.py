@@ -25,7 +25,8 @@ def test_demo_walks_and_restores_byte_identical(run, tmp_path):
         "quantpatch/linear-hifp8_qk-mxfp4_pv-mxfp8",
     }
     per_format = {
-        f"quantpatch/linear-{f}_qk-bf16_pv-bf16" for f in ("bf16", "mxfp8", "mxfp4", "hifp8")
+        f"quantpatch/linear-{f}_qk-bf16_pv-bf16"
+        for f in ("bf16", "mxfp8", "mxfp4", "hifp8", "nvfp4")
     }
     assert {h.name for h in repo.heads} == {"main"} | walked | per_format
     # the whole package tree is there, not only the two target files
@@ -39,12 +40,13 @@ def test_demo_walks_and_restores_byte_identical(run, tmp_path):
     rows = {}
     for line in res.out.splitlines():
         cells = [c.strip() for c in line.strip("│ ").split("│")]
-        if len(cells) == 4 and cells[0] in ("bf16", "mxfp8", "mxfp4", "hifp8"):
+        if len(cells) == 4 and cells[0] in ("bf16", "mxfp8", "mxfp4", "hifp8", "nvfp4"):
             rows[cells[0]] = [float(c) for c in cells[1:]]
     assert rows["bf16"] == [0.0, 0.0, 0.0]
-    for fmt in ("mxfp8", "mxfp4", "hifp8"):
+    for fmt in ("mxfp8", "mxfp4", "hifp8", "nvfp4"):
         assert all(0.001 < e < 0.5 for e in rows[fmt]), (fmt, rows[fmt])
     assert rows["mxfp4"][0] > rows["mxfp8"][0]  # 2 mantissa bits less than E4M3
+    assert rows["nvfp4"][0] < rows["mxfp4"][0]  # E4M3 scales of 16, not powers of two of 32
     res = run("demo", dest)
     assert res.code == 2 and "not empty" in res.err
 

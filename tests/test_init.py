@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import git
@@ -155,3 +156,78 @@ def test_init_teaches_the_local_attention_mla_head_dims(trees, version):
     assert "k_channels: int = None" in taught
     again = inject_sites(taught, rel, "attention")
     assert again.count("k_channels") == taught.count("k_channels")
+
+
+def test_nvfp4_through_real_megatron_layers(run, make_checkout, tmp_path, monkeypatch):
+    """`set --linear nvfp4 --qk nvfp4` on an initialised checkout: finite results, the linear
+    GEMMs equal to the ops (the gradients rounded stochastically from the rank's seed, dgrad
+    drawing first), and `check --expect` accepting the values."""
+    torch = pytest.importorskip("torch")
+    from quantpatch.runtime import quantpatch_ops as ops
+
+    stock = make_checkout("0.13.1", inject=False, full=True)
+    assert run("init", "--repo", stock).code == 0
+    ref = _probe(stock, tmp_path / "ref.pt")
+    assert run("set", "--repo", stock, "--linear", "nvfp4", "--qk", "nvfp4").code == 0
+    res = run("check", "--repo", stock, "--expect", "linear=nvfp4,qk=nvfp4,pv=bf16")
+    assert res.code == 0, res
+    quant = _probe(stock, tmp_path / "quant.pt")
+    for key in ("linear_forward", "linear_dgrad", "linear_wgrad", "attn_out", "attn_dq"):
+        assert torch.isfinite(quant[key]).all() and not torch.equal(quant[key], ref[key]), key
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 1, 96, generator=gen).to(torch.bfloat16)
+    w = (torch.randn(80, 96, generator=gen) * 96**-0.5).to(torch.bfloat16)
+    gy = torch.randn(64, 1, 80, generator=gen).to(torch.bfloat16)
+    monkeypatch.delenv("QUANTPATCH_SR_SEED", raising=False)
+    monkeypatch.setenv("RANK", "0")
+    ops.reset_sr_generators()
+    assert torch.equal(quant["linear_forward"], ops.quant_matmul(x, w.t(), "nvfp4"))
+    assert torch.equal(quant["linear_dgrad"], ops.quant_matmul(gy, w, "nvfp4", backward=True))
+    wgrad = ops.quant_matmul(gy.reshape(64, 80).t(), x.reshape(64, 96), "nvfp4", backward=True)
+    assert torch.equal(quant["linear_wgrad"], wgrad)
+    assert run("set", "--repo", stock, "--linear", "nvfp4-2d").code == 0
+    res = run("check", "--repo", stock, "--expect", "linear=nvfp4-2d,qk=nvfp4")
+    assert res.code == 0, res
+    two_d = _probe(stock, tmp_path / "2d.pt")
+    assert all(torch.isfinite(v).all() for v in two_d.values())
+    assert run("restore", "--repo", stock).code == 0
+
+
+def test_tiny_gpt_trains_under_nvfp4_on_cpu(run, make_checkout):
+    """benchmarks/gpu_e2e.py's worker (a megatron-core GPT, local spec, bf16, Adam) on CPU
+    under `set --linear nvfp4 --qk nvfp4`: every loss finite, and the loss falls."""
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("torch")
+    bench = Path(__file__).resolve().parents[1] / "benchmarks"
+    sys.path.insert(0, str(bench))
+    try:
+        spec = importlib.util.spec_from_file_location("gpu_e2e", bench / "gpu_e2e.py")
+        assert spec is not None and spec.loader is not None
+        e2e = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(e2e)
+    finally:
+        sys.path.remove(str(bench))
+    root = make_checkout("0.13.1", inject=False, full=True)
+    assert run("init", "--repo", root).code == 0
+    assert run("set", "--repo", root, "--linear", "nvfp4", "--qk", "nvfp4").code == 0
+    cfg = {"device": "cpu", "steps": 12, "vocab": 256, "layers": 2, "hidden": 128, "heads": 4}
+    cfg |= {"seq": 64, "batch": 2}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TENSOR_SAVE")}
+    env.pop("CUSTOM_QUANT_TYPE", None)
+    env["PYTHONPATH"] = e2e.worker_pythonpath(root)
+    out = subprocess.run(
+        [sys.executable, "-c", e2e.WORKER, json.dumps(cfg)],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    losses = json.loads(out.stdout.strip().splitlines()[-1])["losses"]
+    assert len(losses) == 12 and all(math.isfinite(v) for v in losses), losses
+    assert losses[-1] < losses[0] - 0.5, losses

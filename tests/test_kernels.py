@@ -9,6 +9,7 @@ payload; the reference's dtype round trip may canonicalise it); every other lane
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import warnings
@@ -291,3 +292,89 @@ def test_one_launch_and_no_copy_per_call(kernels, monkeypatch):
             y = kernels.fake_quant(x, fmt, dim, False)
             assert launches == ["_hifp8_kernel" if fmt == "hifp8" else "_mx_kernel"]
             assert y.stride() == x.stride()
+
+
+# -- NVFP4 ------------------------------------------------------------------------------------
+
+NV = ["nvfp4", "nvfp4-2d"]
+
+
+def check_nv(
+    kernels,
+    x: torch.Tensor,
+    fmt: str,
+    dim: int = -1,
+    backward: bool = False,
+    rand: torch.Tensor | None = None,
+) -> None:
+    """The kernel against the reference, given the same uniforms when rounding stochastically."""
+    x = x.to(DEVICE)
+    if rand is None:
+        rand = torch.rand(x.shape, generator=torch.Generator().manual_seed(x.numel()))
+    rand = rand.to(DEVICE)
+    got = kernels.fake_quant(x, fmt, dim, backward, rand)
+    ref = ops._fake_quant(x, fmt, dim, backward, rand)
+    assert_same(got, ref)
+
+
+def _nv_blocks(shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    mags = torch.exp2(torch.randint(-30, 30, (*shape[:-1], 1), generator=gen).float())
+    return torch.randn(*shape, generator=gen) * mags
+
+
+@pytest.mark.parametrize("fmt", NV)
+@pytest.mark.parametrize("backward", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_nvfp4_random_magnitudes_specials_and_zero_blocks(kernels, fmt, backward, dtype):
+    x = _nv_blocks((40, 48), 3)
+    x[0, :16] = 0.0  # an all-zero block
+    x[1, 3], x[2, 40], x[3, 20] = float("nan"), float("inf"), -float("inf")
+    x[20:36, 16:32] = float("nan")  # a tile of NaN only
+    x[5, 9] = -0.0
+    x[6, :16] *= 2.0**-40  # blocks whose E4M3 scale flushes to 0 or is subnormal
+    x[7, :16] *= 2.0**-12
+    x = x.to(dtype)
+    check_nv(kernels, x, fmt, backward=backward)
+    check_nv(kernels, x, fmt, dim=0, backward=backward)
+    check_nv(kernels, x.t(), fmt, dim=0, backward=backward)  # strided: read in place
+
+
+@pytest.mark.parametrize("fmt", NV)
+def test_nvfp4_shapes_scalars_and_zero_tensors(kernels, fmt):
+    for backward in (False, True):
+        check_nv(kernels, _nv_blocks((2, 3, 37), 4), fmt, backward=backward)
+        check_nv(kernels, _nv_blocks((3, 21, 5), 5), fmt, dim=1, backward=backward)
+        check_nv(kernels, _nv_blocks((7,), 6), fmt, backward=backward)
+        check_nv(kernels, torch.tensor(-3.5), fmt, backward=backward)
+        check_nv(kernels, torch.zeros(4, 32), fmt, backward=backward)
+        check_nv(kernels, _nv_blocks((4, 32), 7) * 2.0**-130, fmt, backward=backward)
+
+
+def test_nvfp4_through_ops_draws_the_same_bits_on_either_path(kernels, monkeypatch):
+    monkeypatch.setenv("QUANTPATCH_KERNELS", "triton")
+    monkeypatch.setattr(ops, "_kernels_module", kernels)
+    x = _nv_blocks((16, 64), 8).to(DEVICE)
+    weight = torch.nn.Parameter(_nv_blocks((24, 64), 9).to(DEVICE))
+    for fmt in NV:
+        ops.reset_sr_generators()
+        got = ops.fake_quant(x, fmt, backward=True)
+        with torch.no_grad():
+            prod = ops.quant_matmul(x, weight.t(), fmt)
+        ops.reset_sr_generators()
+        assert_same(got, _reference(functools.partial(ops.fake_quant, backward=True), x, fmt))
+        with torch.no_grad():
+            assert_same(prod, _reference(ops.quant_matmul, x, weight.t(), fmt))
+
+
+def test_nvfp4_stochastic_rounding_at_uniforms_equal_to_the_fraction(kernels):
+    """Rows [6, every E2M1 midpoint]: p = x, the fraction 1/2; uniforms of exactly 1/2 (not
+    below it: rounded down), 0 (rounded up) and just below 1/2 (up)."""
+    mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 0.125, 5.5])
+    row = torch.cat([torch.tensor([6.0]), mids, -mids[:6]])
+    x = row.expand(3, 16).contiguous()
+    rand = torch.tensor([[0.5], [0.0], [0.5 - 2.0**-24]]).expand(3, 16)
+    for fmt in NV:
+        check_nv(kernels, x, fmt, backward=True, rand=rand)
+        got = kernels.fake_quant(x.to(DEVICE), fmt, -1, True, rand.to(DEVICE)).cpu()
+        assert got[0, 2].item() == 0.5 and got[1, 2].item() == 1.0 and got[2, 2].item() == 1.0

@@ -58,7 +58,7 @@ def test_wheel_contains_templates_and_data_and_renders(tmp_path):
         "print(s.template_dir())\n"
         "reg = r.load_registry()\n"
         "print(len(s.render_all(reg, list(reg.models), list(reg.datasets), "
-        "list(reg.schemes), 'smoke', 'core_v0.13.1')))\n"
+        "reg.pick('schemes', None), 'smoke', 'core_v0.13.1')))\n"
     )
     res = subprocess.run(
         [sys.executable, "-c", code],

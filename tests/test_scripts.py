@@ -73,7 +73,7 @@ def test_all_60_scripts_are_valid(run, tmp_path, profile):
         script_name(m, d, s)
         for m in ("llama31-8b", "llama32-1b", "deepseek2_lite")
         for d in ("wikipedia", "dolma")
-        for s in reg.schemes
+        for s in reg.pick("schemes", None)
     }
     assert {str(p.relative_to(out)) for p in paths} == expected
     for path in paths:
@@ -856,3 +856,26 @@ def test_no_script_passes_a_flag_twice(model, profile):
         assert flags.count("--expert-tensor-parallel-size") == (1 if moe and tp > 1 else 0)
         assert flags.count("--num-virtual-stages-per-pipeline-rank") == (tp > 1)
         assert flags.count("--context-parallel-size") == (tp > 1)
+
+
+def test_nvfp4_schemes_are_listed_chosen_by_name_and_by_all_but_not_by_default(run, tmp_path):
+    reg = load_registry()
+    nv = ["FA_nvfp4", "linear_nvfp4", "FA_linear_nvfp4"]
+    assert [reg.schemes[n].values() for n in nv] == [
+        {"linear": "bf16", "qk": "nvfp4", "pv": "bf16"},
+        {"linear": "nvfp4", "qk": "bf16", "pv": "bf16"},
+        {"linear": "nvfp4", "qk": "nvfp4", "pv": "bf16"},
+    ]
+    default = reg.pick("schemes", None)
+    assert len(default) == 10 and not set(nv) & set(default)
+    assert reg.pick("schemes", ["all"]) == [*default, *nv]
+    res = run("list")
+    assert res.code == 0 and all(n in res.out for n in nv)
+    res = run("gen-scripts", "--out", tmp_path / "all", "--schemes", "all")
+    assert res.code == 0, res
+    assert len(list((tmp_path / "all").rglob("*.sh"))) == 78  # 13 schemes x 3 models x 2 sets
+    res = run("gen-scripts", "--out", tmp_path / "one", "--schemes", "linear_nvfp4")
+    assert res.code == 0, res
+    paths = sorted((tmp_path / "one").rglob("*.sh"))
+    assert len(paths) == 6 and all(p.name.endswith("_linear_nvfp4.sh") for p in paths)
+    assert "readonly QUANT_LINEAR=nvfp4" in paths[0].read_text()

@@ -137,8 +137,10 @@ class FormatSums:
     underflows: int = 0  # nonzero values that became zero
     overflows: int = 0  # |x| above the largest magnitude representable at its scale (clamped)
     blocks: int = 0
-    blocks_saturated: int = 0  # MX blocks with at least one clamped value
-    blocks_scale_clipped: int = 0  # MX blocks whose E8M0 scale left [2^-127, 2^127]
+    blocks_saturated: int = 0  # MX/NVFP4 blocks with at least one clamped value
+    # MX blocks whose E8M0 scale left [2^-127, 2^127]; NVFP4 blocks whose E4M3 scale saturated
+    # (above 448) or flushed to 0 (a nonzero block far below the tensor's amax)
+    blocks_scale_clipped: int = 0
     signal: float = 0.0  # sum x^2
     noise: float = 0.0  # sum (x - q)^2
     dot: float = 0.0  # sum x q
@@ -202,32 +204,75 @@ def _mx_blocks(
 _SLICE = 1 << 18  # elements per slice: the temporaries of a slice stay in cache
 
 
+def nv_amax(t: torch.Tensor) -> torch.Tensor:
+    """The amax of the finite values of ``t`` (float32, 0-d): what NVFP4's tensor scale is
+    taken from (take it before sampling rows, and pass it to :func:`formats_sums`)."""
+    v = t.detach().to(torch.float32)
+    return torch.where(torch.isfinite(v), v.abs(), torch.zeros_like(v)).amax()
+
+
 def formats_sums(
-    t: torch.Tensor, fmts: tuple[str, ...], dim: int = -1, backward: bool = False
+    t: torch.Tensor,
+    fmts: tuple[str, ...],
+    dim: int = -1,
+    backward: bool = False,
+    amax: torch.Tensor | None = None,
 ) -> dict[str, FormatSums]:
     """What each of ``fmts`` does to ``t``, as sums. Large tensors are worked slice by slice
     along a dimension other than ``dim`` (every sum adds up exactly, MX blocks stay whole),
     and what every format shares (the float32 values, their block maxima, the signal) is
-    computed once per slice."""
+    computed once per slice. NVFP4's tensor scale comes from ``amax`` (the whole tensor's
+    where ``t`` is a sample of it; None: ``t``'s own); its elements are rounded to nearest even
+    in either direction (stochastic rounding's error is a random draw, not a property of the
+    tensor)."""
     if t.dim() == 0:
         t, dim = t.reshape(1), 0
     t = t.detach()
+    if amax is None and any(f in ops.NVFP4_FORMATS for f in fmts):
+        amax = nv_amax(t)
     out = {f: FormatSums() for f in fmts}
     d = dim % t.dim()
     others = [i for i in range(t.dim()) if i != d]
     if t.numel() <= 2 * _SLICE or not others:
-        _add_slice(t, fmts, d, backward, out)
+        _add_slice(t, fmts, d, backward, out, amax)
         return out
     split = max(others, key=lambda i: t.shape[i])
     step = max(1, _SLICE // max(1, t.numel() // t.shape[split]))
     for start in range(0, t.shape[split], step):
         piece = t.narrow(split, start, min(step, t.shape[split] - start))
-        _add_slice(piece, fmts, d, backward, out)
+        _add_slice(piece, fmts, d, backward, out, amax)
     return out
 
 
+def _nv_blocks(t: torch.Tensor, dim: int, amax: torch.Tensor) -> tuple[int, int, int, int]:
+    """(overflows, blocks, blocks saturated, blocks whose E4M3 scale saturated or flushed) of
+    NVFP4 blocks of 16 along ``dim``, in the float32 arithmetic of the quant op."""
+    v = t.to(torch.float32)
+    mags = torch.where(torch.isfinite(v), v.abs(), torch.zeros_like(v)).movedim(dim, -1)
+    pad = (-mags.shape[-1]) % ops.NV_BLOCK
+    if pad:
+        mags = torch.nn.functional.pad(mags, (0, pad))
+    blocks = mags.reshape(-1, ops.NV_BLOCK)
+    bmax = blocks.amax(dim=-1, keepdim=True)
+    g = ops.nv_global_scale(amax)
+    raw = (bmax / 6.0) * g
+    s = ops._round_element(raw, ops._E4M3)
+    # saturated: nearest even would go past 448 (to 480: at or above the midpoint 464); raw is
+    # 448 and a rounding error at most for the block of the tensor's own amax
+    clipped = (raw >= 464.0) | ((bmax > 0) & (s == 0))
+    over = (blocks * g) / torch.where(s > 0, s, torch.ones_like(s)) > ops._E2M1[2]
+    over &= s > 0
+    per_block = over.sum(dim=-1)
+    return int(per_block.sum()), blocks.shape[0], int((per_block > 0).sum()), int(clipped.sum())
+
+
 def _add_slice(
-    t: torch.Tensor, fmts: tuple[str, ...], dim: int, backward: bool, out: dict[str, FormatSums]
+    t: torch.Tensor,
+    fmts: tuple[str, ...],
+    dim: int,
+    backward: bool,
+    out: dict[str, FormatSums],
+    tensor_amax: torch.Tensor | None = None,
 ) -> None:
     # float64 throughout: a square or product of float32 values leaves float32's range (a
     # value of 2^-83 squares to zero, 1e30 to inf) but never float64's (2^-266 to 2^256
@@ -255,7 +300,11 @@ def _add_slice(
         blocks = v.reshape(-1, ops.BLOCK)
         amax = blocks.amax(dim=-1)
     for fmt in fmts:
-        q = ops.fake_quant(t, fmt, dim=dim, backward=backward).to(f64)
+        if fmt in ops.NVFP4_FORMATS:
+            assert tensor_amax is not None
+            q = ops._nvfp4(t, dim, fmt == "nvfp4-2d", None, tensor_amax).to(f64)
+        else:
+            q = ops.fake_quant(t, fmt, dim=dim, backward=backward).to(f64)
         q0 = q if all_finite else torch.where(finite, q, zero)
         err = x0 - q0  # exact: both are float32 values, held in float64
         s = FormatSums(
@@ -272,6 +321,11 @@ def _add_slice(
             vmax, emax = _MX_ELEMENTS[(fmt, backward)]
             s.overflows, s.blocks, s.blocks_saturated, s.blocks_scale_clipped = _mx_blocks(
                 blocks, amax, vmax, emax
+            )
+        elif fmt == "nvfp4":
+            assert tensor_amax is not None
+            s.overflows, s.blocks, s.blocks_saturated, s.blocks_scale_clipped = _nv_blocks(
+                t, dim, tensor_amax
             )
         elif fmt == "hifp8":
             s.overflows = int((x0.abs() > HIFP8_MAX).sum())

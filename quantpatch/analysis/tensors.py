@@ -28,7 +28,9 @@ from quantpatch.analysis.tensor_files import (
 )
 from quantpatch.errors import UserError
 
-FORMATS = ("mxfp8", "mxfp4", "hifp8")
+FORMATS = ("mxfp8", "mxfp4", "hifp8", "nvfp4")
+DEFAULT_FORMATS = ("mxfp8", "mxfp4", "hifp8")
+"""The candidates when none are named (nvfp4 is taken when named)."""
 Progress = Callable[[int, int], None]  # (files done, files in all)
 
 
@@ -122,7 +124,7 @@ def skip_reason(exc: BaseException) -> str:
 def _formats_file(
     args: tuple[str, str, tuple[str, ...], int | None],
 ) -> tuple[TensorMeta, dict[str, Any], int] | Skipped:
-    from quantpatch.analysis.tensor_metrics import formats_sums, reduction_of, sample_rows
+    from quantpatch.analysis.tensor_metrics import formats_sums, nv_amax, reduction_of, sample_rows
 
     path, root, fmts, sample = Path(args[0]), Path(args[1]), args[2], args[3]
     try:
@@ -133,8 +135,9 @@ def _formats_file(
         dim, backward = reduction_of(meta.tensor, meta.operation)
         if t.dim() and not -t.dim() <= dim < t.dim():
             dim = -1
+        amax = nv_amax(t) if "nvfp4" in fmts else None  # the whole tensor's, not the sample's
         t, dim = sample_rows(t, dim if t.dim() else 0, sample)
-        return meta, formats_sums(t, fmts, dim, backward), path.stat().st_size
+        return meta, formats_sums(t, fmts, dim, backward, amax), path.stat().st_size
     except Exception as exc:  # one file never stops the others: skipped, with why
         return Skipped(str(path.relative_to(root)), skip_reason(exc))
 
@@ -235,7 +238,7 @@ class FormatsResult:
 
 def formats(
     root: Path,
-    fmts: tuple[str, ...] = FORMATS,
+    fmts: tuple[str, ...] = DEFAULT_FORMATS,
     by: tuple[str, ...] = ("layer", "kind", "operation", "tensor"),
     sample: int | None = None,
     jobs: int = 1,

@@ -15,6 +15,12 @@ PyTorch reference without a GPU.
   ``key.transpose(0, 1).transpose(1, 2)``) is read in place, never copied; the output has the
   input's strides.
 * ``hifp8``: per tensor with no scale, so one elementwise kernel over the storage.
+* NVFP4 (``nvfp4``, ``nvfp4-2d``): one kernel like the MX one, blocks of 16 along the
+  reduction dimension (or 16 x 16 tiles of the last two dimensions of the contiguous tensor),
+  E4M3 block scales and the per-tensor scale from the tensor's amax, which one torch
+  reduction computes before the launch (a grid-wide maximum cannot be taken inside one
+  pass). The divisions are ``div_rn`` (correctly rounded, as PyTorch's); stochastic
+  rounding (``backward``) reads the caller's uniforms, laid out with the input's strides.
 
 The arithmetic mirrors the reference step for step on exact float32 values (powers of two are
 built from their bits; rounding is floor plus an exact remainder test, not a library call), so
@@ -157,6 +163,110 @@ def _hifp8_kernel(x_ptr, y_ptr, numel, BLOCK_SIZE: tl.constexpr, BF16: tl.conste
     tl.store(y_ptr + offs, out, mask=inside)
 
 
+@triton.jit
+def _round_nonneg(p, MBITS: tl.constexpr, EMIN: tl.constexpr, VMAX: tl.constexpr):
+    """Finite ``p`` >= 0 rounded to the element type (nearest even), saturating at VMAX."""
+    tiny = p < _pow2(tl.full(p.shape, EMIN, tl.int32))
+    e = tl.where(tiny, EMIN, _floor_log2(tl.where(tiny, 1.0, p)))
+    y = p * _pow2(MBITS - e)  # exact: p / quantum
+    return tl.minimum(_round_half_even(y) * _pow2(e - MBITS), VMAX)
+
+
+@triton.jit
+def _nvfp4_kernel(
+    x_ptr,
+    y_ptr,
+    u_ptr,
+    amax_ptr,
+    rows,
+    n,
+    sb,
+    sr,
+    sn,
+    BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BF16: tl.constexpr,
+    TWO_D: tl.constexpr,
+    SR: tl.constexpr,
+):
+    pid_r = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_b = tl.program_id(2).to(tl.int64)
+    r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    c = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs = pid_b * sb + r[:, None].to(tl.int64) * sr + c[None, :].to(tl.int64) * sn
+    inside = (r[:, None] < rows) & (c[None, :] < n)
+    x = tl.load(x_ptr + offs, mask=inside, other=0.0)
+    v = _load_f32(x, BF16)
+    a = tl.abs(v)
+    finite = a < float("inf")  # False for +-Inf and NaN
+    mags = tl.where(finite, a, 0.0)
+    # the tensor's scale g = 448 * 6 / amax (1 for amax 0, at most the float32 maximum)
+    amax = tl.load(amax_ptr + tl.zeros((BLOCK_R, BLOCK_N), tl.int32))
+    g = tl.math.div_rn(
+        tl.full((BLOCK_R, BLOCK_N), 2688.0, tl.float32), tl.where(amax > 0, amax, 1.0)
+    )
+    g = tl.where(amax > 0, tl.minimum(g, 3.4028234663852886e38), 1.0)
+    if TWO_D:
+        tiles = tl.reshape(mags, (BLOCK_R // 16, 16, BLOCK_N // 16, 16))
+        bmax = tl.max(tl.max(tiles, axis=3), axis=1)  # [BLOCK_R // 16, BLOCK_N // 16]
+        bmax = tl.broadcast_to(bmax[:, None, :, None], (BLOCK_R // 16, 16, BLOCK_N // 16, 16))
+    else:
+        bmax = tl.max(tl.reshape(mags, (BLOCK_R, BLOCK_N // 16, 16)), axis=2)
+        bmax = tl.broadcast_to(bmax[:, :, None], (BLOCK_R, BLOCK_N // 16, 16))
+    bmax = tl.reshape(bmax, (BLOCK_R, BLOCK_N))
+    six = tl.full((BLOCK_R, BLOCK_N), 6.0, tl.float32)
+    s = _round_nonneg(tl.math.div_rn(bmax, six) * g, 3, -6, 448.0)  # the block's E4M3 scale
+    usable = finite & (s > 0)
+    p = tl.where(usable, tl.math.div_rn(mags * g, tl.where(usable, s, 1.0)), 0.0)
+    if SR:
+        u = tl.load(u_ptr + offs, mask=inside, other=0.0)
+        pa = tl.minimum(p, 6.0)
+        e = tl.where(pa < 1.0, 0, _floor_log2(tl.where(pa < 1.0, 1.0, pa)))
+        y = pa * _pow2(1 - e)  # exact: pa / quantum
+        low = tl.floor(y)
+        q = tl.minimum(tl.where(u < y - low, low + 1.0, low) * _pow2(e - 1), 6.0)
+    else:
+        q = _round_nonneg(p, 1, 0, 6.0)
+    sign = v.to(tl.int32, bitcast=True) & -2147483648  # copysign(q, v): -0 stays -0
+    qs = (q.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+    res = tl.math.div_rn(qs * s, g)
+    out = tl.where(finite, _store_as(res, y_ptr.dtype.element_ty, BF16), x)
+    tl.store(y_ptr + offs, out, mask=inside)
+
+
+def _nvfp4(
+    x: torch.Tensor, two_d: bool, dim: int, y: torch.Tensor, rand: torch.Tensor | None
+) -> torch.Tensor:
+    """NVFP4 of dense ``x`` into ``y`` (``empty_like(x)``): blocks along ``dim``, or tiles."""
+    bf16 = x.dtype == torch.bfloat16
+    amax = torch.where(torch.isfinite(x), x.abs(), torch.zeros_like(x)).amax()
+    amax = amax.to(torch.float32).reshape(1)
+    if two_d:
+        x = x.contiguous()
+        y = torch.empty_like(x)
+        rows, n = x.shape[-2], x.shape[-1]
+        b, sb, sr, sn = x.numel() // (rows * n), rows * n, n, 1
+        block_r, block_n = 32, 64
+    else:
+        x, (b, rows, n), (sb, sr, sn) = _as_3d(x, dim)
+        if y.stride() != x.stride():
+            y = torch.empty_like(x)
+        block_r, block_n = _tiles(sn)
+    u = x  # unread without stochastic rounding
+    if rand is not None:  # the draws laid out like x, so they are read at x's offsets
+        u = torch.empty_like(x, dtype=torch.float32)
+        u.copy_(rand)
+        if u.stride() != x.stride():
+            raise AssertionError("uniforms laid out unlike the input")
+    grid = (triton.cdiv(rows, block_r), triton.cdiv(n, block_n), b)
+    _nvfp4_kernel[grid](
+        x, y, u, amax, rows, n, sb, sr, sn,
+        BLOCK_R=block_r, BLOCK_N=block_n, BF16=bf16, TWO_D=two_d, SR=rand is not None,
+    )  # fmt: skip
+    return y
+
+
 def _as_3d(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, list[int], list[int]]:
     """``x`` (possibly made contiguous) and a ``[batch, rows, n]`` view of it as sizes and
     strides, ``n`` the extent of ``dim``: read in place whenever the leading dimensions
@@ -185,8 +295,15 @@ def _tiles(sn: int) -> tuple[int, int]:
     return (8, 256) if sn == 1 else (64, 32)
 
 
-def fake_quant(x: torch.Tensor, fmt: str, dim: int = -1, backward: bool = False) -> torch.Tensor:
-    """``quantpatch_ops.fake_quant`` in one kernel (``fmt`` in mxfp8, mxfp4, hifp8)."""
+def fake_quant(
+    x: torch.Tensor,
+    fmt: str,
+    dim: int = -1,
+    backward: bool = False,
+    rand: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``quantpatch_ops.fake_quant`` in one kernel (``fmt`` in mxfp8, mxfp4, hifp8, nvfp4,
+    nvfp4-2d; ``rand``: the uniforms of NVFP4's stochastic rounding, the shape of ``x``)."""
     if x.numel() == 0:
         return x.clone()
     if not _non_overlapping_and_dense(x):
@@ -204,7 +321,11 @@ def fake_quant(x: torch.Tensor, fmt: str, dim: int = -1, backward: bool = False)
         )
         return y
     if x.dim() == 0:  # a scalar is a block of one
-        return fake_quant(x.reshape(1), fmt, 0, backward).reshape(())
+        r = None if rand is None else rand.reshape(1)
+        return fake_quant(x.reshape(1), fmt, 0, backward, r).reshape(())
+    if fmt in ("nvfp4", "nvfp4-2d"):
+        two_d = fmt == "nvfp4-2d" and x.dim() >= 2
+        return _nvfp4(x, two_d, dim, y, rand if backward else None)
     elem = _ELEMENTS["e2m1" if fmt == "mxfp4" else "e5m2" if backward else "e4m3"]
     x, (b, rows, n), (sb, sr, sn) = _as_3d(x, dim)
     if y.stride() != x.stride():

@@ -1,0 +1,375 @@
+"""NVFP4 against an oracle written here from the format's definition, block by block in numpy
+float32 with ml_dtypes casts (E4M3 scales, E2M1 elements): forward round-to-nearest-even,
+backward stochastic rounding given the same random bits, 2-D weight tiles, and the products."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+ml_dtypes = pytest.importorskip("ml_dtypes")
+np = pytest.importorskip("numpy")
+
+from quantpatch.runtime import quantpatch_ops as ops  # noqa: E402
+
+F32 = np.float32
+E2M1_GRID = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], dtype=np.float64)
+
+
+def _block_oracle(
+    block: np.ndarray, g: np.float32, rand: np.ndarray | None
+) -> tuple[np.ndarray, np.float32]:
+    """One block (float32, any shape) quantized and dequantized, and its E4M3 scale."""
+    finite = np.isfinite(block)
+    mags = np.where(finite, np.abs(block), F32(0)).astype(F32)
+    bmax = F32(mags.max())
+    s = F32(F32(bmax / F32(6)) * g)
+    s = F32(np.minimum(s, F32(448)).astype(ml_dtypes.float8_e4m3fn).astype(F32))
+    out = np.empty_like(block)
+    for i in np.ndindex(*block.shape):
+        x = block[i]
+        if not np.isfinite(x):
+            out[i] = x
+            continue
+        if s == 0:
+            out[i] = np.copysign(F32(0), x)
+            continue
+        p = F32(F32(x * g) / s)
+        if rand is None:
+            q = F32(np.clip(p, -6, 6).astype(ml_dtypes.float4_e2m1fn).astype(F32))
+        else:
+            a = min(abs(float(p)), 6.0)
+            lo = max(v for v in E2M1_GRID if v <= a)
+            hi = min(v for v in E2M1_GRID if v >= a)
+            frac = 0.0 if hi == lo else (a - lo) / (hi - lo)
+            q = F32(np.copysign(hi if float(rand[i]) < frac else lo, float(x)))
+        out[i] = F32(F32(q * s) / g)
+    return out, s
+
+
+def nvfp4_oracle(
+    x: torch.Tensor, dim: int = -1, two_d: bool = False, rand: torch.Tensor | None = None
+) -> torch.Tensor:
+    """NVFP4 as specified: g = 448 * 6 / amax (1 for amax 0), per block s = E4M3(amax_b / 6 *
+    g), q = E2M1(x * g / s), x^ = q * s / g, all in float32; blocks of 16 along ``dim`` or
+    16 x 16 tiles of the last two dimensions."""
+    v = x.detach().float().cpu().numpy().astype(F32)
+    r = None if rand is None else rand.cpu().numpy()
+    finite = np.isfinite(v)
+    amax = F32(np.where(finite, np.abs(v), F32(0)).max()) if v.size else F32(0)
+    if amax == 0:
+        g = F32(1)
+    else:
+        with np.errstate(over="ignore"):
+            g = F32(min(F32(F32(2688) / amax), np.finfo(F32).max))
+    out = np.empty_like(v)
+    if two_d and v.ndim >= 2:
+        rows, cols = v.shape[-2:]
+        for lead in np.ndindex(*v.shape[:-2]):
+            for r0 in range(0, rows, 16):
+                for c0 in range(0, cols, 16):
+                    idx = (*lead, slice(r0, r0 + 16), slice(c0, c0 + 16))
+                    out[idx] = _block_oracle(v[idx], g, None if r is None else r[idx])[0]
+    else:
+        vm, om = np.moveaxis(v, dim, -1), np.moveaxis(out, dim, -1)
+        rm = None if r is None else np.moveaxis(r, dim, -1)
+        for lead in np.ndindex(*vm.shape[:-1]):
+            for c0 in range(0, vm.shape[-1], 16):
+                idx = (*lead, slice(c0, c0 + 16))
+                om[idx] = _block_oracle(vm[idx], g, None if rm is None else rm[idx])[0]
+    result = torch.from_numpy(out)
+    if x.dtype == torch.bfloat16:  # the float32 result rounded to bf16 by ml_dtypes
+        return torch.from_numpy(out.astype(ml_dtypes.bfloat16).view(np.int16)).view(x.dtype)
+    return result.to(x.dtype)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach().cpu().contiguous()
+    return t.view(torch.int32 if t.element_size() == 4 else torch.int16)
+
+
+def assert_bits(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.shape == want.shape and got.dtype == want.dtype
+    nan_g, nan_w = torch.isnan(got), torch.isnan(want)
+    assert torch.equal(nan_g, nan_w), "NaN in different places"
+    bad = (_bits(got) != _bits(want)) & ~nan_g
+    if bool(bad.any()):
+        where = bad.nonzero()[:5].tolist()
+        pairs = [(got[tuple(i)].item(), want[tuple(i)].item()) for i in where]
+        raise AssertionError(f"{int(bad.sum())} lanes differ, e.g. (got, oracle) {pairs}")
+
+
+def _mixed(shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """Blocks of 16 with magnitudes spread over many binades."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, generator=gen)
+    mags = torch.exp2(torch.randint(-20, 20, (*shape[:-1], (shape[-1] + 15) // 16), generator=gen))
+    return x * mags.float().repeat_interleave(16, dim=-1)[..., : shape[-1]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(6, 48), (5, 40), (3, 2, 17)])
+def test_forward_matches_the_oracle(dtype, shape):
+    x = _mixed(shape, sum(shape)).to(dtype)
+    assert_bits(ops.fake_quant(x, "nvfp4"), nvfp4_oracle(x))
+    assert_bits(ops.fake_quant(x, "nvfp4", dim=0), nvfp4_oracle(x, dim=0))
+
+
+def test_ties_and_scale_edges():
+    """g = 1 (amax 2688); a block of every E2M1 value, midpoint (ties to even) and neighbour at
+    scale 1; blocks whose scale is an E4M3 tie, subnormal, flushed to 0 (2^-11, and the tie
+    2^-10 to even 0), and 448."""
+    mids = (E2M1_GRID[1:] + E2M1_GRID[:-1]) / 2
+    vals = np.concatenate([E2M1_GRID, mids, mids * (1 + 2**-8), mids * (1 - 2**-8)])
+    vals = np.concatenate([vals, -vals])
+    pad = (-len(vals)) % 15
+    body = np.concatenate([vals, np.zeros(pad)]).reshape(-1, 15)
+    blocks = [np.full((1, 16), 2688.0)]
+    for bmax in (6.0, 6.375, 6 * 1.1875, 6 * 2.0**-9, 6 * 3 * 2.0**-9, 6 * 1.5 * 2.0**-10):
+        blocks.append(np.concatenate([np.full((len(body), 1), bmax), body * bmax / 6], axis=1))
+    for bmax in (6 * 2.0**-11, 6 * 2.0**-10, 2688.0 * (1 - 2**-12)):
+        blocks.append(np.concatenate([np.full((len(body), 1), bmax), body * bmax / 6], axis=1))
+    x = torch.tensor(np.concatenate(blocks), dtype=torch.float32)
+    got = ops.fake_quant(x, "nvfp4")
+    assert_bits(got, nvfp4_oracle(x))
+    assert_bits(ops.fake_quant(x.t().contiguous(), "nvfp4", dim=0), nvfp4_oracle(x).t())
+    # at scale 1 the ties went to even, and the 2^-11 and 2^-10 blocks flushed to (signed) 0
+    at_one = got[1 : 1 + len(body), 1:].flatten()[: len(vals)]
+    assert float(at_one[len(E2M1_GRID)]) == 0.0  # 0.25 -> 0
+    assert float(at_one[len(E2M1_GRID) + 1]) == 1.0  # 0.75 -> 1
+    assert float(at_one[len(E2M1_GRID) + 4]) == 2.0  # 2.5 -> 2
+    assert float(at_one[len(E2M1_GRID) + 6]) == 4.0  # 5 -> 4
+    flushed = got[1 + 6 * len(body) : 1 + 8 * len(body)]
+    assert bool((flushed == 0).all())
+
+
+def test_tiny_and_huge_tensor_scales():
+    """A float32-subnormal amax (g clamps at the float32 maximum) and one near its top."""
+    x = _mixed((4, 32), 3)
+    for scale in (2.0**-140, 2.0**-60, 2.0**100):
+        y = (x / x.abs().max() * scale).float()
+        assert_bits(ops.fake_quant(y, "nvfp4"), nvfp4_oracle(y))
+
+
+def test_zero_tensor_nan_and_inf():
+    z = torch.zeros(3, 32)
+    z[1, 4] = -0.0
+    assert_bits(ops.fake_quant(z, "nvfp4"), z)
+    x = _mixed((4, 32), 5)
+    x[0, 3], x[1, 20], x[2, 7] = float("nan"), float("inf"), -float("inf")
+    x[3, :16] = float("nan")
+    got = ops.fake_quant(x, "nvfp4")
+    assert_bits(got, nvfp4_oracle(x))
+    assert torch.isnan(got[0, 3]) and got[1, 20] == float("inf") and got[2, 7] == -float("inf")
+    assert bool(torch.isfinite(got[0, torch.arange(32) != 3]).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_two_d_tiles_match_the_oracle_and_the_transpose(dtype):
+    w = _mixed((40, 48), 11).to(dtype)
+    got = ops.fake_quant(w, "nvfp4-2d")
+    assert_bits(got, nvfp4_oracle(w, two_d=True))
+    assert_bits(ops.fake_quant(w.t(), "nvfp4-2d", dim=0).t(), got)
+    assert_bits(ops.fake_quant(w.t().contiguous(), "nvfp4-2d").t(), got)
+    assert not torch.equal(got, ops.fake_quant(w, "nvfp4"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fmt", ["nvfp4", "nvfp4-2d"])
+def test_backward_stochastic_rounding_matches_the_oracle_with_the_same_bits(
+    monkeypatch, fmt, dtype
+):
+    monkeypatch.setenv("QUANTPATCH_SR_SEED", "17")
+    monkeypatch.setenv("RANK", "3")
+    ops.reset_sr_generators()
+    x = _mixed((32, 48), 13).to(dtype)
+    got1, got2 = ops.fake_quant(x, fmt, backward=True), ops.fake_quant(x, fmt, backward=True)
+    gen = torch.Generator().manual_seed(20)  # 17 + rank 3
+    u1, u2 = torch.rand(x.shape, generator=gen), torch.rand(x.shape, generator=gen)
+    two_d = fmt == "nvfp4-2d"
+    assert_bits(got1, nvfp4_oracle(x, two_d=two_d, rand=u1))
+    assert_bits(got2, nvfp4_oracle(x, two_d=two_d, rand=u2))
+    assert not torch.equal(got1, got2)  # fresh bits per call
+    assert not torch.equal(got1, ops.fake_quant(x, fmt))  # not round-to-nearest
+    ops.reset_sr_generators()  # reproducible: the same seed gives the same draws
+    assert_bits(ops.fake_quant(x, fmt, backward=True), got1)
+    monkeypatch.setenv("RANK", "4")
+    ops.reset_sr_generators()
+    assert not torch.equal(ops.fake_quant(x, fmt, backward=True), got1)  # another rank's bits
+
+
+def test_stochastic_rounding_at_uniforms_equal_to_the_fraction():
+    """p = x (amax 6): a midpoint goes down for a uniform of exactly 1/2, up just below it."""
+    mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 0.125, 5.5, -0.75, -5.0])
+    x = torch.cat([torch.tensor([6.0]), mids, torch.zeros(4)]).expand(3, 16).contiguous()
+    rand = torch.tensor([[0.5], [0.0], [0.5 - 2.0**-24]]).expand(3, 16).contiguous()
+    got = ops._fake_quant(x, "nvfp4", -1, True, rand)
+    assert_bits(got, nvfp4_oracle(x, rand=rand))
+    assert got[:, 2].tolist() == [0.5, 1.0, 1.0] and got[:, 10].tolist() == [-0.5, -1.0, -1.0]
+
+
+def test_stochastic_rounding_is_unbiased_and_nearest_even_is_not():
+    """Rows of one block [6, values]: amax 6, so g = 448, s = 448 and x * g / s = x. Over many
+    rows the mean error of each value is within 3 standard errors of 0."""
+    ops.reset_sr_generators()
+    vals = torch.tensor(
+        [0.1, 0.3, 0.6, 0.8, 1.1, 1.3, 1.7, 2.2, 2.9, 3.3, 3.8, 4.4, 5.1, 5.9, 0.05]
+    )
+    n = 20000
+    x = torch.cat([torch.full((n, 1), 6.0), vals.expand(n, 15)], dim=1)
+    q = ops.fake_quant(x, "nvfp4", backward=True).double()
+    err = q[:, 1:] - x[:, 1:].double()
+    mean, se = err.mean(dim=0), err.std(dim=0) / n**0.5
+    assert bool((se > 0).all())  # both neighbours were drawn for every value
+    assert bool((mean.abs() < 3 * se).all()), (mean, se)
+    rne = ops.fake_quant(x, "nvfp4").double()[:, 1:] - x[:, 1:].double()
+    assert bool((rne.mean(dim=0).abs() > 3 * se).any())  # the test can tell bias apart
+
+
+def test_products_round_the_gradient_stochastically_and_tile_the_weight_only():
+    ops.reset_sr_generators()
+    a, b = _mixed((8, 32), 21), _mixed((32, 16), 22)
+    want = torch.matmul(nvfp4_oracle(a), nvfp4_oracle(b, dim=0))
+    assert_bits(ops.quant_matmul(a, b, "nvfp4"), want)
+    assert_bits(ops.quant_matmul(a, b, "nvfp4-2d"), want)  # no Parameter: 1-D blocks
+    got = ops.quant_matmul(a, b, "nvfp4", backward=True)
+    u = torch.rand(a.shape, generator=torch.Generator().manual_seed(ops.sr_seed()))
+    assert_bits(got, torch.matmul(nvfp4_oracle(a, rand=u), nvfp4_oracle(b, dim=0)))
+    weight = torch.nn.Parameter(_mixed((16, 32), 23))
+    with torch.no_grad():
+        got = ops.quant_matmul(a, weight.t(), "nvfp4-2d")
+    assert_bits(got, torch.matmul(nvfp4_oracle(a), nvfp4_oracle(weight, two_d=True).t()))
+    q1, q2 = _mixed((2, 4, 32), 24), _mixed((2, 32, 5), 25)
+    want = torch.bmm(nvfp4_oracle(q1), nvfp4_oracle(q2, dim=-2))
+    assert_bits(ops.quant_bmm(q1, q2, "nvfp4"), want)
+    assert_bits(ops.quant_baddbmm(torch.empty(2, 4, 5), q1, q2, beta=0.0, fmt="nvfp4"), want)
+
+
+def test_straight_through_gradient():
+    x = _mixed((4, 32), 31).requires_grad_()
+    w = _mixed((32, 8), 32).requires_grad_()
+    ops.quant_matmul(x, w, "nvfp4").sum().backward()
+    assert x.grad is not None and w.grad is not None
+    assert bool(torch.isfinite(x.grad).all()) and bool(torch.isfinite(w.grad).all())
+
+
+# -- tensors formats: NVFP4 as a candidate --------------------------------------------------------
+
+
+def _metrics_oracle(x: torch.Tensor, amax: float) -> dict[str, float | int]:
+    """Counts and SQNR from the definition: an element overflows where |x| * g / s > 6, a
+    block's E4M3 scale saturated (amax_b / 6 * g > 448) or flushed (nonzero block, s = 0)."""
+    g = F32(1) if amax == 0 else F32(min(F32(F32(2688) / F32(amax)), np.finfo(F32).max))
+    v = x.numpy().astype(F32)
+    over = clipped = saturated = 0
+    for row in v:
+        for c0 in range(0, row.shape[0], 16):
+            block = row[c0 : c0 + 16]
+            raw = F32(F32(np.abs(block).max() / F32(6)) * g)
+            s = F32(np.minimum(raw, F32(448)).astype(ml_dtypes.float8_e4m3fn).astype(F32))
+            unsaturated = raw.astype(ml_dtypes.float8_e4m3fn)  # NaN past E4M3's range
+            clipped += int(bool(np.isnan(unsaturated)) or (np.abs(block).max() > 0 and s == 0))
+            n = int((np.abs(block) * g / s > 6).sum()) if s > 0 else 0
+            over, saturated = over + n, saturated + int(n > 0)
+    g_x = x.double().numpy()
+    q = nvfp4_oracle(x).double().numpy() if amax == float(x.abs().max()) else None
+    sqnr = None if q is None else 10 * np.log10((g_x**2).sum() / ((g_x - q) ** 2).sum())
+    return {"overflows": over, "clipped": clipped, "saturated": saturated, "sqnr": sqnr}
+
+
+def test_formats_metrics_for_nvfp4_match_the_definition():
+    from quantpatch.analysis.tensor_metrics import format_sums, formats_sums
+
+    x = _mixed((8, 64), 41)
+    x = x / x.abs().max() * 1000
+    x[0, 0] = 2688.0  # g = 1
+    x[1, :16] = 6 * 2.0**-11 * torch.linspace(0.5, 1, 16)  # E4M3 scale flushes to 0
+    x[2, :16] = torch.tensor([6.375] + [1.0] * 15)  # s = E4M3(1.0625) = 1: 6.375 clamps to 6
+    got = format_sums(x, "nvfp4")
+    want = _metrics_oracle(x, 2688.0)
+    assert (got.overflows, got.blocks_scale_clipped, got.blocks_saturated) == (
+        want["overflows"],
+        want["clipped"],
+        want["saturated"],
+    )
+    assert got.blocks == 8 * 4 and got.overflows >= 1 and got.blocks_scale_clipped >= 1
+    assert got.summary()["sqnr_db"] == pytest.approx(want["sqnr"], rel=1e-9)
+    assert got.underflows == int(((x != 0) & (nvfp4_oracle(x) == 0)).sum())
+    # a sample of rows is quantized with the whole tensor's scale when given its amax
+    amax = torch.tensor(4000.0)
+    sample = formats_sums(x, ("nvfp4",), -1, False, amax)["nvfp4"]
+    assert sample.blocks_scale_clipped == _metrics_oracle(x, 4000.0)["clipped"]
+    huge = formats_sums(x, ("nvfp4",), -1, False, torch.tensor(2688.0 / 1.2))["nvfp4"]
+    assert huge.blocks_scale_clipped == _metrics_oracle(x, 2688.0 / 1.2)["clipped"] >= 1
+    assert sample.noise != got.noise
+
+
+def test_tensors_formats_takes_nvfp4_as_a_candidate(run, tmp_path):
+    d = tmp_path / "t"
+    d.mkdir()
+    gen = torch.Generator().manual_seed(2)
+    for i, name in enumerate(("input", "weight", "grad_output")):
+        t = torch.randn(32, 64, generator=gen) * 10.0 ** (i - 1)
+        torch.save({"tensor": t, "metadata": {"tensor_name": name, "layer_idx": 0}},
+                   d / f"{i}.pt")  # fmt: skip
+    res = run("tensors", "formats", d, "--json", "--formats", "mxfp4,nvfp4", "--by", "tensor")
+    assert res.code == 0, res
+    rows = {(r["tensor"], r["candidate"]): r for r in __import__("json").loads(res.out)["rows"]}
+    assert {c for _, c in rows} == {"mxfp4", "nvfp4"}
+    for name in ("input", "weight", "grad_output"):
+        nv, mx = rows[(name, "nvfp4")], rows[(name, "mxfp4")]
+        assert nv["blocks scale clipped %"] == 0.0 and nv["sqnr_db"] > mx["sqnr_db"]
+    res = run("tensors", "formats", d, "--json")  # the default candidates are unchanged
+    assert {r["candidate"] for r in __import__("json").loads(res.out)["rows"]} == {
+        "mxfp8",
+        "mxfp4",
+        "hifp8",
+    }
+
+
+def test_the_ops_module_imports_torch_and_the_standard_library_only():
+    import ast
+    import sys
+    from pathlib import Path
+
+    tree = ast.parse(Path(ops.__file__).read_text())
+    names = {
+        a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names
+    }
+    names |= {
+        n.module.split(".")[0]
+        for n in ast.walk(tree)
+        if isinstance(n, ast.ImportFrom) and n.module and n.level == 0
+    }
+    assert names - set(sys.stdlib_module_names) == {"torch"}
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "nvfp4-2d"])
+def test_cpu_slices_equal_the_whole_tensor(monkeypatch, fmt):
+    """Large CPU tensors are worked slice by slice with the whole tensor's amax: the same bits
+    as one pass (blocks and tiles never cut), stochastic rounding included."""
+    cases = [((40, 48), -1), ((40, 48), 0), ((3, 40, 33), 1), ((100,), 0), ((2, 3, 4, 32), -1)]
+    for shape, dim in cases:
+        x = _mixed(shape, len(shape) * 7 + dim)
+        x.view(-1)[5] = float("nan")
+        rand = torch.rand(shape, generator=torch.Generator().manual_seed(1))
+        whole = [ops._fake_quant(x, fmt, dim, bw, rand) for bw in (False, True)]
+        monkeypatch.setattr(ops, "_CHUNK", 24)
+        sliced = [ops._fake_quant(x, fmt, dim, bw, rand) for bw in (False, True)]
+        monkeypatch.undo()
+        for a, b in zip(sliced, whole, strict=True):
+            assert_bits(a, b)
+        assert_bits(whole[0], nvfp4_oracle(x, dim, fmt == "nvfp4-2d"))
+
+
+def test_nvfp4_2d_is_a_linear_value_only(run, make_checkout):
+    root = make_checkout()
+    for args in (("--qk", "nvfp4-2d"), ("--pv", "nvfp4-2d")):
+        res = run("set", "--repo", root, "--no-branch", *args)
+        assert res.code == 2 and "only the linear role has weights" in res.err, res
+    res = run("check", "--repo", root, "--expect", "qk=nvfp4-2d")
+    assert res.code == 2 and "use 'nvfp4' for qk" in res.err, res
+    res = run("set", "--repo", root, "--no-branch", "--linear", "nvfp4-2d", "--pv", "nvfp4")
+    assert res.code == 0, res
+    res = run("check", "--repo", root, "--expect", "linear=nvfp4-2d,pv=nvfp4")
+    assert res.code == 0, res
