@@ -88,17 +88,23 @@ def _pow2(e: torch.Tensor) -> torch.Tensor:
     return torch.where(e >= -126, normal, subnormal).view(torch.float32)
 
 
-def _round_element(p: torch.Tensor, elem: tuple[int, int, float, int]) -> torch.Tensor:
-    """Round float32 ``p`` to the element type (nearest, ties to even), saturating."""
-    mbits, emin, vmax, _ = elem
-    a = p.abs()
+def _quantum(a: torch.Tensor, mbits: int, emin: int) -> torch.Tensor:
+    """The element type's spacing at each ``a`` >= 0: 2^(exponent - mantissa bits), the
+    subnormal spacing below the smallest normal."""
     tiny = a < 2.0**emin
     e = torch.where(
         tiny,
         torch.full_like(a, emin, dtype=torch.int32),
         _floor_log2(torch.where(tiny, torch.ones_like(a), a)),
     )
-    quantum = _pow2(e - mbits)
+    return _pow2(e - mbits)
+
+
+def _round_element(p: torch.Tensor, elem: tuple[int, int, float, int]) -> torch.Tensor:
+    """Round float32 ``p`` to the element type (nearest, ties to even), saturating."""
+    mbits, emin, vmax, _ = elem
+    a = p.abs()
+    quantum = _quantum(a, mbits, emin)
     q = torch.round(a / quantum) * quantum  # torch.round: half to even; the division is exact
     return torch.copysign(torch.clamp(q, max=vmax), p)
 
@@ -207,13 +213,7 @@ def _stochastic_e2m1(p: torch.Tensor, rand: torch.Tensor) -> torch.Tensor:
     of the spacing above the value below (``rand < fraction``), saturating at 6."""
     mbits, emin, vmax, _ = _E2M1
     a = torch.clamp(p, max=vmax)
-    tiny = a < 2.0**emin
-    e = torch.where(
-        tiny,
-        torch.full_like(a, emin, dtype=torch.int32),
-        _floor_log2(torch.where(tiny, torch.ones_like(a), a)),
-    )
-    quantum = _pow2(e - mbits)
+    quantum = _quantum(a, mbits, emin)
     y = a / quantum  # exact: a power of two
     low = torch.floor(y)
     up = rand.to(torch.float32) < (y - low)  # the fraction is exact
