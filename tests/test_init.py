@@ -16,6 +16,15 @@ from .conftest import ATTENTION, LINEAR, VERSIONS, run_probe, snapshot
 PROBE = Path(__file__).with_name("megatron_probe.py")
 
 
+def _probe_inputs(torch):
+    """The seeded input, weight and output gradient ``linear_probe`` feeds the layer."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 1, 96, generator=gen).to(torch.bfloat16)
+    w = (torch.randn(80, 96, generator=gen) * 96**-0.5).to(torch.bfloat16)
+    gy = torch.randn(64, 1, 80, generator=gen).to(torch.bfloat16)
+    return x, w, gy
+
+
 @pytest.mark.parametrize("version", VERSIONS)
 def test_init_and_remove_round_trip(run, make_checkout, version):
     root = make_checkout(version, inject=False)
@@ -107,10 +116,7 @@ def test_initialised_checkout_computes_bit_identically_then_quantizes(
     # the linear GEMMs went through the ops with the right operands and element types
     from quantpatch.runtime import linear_probe  # same seeded inputs as the probe
 
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(64, 1, 96, generator=gen).to(torch.bfloat16)
-    w = (torch.randn(80, 96, generator=gen) * 96**-0.5).to(torch.bfloat16)
-    gy = torch.randn(64, 1, 80, generator=gen).to(torch.bfloat16)
+    x, w, gy = _probe_inputs(torch)
     assert linear_probe.run.__defaults__ == (256, 512, 512, 0)
     assert torch.equal(quant["linear_forward"], quant_matmul(x, w.t(), "mxfp8"))
     assert torch.equal(quant["linear_dgrad"], quant_matmul(gy, w, "mxfp8", backward=True))
@@ -174,10 +180,7 @@ def test_nvfp4_through_real_megatron_layers(run, make_checkout, tmp_path, monkey
     quant = _probe(stock, tmp_path / "quant.pt")
     for key in ("linear_forward", "linear_dgrad", "linear_wgrad", "attn_out", "attn_dq"):
         assert torch.isfinite(quant[key]).all() and not torch.equal(quant[key], ref[key]), key
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(64, 1, 96, generator=gen).to(torch.bfloat16)
-    w = (torch.randn(80, 96, generator=gen) * 96**-0.5).to(torch.bfloat16)
-    gy = torch.randn(64, 1, 80, generator=gen).to(torch.bfloat16)
+    x, w, gy = _probe_inputs(torch)
     monkeypatch.delenv("QUANTPATCH_SR_SEED", raising=False)
     monkeypatch.setenv("RANK", "0")
     ops.reset_sr_generators()
