@@ -7,6 +7,7 @@ Megatron is ever imported or committed to this project.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import subprocess
@@ -89,12 +90,19 @@ def megatron_tree(version: str = DEFAULT_VERSION) -> Path:
     tree = root / "megatron"
     if (tree / "core").is_dir():
         return tree
-    wheel = fetch_wheel(version, cache_dir() / "wheels")
-    tmp = root.with_name(root.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    with zipfile.ZipFile(wheel) as zf:
-        members = [n for n in zf.namelist() if n.startswith("megatron/")]
-        zf.extractall(tmp, members)
-    shutil.rmtree(root, ignore_errors=True)
-    tmp.rename(root)
+    make_private_dirs(cache_dir())
+    # one process fetches and unpacks at a time (two `demo` runs, or test workers, would
+    # otherwise download into the same file and remove each other's half-unpacked tree)
+    with open(cache_dir() / f".megatron-core-{version}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (tree / "core").is_dir():  # another process made it while this one waited
+            return tree
+        wheel = fetch_wheel(version, cache_dir() / "wheels")
+        tmp = root.with_name(root.name + ".partial")
+        shutil.rmtree(tmp, ignore_errors=True)
+        with zipfile.ZipFile(wheel) as zf:
+            members = [n for n in zf.namelist() if n.startswith("megatron/")]
+            zf.extractall(tmp, members)
+        shutil.rmtree(root, ignore_errors=True)
+        tmp.rename(root)
     return tree

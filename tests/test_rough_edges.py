@@ -118,3 +118,40 @@ def test_the_cache_directories_quantpatch_makes_are_private_under_umask_002(tmp_
     (tmp_path / "shared").chmod(0o775)
     make_private_dirs(tmp_path / "shared" / "q")  # an existing directory is left as it is
     assert (tmp_path / "shared").stat().st_mode & 0o777 == 0o775
+
+
+def test_two_processes_unpack_a_megatron_release_once(tmp_path, monkeypatch):
+    """Two `demo` runs (or two test workers) on an empty cache: one fetches and unpacks the
+    wheel, the other waits for it and takes the same tree, neither removing the other's."""
+    import threading
+    import time
+    import zipfile
+
+    from quantpatch import megatron_source
+
+    monkeypatch.setenv("QUANTPATCH_CACHE", str(tmp_path / "cache"))
+    fetched: list[str] = []
+
+    def slow_fetch(version: str, dest):
+        fetched.append(version)
+        time.sleep(0.3)  # both callers are inside megatron_tree by now
+        dest.mkdir(parents=True, exist_ok=True)
+        wheel = dest / f"megatron_core-{version}-py3-none-any.whl"
+        with zipfile.ZipFile(wheel, "w") as zf:
+            zf.writestr("megatron/core/__init__.py", "")
+            zf.writestr("megatron/core/package_info.py", "MAJOR = 9\n")
+        return wheel
+
+    monkeypatch.setattr(megatron_source, "_installed", lambda version: None)
+    monkeypatch.setattr(megatron_source, "fetch_wheel", slow_fetch)
+    trees: list[object] = []
+    workers = [
+        threading.Thread(target=lambda: trees.append(megatron_source.megatron_tree("9.9.9")))
+        for _ in range(2)
+    ]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert fetched == ["9.9.9"] and len(trees) == 2 and trees[0] == trees[1]
+    assert (trees[0] / "core" / "package_info.py").read_text() == "MAJOR = 9\n"  # type: ignore[operator]
