@@ -33,7 +33,7 @@ from pathlib import Path
 import libcst as cst
 
 from quantpatch.edits import read_exact, sha256_text
-from quantpatch.megatron_release import ARGUMENTS, PACKAGE_INFO, CheckoutRelease
+from quantpatch.megatron_files import ARGUMENTS, PACKAGE_INFO, CheckoutRelease
 from quantpatch.sites import parse_source
 
 __all__ = ["CheckoutRelease", "read_release"]

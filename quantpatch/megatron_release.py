@@ -14,37 +14,15 @@ import contextlib
 import hashlib
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 from quantpatch import __version__
 from quantpatch.edits import read_exact, sha256_text
+from quantpatch.megatron_files import ARGUMENTS, CheckoutRelease
 
-ARGUMENTS = "megatron/training/arguments.py"
-PACKAGE_INFO = "megatron/core/package_info.py"
 CACHE_FORMAT = 1
 KEEP = 8
-
-
-@dataclass(frozen=True)
-class CheckoutRelease:
-    """What a checkout's own training argument parser accepts."""
-
-    root: Path
-    version: str | None
-    """``0.15.0rc3`` from ``megatron/core/package_info.py``; ``None`` when it does not say."""
-    flags: frozenset[str]
-    files: tuple[str, ...]
-    """The files flags were read from, relative to ``root``; ``arguments.py`` first."""
-    unresolved: tuple[str, ...]
-    """Dataclasses handed to ``ArgumentGroupFactory`` that are not in the checkout (their
-    flags are unknown)."""
-    inputs: tuple[tuple[str, str | None], ...]
-    """Every file the reading looked at and the SHA-256 of its text (``None``: absent)."""
-
-    @property
-    def name(self) -> str:
-        return self.version or "(version unknown)"
 
 
 def _entry(cache_dir: Path, arguments_text: str) -> Path:

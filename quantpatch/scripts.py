@@ -18,12 +18,8 @@ import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from functools import cache
-from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
-
-import jinja2
 
 from quantpatch import __version__
 from quantpatch.edits import Edit, apply_edits, read_exact
@@ -46,6 +42,13 @@ from quantpatch.registry import (
     Scheme,
     Slurm,
     release_flags,
+)
+from quantpatch.shell_render import (
+    BATCH_VARIABLES,
+    ShellExpr,
+    master_port,
+    shell_quote,
+    template_environment,
 )
 
 HASH_PREFIX = "# body-sha256: "
@@ -74,49 +77,6 @@ TEMPLATE_FLAGS = (
     "load",
     "tensorboard-dir",
 )
-
-
-def template_dir() -> Path:
-    """``templates/`` inside the installed package, or beside it in a source checkout."""
-    packaged = Path(str(resources.files("quantpatch"))) / "templates"
-    if packaged.is_dir():
-        return packaged
-    return Path(__file__).resolve().parent.parent / "templates"
-
-
-class ShellExpr(str):
-    """A value the template writes as it is: a shell expansion quantpatch itself wrote
-    (``"$MICRO_BATCH_SIZE"``), never a user's text."""
-
-
-BATCH_VARIABLES = {"micro-batch-size": "MICRO_BATCH_SIZE", "global-batch-size": "GLOBAL_BATCH_SIZE"}
-"""Args a script takes from its environment (default: the profile's value), since they are
-the ones people change with the layout."""
-
-
-def shell_quote(value: object) -> str:
-    """The one quoting filter: any value becomes one shell word, taken literally."""
-    if isinstance(value, ShellExpr):
-        return str(value)
-    if isinstance(value, bool):
-        value = int(value)
-    text = str(value)
-    quoted = shlex.quote(text)
-    if quoted == text and "," in text:  # legal unquoted, but reads as a list (SC2054)
-        quoted = f"'{text}'"
-    return quoted
-
-
-@cache
-def _environment() -> jinja2.Environment:
-    env = jinja2.Environment(
-        loader=jinja2.FileSystemLoader(str(template_dir())),
-        undefined=jinja2.StrictUndefined,
-        keep_trailing_newline=True,
-        autoescape=False,
-    )
-    env.filters["q"] = shell_quote
-    return env
 
 
 @dataclass(frozen=True)
@@ -179,7 +139,8 @@ def flag_source(repo: Path | None, release: str | None) -> FlagSource:
     if release is not None:
         return bundled_flags(release)
     from quantpatch import repo as gitrepo
-    from quantpatch.megatron_release import ARGUMENTS, checkout_release
+    from quantpatch.megatron_files import ARGUMENTS
+    from quantpatch.megatron_release import checkout_release
 
     checkout = gitrepo.find_checkout(repo, need_git=False)
     found = checkout_release(checkout.root, checkout.state_dir / "cache")
@@ -236,11 +197,6 @@ def _data_prefix(dataset: Dataset, model: Model) -> str:
     quoted, ``{data_root}`` as ``"$DATA_ROOT"``."""
     parts = dataset.prefix.replace("{model}", model.name).split("{data_root}")
     return '"$DATA_ROOT"'.join(shell_quote(p) if p else "" for p in parts) or "''"
-
-
-def _master_port(run_name: str) -> int:
-    """A default port per combination, so that jobs on one node do not collide by default."""
-    return 6000 + int(hashlib.sha256(run_name.encode()).hexdigest(), 16) % 2000
 
 
 @dataclass(frozen=True)
@@ -478,7 +434,7 @@ def render_script(
         )
     else:
         body = (
-            _environment()
+            template_environment()
             .get_template("pretrain.sh.j2")
             .render(
                 launcher=launcher,
@@ -490,7 +446,7 @@ def render_script(
                 plan=layout.plan,
                 run_name=run_name,
                 data_prefix=_data_prefix(d, m),
-                master_port=_master_port(run_name),
+                master_port=master_port(run_name),
                 model_args=args.groups[0],
                 training_args=args.groups[1],
                 impl_args=args.groups[2],
@@ -640,7 +596,7 @@ def _refuse_collisions(scripts: Sequence[Script]) -> None:
 
 def render_index(scripts: Sequence[Script], profile: str, release: str | FlagSource) -> str:
     return (
-        _environment()
+        template_environment()
         .get_template("index.md.j2")
         .render(
             scripts=scripts,
@@ -660,7 +616,7 @@ def render_sweep(slurm: Slurm, scripts: Sequence[Script], out: Path) -> str:
     layout = scripts[0].layout
     assert layout is not None
     body = (
-        _environment()
+        template_environment()
         .get_template("sweep.sbatch.j2")
         .render(
             scripts=scripts,

@@ -354,7 +354,7 @@ def _swift_args(
     """Registry args (Megatron flag names) as ``megatron pt`` arguments: a flag whose
     underscore name is an ms-swift field is passed as that field; any other goes to Megatron
     through ``--megatron_extra_kwargs``."""
-    from quantpatch.scripts import BATCH_VARIABLES, ShellExpr
+    from quantpatch.shell_render import BATCH_VARIABLES, ShellExpr
 
     passed: list[tuple[str, str | None]] = []
     extra: dict[str, object] = {}
@@ -408,12 +408,12 @@ def render_body(
     values: Mapping[str, object],
     is_moe: bool,
 ) -> str:
-    from quantpatch.scripts import _environment, _master_port
+    from quantpatch.shell_render import master_port, template_environment
 
     source = swift_source(path)
     args, extra = _swift_args(values, source.fields)
     return (
-        _environment()
+        template_environment()
         .get_template("swift.sh.j2")
         .render(
             model=reg.models[model],
@@ -422,7 +422,7 @@ def render_body(
             profile=reg.profiles[profile],
             plan=layout.plan,
             run_name=run_name,
-            master_port=_master_port(run_name),
+            master_port=master_port(run_name),
             swift_args=args,
             extra_kwargs=json.dumps(extra, separators=(",", ":")) if extra else None,
             is_moe=is_moe,

@@ -13,7 +13,8 @@ import pytest
 from quantpatch import megatron_args, megatron_release
 from quantpatch.errors import UserError
 from quantpatch.megatron_args import read_release
-from quantpatch.megatron_release import ARGUMENTS, PACKAGE_INFO, checkout_release
+from quantpatch.megatron_files import ARGUMENTS, PACKAGE_INFO
+from quantpatch.megatron_release import checkout_release
 
 from .megatron_parser import EXTENSION, bundled_flags, write_parser
 

@@ -54,8 +54,8 @@ def test_wheel_contains_templates_and_data_and_renders(tmp_path):
         check=True,
     )
     code = (
-        "import quantpatch.scripts as s, quantpatch.registry as r\n"
-        "print(s.template_dir())\n"
+        "import quantpatch.scripts as s, quantpatch.registry as r, quantpatch.shell_render as sh\n"
+        "print(sh.template_dir())\n"
         "reg = r.load_registry()\n"
         "print(len(s.render_all(reg, list(reg.models), list(reg.datasets), "
         "reg.pick('schemes', None), 'smoke', 'core_v0.13.1')))\n"

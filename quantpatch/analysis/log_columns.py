@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from quantpatch.analysis.training_logs import ITERATION, number
+from quantpatch.analysis.log_lines import ITERATION, number
 
 _POW10 = 10.0 ** np.arange(23)  # every one an exact double
 _EXACT_DIGITS = 15  # a decimal integer of this many digits is an exact double (< 2**53)

@@ -29,10 +29,10 @@ REDUCTION: dict[str, tuple[int, bool]] = {
     "attention_probs": (-1, False),  # P [b, np, sq, sk] reduced along sk
 }
 _MX_ELEMENTS = {  # (fmt, backward) -> (largest normal, emax_elem)
-    ("mxfp8", False): (ops._E4M3[2], ops._E4M3[3]),
-    ("mxfp8", True): (ops._E5M2[2], ops._E5M2[3]),
-    ("mxfp4", False): (ops._E2M1[2], ops._E2M1[3]),
-    ("mxfp4", True): (ops._E2M1[2], ops._E2M1[3]),
+    ("mxfp8", False): (ops.E4M3[2], ops.E4M3[3]),
+    ("mxfp8", True): (ops.E5M2[2], ops.E5M2[3]),
+    ("mxfp4", False): (ops.E2M1[2], ops.E2M1[3]),
+    ("mxfp4", True): (ops.E2M1[2], ops.E2M1[3]),
 }
 HIFP8_MAX = 32768.0
 
@@ -194,8 +194,8 @@ def _mx_blocks(
     nonzero = amax > 0
     _, exp = torch.frexp(torch.where(nonzero, amax, torch.ones_like(amax)))
     shared = (exp - 1) - emax
-    clipped = nonzero & ((shared < ops._SCALE_MIN) | (shared > ops._SCALE_MAX))
-    shared = torch.clamp(shared, ops._SCALE_MIN, ops._SCALE_MAX).double()
+    clipped = nonzero & ((shared < ops.SCALE_MIN) | (shared > ops.SCALE_MAX))
+    shared = torch.clamp(shared, ops.SCALE_MIN, ops.SCALE_MAX).double()
     limit = vmax * torch.exp2(shared)  # float64: 448 x 2^127 does not fit a float32
     per_block = (blocks > limit[:, None]).sum(dim=-1)
     return int(per_block.sum()), blocks.shape[0], int((per_block > 0).sum()), int(clipped.sum())
@@ -256,11 +256,11 @@ def _nv_blocks(t: torch.Tensor, dim: int, amax: torch.Tensor) -> tuple[int, int,
     bmax = blocks.amax(dim=-1, keepdim=True)
     g = ops.nv_global_scale(amax)
     raw = (bmax / 6.0) * g
-    s = ops._round_element(raw, ops._E4M3)
+    s = ops.round_element(raw, ops.E4M3)
     # saturated: nearest even would go past 448 (to 480: at or above the midpoint 464); raw is
     # 448 and a rounding error at most for the block of the tensor's own amax
     clipped = (raw >= 464.0) | ((bmax > 0) & (s == 0))
-    over = (blocks * g) / torch.where(s > 0, s, torch.ones_like(s)) > ops._E2M1[2]
+    over = (blocks * g) / torch.where(s > 0, s, torch.ones_like(s)) > ops.E2M1[2]
     over &= s > 0
     per_block = over.sum(dim=-1)
     return int(per_block.sum()), blocks.shape[0], int((per_block > 0).sum()), int(clipped.sum())
@@ -302,7 +302,7 @@ def _add_slice(
     for fmt in fmts:
         if fmt in ops.NVFP4_FORMATS:
             assert tensor_amax is not None
-            q = ops._nvfp4(t, dim, fmt == "nvfp4-2d", None, tensor_amax).to(f64)
+            q = ops.nvfp4(t, dim, fmt == "nvfp4-2d", None, tensor_amax).to(f64)
         else:
             q = ops.fake_quant(t, fmt, dim=dim, backward=backward).to(f64)
         q0 = q if all_finite else torch.where(finite, q, zero)

@@ -38,10 +38,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from quantpatch.analysis.log_lines import ITERATION, number
 from quantpatch.errors import UserError
 
-ITERATION = re.compile(rb"iteration +(\d{1,18}) */ *(\d{1,18}) *\|")
-"""An iteration line's start as Megatron prints it (``' iteration {:8d}/{:8d} |'``)."""
 _HEADER = re.compile(
     rb"\[quantpatch\] (?P<model>\S+) / (?P<dataset>\S+) / (?P<scheme>\S+) \((?P<profile>\S+)\):"
     rb" linear=(?P<linear>\S+) qk=(?P<qk>\S+) pv=(?P<pv>\S+)"
@@ -114,14 +113,6 @@ def _doubles(values: Any) -> array[float]:
 
 def _integers(values: Any) -> array[int]:
     return _compact(values, "q")
-
-
-def number(raw: bytes) -> float:
-    """A value as Megatron printed it; NaN where it is not a number."""
-    try:
-        return float(raw)
-    except ValueError:
-        return math.nan  # 'nan', 'inf' parse; anything else is missing
 
 
 def _fields_of(rest: bytes) -> dict[str, bytes]:

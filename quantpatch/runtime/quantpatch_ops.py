@@ -483,3 +483,12 @@ def quant_baddbmm(
         out = torch.bmm(q1, q2)
         return out if alpha == 1 else out * alpha
     return torch.baddbmm(input, q1, q2, beta=beta, alpha=alpha)
+
+
+# The element formats, scale range and steps that quantpatch's `tensors formats` measures
+# candidates with (quantpatch/analysis/tensor_metrics.py), public so that nothing outside this
+# module reaches for its private names.
+E4M3, E5M2, E2M1 = _E4M3, _E5M2, _E2M1
+SCALE_MIN, SCALE_MAX = _SCALE_MIN, _SCALE_MAX
+round_element = _round_element
+nvfp4 = _nvfp4

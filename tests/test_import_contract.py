@@ -1,0 +1,127 @@
+"""The package's import contract: no module imports another that (directly or not) imports it
+back, and no module takes another module's private names.
+
+Read statically (``ast``, nothing imported), so a lazy import inside a function counts like a
+top-level one: a cycle that only closes at run time is still a cycle.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "quantpatch"
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+def _imports(name: str, path: Path, known: set[str]) -> tuple[set[str], list[str]]:
+    """The quantpatch modules ``name`` imports, and every private name it takes from one."""
+    found: set[str] = set()
+    private: list[str] = []
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    bound: dict[str, str] = {}  # a local name -> the quantpatch module it is bound to
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name in known}
+            bound |= {a.asname: a.name for a in node.names if a.name in known and a.asname}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*up, base] if base else up)
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                if sub in known:
+                    found.add(sub)  # `from quantpatch import repo`
+                    bound[alias.asname or alias.name] = sub
+                elif base in known:
+                    found.add(base)
+                    if alias.name.startswith("_") and not alias.name.startswith("__"):
+                        private.append(f"{name}: from {base} import {alias.name}")
+    for node in ast.walk(tree):  # `ops._round_element`: a private name through the module
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in bound
+            and node.attr.startswith("_")
+            and not node.attr.startswith("__")
+        ):
+            private.append(f"{name}: {bound[node.value.id]}.{node.attr}")
+    found.discard(name)
+    return {m for m in found if m.startswith("quantpatch")}, private
+
+
+def _graph() -> tuple[dict[str, set[str]], list[str]]:
+    mods = _modules()
+    graph, private = {}, []
+    for name, path in mods.items():
+        graph[name], taken = _imports(name, path, set(mods))
+        private += taken
+    return graph, private
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every strongly connected component of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_module_imports_one_that_imports_it_back():
+    graph, _ = _graph()
+    assert len(graph) > 40  # the walk saw the package
+    assert cycles(graph) == []
+
+
+def test_the_runtime_copied_into_checkouts_imports_nothing_of_quantpatch():
+    graph, _ = _graph()
+    runtime = {m: deps for m, deps in graph.items() if m.startswith("quantpatch.runtime")}
+    outside = {m: d for m, deps in runtime.items() if (d := deps - set(runtime))}
+    assert len(runtime) > 3 and outside == {}
+
+
+def test_no_module_takes_another_modules_private_names():
+    _, private = _graph()
+    assert private == []
