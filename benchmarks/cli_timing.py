@@ -36,8 +36,8 @@ from _timing import wall  # benchmarks/_timing.py, beside this script
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/forklike.py
 
 import quantpatch
-from quantpatch.demo import build_checkout
-from quantpatch.megatron_source import megatron_tree
+from quantpatch.base.megatron_source import megatron_tree
+from quantpatch.checkout.demo import build_checkout
 from tests.forklike import build_fork, clone_quant
 
 

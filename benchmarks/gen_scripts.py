@@ -31,7 +31,7 @@ import time, sys
 t0 = time.perf_counter()
 import libcst
 t1 = time.perf_counter()
-from quantpatch.megatron_args import read_release
+from quantpatch.launch.megatron_args import read_release
 from pathlib import Path
 times = []
 for _ in range(int(sys.argv[2])):

@@ -77,10 +77,10 @@ SCHEMES = ("bf16", "FA_mxfp8", "linear_mxfp4", "FA_linear_hifp8", "FA_linear_mxf
 def main() -> None:
     import torch
 
-    from quantpatch.demo import build_checkout
-    from quantpatch.registry import load_registry
-    from quantpatch.saver import install
-    from quantpatch.worktrees import ensure_worktree
+    from quantpatch.checkout.demo import build_checkout
+    from quantpatch.checkout.saver import install
+    from quantpatch.checkout.worktrees import ensure_worktree
+    from quantpatch.launch.registry import load_registry
 
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

@@ -90,7 +90,7 @@ def checkout(work: Path, megatron_lm: Path | None) -> Path:
     if megatron_lm is not None:
         shutil.copytree(megatron_lm, root, ignore=shutil.ignore_patterns(".git"))
     else:
-        from quantpatch.megatron_source import megatron_tree
+        from quantpatch.base.megatron_source import megatron_tree
 
         shutil.copytree(megatron_tree("0.13.1"), root / "megatron")
     commit_all(root, "Megatron-LM as given")

@@ -158,8 +158,8 @@ def physical(nbytes: int, device: str, tmp: Path) -> tuple[float, float]:
 def main() -> None:
     import torch
 
-    from quantpatch.demo import build_checkout
-    from quantpatch.saver import install
+    from quantpatch.checkout.demo import build_checkout
+    from quantpatch.checkout.saver import install
 
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

@@ -47,7 +47,7 @@ def main() -> None:
     args = ap.parse_args()
     from pretrain_runs import commit_all
 
-    from quantpatch.megatron_source import megatron_tree
+    from quantpatch.base.megatron_source import megatron_tree
 
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)

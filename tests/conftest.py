@@ -13,9 +13,9 @@ import git
 import pytest
 
 from quantpatch import cli
-from quantpatch.codemods.init_sites import Layout, inject_sites
-from quantpatch.config import Targets
-from quantpatch.megatron_source import megatron_tree
+from quantpatch.base.config import Targets
+from quantpatch.base.megatron_source import megatron_tree
+from quantpatch.sites.codemods.init_sites import Layout, inject_sites
 
 
 def _interpret_triton_without_a_gpu() -> None:

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import libcst as cst
 
-from quantpatch.codemods.init_sites import LINEAR_CLASS_SUFFIX, Layout, inject_sites
-from quantpatch.config import DEFAULT_ATTENTION_FILE, DEFAULT_LINEAR_FILE
+from quantpatch.base.config import DEFAULT_ATTENTION_FILE, DEFAULT_LINEAR_FILE
+from quantpatch.sites.codemods.init_sites import LINEAR_CLASS_SUFFIX, Layout, inject_sites
 
 from .megatron_parser import write_parser
 

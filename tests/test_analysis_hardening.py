@@ -500,7 +500,7 @@ def test_csv_cells_are_never_formulas(tmp_path, run):
 def test_jobs_are_bounded(tmp_path, run):
     """--jobs 10000 forked until the process limit, exited 3 and left workers running."""
     from quantpatch.analysis import tensors
-    from quantpatch.errors import UserError
+    from quantpatch.base.errors import UserError
 
     d = _layered_dir(tmp_path / "t")
     log = _megatron_log(tmp_path / "runs" / "x.log", _falling(30, 18))

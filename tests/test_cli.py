@@ -12,9 +12,9 @@ import git
 import pytest
 
 from quantpatch import cli
-from quantpatch import edits as edits_mod
-from quantpatch import repo as repo_mod
-from quantpatch.codemods.init_sites import Layout
+from quantpatch.base import edits as edits_mod
+from quantpatch.git import repo as repo_mod
+from quantpatch.sites.codemods.init_sites import Layout
 
 from .conftest import ATTENTION, LINEAR, git_out, snapshot
 

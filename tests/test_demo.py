@@ -5,10 +5,10 @@ from __future__ import annotations
 import git
 import pytest
 
-from quantpatch.config import Targets
-from quantpatch.demo import build_checkout
-from quantpatch.errors import UserError
-from quantpatch.sites import discover
+from quantpatch.base.config import Targets
+from quantpatch.base.errors import UserError
+from quantpatch.checkout.demo import build_checkout
+from quantpatch.sites.discovery import discover
 
 
 def test_demo_walks_and_restores_byte_identical(run, tmp_path):

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from quantpatch import edits as edits_mod
-from quantpatch.edits import Edit, apply_edits, unified_diff
-from quantpatch.errors import UserError
+from quantpatch.base import edits as edits_mod
+from quantpatch.base.edits import Edit, apply_edits, unified_diff
+from quantpatch.base.errors import UserError
 
 
 def _files(tmp_path: Path) -> tuple[Path, Path]:

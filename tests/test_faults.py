@@ -5,7 +5,7 @@ tells the truth without a traceback, and one ordinary command (the same one agai
 checkout to a clean, recorded state; ``restore`` then gives back the exact start.
 
 The steps are counted, not timed: ``QUANTPATCH_FAULT_TRACE`` lists them for a clean run, and
-``QUANTPATCH_FAULT_AT=n`` strikes the n-th (see ``quantpatch/faults.py``).
+``QUANTPATCH_FAULT_AT=n`` strikes the n-th (see ``quantpatch/base/faults.py``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from quantpatch import faults
+from quantpatch.base import faults
 
 from .conftest import ATTENTION, LINEAR
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import git
 import pytest
 
-from quantpatch.codemods.init_sites import Layout
-from quantpatch.worktrees import ensure_worktree
+from quantpatch.checkout.worktrees import ensure_worktree
+from quantpatch.sites.codemods.init_sites import Layout
 
 from .conftest import git_out, snapshot
 from .forklike import ATTENTION, LINEAR, build_fork, clone_quant
@@ -263,7 +263,7 @@ class _Killed(BaseException):
 
 @pytest.mark.parametrize("step", ["checkout", "final-state"])
 def test_set_killed_between_checkout_and_record(run, clone, monkeypatch, step):
-    from quantpatch import repo as gitrepo
+    from quantpatch.git import repo as gitrepo
 
     real_run, real_save = gitrepo.run_git, gitrepo.save_state
     saves = []
@@ -332,7 +332,7 @@ def test_gen_scripts_for_the_clones_own_release(run, clone, tmp_path):
     `quant` adding the two keyword parameters, as the README says)."""
     import libcst as cst
 
-    from quantpatch.codemods.init_sites import teach_mla_head_dims
+    from quantpatch.sites.codemods.init_sites import teach_mla_head_dims
 
     attention = clone / ATTENTION
     attention.write_text(teach_mla_head_dims(cst.parse_module(attention.read_text())).code)

@@ -362,7 +362,7 @@ def test_a_checkout_git_could_not_write_is_refused_and_switched_back(run, make_c
 
 def test_check_expect_never_believes_the_cache(run, make_checkout):
     """Even an entry rewritten with a valid checksum cannot make --expect pass."""
-    from quantpatch import site_cache
+    from quantpatch.sites import cache as site_cache
 
     root = make_checkout()
     assert run("set", "--repo", root, "--pv", "mxfp8").code == 0

@@ -9,7 +9,7 @@ from pathlib import Path
 import git
 import pytest
 
-from quantpatch.init_checkout import KERNELS_MODULE, OPS_MODULE, ops_source, runtime_source
+from quantpatch.checkout.init import KERNELS_MODULE, OPS_MODULE, ops_source, runtime_source
 
 from .conftest import ATTENTION, LINEAR, VERSIONS, run_probe, snapshot
 
@@ -134,7 +134,7 @@ def test_init_teaches_the_local_attention_mla_head_dims(trees, version):
     DotProductAttention that already takes them as it is."""
     import difflib
 
-    from quantpatch.codemods.init_sites import inject_sites
+    from quantpatch.sites.codemods.init_sites import inject_sites
 
     rel = ATTENTION
     stock = (trees[version].parent / rel).read_text()

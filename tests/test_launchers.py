@@ -21,11 +21,11 @@ from pathlib import Path
 import git
 import pytest
 
-from quantpatch.layout import LayoutError, Plan, derive, plan_from_text
-from quantpatch.megatron_source import cache_dir
-from quantpatch.registry import load_registry, release_flags
-from quantpatch.scripts import render_all
-from quantpatch.swift import bundled, read_swift
+from quantpatch.base.megatron_source import cache_dir
+from quantpatch.launch.layout import LayoutError, Plan, derive, plan_from_text
+from quantpatch.launch.registry import load_registry, release_flags
+from quantpatch.launch.scripts import render_all
+from quantpatch.launch.swift import bundled, read_swift
 
 QUANTPATCH = str(Path(sys.executable).with_name("quantpatch"))
 SHELLCHECK = str(Path(sys.executable).with_name("shellcheck"))

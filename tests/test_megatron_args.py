@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from quantpatch import megatron_args, megatron_release
-from quantpatch.errors import UserError
-from quantpatch.megatron_args import read_release
-from quantpatch.megatron_files import ARGUMENTS, PACKAGE_INFO
-from quantpatch.megatron_release import checkout_release
+from quantpatch.base.errors import UserError
+from quantpatch.launch import megatron_args, megatron_release
+from quantpatch.launch.megatron_args import read_release
+from quantpatch.launch.megatron_files import ARGUMENTS, PACKAGE_INFO
+from quantpatch.launch.megatron_release import checkout_release
 
 from .megatron_parser import EXTENSION, bundled_flags, write_parser
 

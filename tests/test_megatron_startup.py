@@ -31,8 +31,8 @@ from pathlib import Path
 import git
 import pytest
 
-from quantpatch.init_checkout import init
-from quantpatch.registry import load_registry
+from quantpatch.checkout.init import init
+from quantpatch.launch.registry import load_registry
 
 from .test_scripts import QUANTPATCH, STUB, _records
 

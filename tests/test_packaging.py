@@ -54,7 +54,8 @@ def test_wheel_contains_templates_and_data_and_renders(tmp_path):
         check=True,
     )
     code = (
-        "import quantpatch.scripts as s, quantpatch.registry as r, quantpatch.shell_render as sh\n"
+        "import quantpatch.launch.scripts as s, quantpatch.launch.registry as r\n"
+        "import quantpatch.launch.shell_render as sh\n"
         "print(sh.template_dir())\n"
         "reg = r.load_registry()\n"
         "print(len(s.render_all(reg, list(reg.models), list(reg.datasets), "

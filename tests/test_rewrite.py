@@ -9,11 +9,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from quantpatch.codemods.init_sites import Layout, inject_sites
-from quantpatch.codemods.set_value import plan_module, plan_values, requote, verify_rewrite
-from quantpatch.config import QUANT_TYPES
-from quantpatch.errors import UserError
-from quantpatch.sites import discover_source, role_values
+from quantpatch.base.config import QUANT_TYPES
+from quantpatch.base.errors import UserError
+from quantpatch.sites.codemods.init_sites import Layout, inject_sites
+from quantpatch.sites.codemods.set_value import plan_module, plan_values, requote, verify_rewrite
+from quantpatch.sites.discovery import discover_source, role_values
 
 from .conftest import ATTENTION, LINEAR, VERSIONS
 

@@ -8,8 +8,8 @@ import re
 import git
 from rich.console import Console
 
-from quantpatch.present import print_check
-from quantpatch.switch import check
+from quantpatch.checkout.switch import check
+from quantpatch.cli.render_check import print_check
 
 from .conftest import ATTENTION, LINEAR, snapshot
 
@@ -105,7 +105,7 @@ def test_the_cache_directories_quantpatch_makes_are_private_under_umask_002(tmp_
     rename a directory above it: the directories the CLI makes there are 0700, umask or not."""
     import os
 
-    from quantpatch.megatron_source import make_private_dirs
+    from quantpatch.base.megatron_source import make_private_dirs
 
     old = os.umask(0o002)
     try:
@@ -127,7 +127,7 @@ def test_two_processes_unpack_a_megatron_release_once(tmp_path, monkeypatch):
     import time
     import zipfile
 
-    from quantpatch import megatron_source
+    from quantpatch.base import megatron_source
 
     monkeypatch.setenv("QUANTPATCH_CACHE", str(tmp_path / "cache"))
     fetched: list[str] = []

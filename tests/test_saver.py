@@ -17,7 +17,7 @@ from pathlib import Path
 import git
 import pytest
 
-from quantpatch.saver import SAVER_MODULE, saver_source
+from quantpatch.checkout.saver import SAVER_MODULE, saver_source
 
 from .conftest import ATTENTION, LINEAR, VERSIONS, run_probe, snapshot
 

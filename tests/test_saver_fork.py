@@ -13,7 +13,7 @@ from pathlib import Path
 import libcst as cst
 import pytest
 
-from quantpatch.saver import SAVER_MODULE
+from quantpatch.checkout.saver import SAVER_MODULE
 
 from .conftest import run_probe, snapshot
 from .forklike import (
@@ -236,8 +236,8 @@ def test_install_refuses_a_caller_the_saver_does_not_serve(run, clone):
 
 
 def test_callers_are_read_in_every_import_form(tmp_path):
-    from quantpatch.saver import saver_source
-    from quantpatch.saver_callers import served_api, unserved_uses
+    from quantpatch.checkout.saver import saver_source
+    from quantpatch.checkout.saver_callers import served_api, unserved_uses
 
     user = tmp_path / "megatron/core/sub/user.py"
     user.parent.mkdir(parents=True)

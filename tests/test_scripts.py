@@ -15,8 +15,8 @@ from pathlib import Path
 import git
 import pytest
 
-from quantpatch.registry import load_registry, release_flags, releases
-from quantpatch.scripts import body_matches_header, render_all, script_name, shell_quote
+from quantpatch.launch.registry import load_registry, release_flags, releases
+from quantpatch.launch.scripts import body_matches_header, render_all, script_name, shell_quote
 
 from .conftest import snapshot
 from .megatron_parser import write_parser

@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from quantpatch import site_cache
-from quantpatch.config import Targets
-from quantpatch.sites import discover_source
+from quantpatch.base.config import Targets
+from quantpatch.sites import cache as site_cache
+from quantpatch.sites.discovery import discover_source
 
 from .conftest import ATTENTION, LINEAR
 
@@ -187,7 +187,7 @@ def test_the_files_are_shared_out_by_size():
 def test_a_fresh_check_without_a_temporary_directory_parses_itself(make_checkout, monkeypatch):
     import tempfile
 
-    from quantpatch.switch import check
+    from quantpatch.checkout.switch import check
 
     root = make_checkout()
     want = check(root, fresh=True).sites

@@ -7,10 +7,10 @@ from pathlib import Path
 import libcst as cst
 import pytest
 
-from quantpatch import sites as sites_module
-from quantpatch.codemods.init_sites import Layout, inject_sites
-from quantpatch.errors import UserError
-from quantpatch.sites import discover_sites, discover_source, role_values
+from quantpatch.base.errors import UserError
+from quantpatch.sites import discovery as sites_module
+from quantpatch.sites.codemods.init_sites import Layout, inject_sites
+from quantpatch.sites.discovery import discover_sites, discover_source, role_values
 
 from .conftest import ATTENTION, LINEAR, VERSIONS
 
@@ -260,7 +260,7 @@ def test_injection_refuses_unknown_layout():
 def test_chunk_starts_from_the_ast_match_libcst_code(trees, version):
     """Where each top-level statement starts (read from CPython's AST) is exactly where
     libcst's generated code puts it, on the real files and on the fork's layout."""
-    from quantpatch.sites import _ast_of, _chunk_starts
+    from quantpatch.sites.discovery import _ast_of, _chunk_starts
 
     for rel, kind in ((LINEAR, "linear"), (ATTENTION, "attention")):
         stock = (trees[version].parent / rel).read_text()

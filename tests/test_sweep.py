@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from quantpatch.sweep import group_alive
+from quantpatch.launch.sweep import group_alive
 
 from .test_scripts import QUANTPATCH
 

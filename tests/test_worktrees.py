@@ -10,7 +10,7 @@ from pathlib import Path
 
 import git
 
-from quantpatch.worktrees import ensure_worktree
+from quantpatch.checkout.worktrees import ensure_worktree
 
 from .conftest import ATTENTION, LINEAR, snapshot
 

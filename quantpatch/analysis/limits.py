@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from quantpatch.errors import UserError
+from quantpatch.base.errors import UserError
 
 JOBS_CAP = 64
 JOBS_PER_CPU = 4

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from quantpatch.errors import UserError
+from quantpatch.base.errors import UserError
 
 
 def _make_dirs(path: Path, what: str) -> list[Path]:

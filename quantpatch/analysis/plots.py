@@ -12,7 +12,7 @@ from typing import Any, ParamSpec, TypeVar
 
 from quantpatch.analysis.tensor_files import Skipped, discover_all, load_tensor, meta_of
 from quantpatch.analysis.tensors import sorted_layers
-from quantpatch.errors import UserError
+from quantpatch.base.errors import UserError
 
 P = ParamSpec("P")
 R = TypeVar("R")

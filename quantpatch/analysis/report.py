@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from quantpatch.errors import UserError
+from quantpatch.base.errors import UserError
 
 _STYLE = """
 body{font-family:system-ui,sans-serif;margin:2em;max-width:1400px;color:#222}
@@ -66,7 +66,7 @@ def table_rows(
     rows: list[dict[str, Any]], columns: list[str], bad: str | None = None
 ) -> list[dict[str, Any]]:
     """The cells of a table, as text, each with whether it is left-aligned (text)."""
-    from quantpatch.present_analysis import format_value
+    from quantpatch.cli.render_analysis import format_value
 
     return [
         {

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from quantpatch.config import QUANT_TYPES
+from quantpatch.base.config import QUANT_TYPES
 
 # {timestamp}_{counter}_{layer_type}_L{layer}_{operation}_{quant}[_rank{r}]_{tensor}.pt, the
 # name our saver and the fork's write (a file name, not Python source)

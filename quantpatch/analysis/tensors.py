@@ -26,7 +26,7 @@ from quantpatch.analysis.tensor_files import (
     meta_of,
     read_stats_lines,
 )
-from quantpatch.errors import UserError
+from quantpatch.base.errors import UserError
 
 FORMATS = ("mxfp8", "mxfp4", "hifp8", "nvfp4")
 DEFAULT_FORMATS = ("mxfp8", "mxfp4", "hifp8")

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from quantpatch.analysis.log_lines import ITERATION, number
-from quantpatch.errors import UserError
+from quantpatch.base.errors import UserError
 
 _HEADER = re.compile(
     rb"\[quantpatch\] (?P<model>\S+) / (?P<dataset>\S+) / (?P<scheme>\S+) \((?P<profile>\S+)\):"

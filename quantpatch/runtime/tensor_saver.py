@@ -684,7 +684,7 @@ def _exact_enough(n: int, squares: float, deviation: float) -> bool:
 def _kernel_dir() -> Path:
     """``TENSOR_SAVE_KERNEL_DIR``, else ``kernels`` in quantpatch's cache (``QUANTPATCH_CACHE``
     or ``XDG_CACHE_HOME``, then ``~/.cache``, each with ``quantpatch``: where the CLI keeps
-    its own, as ``quantpatch.megatron_source.cache_dir`` finds it, which this installed
+    its own, as ``quantpatch.base.megatron_source.cache_dir`` finds it, which this installed
     module cannot import); a directory of its own, so that the CLI's (which the umask may
     leave group-writable) does not decide whether code may be loaded."""
     raw = (os.environ.get("TENSOR_SAVE_KERNEL_DIR") or "").strip()

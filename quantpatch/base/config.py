@@ -1,0 +1,166 @@
+"""Configuration: quant types, roles, the scheme registry and the checkout's target paths.
+
+Standard library only, so that every other module (and CLI start-up) can import it cheaply.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from quantpatch.base.errors import UserError
+
+QUANT_TYPES: tuple[str, ...] = ("bf16", "mxfp8", "mxfp4", "hifp8", "nvfp4", "nvfp4-2d")
+"""Values a site may hold: bf16 is the unquantized PyTorch path. ``nvfp4-2d`` is ``nvfp4``
+with 16 x 16 weight tiles: it differs from ``nvfp4`` at the linear role only."""
+
+ROLES: tuple[str, ...] = ("linear", "qk", "pv")
+"""The three GEMM families a checkout's sites govern."""
+
+SITE_NAME = "custom_quant_type"
+"""The variable whose assignments are sites."""
+
+DEFAULT_LINEAR_FILE = "megatron/core/tensor_parallel/layers.py"
+DEFAULT_ATTENTION_FILE = "megatron/core/transformer/dot_product_attention.py"
+
+# A value is written into a string literal: keep it to characters that need no escaping.
+_VALUE_RE = re.compile(r"[A-Za-z0-9_.+-]+")
+
+
+DEFAULT_BRANCH_PREFIX = "quantpatch"
+"""Scheme branches are ``<prefix>/linear-X_qk-Y_pv-Z``. Not ``quant``: forks commonly have a
+branch of that name, and git cannot hold both ``quant`` and ``quant/...``."""
+
+LEGACY_BRANCH_PREFIX = "quant"
+"""The prefix of scheme branches made by quantpatch 0.1 (still recognised)."""
+
+# One or more path components of letters, digits and '._-', none starting with '.' or '-'
+# and none ending in '.lock' (a subset of what git check-ref-format accepts).
+_PREFIX_RE = re.compile(r"(?:[A-Za-z0-9_][A-Za-z0-9._-]*/)*[A-Za-z0-9_][A-Za-z0-9._-]*")
+
+
+@dataclass(frozen=True)
+class Targets:
+    """The files that hold sites, relative to the checkout root (posix separators), and the
+    prefix of scheme branches (settings of the same ``[tool.quantpatch]`` table)."""
+
+    linear: tuple[str, ...] = (DEFAULT_LINEAR_FILE,)
+    attention: tuple[str, ...] = (DEFAULT_ATTENTION_FILE,)
+    branch_prefix: str = DEFAULT_BRANCH_PREFIX
+    where: str = ""
+    """The file the settings came from (empty: defaults)."""
+
+    @property
+    def all_files(self) -> tuple[str, ...]:
+        return self.linear + self.attention
+
+    def kind_of(self, rel: str) -> str:
+        """``linear`` or ``attention``: which role family a target file holds."""
+        return "linear" if rel in self.linear else "attention"
+
+
+_TARGET_KEYS = {
+    "linear": "linear",
+    "linear_file": "linear",
+    "attention": "attention",
+    "attention_file": "attention",
+}
+
+
+def _path_list(raw: Any, where: str, key: str) -> tuple[str, ...]:
+    items = [raw] if isinstance(raw, str) else raw
+    if not isinstance(items, list) or not items or not all(isinstance(i, str) for i in items):
+        raise UserError(f"{where}: '{key}' must be a path or a non-empty list of paths.")
+    return tuple(Path(i).as_posix() for i in items)
+
+
+def load_targets(root: Path) -> Targets:
+    """Read ``[tool.quantpatch]`` from ``pyproject.toml`` or ``quantpatch.toml`` at the root.
+
+    ``quantpatch.toml`` wins when both exist. Unknown keys are refused so that a typo does not
+    silently fall back to the defaults.
+    """
+    import sys
+
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover - exercised on 3.10 only
+        import tomli as tomllib
+
+    table: dict[str, Any] | None = None
+    where = ""
+    for name in ("quantpatch.toml", "pyproject.toml"):
+        path = root / name
+        if not path.is_file():
+            continue
+        try:
+            data = tomllib.loads(path.read_text(encoding="utf-8"))
+        except tomllib.TOMLDecodeError as exc:
+            raise UserError(f"{path}: not valid TOML ({exc}).") from None
+        except RecursionError:
+            raise UserError(f"{path}: nested too deeply to be valid configuration.") from None
+        except UnicodeDecodeError:
+            raise UserError(f"{path}: not UTF-8 text.") from None
+        found = data.get("tool", {}).get("quantpatch")
+        if found is None and name == "quantpatch.toml":
+            found = data  # quantpatch.toml may hold the keys at top level
+        if found is not None:
+            table, where = found, str(path)
+            break
+    if table is None:
+        return Targets()
+    values: dict[str, tuple[str, ...]] = {}
+    prefix = DEFAULT_BRANCH_PREFIX
+    for key, raw in table.items():
+        if key == "branch_prefix":
+            prefix = _branch_prefix(raw, where)
+            continue
+        if key not in _TARGET_KEYS:
+            known = sorted([*_TARGET_KEYS, "branch_prefix"])
+            raise UserError(
+                f"{where}: unknown key '{key}' in the quantpatch table (known: {', '.join(known)})."
+            )
+        values[_TARGET_KEYS[key]] = _path_list(raw, where, key)
+    return Targets(**values, branch_prefix=prefix, where=where)
+
+
+def _branch_prefix(raw: Any, where: str) -> str:
+    if (
+        not isinstance(raw, str)
+        or not _PREFIX_RE.fullmatch(raw)
+        or ".." in raw
+        or any(part.endswith(".lock") for part in raw.split("/"))
+    ):
+        raise UserError(
+            f"{where}: branch_prefix {raw!r} is not a branch name prefix "
+            "(letters, digits and '._-' in '/'-separated parts)."
+        )
+    return raw
+
+
+LINEAR_ONLY: tuple[str, ...] = ("nvfp4-2d",)
+"""Values only the linear role may hold: ``nvfp4-2d`` tiles weights, which attention lacks."""
+
+
+def validate_value(
+    value: str, *, allow_unknown: bool, where: str = "value", role: str | None = None
+) -> str:
+    """Refuse a quant type that is not known (unless allowed), cannot sit in a literal, or
+    (given the ``role``) does not belong to that role."""
+    if role is not None and role != "linear" and value in LINEAR_ONLY:
+        raise UserError(
+            f"{where}: '{value}' tiles weights 16 x 16, and only the linear role has weights; "
+            f"use '{value.removesuffix('-2d')}' for {role}."
+        )
+    if not _VALUE_RE.fullmatch(value):
+        raise UserError(
+            f"{where}: {value!r} is not a valid quant type name (letters, digits, '_.+-' only)."
+        )
+    if value not in QUANT_TYPES and not allow_unknown:
+        raise UserError(
+            f"{where}: unknown quant type '{value}'; valid values are "
+            f"{', '.join(QUANT_TYPES)} (--allow-unknown writes it anyway)."
+        )
+    return value

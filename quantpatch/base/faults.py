@@ -1,0 +1,43 @@
+"""A fault-injection seam for the crash-safety tests (inert unless its variables are set).
+
+Every internal step that changes something (each git command, each file swap, each record
+write) calls ``step(label)``. With ``QUANTPATCH_FAULT_AT=n`` the n-th step of the process
+fails: ``QUANTPATCH_FAULT_KIND=kill`` (default) sends the process SIGKILL *after* the step has
+taken effect, as a power cut or ``kill -9`` would; ``fail`` raises the error a failing git
+command or a full disk gives *instead of* the step; ``interrupt`` raises ``KeyboardInterrupt``
+right after it, as Ctrl-C does. ``QUANTPATCH_FAULT_TRACE=FILE`` appends
+each step's label to FILE, so a test can count the steps of a command and hit every one.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+from quantpatch.base.errors import UserError
+
+_count = 0
+
+
+def step(label: str, *, done: bool) -> None:
+    """Mark a step: call with ``done=False`` right before it (where ``fail`` strikes) and
+    ``done=True`` right after it (where ``kill`` strikes)."""
+    at = os.environ.get("QUANTPATCH_FAULT_AT")
+    trace = os.environ.get("QUANTPATCH_FAULT_TRACE")
+    if not at and not trace:
+        return
+    global _count
+    if not done:
+        _count += 1
+        if trace:
+            with open(trace, "a", encoding="utf-8") as fh:
+                fh.write(f"{_count} {label}\n")
+    if not at or int(at) != _count:
+        return
+    kind = os.environ.get("QUANTPATCH_FAULT_KIND", "kill")
+    if kind == "fail" and not done:
+        raise UserError(f"{label} failed (injected fault at step {_count}).")
+    if kind == "kill" and done:
+        os.kill(os.getpid(), signal.SIGKILL)
+    if kind == "interrupt" and done:
+        raise KeyboardInterrupt

@@ -1,0 +1,164 @@
+"""The throw-away demo checkout: real megatron-core sources with fork-layout sites, in git."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import git
+from rich.console import Console
+
+from quantpatch.base.config import QUANT_TYPES, Targets
+from quantpatch.base.edits import Edit, apply_edits
+from quantpatch.base.errors import UserError
+from quantpatch.base.megatron_source import DEFAULT_VERSION, megatron_tree
+from quantpatch.git import repo as gitrepo
+from quantpatch.sites.codemods.init_sites import Layout, inject_sites
+
+_IGNORE = shutil.ignore_patterns("__pycache__", "*.pyc")
+
+
+def build_checkout(
+    dest: Path, version: str = DEFAULT_VERSION, layout: Layout | None = None, *, inject: bool = True
+) -> Path:
+    """A git repository at ``dest`` holding ``megatron/`` of megatron-core ``version``: one
+    commit with the stock files, and (``inject``) one that adds fork-layout sites: with the
+    default layout that is ``quantpatch init`` (sites, dispatches and the quant ops module);
+    another ``layout`` (tests) injects sites written in that form instead."""
+    if dest.exists() and any(dest.iterdir()):
+        raise UserError(f"{dest}: the directory exists and is not empty; choose another one.")
+    tree = megatron_tree(version)
+    dest.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(tree, dest / "megatron", ignore=_IGNORE)
+    (dest / ".gitignore").write_text("__pycache__/\n*.pyc\ntensor_logs/\n")
+    repo = git.Repo.init(dest, initial_branch="main", expand_vars=False)
+    gitrepo.commit_paths(repo, [".gitignore", "megatron"], f"megatron-core {version}, unmodified")
+    if inject and layout is None:
+        from quantpatch.checkout.init import init
+
+        init(dest)
+    elif inject:
+        targets = Targets()
+        edits = []
+        for rel in targets.all_files:
+            text = (dest / rel).read_text(encoding="utf-8")
+            edits.append(Edit(rel, text, inject_sites(text, rel, targets.kind_of(rel), layout)))
+        apply_edits(dest, edits)
+        gitrepo.commit_paths(
+            repo, list(targets.all_files), "Add fork-layout custom_quant_type sites"
+        )
+    return dest
+
+
+def walk(dest: Path, console: Console) -> None:
+    """check -> set -> check -> set (other values, same base) -> restore -> check, printed."""
+    from quantpatch.checkout.switch import SetRequest, check, restore, set_values
+    from quantpatch.cli.render_check import print_check
+
+    targets = Targets()
+    before = {rel: (dest / rel).read_bytes() for rel in targets.all_files}
+
+    def step(title: str) -> None:
+        console.rule(title)
+
+    step("quantpatch check")
+    print_check(check(dest), console)
+    for values in (
+        {"linear": "mxfp8", "qk": "mxfp8", "pv": "bf16"},
+        {"linear": "hifp8", "qk": "mxfp4", "pv": "mxfp8"},
+    ):
+        args = " ".join(f"--{r} {v}" for r, v in values.items())
+        step(f"quantpatch set {args}")
+        result = set_values(dest, SetRequest(dict(values)))
+        console.print(
+            f"branch {result.branch} at {(result.commit or '')[:12]}, from base "
+            f"{result.base and result.base['branch']} @ "
+            f"{result.base and result.base['commit'][:12]}"
+        )
+        console.print(result.diff.rstrip(), markup=False)
+        step("quantpatch check")
+        print_check(check(dest), console)
+    step("quantpatch restore")
+    restored = restore(dest)
+    console.print(f"restored {restored.base['branch']} @ {restored.base['commit'][:12]}")
+    same = all((dest / rel).read_bytes() == data for rel, data in before.items())
+    console.print(f"target files byte-identical to before the first set: {'yes' if same else 'NO'}")
+    repo = gitrepo.open_repo(dest)
+    console.print("branches: " + ", ".join(sorted(h.name for h in repo.heads)))
+    step("quantpatch check")
+    print_check(check(dest), console)
+    if not same:  # pragma: no cover - would be a bug in restore
+        raise RuntimeError("restore did not reproduce the original bytes")
+    step("the patched linear layer on CPU, per format (relative error against bf16)")
+    print_linear_errors(dest, console)
+
+
+DEMO_FORMATS = tuple(f for f in QUANT_TYPES if f != "nvfp4-2d")
+"""The demo's linear formats: nvfp4-2d tiles a weight Parameter, which the probe's plain
+weight tensor is not, so its row would repeat nvfp4's."""
+
+
+def linear_errors(
+    dest: Path, formats: tuple[str, ...] = DEMO_FORMATS
+) -> dict[str, dict[str, float]]:
+    """Run Megatron's real linear autograd function (forward, input grad, weight grad) from
+    each format's worktree of ``dest`` on identical seeded bf16 inputs; return, per format
+    and GEMM, ||y - y_bf16|| / ||y_bf16||."""
+    import subprocess
+    import sys
+    import tempfile
+
+    import torch
+
+    from quantpatch.checkout.worktrees import ensure_worktree
+
+    probe = Path(__file__).parents[1] / "runtime" / "linear_probe.py"
+    results: dict[str, dict[str, torch.Tensor]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for fmt in formats:
+            wt = ensure_worktree(dest, {"linear": fmt, "qk": "bf16", "pv": "bf16"})
+            out = Path(tmp) / f"{fmt}.pt"
+            subprocess.run(
+                [sys.executable, str(probe), str(out)],
+                check=True,
+                cwd=wt.path,
+                env={**_clean_env(), "PYTHONPATH": str(wt.path)},
+            )
+            results[fmt] = torch.load(out)
+    ref = results["bf16"]
+    return {
+        fmt: {
+            gemm: float((t.float() - ref[gemm].float()).norm() / ref[gemm].float().norm())
+            for gemm, t in res.items()
+        }
+        for fmt, res in results.items()
+    }
+
+
+def _clean_env() -> dict[str, str]:
+    import os
+
+    return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "CUSTOM_QUANT_TYPE")}
+
+
+def print_linear_errors(dest: Path, console: Console) -> None:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        console.print("torch is not installed: install quantpatch[torch] to see the numbers.")
+        return
+    from rich.table import Table
+
+    with console.status(
+        "running Megatron's linear layer forward and backward on CPU in each format (~30 s)"
+    ):
+        errors = linear_errors(dest)
+    table = Table(
+        title="relative error of each GEMM against bf16 (256 tokens, 512 -> 512)",
+        title_justify="left",
+    )
+    for col in ("linear format", "forward (E4M3 / E2M1 / HiF8)", "input grad", "weight grad"):
+        table.add_column(col, justify="right")
+    for fmt, row in errors.items():
+        table.add_row(fmt, *(f"{row[g]:.2e}" for g in ("forward", "dgrad", "wgrad")))
+    console.print(table)

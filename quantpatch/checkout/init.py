@@ -1,0 +1,72 @@
+"""``quantpatch init``: make a stock Megatron checkout a quantization test bed, and undo it.
+
+``init`` inserts fork-layout sites (value ``bf16``, so the checkout computes exactly as before)
+into the two target files and installs ``megatron/core/quantpatch_ops.py`` and
+``megatron/core/quantpatch_kernels.py`` (verbatim copies of ``quantpatch/runtime/``: the ops
+and their fused Triton kernels for CUDA tensors): a recorded install, so ``init --remove``
+restores the original bytes exactly.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+
+from quantpatch.base.config import load_targets
+from quantpatch.base.edits import Edit, read_exact
+from quantpatch.base.errors import UserError
+from quantpatch.git import repo as gitrepo
+from quantpatch.git.installs import InstallResult, record_of, run_install, run_remove
+from quantpatch.sites.codemods.init_sites import inject_sites
+from quantpatch.sites.model import read_target
+
+OPS_MODULE = "megatron/core/quantpatch_ops.py"
+KERNELS_MODULE = "megatron/core/quantpatch_kernels.py"
+# installed path -> the runtime module it copies
+RUNTIME_MODULES = {
+    OPS_MODULE: "runtime/quantpatch_ops.py",
+    KERNELS_MODULE: "runtime/quantpatch_kernels.py",
+}
+RECORD = "init"
+
+
+def runtime_source(installed: str) -> str:
+    return resources.files("quantpatch").joinpath(RUNTIME_MODULES[installed]).read_text("utf-8")
+
+
+def ops_source() -> str:
+    return runtime_source(OPS_MODULE)
+
+
+def _files(checkout: gitrepo.Checkout) -> list[str]:
+    return [*load_targets(checkout.root).all_files, *RUNTIME_MODULES]
+
+
+def _plan(checkout: gitrepo.Checkout) -> list[Edit]:
+    root = checkout.root
+    if record_of(checkout, RECORD) is not None:
+        raise UserError(f"{root}: already initialised by quantpatch ('init --remove' undoes it).")
+    targets = load_targets(root)
+    edits = []
+    for rel in targets.all_files:
+        text = read_target(root, rel)
+        edits.append(Edit(rel, text, inject_sites(text, rel, targets.kind_of(rel))))
+    for installed in RUNTIME_MODULES:
+        current, source = read_exact(root / installed), runtime_source(installed)
+        if current is not None and current != source:
+            raise UserError(f"{installed}: a different file is already there; move it away first.")
+        edits.append(Edit(installed, current, source))
+    return edits
+
+
+def init(path: Path | None, *, remove: bool = False) -> InstallResult:
+    if remove:
+        return run_remove(path, RECORD, "quantpatch init --remove: restore the stock sources")
+    return run_install(
+        path,
+        RECORD,
+        _plan,
+        _files,
+        "quantpatch init: fork-layout custom_quant_type sites (bf16), "
+        "megatron/core/quantpatch_ops.py and its Triton kernels",
+    )

@@ -1,0 +1,633 @@
+"""``check``, ``set`` and ``restore``: plain functions over typed inputs and outputs.
+
+``set`` in branch mode (the default) records the base (branch + commit) the first time, plans
+the new sources from the *base* files (so switches never stack), creates or reuses the branch
+``<prefix>/linear-X_qk-Y_pv-Z`` on the base's current tip with git's plumbing (see
+``scheme_branch``), records the intent before it changes anything, and checks the branch out
+without ever forcing. ``restore`` checks the base out again and clears the record.
+``--no-branch`` (in-place) mode keeps the original bytes under the state directory instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from quantpatch.base.config import ROLES, Targets, load_targets, validate_value
+from quantpatch.base.edits import (
+    Edit,
+    apply_edits,
+    journaled,
+    read_exact,
+    sha256_text,
+    unified_diff,
+    write_exact,
+)
+from quantpatch.base.errors import UserError
+from quantpatch.checkout.saver import status as saver_status
+from quantpatch.git import repo as gitrepo
+from quantpatch.sites import cache as site_cache
+from quantpatch.sites.model import Site, refuse_links, role_values
+
+if TYPE_CHECKING:  # libcst is imported only by the commands that rewrite
+    from quantpatch.sites.discovery import FileSites
+
+
+# -- check ----------------------------------------------------------------------------------
+
+
+@dataclass
+class CheckReport:
+    root: Path
+    sites: list[Site]
+    roles: dict[str, str | None]
+    mismatched: dict[str, list[Site]]
+    git: gitrepo.GitInfo | None
+    base: dict[str, Any] | None
+    saver: dict[str, Any]
+    warnings: list[str] = field(default_factory=list)
+    """What is wrong around the sites (an unreadable record, an interrupted write)."""
+
+    def problems(self, expect: Mapping[str, str] | None = None) -> list[str]:
+        """Why the check does not hold (empty when it does)."""
+        out = []
+        for role, members in self.mismatched.items():
+            where = ", ".join(f"{s.file}:{s.line}={s.value}" for s in members)
+            out.append(f"the {role} sites disagree ({where}).")
+        for role, want in (expect or {}).items():
+            if self.roles.get(role) != want:
+                out.append(f"{role} is {self.roles.get(role)}, expected {want}.")
+        return out
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "root": str(self.root),
+            "sites": [s.as_json() for s in self.sites],
+            "roles": self.roles,
+            "mismatched": sorted(self.mismatched),
+            "git": self.git.as_json() if self.git else None,
+            "base": self.base,
+            "saver": self.saver,
+            "warnings": self.warnings,
+        }
+
+
+def parse_expect(text: str) -> dict[str, str]:
+    """``linear=X,qk=Y,pv=Z`` (any subset) into a mapping; bad keys are refused."""
+    out: dict[str, str] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        role, sep, value = part.partition("=")
+        if not sep or role not in ROLES or not value:
+            raise UserError(
+                f"--expect: '{part}' is not role=value with a role among {', '.join(ROLES)}."
+            )
+        out[role] = validate_value(value, allow_unknown=False, where=f"--expect {role}", role=role)
+    return out
+
+
+def _no_sites(targets: Targets) -> UserError:
+    return UserError(
+        f"{', '.join(targets.all_files)}: no custom_quant_type sites found; run "
+        "'quantpatch init' to add them to this stock checkout."
+    )
+
+
+def _discover_checked(root: Path, targets: Targets) -> list[FileSites]:
+    from quantpatch.sites.discovery import discover
+
+    files = discover(root, targets)
+    if not any(f.sites for f in files):
+        raise _no_sites(targets)
+    return files
+
+
+def check(path: Path | None, *, fresh: bool = False) -> CheckReport:
+    """The sites and state of a checkout. ``fresh`` reads every target file anew instead of
+    believing the discovery cache: what ``check --expect`` (the verification each launch
+    script runs) does, so no cache entry, however it was altered, can make it pass."""
+    with checking(path, fresh=fresh) as report:
+        return report()
+
+
+@contextlib.contextmanager
+def checking(path: Path | None, *, fresh: bool = False) -> Iterator[Callable[[], CheckReport]]:
+    """``check`` in two halves: entering starts what can run beside this process (``git
+    status``, and the parsing of whatever the discovery cache lacks, in a forked child);
+    calling what it yields waits for both and makes the report. What the caller does in
+    between (the CLI imports rich there) costs no time of its own.
+
+    ``fresh`` never reads the checkout's cache: the child then fills a private directory,
+    made for this call and removed after it, which holds nothing but what it parsed now."""
+    checkout = gitrepo.find_checkout(path, need_git=False)
+    targets = load_targets(checkout.root)
+    with contextlib.ExitStack() as stack:
+        cache, ahead = stack.enter_context(
+            site_cache.parsed_ahead(
+                checkout.root, targets, None if fresh else checkout.state_dir / "cache"
+            )
+        )
+        git_info = None
+        if checkout.has_git:  # git status runs while the target files are read
+            git_info = stack.enter_context(gitrepo.git_info_started(checkout))
+        yield lambda: _check(checkout, targets, git_info, cache, ahead)
+
+
+def _check(
+    checkout: gitrepo.Checkout,
+    targets: Targets,
+    git_info: Callable[[], gitrepo.GitInfo] | None,
+    cache: Path | None,
+    ahead: site_cache.Ahead | None,
+) -> CheckReport:
+    per_file = site_cache.read_sites(checkout.root, targets, cache, ahead)
+    sites = [s for file_sites in per_file for s in file_sites]
+    if not sites:
+        raise _no_sites(targets)
+    roles, mismatched = role_values(sites)
+    problems_found: list[str] = []
+    try:
+        state = gitrepo.load_state(checkout)
+    except UserError as exc:  # a read-only command still reports what it can
+        state = None
+        problems_found.append(str(exc))
+    if gitrepo.journal_dir(checkout).exists():
+        problems_found.append(
+            "a quantpatch write was interrupted; the next set or restore finishes it."
+        )
+    base = None
+    if state:
+        base = {
+            "mode": state["mode"],
+            **state.get("base", {}),
+            "current": (state.get("current") or {}).get("branch"),
+            "moved_to": None,
+            "interrupted": state.get("pending"),
+        }
+        if checkout.has_git and state["mode"] == "branch":
+            branch = state["base"].get("branch")
+            tip = (branch and gitrepo.branch_tip_plain(checkout, branch)) or state["base"]["commit"]
+            if tip != state["base"]["commit"]:
+                base["moved_to"] = tip
+    return CheckReport(
+        root=checkout.root,
+        sites=sites,
+        roles=roles,
+        mismatched=mismatched,
+        git=git_info() if git_info else None,
+        base=base,
+        saver=saver_status(checkout).as_json(),
+        warnings=problems_found,
+    )
+
+
+# -- set ------------------------------------------------------------------------------------
+
+
+@dataclass
+class SetRequest:
+    values: dict[str, str]
+    """The roles named on the command line (the others keep their current values)."""
+    dry_run: bool = False
+    branch: bool = True
+    split: bool = True
+    allow_unknown: bool = False
+
+
+@dataclass
+class SetResult:
+    values: dict[str, str]
+    edits: list[Edit]
+    diff: str
+    branch: str | None = None
+    commit: str | None = None
+    base: dict[str, Any] | None = None
+    reused: bool = False
+    how: str = ""
+    """created, reused or rebuilt (branch mode)."""
+    notes: list[str] = field(default_factory=list)
+
+
+def _resolve_values(requested: Mapping[str, str], sites: Sequence[Site]) -> dict[str, str]:
+    current, mismatched = role_values(sites)
+    present = {r for s in sites for r in s.roles}
+    out: dict[str, str] = {}
+    for role in ROLES:
+        if role in requested:
+            if role not in present:
+                raise UserError(f"--{role}: the checkout has no {role} site to set.")
+            out[role] = requested[role]
+        elif role in mismatched:
+            where = ", ".join(f"{s.file}:{s.line}" for s in mismatched[role])
+            raise UserError(f"the {role} sites disagree ({where}); name --{role} to set them all.")
+        elif (value := current[role]) is not None:
+            out[role] = value
+    return out
+
+
+def _plan(
+    files: Sequence[FileSites],
+    values: Mapping[str, str],
+    targets: Targets,
+    split: bool,
+    cache_dir: Path,
+) -> dict[str, str]:
+    """New text per file, each proven by re-discovery (whose result primes the cache)."""
+    from quantpatch.sites.codemods.set_value import keep_bom, plan_module, verify_rewrite
+
+    planned = {}
+    for fs in files:
+        module = plan_module(fs, values, split=split)
+        new_text = fs.text if module is None else keep_bom(fs.text, module.code)
+        kind = targets.kind_of(fs.rel)
+        new = (
+            verify_rewrite(fs, new_text, values, kind, module=module) if new_text != fs.text else fs
+        )
+        site_cache.store(cache_dir, fs.rel, kind, new_text, new.sites)
+        planned[fs.rel] = new_text
+    return planned
+
+
+def _discover_text(text: str, rel: str, targets: Targets) -> FileSites:
+    from quantpatch.sites.discovery import discover_source
+
+    return discover_source(text, rel, targets.kind_of(rel))
+
+
+def plan_from_base(
+    repo: Any,
+    commit: str,
+    targets: Targets,
+    values: Mapping[str, str],
+    split: bool,
+    cache_dir: Path,
+    current_files: Sequence[FileSites] = (),
+) -> tuple[dict[str, str], dict[str, str]]:
+    """The target files at ``commit`` and their planned, verified new texts."""
+    base_texts = {rel: gitrepo.read_at(repo, commit, rel) for rel in targets.all_files}
+    current_by_rel = {fs.rel: fs for fs in current_files}
+    base_files = [
+        current_by_rel[rel]
+        if rel in current_by_rel and current_by_rel[rel].text == text  # same bytes: same sites
+        else _discover_text(text, rel, targets)
+        for rel, text in base_texts.items()
+    ]
+    if not any(f.sites for f in base_files):
+        raise _no_sites(targets)
+    return base_texts, _plan(base_files, values, targets, split, cache_dir)
+
+
+def set_values(path: Path | None, req: SetRequest) -> SetResult:
+    for role, value in req.values.items():
+        validate_value(value, allow_unknown=req.allow_unknown, where=f"--{role}", role=role)
+    checkout = gitrepo.find_checkout(path, need_git=req.branch, no_branch_hint=True)
+    targets = load_targets(checkout.root)
+    if req.dry_run:
+        return _set_unlocked(checkout, targets, req)
+    with gitrepo.locked(checkout):
+        gitrepo.recover(checkout)
+        return _set_unlocked(checkout, targets, req)
+
+
+def _set_unlocked(checkout: gitrepo.Checkout, targets: Targets, req: SetRequest) -> SetResult:
+    refuse_links(checkout.root, targets.all_files)
+    current_files = _discover_checked(checkout.root, targets)
+    values = _resolve_values(req.values, [s for f in current_files for s in f.sites])
+    state = gitrepo.load_state(checkout)
+    if state and state["mode"] != ("branch" if req.branch else "in-place"):
+        other = "--no-branch" if state["mode"] == "in-place" else "branch"
+        raise UserError(
+            f"a {other} set is active on this checkout; run 'quantpatch restore' first."
+        )
+    if req.branch:
+        return _set_branch(checkout, targets, req, values, current_files, state)
+    return _set_in_place(checkout, targets, req, values, current_files, state)
+
+
+def _refuse_dirty(repo: Any, targets: Targets) -> None:
+    dirty = gitrepo.dirty_paths(repo, targets.all_files)
+    if dirty:
+        raise UserError(f"uncommitted changes to {', '.join(dirty)}; commit or stash them first.")
+
+
+def _base_of(
+    repo: Any, targets: Targets, state: dict[str, Any] | None, head: str, notes: list[str]
+) -> dict[str, Any]:
+    """The base of this set: the record's, or the checkout as it is. A scheme branch with no
+    record (a set killed before it wrote one, by an older quantpatch) is never taken as the
+    base: the base is recovered from its quantpatch commit, or the set is refused."""
+    from quantpatch.git import scheme_branch  # GitPython: only commands that write load it
+
+    if state:
+        return dict(state["base"])
+    branch = gitrepo.active_branch(repo)
+    if not scheme_branch.is_scheme_branch(branch, targets.branch_prefix):
+        if branch is None:
+            notes.append(f"HEAD is detached at {head[:12]}; restore will check that commit out.")
+        return {"branch": branch, "commit": head}
+    for commit in repo.iter_commits(head, max_count=50, first_parent=True):
+        recovered = scheme_branch.base_from_commit(repo, commit.hexsha)
+        if recovered is None and str(commit.message).startswith(scheme_branch.SUBJECT_PREFIX):
+            recovered = {"branch": None, "commit": commit.parents[0].hexsha}
+        if recovered is not None:
+            notes.append(
+                f"{branch} is a scheme branch with no quantpatch record; recovered the base "
+                f"{recovered['branch'] or 'detached'} @ {recovered['commit'][:12]} from its commit."
+            )
+            return recovered
+    raise UserError(
+        f"HEAD is on the scheme branch {branch} and no quantpatch record says where it came "
+        "from; check out your own branch ('git checkout <branch>') and run set again."
+    )
+
+
+def base_tip(repo: Any, base: Mapping[str, Any]) -> str:
+    """The commit a scheme branch must sit on: the base branch as it is now (the recorded
+    commit when the base is a detached HEAD or its branch is gone)."""
+    branch = base.get("branch")
+    tip = gitrepo.branch_tip(repo, branch) if branch else None
+    return tip or str(base["commit"])
+
+
+def _set_branch(
+    checkout: gitrepo.Checkout,
+    targets: Targets,
+    req: SetRequest,
+    values: dict[str, str],
+    current_files: Sequence[FileSites],
+    state: dict[str, Any] | None,
+) -> SetResult:
+    from quantpatch.git import scheme_branch
+
+    repo = checkout.git()
+    head = gitrepo.head_commit(repo)
+    if head is None:
+        raise UserError(
+            f"{checkout.root}: the repository has no commit yet; commit the sources first."
+        )
+    _refuse_dirty(repo, targets)
+    scheme_branch.check_prefix(repo, targets)
+    notes: list[str] = []
+    base = _base_of(repo, targets, state, head, notes)
+    tip = base_tip(repo, base)
+    if tip != base["commit"]:
+        notes.append(
+            f"the base {base['branch']} moved on ({base['commit'][:12]} -> {tip[:12]}); the "
+            "scheme branch is built on its new tip."
+        )
+    base = {**base, "commit": tip}
+    _, planned = plan_from_base(
+        repo, tip, targets, values, req.split, checkout.state_dir / "cache", current_files
+    )
+    edits = [Edit(fs.rel, fs.text, planned[fs.rel]) for fs in current_files]
+    result = SetResult(values=values, edits=edits, diff=unified_diff(edits), base=base, notes=notes)
+    name = scheme_branch.branch_name(
+        {r: values.get(r, "none") for r in ROLES}, targets.branch_prefix
+    )
+    result.branch = name
+    if req.dry_run:
+        return result
+
+    history = (state or {}).get("history", [])
+    record = {
+        "mode": "branch",
+        "base": base,
+        "current": (state or {}).get("current"),
+        "history": history,
+    }
+    # objects only (a refusal here changes nothing anyone can see)
+    plan = scheme_branch.plan_scheme_commit(repo, name, base, tip, planned, values)
+    # the intent before the first visible change: whatever happens next, the record names
+    # the real base
+    gitrepo.save_state(checkout, {**record, "pending": {"op": "set", "branch": name}})
+    previous = gitrepo.active_branch(repo)
+    try:
+        if gitrepo.active_branch(repo) == name:
+            if plan.moves:  # rebuilt under the user's feet: move with their local changes kept
+                gitrepo.run_git(repo, "reset", "--quiet", "--keep", plan.commit)
+        else:
+            scheme_branch.move_ref(repo, plan)
+            gitrepo.run_git(repo, "checkout", "--quiet", name)
+            _written_or_back(repo, targets, previous, head)
+    except UserError as exc:
+        if gitrepo.active_branch(repo) == name and gitrepo.head_commit(repo) == plan.commit:
+            # git switched and then a hook of the user's failed: the switch stands
+            notes.append(f"{exc} (the branch was checked out all the same)")
+        else:  # nothing visible happened: the branch and the record go back as they were
+            scheme_branch.unmove_ref(repo, plan)
+            if state:
+                gitrepo.save_state(checkout, state)
+            else:
+                gitrepo.clear_state(checkout)
+            raise UserError(f"{exc}\nNothing was changed.") from None
+    result.commit = plan.commit
+    result.reused = plan.state == "reused"
+    result.how = plan.state
+    if plan.state == "rebuilt":
+        notes.append(
+            f"rebuilt {name} on {base['branch'] or 'the base'} @ {tip[:12]}"
+            + (f", carrying {len(plan.carried)} commit(s) of yours" if plan.carried else "")
+            + "."
+        )
+    history.append({"time": time.time(), "values": values, "branch": name, "commit": plan.commit})
+    gitrepo.save_state(
+        checkout,
+        {**record, "current": {"branch": name, "commit": plan.commit, "values": values}},
+    )
+    return result
+
+
+def _set_in_place(
+    checkout: gitrepo.Checkout,
+    targets: Targets,
+    req: SetRequest,
+    values: dict[str, str],
+    current_files: Sequence[FileSites],
+    state: dict[str, Any] | None,
+) -> SetResult:
+    if state:
+        changed = [
+            fs.rel
+            for fs in current_files
+            if sha256_text(fs.text) != state["files"][fs.rel]["written"]
+        ]
+        if changed:
+            raise UserError(
+                f"{', '.join(changed)} changed since quantpatch wrote them; "
+                "restore or revert them first."
+            )
+    elif checkout.repo is not None:
+        _refuse_dirty(checkout.repo, targets)
+    planned = _plan(current_files, values, targets, req.split, checkout.state_dir / "cache")
+    edits = [Edit(fs.rel, fs.text, planned[fs.rel]) for fs in current_files]
+    result = SetResult(values=values, edits=edits, diff=unified_diff(edits))
+    if req.dry_run:
+        return result
+    files_state = {k: dict(v) for k, v in (state or {}).get("files", {}).items()}
+    if not state:
+        originals = checkout.state_dir / "originals"
+        for fs in current_files:
+            dest = originals / fs.rel
+            write_exact(dest, fs.text)
+            files_state[fs.rel] = {
+                "original": str(dest.relative_to(checkout.state_dir)),
+                "original_sha": sha256_text(fs.text),
+            }
+    for rel, text in planned.items():
+        files_state[rel]["written"] = sha256_text(text)
+    history = [*(state or {}).get("history", []), {"time": time.time(), "values": values}]
+    new_state = {
+        "mode": "in-place",
+        "base": {"branch": None, "commit": None},
+        "current": {"branch": None, "values": values},
+        "files": files_state,
+        "history": history,
+    }
+    # journal (old texts + the record that marks completion) before the first replacement:
+    # a kill anywhere below is rolled back, or found complete, by the next command
+    record = checkout.state_dir / "state.json"
+    with journaled(
+        gitrepo.journal_dir(checkout), checkout.root, edits, record, gitrepo.state_text(new_state)
+    ):
+        apply_edits(checkout.root, edits)
+        gitrepo.save_state(checkout, new_state)
+    return result
+
+
+# -- restore --------------------------------------------------------------------------------
+
+
+@dataclass
+class RestoreResult:
+    mode: str
+    base: dict[str, Any]
+    files: list[str]
+    notes: list[str] = field(default_factory=list)
+
+
+def restore(path: Path | None, *, forget: bool = False) -> RestoreResult:
+    """Back to the recorded base; with ``forget``, drop an unreadable or unwanted record and
+    change no file or branch (the repair the state errors name)."""
+    checkout = gitrepo.find_checkout(path, need_git=False)
+    state_dir = checkout.state_dir
+    if forget and (state_dir.is_symlink() or (state_dir.exists() and not state_dir.is_dir())):
+        # quantpatch's state directory replaced by a file: set it aside (never deleted)
+        aside = state_dir.with_name(f"{state_dir.name}.not-a-directory.{int(time.time())}")
+        state_dir.rename(aside)
+        return RestoreResult("forget", {}, [], [f"moved {state_dir} aside to {aside}"])
+    with gitrepo.locked(checkout):
+        if forget:
+            return _forget(checkout)
+        gitrepo.recover(checkout)
+        state = gitrepo.load_state(checkout)
+        if not state:
+            raise UserError(f"{checkout.root}: nothing to restore (no active quantpatch set).")
+        targets = load_targets(checkout.root)
+        if state["mode"] == "in-place":
+            return _restore_in_place(checkout, state)
+        result = _restore_branch(checkout, targets, state)
+        gitrepo.clear_state(checkout)
+        return result
+
+
+def _forget(checkout: gitrepo.Checkout) -> RestoreResult:
+    record = checkout.state_dir / "state.json"
+    if not record.exists() and not gitrepo.journal_dir(checkout).exists():
+        raise UserError(f"{checkout.root}: no quantpatch record to forget.")
+    gone = []
+    if record.is_dir():
+        shutil.rmtree(record)
+    elif record.exists():
+        record.unlink()
+    gone.append(str(record))
+    if gitrepo.journal_dir(checkout).exists():
+        shutil.rmtree(gitrepo.journal_dir(checkout))
+        gone.append(str(gitrepo.journal_dir(checkout)))
+    return RestoreResult("forget", {}, [], [f"dropped {', '.join(gone)}"])
+
+
+def _restore_in_place(checkout: gitrepo.Checkout, state: dict[str, Any]) -> RestoreResult:
+    edits = []
+    for rel, info in state["files"].items():
+        current = read_exact(checkout.root / rel)
+        if current is None or sha256_text(current) != info["written"]:
+            raise UserError(f"{rel} changed since quantpatch wrote it; revert it first.")
+        original_path = checkout.state_dir / info["original"]
+        original = read_exact(original_path)
+        if original is None or (
+            info.get("original_sha") and sha256_text(original) != info["original_sha"]
+        ):
+            # a missing or altered copy is an error, never a reason to delete the file
+            raise UserError(
+                f"{original_path}: the kept original of {rel} is missing or altered, so "
+                f"quantpatch cannot restore it; {rel} was left as it is."
+            )
+        edits.append(Edit(rel, current, original))
+    record = checkout.state_dir / "state.json"
+    with journaled(gitrepo.journal_dir(checkout), checkout.root, edits, record, None):
+        written = apply_edits(checkout.root, edits)
+        gitrepo.clear_state(checkout)
+    return RestoreResult("in-place", state["base"], written)
+
+
+def _restore_branch(
+    checkout: gitrepo.Checkout, targets: Targets, state: dict[str, Any]
+) -> RestoreResult:
+    repo = checkout.git()
+    _refuse_dirty(repo, targets)
+    base = state["base"]
+    notes = []
+    target = base["commit"]
+    if base["branch"]:
+        tip = gitrepo.branch_tip(repo, base["branch"])
+        if tip is None:
+            notes.append(f"branch {base['branch']} no longer exists; checked out {target[:12]}.")
+        else:
+            target = base["branch"]
+            if tip != base["commit"]:
+                notes.append(
+                    f"{base['branch']} moved on since the set ({base['commit'][:12]} -> "
+                    f"{tip[:12]}); it is checked out as it is now."
+                )
+    # never --force: the user's uncommitted changes in other files are carried as git does
+    if gitrepo.active_branch(repo) != target:
+        previous, before = gitrepo.active_branch(repo), gitrepo.head_commit(repo)
+        gitrepo.run_git(repo, "checkout", "--quiet", target)
+        try:
+            _written_or_back(repo, targets, previous, str(before))
+        except UserError as exc:
+            raise UserError(f"{exc} Nothing was restored; the record is kept.") from None
+    return RestoreResult("branch", base, list(targets.all_files), notes)
+
+
+def _written_or_back(repo: Any, targets: Targets, previous: str | None, before: str) -> None:
+    """After a checkout from commit ``before``: git reports success even when it could not
+    replace a file (a read-only directory), so the target files are compared with the new
+    HEAD. When one was not written, HEAD and the index go back to ``previous`` (a branch, or
+    the commit itself) without touching that file (it still holds ``before``'s bytes); the
+    files the checkout did write, which differ between the two commits and so held no change
+    of the user's, are put back too. Then refuse, naming the file."""
+    stale = gitrepo.dirty_paths(repo, targets.all_files)
+    if not stale:
+        return
+    now = gitrepo.head_commit(repo)
+    changed = [
+        p for p in gitrepo.run_git(repo, "diff", "--name-only", before, str(now)).splitlines() if p
+    ]
+    if previous is not None and gitrepo.branch_exists(repo, previous):
+        gitrepo.run_git(repo, "symbolic-ref", "HEAD", f"refs/heads/{previous}")
+    else:
+        gitrepo.run_git(repo, "update-ref", "--no-deref", "HEAD", before)
+    if changed:
+        gitrepo.run_git(repo, "reset", "--quiet", "--", *changed)
+    written = [p for p in changed if p not in stale]
+    if written:
+        gitrepo.run_git(repo, "checkout", "--quiet", before, "--", *written)
+    raise UserError(
+        f"git switched branches but could not write {', '.join(stale)} (is its directory "
+        "read-only?); switched back."
+    )

@@ -1,0 +1,154 @@
+"""``gen-scripts`` and ``layout`` as plain functions: the registry, the Megatron flags, the
+layouts, the launcher's scripts, and the worktrees that Slurm jobs need before they start."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from quantpatch.base.errors import UserError
+from quantpatch.launch.layout import Layout, LayoutError, check_rendezvous, derive, plan_from_text
+
+if TYPE_CHECKING:  # jinja2 and the registry load only for the commands that render
+    from quantpatch.launch.scripts import FlagSource, GenResult, Launcher
+
+
+@dataclass(frozen=True)
+class GenRequest:
+    out: Path
+    models: list[str] | None
+    datasets: list[str] | None
+    schemes: list[str] | None
+    profile: str = "full"
+    launcher: str = "torchrun"
+    parallel: Mapping[str, int | str | None] = field(default_factory=dict)
+    release: str | None = None
+    config: Path | None = None
+    repo: Path | None = None
+    swift: Path | None = None
+    force: bool = False
+    check: bool = False
+    prepare: bool = False
+
+
+@dataclass
+class GenDone:
+    result: GenResult
+    flags: FlagSource
+    validated: str
+    """What the scripts were validated against (Megatron's flags, and ms-swift's)."""
+    warnings: list[str]
+    prepared: list[str]
+    """``<branch> at <path>`` for each worktree made ready (``--prepare``)."""
+
+
+def _launcher(name: str) -> Launcher:
+    from quantpatch.launch.scripts import LAUNCHERS
+
+    if name not in LAUNCHERS:  # narrows str to the launcher names
+        raise UserError(f"--launcher: unknown launcher '{name}'; valid: {', '.join(LAUNCHERS)}.")
+    return name
+
+
+def generate_scripts(request: GenRequest, progress: Callable[[str], None] | None = None) -> GenDone:
+    """Validate everything first (flags, layouts, launcher), prepare worktrees when asked,
+    then write all scripts at once (or, with ``check``, compare)."""
+    from quantpatch.launch.registry import load_registry
+    from quantpatch.launch.scripts import flag_source, generate, render_all, writable
+
+    launcher = _launcher(request.launcher)
+    reg = load_registry(request.config)
+    flags = flag_source(request.repo, request.release)
+    scripts = render_all(
+        reg,
+        reg.pick("models", request.models),
+        reg.pick("datasets", request.datasets),
+        reg.pick("schemes", request.schemes),
+        request.profile,
+        flags,
+        launcher,
+        request.parallel,
+        request.swift,
+    )
+    validated = flags.describe()
+    if launcher == "swift":
+        from quantpatch.launch.swift import swift_source
+
+        validated += f" and {swift_source(request.swift).describe()}"
+    warnings = sorted(
+        {f"{s.model}: {w}" for s in scripts if s.layout is not None for w in s.layout.warnings}
+    )
+    prepared: list[str] = []
+    if request.prepare and not request.check:
+        writable(request.out)  # a write that would fail anyway prepares nothing first
+        prepared = prepare_worktrees(request.repo, [s.scheme.values() for s in scripts], progress)
+    result = generate(
+        request.out,
+        scripts,
+        request.profile,
+        flags,
+        force=request.force,
+        check=request.check,
+        slurm=reg.slurm,
+    )
+    return GenDone(result, flags, validated, warnings, prepared)
+
+
+def prepare_worktrees(
+    repo: Path | None,
+    values: list[dict[str, str]],
+    progress: Callable[[str], None] | None = None,
+) -> list[str]:
+    """Every distinct scheme's worktree, created (or brought to the base's tip) now."""
+    from quantpatch.checkout.worktrees import ensure_worktree
+
+    done: list[str] = []
+    seen: set[tuple[tuple[str, str], ...]] = set()
+    for wanted in values:
+        key = tuple(sorted(wanted.items()))
+        if key in seen:
+            continue
+        seen.add(key)
+        result = ensure_worktree(repo, wanted)
+        line = f"{result.branch} at {result.path}"
+        if progress is not None:
+            progress(f"prepared {line}")
+        done.append(line)
+    return done
+
+
+def resolve_layout(
+    model: str | None,
+    profile: str,
+    config: Path | None,
+    gpus: str | None,
+    given: Mapping[str, str | None],
+    node_rank: str | None = None,
+    master_addr: str | None = None,
+    master_port: str | None = None,
+) -> Layout:
+    """``quantpatch layout``: a model's plan under a profile (or the facts given), with the
+    given sizes over it, derived or refused."""
+    base = None
+    if model is not None:
+        from quantpatch.launch.registry import load_registry
+        from quantpatch.launch.scripts import model_plan
+
+        reg = load_registry(config)
+        reg.pick("models", [model])
+        if profile not in reg.profiles:
+            raise UserError(
+                f"--profile: unknown profile '{profile}'; valid: {', '.join(reg.profiles)}."
+            )
+        base = model_plan(reg, model, profile)
+    plan = plan_from_text(given, base, gpus)
+    try:
+        layout = derive(plan)
+        check_rendezvous(plan.nodes, node_rank, master_addr, master_port)
+        return layout
+    except LayoutError as exc:
+        if model is None:
+            raise
+        raise LayoutError(f"{model}/{profile}: {exc}") from None

@@ -1,0 +1,368 @@
+"""The registries: models, datasets, run profiles and schemes, as data files shipped in the
+package (``quantpatch/data/*.toml``), extended or overridden by a user's ``--config`` file.
+
+A user file holds any of ``[models.X]``, ``[datasets.X]``, ``[profiles.X]``, ``[schemes.X]``
+(and ``[common.args]``). An entry that exists is updated field by field (``args`` key by key);
+a new entry must be complete. Every problem names the file, the entry and the field.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from dataclasses import dataclass, field, replace
+from functools import cache
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+from quantpatch.base.config import ROLES, validate_value
+from quantpatch.base.errors import UserError
+
+ArgValue = bool | int | float | str | list[int | float | str]
+DEFAULT_RELEASE = "core_v0.13.1"
+
+
+@dataclass(frozen=True)
+class Scheme:
+    name: str
+    linear: str
+    qk: str
+    pv: str
+    default: bool = True
+    """Whether a run with no ``--schemes`` takes it (``all`` takes every scheme)."""
+
+    def values(self) -> dict[str, str]:
+        return {"linear": self.linear, "qk": self.qk, "pv": self.pv}
+
+
+@dataclass(frozen=True)
+class Model:
+    name: str
+    description: str
+    tokenizer_type: str
+    tokenizer_model: str
+    vocab_size: int
+    args: dict[str, ArgValue]
+    profile_args: dict[str, dict[str, ArgValue]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Dataset:
+    name: str
+    description: str
+    prefix: str
+    split: str
+
+
+PARALLEL_FIELDS: dict[str, type] = {
+    "nodes": int,
+    "tp": int,
+    "pp": int,
+    "cp": int,
+    "ep": int,
+    "etp": int,
+    "vpp": int,
+    "sequence_parallel": str,
+}
+"""A profile's ``parallel`` table: the layout its scripts default to (environment overrides)."""
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    description: str
+    gpus_per_node: int
+    mock_data: bool
+    args: dict[str, ArgValue]
+    parallel: dict[str, int | str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Slurm:
+    """``[slurm]``: what every sbatch script asks the scheduler for. Unset fields are left to
+    sbatch (and its ``SBATCH_PARTITION``/``SBATCH_ACCOUNT``/``SBATCH_TIMELIMIT`` variables)."""
+
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    time: str | None = None
+    throttle: int = 8
+    """At most this many array tasks of a sweep run at once (``%N``)."""
+
+
+@dataclass(frozen=True)
+class Registry:
+    models: dict[str, Model]
+    datasets: dict[str, Dataset]
+    profiles: dict[str, Profile]
+    schemes: dict[str, Scheme]
+    common_args: dict[str, ArgValue]
+    slurm: Slurm = field(default_factory=Slurm)
+
+    def pick(self, kind: str, names: list[str] | None) -> list[str]:
+        """Validate a user's selection: every entry for ``all``; when ``names`` is empty every
+        entry too, but for schemes only the default ones (``default = false`` leaves a scheme
+        to ``all`` or its name)."""
+        table: dict[str, Any] = getattr(self, kind)
+        if names == ["all"] and "all" not in table:
+            return list(table)
+        if not names:
+            if kind == "schemes":
+                return [n for n, s in self.schemes.items() if s.default]
+            return list(table)
+        unknown = [n for n in names if n not in table]
+        if unknown:
+            raise UserError(
+                f"unknown {kind[:-1]} {', '.join(repr(u) for u in unknown)}; "
+                f"valid: {', '.join(table)}."
+            )
+        return names
+
+
+_FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
+    "models": {
+        "description": str,
+        "tokenizer_type": str,
+        "tokenizer_model": str,
+        "vocab_size": int,
+        "args": dict,
+        "profiles": dict,
+    },
+    "datasets": {"description": str, "prefix": str, "split": str},
+    "profiles": {
+        "description": str,
+        "gpus_per_node": int,
+        "mock_data": bool,
+        "args": dict,
+        "parallel": dict,
+    },
+    "schemes": {"linear": str, "qk": str, "pv": str, "default": bool},
+}
+_OPTIONAL = {"models": {"profiles"}, "profiles": {"parallel"}, "schemes": {"default"}}
+SLURM_FIELDS: dict[str, type] = {
+    "partition": str,
+    "account": str,
+    "qos": str,
+    "time": str,
+    "throttle": int,
+}
+SLURM_VALUE_RE = re.compile(r"[A-Za-z0-9_.:,+-]{1,128}")
+"""An ``#SBATCH`` value: sbatch reads directives without a shell, so no space or quote."""
+
+
+def _check_parallel(table: Any, where: str) -> dict[str, int | str]:
+    if not isinstance(table, dict):
+        raise UserError(f"{where}: 'parallel' must be a table of size = value.")
+    for key, value in table.items():
+        want = PARALLEL_FIELDS.get(key)
+        if want is None:
+            raise UserError(
+                f"{where}: parallel.{key} is unknown (known: {', '.join(PARALLEL_FIELDS)})."
+            )
+        if want is int and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise UserError(f"{where}: parallel.{key} must be a positive integer.")
+        if want is str and value not in ("auto", "on", "off"):
+            raise UserError(f"{where}: parallel.{key} must be auto, on or off.")
+    return dict(table)
+
+
+def _check_slurm(table: Any, where: str, old: Slurm) -> Slurm:
+    if not isinstance(table, dict):
+        raise UserError(f"{where}: [slurm] must be a table.")
+    values: dict[str, Any] = {}
+    for key, value in table.items():
+        want = SLURM_FIELDS.get(key)
+        if want is None:
+            raise UserError(f"{where}: slurm.{key} is unknown (known: {', '.join(SLURM_FIELDS)}).")
+        if want is int:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise UserError(f"{where}: slurm.{key} must be a positive integer.")
+        elif not isinstance(value, str) or not SLURM_VALUE_RE.fullmatch(value):
+            raise UserError(
+                f"{where}: slurm.{key} must be one word of letters, digits and '_.:,+-' "
+                "(it becomes an #SBATCH line)."
+            )
+        values[key] = value
+    return replace(old, **values)
+
+
+def _check_args(args: Any, where: str) -> dict[str, ArgValue]:
+    if not isinstance(args, dict):
+        raise UserError(f"{where}: 'args' must be a table of flag = value.")
+    for key, value in args.items():
+        ok = isinstance(value, (bool, int, float, str)) or (
+            isinstance(value, list)
+            and all(isinstance(v, (int, float, str)) and not isinstance(v, bool) for v in value)
+        )
+        if key.startswith("-") or not ok:
+            raise UserError(
+                f"{where}: args.{key} must be a flag name without dashes and a bool, number, "
+                "string or list of them."
+            )
+    return dict(args)
+
+
+def _merge(
+    kind: str, name: str, old: dict[str, Any] | None, new: Any, where: str
+) -> dict[str, Any]:
+    if not isinstance(new, dict):
+        raise UserError(f"{where}: {kind}.{name} must be a table.")
+    fields = _FIELDS[kind]
+    for key, value in new.items():
+        if key not in fields:
+            raise UserError(
+                f"{where}: {kind}.{name} has unknown field '{key}' (known: {', '.join(fields)})."
+            )
+        want = fields[key]
+        if not isinstance(value, want) or (want is int and isinstance(value, bool)):
+            expected = (
+                want.__name__ if isinstance(want, type) else "/".join(t.__name__ for t in want)
+            )
+            raise UserError(
+                f"{where}: {kind}.{name}.{key} has the wrong type (expected {expected}, got "
+                f"{type(value).__name__})."
+            )
+    merged = dict(old or {})
+    for key, value in new.items():
+        if key in ("args", "parallel") and key in merged:
+            merged[key] = {**merged[key], **value}
+        elif key == "profiles" and key in merged:
+            merged[key] = {
+                p: {**merged[key].get(p, {}), **v} for p, v in {**merged[key], **value}.items()
+            }
+        else:
+            merged[key] = value
+    missing = [f for f in fields if f not in merged and f not in _OPTIONAL.get(kind, set())]
+    if missing:
+        raise UserError(f"{where}: {kind}.{name} is missing field '{missing[0]}'.")
+    if "args" in merged:
+        merged["args"] = _check_args(merged["args"], f"{where}: {kind}.{name}")
+    if "parallel" in merged:
+        merged["parallel"] = _check_parallel(merged["parallel"], f"{where}: {kind}.{name}")
+    return merged
+
+
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+"""Model, dataset, profile and scheme names: they become paths and lines of shell scripts,
+so no '/', '..', whitespace, newline or quote can get in."""
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise UserError(f"{path}: config file not found.")
+    try:
+        return tomllib.loads(path.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as exc:
+        raise UserError(f"{path}: not valid TOML ({exc}).") from None
+    except UnicodeDecodeError:
+        raise UserError(f"{path}: not UTF-8 text.") from None
+    except RecursionError:
+        raise UserError(f"{path}: nested too deeply to be a quantpatch config.") from None
+
+
+def _package_data(name: str) -> dict[str, Any]:
+    return tomllib.loads(resources.files("quantpatch").joinpath(f"data/{name}").read_text("utf-8"))
+
+
+def load_registry(extra: Path | None = None) -> Registry:
+    raw: dict[str, dict[str, dict[str, Any]]] = {k: {} for k in _FIELDS}
+    common: dict[str, Any] = {}
+    slurm = Slurm()
+    sources = [
+        (f"{n}.toml", _package_data(f"{n}.toml"))
+        for n in ("models", "datasets", "profiles", "schemes")
+    ]
+    if extra is not None:
+        sources.append((str(extra), _read_toml(extra)))
+    for where, data in sources:
+        for top, table in data.items():
+            if top == "common":
+                common = {**common, **_check_args(table.get("args", {}), f"{where}: common")}
+                continue
+            if top == "slurm":
+                slurm = _check_slurm(table, where, slurm)
+                continue
+            if top not in raw or not isinstance(table, dict):
+                raise UserError(
+                    f"{where}: unknown table '{top}' "
+                    f"(known: {', '.join([*raw, 'common', 'slurm'])})."
+                )
+            for name, entry in table.items():
+                if not isinstance(name, str) or not NAME_RE.fullmatch(name):
+                    raise UserError(
+                        f"{where}: {top} name {name!r} is not an identifier (letters, digits "
+                        "and '_.-', starting with a letter or digit, at most 64): names become "
+                        "file names and script lines."
+                    )
+                raw[top][name] = _merge(top, name, raw[top].get(name), entry, where)
+    schemes = {}
+    for name, e in raw["schemes"].items():
+        for role in ROLES:
+            validate_value(e[role], allow_unknown=False, where=f"scheme '{name}'", role=role)
+        schemes[name] = Scheme(name, e["linear"], e["qk"], e["pv"], e.get("default", True))
+    models = {}
+    for name, e in raw["models"].items():
+        prof = {
+            p: _check_args(v.get("args", {}), f"models.{name}.profiles.{p}")
+            for p, v in e.get("profiles", {}).items()
+        }
+        models[name] = Model(
+            name,
+            e["description"],
+            e["tokenizer_type"],
+            e["tokenizer_model"],
+            e["vocab_size"],
+            e["args"],
+            prof,
+        )
+    return Registry(
+        models=models,
+        datasets={
+            n: Dataset(n, e["description"], e["prefix"], e["split"])
+            for n, e in raw["datasets"].items()
+        },
+        profiles={
+            n: Profile(
+                n,
+                e["description"],
+                e["gpus_per_node"],
+                e["mock_data"],
+                e["args"],
+                e.get("parallel", {}),
+            )
+            for n, e in raw["profiles"].items()
+        },
+        schemes=schemes,
+        common_args=common,
+        slurm=slurm,
+    )
+
+
+def releases() -> list[str]:
+    folder = resources.files("quantpatch").joinpath("data/megatron")
+    return sorted(
+        p.name[len("pretrain-flags-") : -len(".txt")]
+        for p in folder.iterdir()
+        if p.name.startswith("pretrain-flags-")
+    )
+
+
+@cache
+def release_flags(release: str) -> frozenset[str]:
+    """Every ``--flag`` that Megatron-LM's training argument parser accepts at ``release``."""
+    if release not in releases():
+        raise UserError(
+            f"--megatron-release: unknown release '{release}'; known: {', '.join(releases())}."
+        )
+    text = (
+        resources.files("quantpatch")
+        .joinpath(f"data/megatron/pretrain-flags-{release}.txt")
+        .read_text("utf-8")
+    )
+    return frozenset(line.strip() for line in text.splitlines() if line.strip())

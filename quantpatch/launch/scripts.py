@@ -1,0 +1,786 @@
+"""Launch scripts rendered from the Jinja templates in ``templates/``.
+
+One template (with macros) renders every model x dataset x scheme combination. Values that
+reach the shell go through one quoting filter (``shlex.quote``); the environment is undefined-
+strict, so a missing registry field fails loudly instead of rendering an empty flag. Each script
+starts with a header naming the combination, the generator and the SHA-256 of its own body, so
+``gen-scripts`` can tell a script it wrote from one a person edited.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Literal
+
+from quantpatch import __version__
+from quantpatch.base.edits import Edit, apply_edits, read_exact
+from quantpatch.base.errors import UserError
+from quantpatch.launch.layout import (
+    Layout,
+    LayoutError,
+    Plan,
+    derive,
+    model_facts,
+    parse_sequence_parallel,
+)
+from quantpatch.launch.registry import (
+    DEFAULT_RELEASE,
+    ArgValue,
+    Dataset,
+    Model,
+    Profile,
+    Registry,
+    Scheme,
+    Slurm,
+    release_flags,
+)
+from quantpatch.launch.shell_render import (
+    BATCH_VARIABLES,
+    ShellExpr,
+    master_port,
+    shell_quote,
+    template_environment,
+)
+
+HASH_PREFIX = "# body-sha256: "
+INDEX = "index.md"
+SWEEP = "sweep.sbatch"
+Launcher = Literal["torchrun", "slurm", "swift"]
+LAUNCHERS: tuple[Launcher, ...] = ("torchrun", "slurm", "swift")
+# flags the template itself passes (the rest come from the registry)
+MOE_ONLY_FLAGS = ("expert-model-parallel-size", "expert-tensor-parallel-size")
+TEMPLATE_FLAGS = (
+    "tensor-model-parallel-size",
+    "pipeline-model-parallel-size",
+    "expert-model-parallel-size",
+    "expert-tensor-parallel-size",
+    "context-parallel-size",
+    "num-virtual-stages-per-pipeline-rank",
+    "num-layers-per-virtual-pipeline-stage",
+    "sequence-parallel",
+    "mock-data",
+    "tokenizer-type",
+    "vocab-size",
+    "data-path",
+    "split",
+    "tokenizer-model",
+    "save",
+    "load",
+    "tensorboard-dir",
+)
+
+
+@dataclass(frozen=True)
+class FlagSource:
+    """The ``--flags`` a script may hand to pretrain_gpt.py, and where that list came from:
+    a bundled release list, or the checkout's own argument parser."""
+
+    release: str
+    """``core_v0.13.1`` (bundled) or the checkout's version (``0.15.0rc3``)."""
+    flags: frozenset[str]
+    files: tuple[str, ...] = ()
+    """The checkout files the flags were read from (empty for a bundled list)."""
+    root: Path | None = None
+    """The checkout whose parser was read (``None`` for a bundled list)."""
+    note: str = ""
+    """Why a bundled list is used although no release was asked for."""
+    unresolved: tuple[str, ...] = ()
+
+    @property
+    def label(self) -> str:
+        """For each script's header and the index."""
+        if self.root is None:
+            return f"Megatron-LM {self.release} (bundled flag list)"
+        return f"Megatron-LM {self.release} (flags read from the checkout's {self.files[0]})"
+
+    def describe(self) -> str:
+        """``the checkout's Megatron 0.15.0rc3 (megatron/training/arguments.py, 512 flags)``."""
+        if self.root is None:
+            note = f"; {self.note}" if self.note else ""
+            return (
+                f"the bundled Megatron-LM {self.release} flag list ({len(self.flags)} flags{note})"
+            )
+        return (
+            f"the checkout's Megatron {self.release} "
+            f"({', '.join(self.files)}, {len(self.flags)} flags)"
+        )
+
+    def where(self) -> str:
+        """What an error names: the file read."""
+        if self.root is None:
+            return f"the bundled flag list pretrain-flags-{self.release}.txt"
+        return str(self.root / self.files[0])
+
+
+def bundled_flags(release: str) -> FlagSource:
+    """A bundled release's list (``quantpatch/data/megatron/pretrain-flags-<release>.txt``)."""
+    return FlagSource(release, release_flags(release))
+
+
+def _source(release: str | FlagSource) -> FlagSource:
+    """Callers may name a bundled release or pass a ``FlagSource``."""
+    return bundled_flags(release) if isinstance(release, str) else release
+
+
+def flag_source(repo: Path | None, release: str | None) -> FlagSource:
+    """The flags scripts are validated against: the bundled list of ``release`` when one is
+    named; else the parser of the checkout at ``repo`` (default: the git root above the
+    current directory) when it has ``megatron/training/arguments.py``; else the bundled
+    default list, saying why."""
+    if release is not None:
+        return bundled_flags(release)
+    from quantpatch.git import repo as gitrepo
+    from quantpatch.launch.megatron_files import ARGUMENTS
+    from quantpatch.launch.megatron_release import checkout_release
+
+    checkout = gitrepo.find_checkout(repo, need_git=False)
+    found = checkout_release(checkout.root, checkout.state_dir / "cache")
+    if found is None:
+        return replace(bundled_flags(DEFAULT_RELEASE), note=f"no {ARGUMENTS} in {checkout.root}")
+    return FlagSource(found.name, found.flags, found.files, found.root, unresolved=found.unresolved)
+
+
+@dataclass(frozen=True)
+class Script:
+    rel: str
+    model: str
+    dataset: str
+    scheme: Scheme
+    profile: str
+    text: str
+    flags: tuple[str, ...]
+    """Every ``--flag`` the script can hand to pretrain_gpt.py (both data modes)."""
+    launcher: Launcher = "torchrun"
+    layout: Layout | None = None
+    """The layout of the profile's values (the environment may override it at launch)."""
+
+
+_SUFFIX: dict[Launcher, tuple[str, str]] = {
+    "torchrun": ("pretrain", ".sh"),
+    "slurm": ("pretrain", ".sbatch"),
+    "swift": ("swift_pt", ".sh"),
+}
+
+
+def script_name(model: str, dataset: str, scheme: str, launcher: Launcher = "torchrun") -> str:
+    stem, ext = _SUFFIX[launcher]
+    return f"{model}/{stem}_{model}_{dataset}_{scheme}{ext}"
+
+
+def _flag_pairs(args: dict[str, ArgValue]) -> list[tuple[str, str | None]]:
+    out: list[tuple[str, str | None]] = []
+    for flag, value in args.items():
+        if value is False:
+            continue
+        if value is True:
+            out.append((flag, None))
+        elif isinstance(value, list):
+            out.append((flag, " ".join(str(v) for v in value)))
+        elif flag in BATCH_VARIABLES:
+            out.append((flag, ShellExpr(f'"${BATCH_VARIABLES[flag]}"')))
+        else:
+            out.append((flag, str(value)))
+    return out
+
+
+def _data_prefix(dataset: Dataset, model: Model) -> str:
+    """The dataset's prefix as a shell expression: ``{model}`` filled in, the literal parts
+    quoted, ``{data_root}`` as ``"$DATA_ROOT"``."""
+    parts = dataset.prefix.replace("{model}", model.name).split("{data_root}")
+    return '"$DATA_ROOT"'.join(shell_quote(p) if p else "" for p in parts) or "''"
+
+
+@dataclass(frozen=True)
+class _Args:
+    """A model's pretrain_gpt.py arguments under a profile, in the template's three groups."""
+
+    groups: tuple[list[tuple[str, str | None]], ...]
+    is_moe: bool
+    flags: tuple[str, ...]
+    """Every flag the script can pass (both data modes), without the dashes."""
+    values: dict[str, ArgValue]
+    """All args merged (model, profile, common)."""
+
+
+def _model_args(reg: Registry, model: str, profile: str) -> _Args:
+    m, p = reg.models[model], reg.profiles[profile]
+    model_args = {**m.args}
+    training_args: dict[str, ArgValue] = {}
+    for key, value in {**p.args, **m.profile_args.get(profile, {})}.items():
+        (model_args if key in model_args else training_args)[key] = value
+    impl_args = {
+        k: v for k, v in reg.common_args.items() if k not in model_args and k not in training_args
+    }
+    own = [k for k in (*model_args, *training_args, *impl_args) if k in TEMPLATE_FLAGS]
+    if own:
+        raise UserError(
+            f"{model}/{profile}: {', '.join(own)} must not be set in args: the script passes "
+            f"{'it' if len(own) == 1 else 'them'} itself (parallel sizes from TP/PP/CP/EP/VPP, "
+            "data and output flags from the dataset and the environment)."
+        )
+    groups = (_flag_pairs(model_args), _flag_pairs(training_args), _flag_pairs(impl_args))
+    is_moe = "num-experts" in model_args
+    flags = tuple(f for g in groups for f, _ in g) + tuple(
+        f
+        for f in TEMPLATE_FLAGS
+        if (is_moe or f not in MOE_ONLY_FLAGS) and f != "num-layers-per-virtual-pipeline-stage"
+    )
+    return _Args(groups, is_moe, flags, {**model_args, **training_args, **impl_args})
+
+
+PARALLEL_OVERRIDES = ("gpus_per_node", "nodes", "tp", "pp", "cp", "ep", "etp", "vpp")
+
+
+def model_plan(
+    reg: Registry,
+    model: str,
+    profile: str,
+    parallel: Mapping[str, int | str | None] | None = None,
+) -> Plan:
+    """The layout inputs of ``model`` under ``profile``: model facts from its args, sizes from
+    the profile's ``parallel`` table, then ``parallel`` (command-line overrides)."""
+    p = reg.profiles[profile]
+    facts = model_facts(_model_args(reg, model, profile).values, f"{model}/{profile}")
+    given = {
+        **p.parallel,
+        **{k: v for k, v in (parallel or {}).items() if v is not None},
+    }
+    sizes: dict[str, Any] = {k: given[k] for k in PARALLEL_OVERRIDES if k in given}
+    sizes.setdefault("gpus_per_node", p.gpus_per_node)
+    sizes.setdefault("nodes", 1)
+    return Plan(
+        **sizes,
+        **facts,
+        sequence_parallel=parse_sequence_parallel(str(given.get("sequence_parallel", "auto"))),
+    )
+
+
+def plan_layout(
+    reg: Registry,
+    models: Sequence[str],
+    profile: str,
+    parallel: Mapping[str, int | str | None] | None = None,
+) -> dict[str, Layout]:
+    """Each model's layout under the profile, or the first refusal, naming the model."""
+    out: dict[str, Layout] = {}
+    for model in models:
+        plan = model_plan(reg, model, profile, parallel)
+        try:
+            out[model] = derive(plan)
+        except LayoutError as exc:
+            raise LayoutError(f"{model}/{profile}: {exc}") from None
+    return out
+
+
+def check_flags(reg: Registry, models: Sequence[str], profile: str, source: FlagSource) -> None:
+    """Every flag the models' scripts pass must be one the target release accepts."""
+    _reject_unaccepted(
+        {f"{m}/{profile}": _model_args(reg, m, profile).flags for m in models}, source
+    )
+
+
+def refuse_mla_without_head_dims(
+    root: Path, reg: Registry, models: Sequence[str], profile: str
+) -> None:
+    """Multi-Latent Attention builds its core attention with ``k_channels`` / ``v_channels``;
+    with the local layers that is the checkout's ``DotProductAttention``, which must take them
+    (``init`` teaches a stock checkout; a fork's own may not). Refused here, naming the file,
+    rather than in model construction on the cluster."""
+    from quantpatch.base.config import load_targets
+    from quantpatch.git import repo as gitrepo
+
+    mla = sorted(
+        {
+            m
+            for m in models
+            if (values := _model_args(reg, m, profile).values).get("multi-latent-attention") is True
+            and values.get("transformer-impl", "local") == "local"
+        }
+    )
+    if not mla:
+        return
+    for rel in load_targets(root).attention:
+        path = root / rel
+        if not path.is_file():
+            continue
+        cache = gitrepo.find_checkout(root, need_git=False).state_dir / "cache"
+        if _takes_mla_head_dims(path.read_text(encoding="utf-8"), rel, cache) is False:
+            raise UserError(
+                f"{', '.join(mla)} {'uses' if len(mla) == 1 else 'use'} Multi-Latent Attention, "
+                "which hands the local DotProductAttention its k_channels and v_channels, but "
+                f"{rel} does not take them "
+                "(the model could not be built); `quantpatch init` adds them to a stock "
+                "checkout, a fork needs the two keyword parameters (see the README), or leave "
+                f"{'it' if len(mla) == 1 else 'them'} out with --models."
+            )
+
+
+def _takes_mla_head_dims(text: str, rel: str, cache: Path) -> bool | None:
+    """``takes_mla_head_dims`` of the file, cached by its content (a warm ``gen-scripts``
+    parses nothing: libcst stays unloaded)."""
+    key = hashlib.sha256(b"mla-head-dims-v1\0" + text.encode()).hexdigest()[:40]
+    entry = cache / f"mla-{key}.json"
+    try:
+        value = json.loads(entry.read_text(encoding="utf-8"))
+        if value is None or isinstance(value, bool):
+            return value
+    except (OSError, ValueError):
+        pass
+    from quantpatch.sites.codemods.init_sites import takes_mla_head_dims
+
+    found = takes_mla_head_dims(text, rel)
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        tmp = entry.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(found), encoding="utf-8")
+        tmp.replace(entry)
+    except OSError:
+        pass  # a cache that cannot be written only costs the next call a parse
+    return found
+
+
+def _reject_unaccepted(used: dict[str, tuple[str, ...]], source: FlagSource) -> None:
+    """One sentence naming the flags the release does not accept, the model/profile using
+    each, and the file the accepted flags came from."""
+    users: dict[str, list[str]] = {}
+    for user, flags in used.items():
+        for flag in flags:
+            if f"--{flag}" not in source.flags:
+                users.setdefault(f"--{flag}", []).append(user)
+    if not users:
+        return
+    by_users: dict[tuple[str, ...], list[str]] = {}
+    for flag, who in sorted(users.items()):
+        by_users.setdefault(tuple(who), []).append(flag)
+    unknown = ", ".join(  # the flags most models use first
+        f"{', '.join(flags)} (used by {', '.join(who)})"
+        for who, flags in sorted(by_users.items(), key=lambda item: (-len(item[0]), item[1]))
+    )
+    if source.root is None:
+        remedy = "choose another --megatron-release or override those args in a --config file"
+    else:
+        remedy = (
+            "override those args in a --config file, or pass --megatron-release to validate "
+            "against a bundled flag list instead"
+        )
+    if source.unresolved:
+        remedy += (
+            f" (the parser also builds flags from {', '.join(source.unresolved)}, which "
+            "quantpatch could not find in the checkout)"
+        )
+    raise UserError(
+        f"Megatron-LM {source.release} does not accept {unknown}, checked against "
+        f"{source.where()}; {remedy}."
+    )
+
+
+def _header(lines: Sequence[str], body: str) -> str:
+    return "\n".join(
+        [
+            "#!/usr/bin/env bash",
+            *lines,
+            f"{HASH_PREFIX}{hashlib.sha256(body.encode()).hexdigest()}",
+            "",
+        ]
+    )
+
+
+def render_script(
+    reg: Registry,
+    model: str,
+    dataset: str,
+    scheme: str,
+    profile: str,
+    release: str | FlagSource = DEFAULT_RELEASE,
+    launcher: Launcher = "torchrun",
+    layout: Layout | None = None,
+    swift_path: Path | None = None,
+) -> Script:
+    source = _source(release)
+    args = _model_args(reg, model, profile)
+    _reject_unaccepted({f"{model}/{profile}": args.flags}, source)
+    if layout is None:
+        layout = plan_layout(reg, [model], profile)[model]
+    m, d, s, p = (
+        reg.models[model],
+        reg.datasets[dataset],
+        reg.schemes[scheme],
+        reg.profiles[profile],
+    )
+    run_name = f"{model}_{dataset}_{scheme}_{profile}"
+    if launcher == "swift":
+        from quantpatch.launch import swift
+
+        body = swift.render_body(
+            reg,
+            model,
+            dataset,
+            scheme,
+            profile,
+            layout,
+            run_name,
+            swift_path,
+            args.values,
+            args.is_moe,
+        )
+    else:
+        body = (
+            template_environment()
+            .get_template("pretrain.sh.j2")
+            .render(
+                launcher=launcher,
+                slurm=reg.slurm,
+                model=m,
+                dataset=d,
+                scheme=s,
+                profile=p,
+                plan=layout.plan,
+                run_name=run_name,
+                data_prefix=_data_prefix(d, m),
+                master_port=master_port(run_name),
+                model_args=args.groups[0],
+                training_args=args.groups[1],
+                impl_args=args.groups[2],
+                is_moe=args.is_moe,
+                release_option=(
+                    "" if source.root is not None else f"--megatron-release {source.release} "
+                ),
+                persist_off=args.values.get("no-persist-layer-norm") is True,
+            )
+        )
+    header = _header(
+        [
+            f"# quantpatch launch script ({launcher}): model={model} dataset={dataset} "
+            f"scheme={scheme} (linear={s.linear} qk={s.qk} pv={s.pv}) profile={profile}",
+            f"# generated by quantpatch {__version__} for {source.label}; regenerate with "
+            "`quantpatch gen-scripts` rather than editing",
+        ],
+        body,
+    )
+    return Script(
+        script_name(model, dataset, scheme, launcher),
+        model,
+        dataset,
+        s,
+        profile,
+        header + body,
+        args.flags,
+        launcher,
+        layout,
+    )
+
+
+def extra_args(
+    repo: Path | None, release: str | None, env_text: str, words: Sequence[str]
+) -> list[str]:
+    """A script's own arguments for pretrain_gpt.py: ``EXTRA_ARGS`` split as bash splits
+    words (quotes, no expansion), then the words given after ``--``. Every ``--flag`` must be
+    one the checkout's parser accepts (its ``megatron/training/arguments.py``), or, in a
+    checkout without one, one of the bundled list of ``release``; else one sentence refuses
+    the launch, naming them."""
+    try:
+        split = shlex.split(env_text)
+    except ValueError as exc:
+        raise UserError(
+            f"EXTRA_ARGS cannot be split as bash words ({exc}): {env_text!r}."
+        ) from None
+    found = flag_source(repo, None)
+    source = found if found.root is not None or release is None else bundled_flags(release)
+    extra = [*split, *words]
+    unknown = sorted(
+        {
+            w.split("=", 1)[0]
+            for w in extra
+            if w.startswith("--") and w != "--" and w.split("=", 1)[0] not in source.flags
+        }
+    )
+    if unknown:
+        raise UserError(
+            f"pretrain_gpt.py of Megatron-LM {source.release} does not accept "
+            f"{', '.join(unknown)} (from EXTRA_ARGS or the arguments after --), checked against "
+            f"{source.where()}; nothing was started."
+        )
+    return extra
+
+
+def body_matches_header(text: str) -> bool:
+    """True when a script's body is exactly what its header's hash says (nobody edited it)."""
+    _, sep, body = text.partition("\n" + HASH_PREFIX)
+    if not sep:
+        return False
+    digest, _, rest = body.partition("\n")
+    return hashlib.sha256(rest.encode()).hexdigest() == digest.strip()
+
+
+INDEX_HASH = "<!-- quantpatch body-sha256: "
+
+
+def index_with_hash(text: str) -> str:
+    """The index with a last line holding its hash (an HTML comment: not rendered), so that
+    a hand-edited index, like a script, is overwritten only with ``--force``."""
+    body = text if text.endswith("\n") else text + "\n"
+    return f"{body}\n{INDEX_HASH}{hashlib.sha256(body.encode()).hexdigest()} -->\n"
+
+
+def index_is_ours(text: str) -> bool:
+    """An index quantpatch wrote and nobody edited since (one written before the index
+    carried a hash is recognised by its opening lines); a user's own index.md is not."""
+    body, sep, tail = text.rpartition("\n" + INDEX_HASH)
+    if sep:
+        return tail == f"{hashlib.sha256(body.encode()).hexdigest()} -->\n"
+    return text.startswith("# Launch scripts\n\nGenerated by quantpatch ")
+
+
+def render_all(
+    reg: Registry,
+    models: Sequence[str],
+    datasets: Sequence[str],
+    schemes: Sequence[str],
+    profile: str,
+    release: str | FlagSource,
+    launcher: Launcher = "torchrun",
+    parallel: Mapping[str, int | str | None] | None = None,
+    swift_path: Path | None = None,
+) -> list[Script]:
+    if profile not in reg.profiles:
+        raise UserError(
+            f"--profile: unknown profile '{profile}'; valid: {', '.join(reg.profiles)}."
+        )
+    if launcher not in LAUNCHERS:
+        raise UserError(
+            f"--launcher: unknown launcher '{launcher}'; valid: {', '.join(LAUNCHERS)}."
+        )
+    source = _source(release)
+    check_flags(reg, models, profile, source)  # every model at once: one sentence
+    if source.root is not None:
+        refuse_mla_without_head_dims(source.root, reg, models, profile)
+    layouts = plan_layout(reg, models, profile, parallel)
+    if launcher == "swift":
+        from quantpatch.launch import swift
+
+        swift.check_models(reg, models, profile, swift_path)
+    scripts = [
+        render_script(reg, m, d, s, profile, source, launcher, layouts[m], swift_path)
+        for m in models
+        for d in datasets
+        for s in schemes
+    ]
+    _refuse_collisions(scripts)
+    return scripts
+
+
+def _refuse_collisions(scripts: Sequence[Script]) -> None:
+    """Names join model, dataset and scheme with '_': two combinations must not meet on one
+    script path or one run folder (``dolma`` + ``FA_x`` vs ``dolma_FA`` + ``x``)."""
+    seen: dict[str, Script] = {}
+    for s in scripts:
+        for key in (s.rel, f"run:{s.model}_{s.dataset}_{s.scheme.name}"):
+            other = seen.setdefault(key, s)
+            if other is not s:
+                raise UserError(
+                    f"{other.model}/{other.dataset}/{other.scheme.name} and "
+                    f"{s.model}/{s.dataset}/{s.scheme.name} would share "
+                    f"{s.rel if key == s.rel else 'one run folder (checkpoints, logs)'}; rename "
+                    "one of the datasets or schemes in the --config file."
+                )
+
+
+def render_index(scripts: Sequence[Script], profile: str, release: str | FlagSource) -> str:
+    return (
+        template_environment()
+        .get_template("index.md.j2")
+        .render(
+            scripts=scripts,
+            profile=profile,
+            release=_source(release).label,
+            version=__version__,
+            launcher=scripts[0].launcher if scripts else "torchrun",
+            sweep=SWEEP if scripts and scripts[0].launcher == "slurm" else None,
+            layouts=list({s.model: s.layout for s in scripts}.items()),
+        )
+    )
+
+
+def render_sweep(slurm: Slurm, scripts: Sequence[Script], out: Path) -> str:
+    """``sweep.sbatch``: one Slurm job array over every combination; array task i runs the
+    i-th script of the index (the sbatch scripts are run as plain bash inside the task)."""
+    layout = scripts[0].layout
+    assert layout is not None
+    body = (
+        template_environment()
+        .get_template("sweep.sbatch.j2")
+        .render(
+            scripts=scripts,
+            slurm=slurm,
+            plan=layout.plan,
+            profile=scripts[0].profile,
+            sweep_dir=str(out.resolve()),
+        )
+    )
+    return (
+        _header(
+            [
+                f"# quantpatch sweep: a Slurm job array over the {len(scripts)} combinations of "
+                f"the {INDEX} beside it (profile {scripts[0].profile})",
+                f"# generated by quantpatch {__version__}; submit with `sbatch {SWEEP}` from the "
+                "Megatron-LM checkout",
+            ],
+            body,
+        )
+        + body
+    )
+
+
+@dataclass
+class GenResult:
+    out: Path
+    scripts: list[Script]
+    written: list[str]
+    unchanged: list[str]
+    differing: list[str]
+    """With ``check``: files that are missing or differ from what would be generated."""
+    others: list[str] = field(default_factory=list)
+    """quantpatch scripts in the directory that this generation does not hold (another
+    launcher, profile or selection wrote them): left as they are, and said."""
+
+
+def writable(out: Path) -> None:
+    probe = out
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
+        raise UserError(
+            f"{out}: the output directory cannot be written ({probe} is not a "
+            "writable directory); nothing was written."
+        )
+
+
+def generate(
+    out: Path,
+    scripts: Sequence[Script],
+    profile: str,
+    release: str | FlagSource,
+    *,
+    force: bool = False,
+    check: bool = False,
+    slurm: Slurm | None = None,
+) -> GenResult:
+    """Write the scripts and the index (and, for Slurm, the sweep's job array), all or
+    nothing; or, with ``check``, only compare."""
+    if not check:
+        writable(out)
+    files: list[tuple[str, str, int]] = [(s.rel, s.text, 0o755) for s in scripts]
+    files.append((INDEX, index_with_hash(render_index(scripts, profile, release)), 0o644))
+    if scripts and scripts[0].launcher == "slurm":
+        files.append((SWEEP, render_sweep(slurm or Slurm(), scripts, out), 0o755))
+    edits: list[Edit] = []
+    unchanged: list[str] = []
+    edited_by_hand: list[str] = []
+    for rel, text, mode in files:
+        old = read_exact(out / rel)
+        if old == text:
+            unchanged.append(rel)
+            continue
+        if old is not None and not (index_is_ours if rel == INDEX else body_matches_header)(old):
+            edited_by_hand.append(rel)
+        edits.append(Edit(rel, old, text, mode))
+    result = GenResult(
+        out, list(scripts), [], unchanged, [e.rel for e in edits], _others(out, files)
+    )
+    if check:
+        return result
+    if edited_by_hand and not force:
+        shown = ", ".join(edited_by_hand[:3]) + (" ..." if len(edited_by_hand) > 3 else "")
+        raise UserError(
+            f"{out}: {len(edited_by_hand)} file(s) were edited by hand or not written by "
+            f"quantpatch ({shown}); --force overwrites them."
+        )
+    result.written = apply_edits(out, edits)
+    return result
+
+
+def _others(out: Path, files: Sequence[tuple[str, str, int]]) -> list[str]:
+    """Scripts quantpatch wrote into ``out`` earlier that are not among ``files``."""
+    if not out.is_dir():
+        return []
+    ours = {rel for rel, _, _ in files}
+    found = []
+    for pattern in ("*/pretrain_*.sh", "*/pretrain_*.sbatch", "*/swift_pt_*.sh", SWEEP):
+        for path in sorted(out.glob(pattern)):
+            rel = path.relative_to(out).as_posix()
+            if rel in ours or not path.is_file():
+                continue
+            with path.open("rb") as fh:
+                head = fh.read(512)
+            if b"\n# quantpatch " in head and HASH_PREFIX.encode() in head:
+                found.append(rel)
+    return found
+
+
+def describe(reg: Registry) -> dict[str, Any]:
+    """The registry as plain data (``list --json``)."""
+    return {
+        "models": {
+            n: {
+                "description": m.description,
+                "tokenizer": m.tokenizer_model,
+                "vocab_size": m.vocab_size,
+                "args": m.args,
+            }
+            for n, m in reg.models.items()
+        },
+        "datasets": {
+            n: {"description": d.description, "prefix": d.prefix, "split": d.split}
+            for n, d in reg.datasets.items()
+        },
+        "schemes": {n: s.values() for n, s in reg.schemes.items()},
+        "profiles": {
+            n: {
+                "description": p.description,
+                "gpus_per_node": p.gpus_per_node,
+                "mock_data": p.mock_data,
+                "args": p.args,
+            }
+            for n, p in reg.profiles.items()
+        },
+    }
+
+
+__all__ = ["Dataset", "Model", "Profile", "Script", "generate", "render_all", "render_script"]
+
+
+def quantpatch_command() -> str:
+    """The quantpatch executable a script should call back: this very installation."""
+    explicit = os.environ.get("QUANTPATCH")
+    if explicit:
+        return explicit
+    sibling = Path(sys.executable).with_name("quantpatch")
+    if sibling.is_file() and os.access(sibling, os.X_OK):
+        return str(sibling)
+    found = shutil.which("quantpatch")
+    if found is None:
+        raise UserError("cannot find the quantpatch executable; set QUANTPATCH to its path.")
+    return found
+
+
+def launch(root: Path, script: Script, *, dry_run: bool) -> int:
+    """Run one combination's script from ``root`` (its text is kept under the state directory
+    for the record); with ``dry_run`` the script prints the exact command instead."""
+    from quantpatch.git import repo as gitrepo
+
+    checkout = gitrepo.find_checkout(root, need_git=True)
+    path = checkout.state_dir / "scripts" / script.rel
+    apply_edits(path.parent, [Edit(path.name, read_exact(path), script.text, 0o755)])
+    env = {**os.environ, "MEGATRON_ROOT": str(checkout.root), "QUANTPATCH": quantpatch_command()}
+    if dry_run:
+        env["QUANTPATCH_DRY_RUN"] = "1"
+    return subprocess.run(["bash", str(path)], env=env, check=False).returncode

@@ -1,0 +1,563 @@
+"""``quantpatch sweep``: from a checkout to a finished comparison of every selected scheme.
+
+``run`` generates the launch scripts into the sweep's folder (as ``gen-scripts`` does),
+prepares every scheme's worktree, then either runs the combinations on this machine as a
+queue (``--parallel N`` at once, each on its own ``CUDA_VISIBLE_DEVICES`` slice) or submits the
+folder's ``sweep.sbatch`` (one Slurm job array). ``DIR/sweep.json`` records the sweep; it is
+replaced atomically after every change, so a sweep killed at any moment leaves it readable, and
+``run`` again resumes it: finished runs are kept (unless their scheme branch moved since),
+failed and interrupted ones run again. ``status`` reads the record (and Slurm's view of the
+array); ``report`` writes one HTML report over exactly the sweep's runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from quantpatch.base.errors import UserError
+
+RECORD = "sweep.json"
+VERSION = 1
+STATES = ("pending", "running", "finished", "failed", "interrupted", "submitted")
+LAUNCHERS = ("local", "slurm")
+STOP_GRACE_S = 10.0
+"""How long a stopped run's processes get between SIGTERM and SIGKILL."""
+_COMMIT = re.compile(r"\[quantpatch\] source commit ([0-9a-f]{40})")
+
+
+@dataclass(frozen=True)
+class Selection:
+    """What a sweep was made with; ``run`` without options resumes it."""
+
+    models: list[str] | None = None
+    datasets: list[str] | None = None
+    schemes: list[str] | None = None
+    profile: str = "smoke"
+    launcher: str = "local"
+    parallel: int = 1
+    gpus: list[str] | None = None
+    config: str | None = None
+    extra: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "models": self.models,
+            "datasets": self.datasets,
+            "schemes": self.schemes,
+            "profile": self.profile,
+            "launcher": self.launcher,
+            "parallel": self.parallel,
+            "gpus": self.gpus,
+            "config": self.config,
+            "extra": self.extra,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Selection:
+        known = cls().as_dict()
+        return cls(**{k: data[k] for k in known if k in data})
+
+
+def selection_for(record: Mapping[str, Any] | None, given: Mapping[str, Any]) -> Selection | None:
+    """The selection a ``sweep run`` asks for: the recorded one with the options given over it
+    (a new sweep: the defaults under them); None resumes the record as it is."""
+    chosen = {k: v for k, v in given.items() if v is not None}
+    if not chosen and record is not None:
+        return None
+    base = Selection.from_dict(record["selection"]).as_dict() if record else Selection().as_dict()
+    return Selection.from_dict({**base, **chosen})
+
+
+def now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def record_path(sweep_dir: Path) -> Path:
+    return sweep_dir / RECORD
+
+
+def load(sweep_dir: Path) -> dict[str, Any] | None:
+    """The sweep's record, or None where there is none yet."""
+    path = record_path(sweep_dir)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise UserError(f"{path}: cannot be read ({exc.strerror}).") from None
+    try:
+        data = json.loads(text)
+    except ValueError:
+        raise UserError(
+            f"{path} is not a sweep record (not JSON); move it away to start a new sweep."
+        ) from None
+    if not isinstance(data, dict) or data.get("version") != VERSION or "runs" not in data:
+        raise UserError(
+            f"{path} is not a version {VERSION} sweep record; move it away to start a new sweep."
+        )
+    return data
+
+
+def save(sweep_dir: Path, record: Mapping[str, Any]) -> None:
+    """Replace the record atomically (a new file, synced, renamed over the old one)."""
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".sweep-", suffix=".json", dir=sweep_dir)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump(record, fh, indent=1)
+            fh.write("\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, record_path(sweep_dir))
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(sweep_dir, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def counts(record: Mapping[str, Any]) -> dict[str, int]:
+    out = dict.fromkeys(STATES, 0)
+    for run in record["runs"]:
+        out[run["state"]] = out.get(run["state"], 0) + 1
+    return out
+
+
+def detect_gpus() -> list[str]:
+    """The GPUs ``nvidia-smi -L`` lists, or one (``0``) where it is not there."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return ["0"]
+    res = subprocess.run([exe, "-L"], capture_output=True, text=True, check=False)
+    found = [line for line in res.stdout.splitlines() if line.startswith("GPU ")]
+    return [str(i) for i in range(len(found))] or ["0"]
+
+
+def parse_gpus(text: str | None) -> list[str] | None:
+    if text is None:
+        return None
+    gpus = [g.strip() for g in text.split(",")]
+    if not gpus or any(not re.fullmatch(r"[0-9]{1,4}", g) for g in gpus):
+        raise UserError(
+            f"--gpus must be GPU indices separated by commas, e.g. 0,1,2,3 (got {text!r})."
+        )
+    if len(set(gpus)) != len(gpus):
+        raise UserError(f"--gpus names a GPU twice ({text!r}).")
+    return gpus
+
+
+@dataclass
+class Prepared:
+    record: dict[str, Any]
+    notes: list[str]
+    per_run_gpus: int
+
+
+def prepare(
+    sweep_dir: Path,
+    repo: Path | None,
+    given: Selection | None,
+    *,
+    only_pending: bool = False,
+    progress: Callable[[str], None] | None = None,
+) -> Prepared:
+    """The scripts written, every scheme's worktree made ready, and the record that says what
+    is to run: a new sweep from ``given``, or the recorded one resumed (``given`` None)."""
+    from quantpatch.checkout.worktrees import ensure_worktree
+    from quantpatch.git import repo as gitrepo
+    from quantpatch.launch.plan import GenRequest, generate_scripts
+
+    old = load(sweep_dir)
+    if given is None:
+        if old is None:
+            raise UserError(
+                f"{sweep_dir} holds no {RECORD}: give the sweep's selection (--models, "
+                "--datasets, --schemes, --profile) to start one."
+            )
+        selection = Selection.from_dict(old["selection"])
+    else:
+        selection = given
+    if selection.launcher not in LAUNCHERS:
+        raise UserError(
+            f"--launcher: unknown launcher '{selection.launcher}'; valid: {', '.join(LAUNCHERS)}."
+        )
+    if not 1 <= selection.parallel <= 64:
+        raise UserError(f"--parallel must be from 1 to 64 (got {selection.parallel}).")
+    checkout = gitrepo.find_checkout(repo, need_git=True)
+    _refuse_live_runs(old)
+    if old is not None and old.get("slurm_job") and selection.launcher == "slurm":
+        raise UserError(
+            f"{sweep_dir} was submitted as Slurm job {old['slurm_job']}; `quantpatch sweep "
+            "status` follows it (a new sweep needs a new folder)."
+        )
+    done = generate_scripts(
+        GenRequest(
+            out=sweep_dir,
+            models=selection.models,
+            datasets=selection.datasets,
+            schemes=selection.schemes,
+            profile=selection.profile,
+            launcher="torchrun" if selection.launcher == "local" else "slurm",
+            config=Path(selection.config) if selection.config else None,
+            repo=checkout.root,
+        )
+    )
+    scripts = done.result.scripts
+    layout = scripts[0].layout if scripts else None
+    per_run = layout.plan.gpus_per_node if layout is not None else 1
+    if selection.launcher == "local" and layout is not None and layout.plan.nodes > 1:
+        raise UserError(
+            f"the {selection.profile} profile runs on {layout.plan.nodes} nodes; a local sweep "
+            "runs on this machine only (use --launcher slurm)."
+        )
+    commits: dict[str, str] = {}
+    for s in scripts:
+        key = json.dumps(s.scheme.values(), sort_keys=True)
+        if key not in commits:
+            result = ensure_worktree(checkout.root, s.scheme.values())
+            commits[key] = result.commit
+            if progress is not None:
+                progress(f"worktree {result.branch} at {result.commit[:10]}")
+    previous = {r["name"]: r for r in (old or {}).get("runs", [])}
+    notes: list[str] = []
+    runs = []
+    for s in scripts:
+        name = f"{s.model}_{s.dataset}_{s.scheme.name}_{s.profile}"
+        commit = commits[json.dumps(s.scheme.values(), sort_keys=True)]
+        run: dict[str, Any] = {
+            "name": name,
+            "model": s.model,
+            "dataset": s.dataset,
+            "scheme": s.scheme.name,
+            "profile": s.profile,
+            "script": s.rel,
+            "state": "pending",
+            "exit_code": None,
+            "log": None,
+            "commit": None,
+            "started": None,
+            "ended": None,
+            "gpus": None,
+            "array_task": None,
+            "pid": None,
+        }
+        before = previous.get(name)
+        if before is not None and selection.launcher == "local":
+            state = before.get("state")
+            if state == "finished" and before.get("commit") == commit:
+                run = {**run, **before}
+            elif state == "finished":
+                notes.append(
+                    f"{name}: running it again, its scheme branch moved from "
+                    f"{str(before.get('commit'))[:10]} to {commit[:10]} since it finished"
+                )
+            elif state == "failed" and only_pending:
+                run = {**run, **before}
+        runs.append(run)
+    record = {
+        "version": VERSION,
+        "checkout": str(checkout.root),
+        "launcher": selection.launcher,
+        "selection": selection.as_dict(),
+        "slurm_job": None,
+        "created": (old or {}).get("created") or now(),
+        "runs": runs,
+    }
+    save(sweep_dir, record)
+    return Prepared(record, notes, per_run)
+
+
+def group_alive(pgid: object) -> bool:
+    """Whether a process of the group still runs (zombies, which an init that never reaps
+    keeps, do not count); ``kill(-pgid, 0)`` where there is no ``/proc``."""
+    if not isinstance(pgid, int) or pgid <= 0:
+        return False
+    proc = Path("/proc")
+    if not (proc / "self" / "stat").exists():
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        # pid (comm) state ppid pgrp ...: comm may hold spaces and parentheses
+        fields = text[text.rindex(")") + 2 :].split()
+        if len(fields) > 2 and fields[2] == str(pgid) and fields[0] != "Z":
+            return True
+    return False
+
+
+def _refuse_live_runs(record: Mapping[str, Any] | None) -> None:
+    """A run recorded as running whose process group still lives (a sweep killed with
+    SIGKILL leaves its children): refused, never started twice."""
+    for run in (record or {}).get("runs", []):
+        if run.get("state") == "running" and group_alive(run.get("pid")):
+            raise UserError(
+                f"{run['name']} is still running (process group {run['pid']}) from an earlier "
+                f"sweep run; wait for it or stop it (kill -TERM -- -{run['pid']}) first."
+            )
+
+
+class Interrupted(Exception):
+    """Ctrl-C or SIGTERM stopped the sweep (its runs stopped and marked interrupted)."""
+
+
+@contextmanager
+def _stop_signals() -> Iterator[list[int]]:
+    """SIGINT and SIGTERM set a flag the queue loop reads (handlers restored after)."""
+    got: list[int] = []
+
+    def handler(signum: int, frame: object) -> None:
+        got.append(signum)
+
+    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield got
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def _stop(procs: Sequence[subprocess.Popen[bytes]]) -> None:
+    """SIGTERM to each run's whole process group (the script, torchrun and its workers),
+    SIGKILL to what is left after the grace period."""
+    for p in procs:
+        if p.poll() is None:
+            with suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGTERM)
+    deadline = time.monotonic() + STOP_GRACE_S
+    for p in procs:
+        with suppress(subprocess.TimeoutExpired):
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        with suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+
+
+def _finish(run: dict[str, Any], sweep_dir: Path, code: int, started: float) -> None:
+    logs = sorted(
+        (p for p in (sweep_dir / "runs" / run["name"] / "logs").glob("*.log")),
+        key=lambda p: p.stat().st_mtime,
+    )
+    fresh = [p for p in logs if p.stat().st_mtime >= started - 1]
+    log = fresh[-1] if fresh else None
+    run["log"] = str(log) if log else None
+    if log is not None:
+        found = _COMMIT.search(log.read_text(encoding="utf-8", errors="replace")[:65536])
+        run["commit"] = found[1] if found else None
+    run["exit_code"] = code
+    run["state"] = "finished" if code == 0 else "failed"
+    run["ended"] = now()
+    run["pid"] = None
+
+
+def run_local(
+    sweep_dir: Path,
+    record: dict[str, Any],
+    per_run_gpus: int,
+    on_change: Callable[[dict[str, Any]], None] | None = None,
+    quantpatch_exe: str | None = None,
+) -> dict[str, Any]:
+    """Run the record's pending runs as a queue, ``parallel`` at once, each on its own slice
+    of ``per_run_gpus`` GPUs; the record is saved after every change."""
+    from quantpatch.launch.scripts import quantpatch_command
+
+    sel = Selection.from_dict(record["selection"])
+    gpus = sel.gpus or detect_gpus()
+    if per_run_gpus > len(gpus):
+        raise UserError(
+            f"each run needs {per_run_gpus} GPUs (the {sel.profile} profile's GPUS_PER_NODE) "
+            f"and this machine has {len(gpus)} ({','.join(gpus)}); name more with --gpus."
+        )
+    slices = [
+        gpus[i : i + per_run_gpus] for i in range(0, len(gpus) - per_run_gpus + 1, per_run_gpus)
+    ]
+    slots = min(sel.parallel, len(slices))
+    free = list(range(len(slices)))
+    queue = [r for r in record["runs"] if r["state"] in ("pending", "interrupted")]
+    for r in queue:
+        r["state"] = "pending"
+    active: dict[int, tuple[subprocess.Popen[bytes], dict[str, Any], float]] = {}
+    checkout = Path(record["checkout"])
+    env_base = {
+        **os.environ,
+        "OUTPUT_ROOT": str(sweep_dir.resolve() / "runs"),
+        "MEGATRON_ROOT": str(checkout),
+        "QUANTPATCH": quantpatch_exe or quantpatch_command(),
+        "GPUS_PER_NODE": str(per_run_gpus),
+    }
+    console = sweep_dir / "console"
+    console.mkdir(parents=True, exist_ok=True)
+
+    def changed() -> None:
+        save(sweep_dir, record)
+        if on_change is not None:
+            on_change(record)
+
+    with _stop_signals() as stop:
+        try:
+            while queue or active:
+                if stop:
+                    raise Interrupted
+                while queue and len(active) < slots and free:
+                    run = queue.pop(0)
+                    slot = free.pop(0)
+                    env = {**env_base, "CUDA_VISIBLE_DEVICES": ",".join(slices[slot])}
+                    with (console / f"{run['name']}.out").open("ab") as out:
+                        proc = subprocess.Popen(
+                            ["bash", str(sweep_dir.resolve() / run["script"]), "--", *sel.extra],
+                            cwd=checkout,
+                            env=env,
+                            stdin=subprocess.DEVNULL,
+                            stdout=out,
+                            stderr=subprocess.STDOUT,
+                            start_new_session=True,
+                        )
+                    started = time.time()
+                    run.update(
+                        state="running",
+                        started=now(),
+                        ended=None,
+                        exit_code=None,
+                        gpus=",".join(slices[slot]),
+                        pid=proc.pid,
+                        log=None,
+                        commit=None,
+                    )
+                    active[slot] = (proc, run, started)
+                    changed()
+                for slot, (proc, run, started) in list(active.items()):
+                    code = proc.poll()
+                    if code is None:
+                        continue
+                    del active[slot]
+                    free.append(slot)
+                    free.sort()
+                    _finish(run, sweep_dir, code, started)
+                    changed()
+                time.sleep(0.1)
+        except (Interrupted, KeyboardInterrupt):
+            _stop([proc for proc, _, _ in active.values()])
+            for proc, run, _ in active.values():
+                run.update(state="interrupted", exit_code=proc.returncode, ended=now(), pid=None)
+            changed()
+            raise Interrupted from None
+    return record
+
+
+def submit_slurm(sweep_dir: Path, record: dict[str, Any]) -> str:
+    """``sbatch --parsable`` of the folder's job array, from the checkout; the job id."""
+    sbatch = shutil.which("sbatch")
+    if sbatch is None:
+        raise UserError("sbatch is not on PATH: a Slurm sweep is submitted from a login node.")
+    checkout = record["checkout"]
+    runs_dir = sweep_dir.resolve() / "runs"
+    res = subprocess.run(
+        [
+            sbatch,
+            "--parsable",
+            f"--chdir={checkout}",
+            f"--export=ALL,OUTPUT_ROOT={runs_dir},MEGATRON_ROOT={checkout}",
+            str(sweep_dir.resolve() / "sweep.sbatch"),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    job = res.stdout.strip().split(";")[0]
+    if res.returncode != 0 or not re.fullmatch(r"[0-9]+", job):
+        raise UserError(f"sbatch refused the sweep: {(res.stderr or res.stdout).strip()}.")
+    record["slurm_job"] = job
+    for i, run in enumerate(record["runs"]):
+        if run["state"] != "finished":
+            run.update(state="submitted", array_task=i, started=now())
+    save(sweep_dir, record)
+    return job
+
+
+_SLURM_DONE = {"COMPLETED": "finished"}
+_SLURM_FAILED = ("FAILED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL", "DEADLINE")
+
+
+def slurm_states(job: str) -> dict[int, str]:
+    """Each array task's state as ``squeue`` (pending, running) and ``sacct`` (ended) say."""
+    states: dict[int, str] = {}
+    for cmd, sep in (
+        (["sacct", "-n", "-P", "-X", "-j", job, "-o", "JobID,State"], "|"),
+        (["squeue", "-h", "-r", "-j", job, "-o", "%i|%T"], "|"),
+    ):
+        exe = shutil.which(cmd[0])
+        if exe is None:
+            continue
+        res = subprocess.run([exe, *cmd[1:]], capture_output=True, text=True, check=False)
+        for line in res.stdout.splitlines():
+            ident, _, state = line.strip().partition(sep)
+            m = re.fullmatch(rf"{re.escape(job)}_([0-9]+)", ident.strip())
+            if m and state.strip():
+                states[int(m[1])] = state.split()[0].strip()
+    return states
+
+
+def status(sweep_dir: Path) -> dict[str, Any]:
+    """The record's runs with Slurm's state where there is one, and the counts."""
+    record = load(sweep_dir)
+    if record is None:
+        raise UserError(f"{sweep_dir} holds no {RECORD}: not a sweep (start one with sweep run).")
+    runs = [dict(r) for r in record["runs"]]
+    if record.get("slurm_job"):
+        states = slurm_states(str(record["slurm_job"]))
+        for run in runs:
+            task = run.get("array_task")
+            if isinstance(task, int) and task in states:
+                slurm = states[task]
+                run["slurm_state"] = slurm
+                if slurm in _SLURM_DONE:
+                    run["state"] = _SLURM_DONE[slurm]
+                elif slurm.startswith(_SLURM_FAILED) or slurm.startswith("CANCELLED"):
+                    run["state"] = "failed"
+                elif slurm == "RUNNING":
+                    run["state"] = "running"
+    return {"counts": counts({"runs": runs}), "runs": runs, "launcher": record["launcher"]}
+
+
+def run_logs(sweep_dir: Path, record: Mapping[str, Any]) -> list[Path]:
+    """Exactly the sweep's logs: each run's recorded log, else (Slurm) its run folder's."""
+    out: list[Path] = []
+    for run in record["runs"]:
+        if run.get("log"):
+            out.append(Path(run["log"]))
+            continue
+        logs = sorted((sweep_dir / "runs" / run["name"] / "logs").glob("*.log"))
+        out.extend(logs[-1:])
+    return [p for p in out if p.is_file()]
+
+
+def tensor_dirs(sweep_dir: Path, record: Mapping[str, Any]) -> list[Path]:
+    return [
+        d
+        for run in record["runs"]
+        if (d := sweep_dir / "runs" / run["name"] / "tensor_logs").is_dir() and any(d.rglob("*.pt"))
+    ]

@@ -1,0 +1,419 @@
+"""Insert fork-layout sites into stock Megatron core sources.
+
+Each quantizable product becomes::
+
+    custom_quant_type = 'bf16'
+    if custom_quant_type == 'bf16':
+        <the original statement, unchanged>
+    else:
+        from megatron.core import quantpatch_ops
+        <target> = quantpatch_ops.quant_<op>(<operands>, fmt=custom_quant_type, ...)
+
+so the ``bf16`` path runs the original PyTorch call and imports nothing new. The products are
+found by structure: in the linear autograd function, the forward ``torch.matmul``, the input
+gradient ``grad_output.matmul(weight)`` and the weight gradient ``grad_output.t().matmul(...)``;
+in ``DotProductAttention.forward``, ``torch.baddbmm`` (Q.K^T) and ``torch.bmm`` (P.V).
+
+``Layout`` varies how the sites are written (quotes, annotation, environment default, comments,
+a nested ``else:`` branch, one shared attention site, a label site) so that tests can cover
+every form real forks use, on real Megatron files.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import libcst as cst
+import libcst.matchers as m
+
+from quantpatch.base.config import SITE_NAME
+from quantpatch.base.errors import UserError
+from quantpatch.sites.codemods.set_value import keep_bom
+from quantpatch.sites.discovery import parse_source
+
+LINEAR_CLASS_SUFFIX = "LinearWithGradAccumulationAndAsyncCommunication"
+ATTENTION_CLASS = "DotProductAttention"
+
+
+@dataclass(frozen=True)
+class Layout:
+    value: str = "bf16"
+    quote: str = "'"
+    annotated: bool = False
+    env: bool = False
+    comments: bool = False
+    nested: bool = False
+    shared_attention: bool = False
+    label: bool = False
+
+
+@dataclass(frozen=True)
+class _Product:
+    name: str  # forward / dgrad / wgrad / qk / pv
+    target: str  # the assigned name
+    op: str  # matmul / baddbmm / bmm
+    call: cst.Call  # the quantized call that replaces the product in the else branch
+
+
+def _site_lines(layout: Layout, indent_comment: bool) -> list[str]:
+    q = layout.quote
+    literal = f"{q}{layout.value}{q}"
+    rhs = f"os.environ.get({q}CUSTOM_QUANT_TYPE{q}, {literal})" if layout.env else literal
+    ann = ": str" if layout.annotated else ""
+    trailer = "  # which format this GEMM uses" if layout.comments else ""
+    line = f"{SITE_NAME}{ann} = {rhs}{trailer}"
+    if layout.nested:
+        lines = [
+            "if torch.is_grad_enabled():",
+            f"    {line}",
+            "else:",
+            f"    {line}",
+        ]
+    else:
+        lines = [line]
+    if layout.comments and indent_comment:
+        lines = ["# quantization format of the next product", *lines, ""]
+    return lines
+
+
+def _dispatch(stmt: cst.SimpleStatementLine, product: _Product, layout: Layout) -> cst.If:
+    """``if custom_quant_type == 'bf16': <stmt> else: <quantized call>`` built from nodes, so
+    the original statement (comments and continuation lines included) is kept verbatim."""
+    q = layout.quote
+    template = cst.parse_statement(
+        f"if {SITE_NAME} == {q}bf16{q}:\n"
+        "    pass\n"
+        "else:\n"
+        "    from megatron.core import quantpatch_ops\n"
+        f"    {product.target} = None\n"
+    )
+    assert isinstance(template, cst.If) and isinstance(template.orelse, cst.Else)
+    else_body = template.orelse.body
+    assert isinstance(else_body, cst.IndentedBlock)
+    assign_line = else_body.body[1]
+    assert isinstance(assign_line, cst.SimpleStatementLine)
+    assign = assign_line.body[0]
+    assert isinstance(assign, cst.Assign)
+    new_assign = assign_line.with_changes(body=[assign.with_changes(value=product.call)])
+    return template.with_changes(
+        body=template.body.with_changes(body=[stmt.with_changes(leading_lines=())]),
+        orelse=template.orelse.with_changes(
+            body=else_body.with_changes(body=[else_body.body[0], new_assign])
+        ),
+    )
+
+
+def _kwarg(name: str, value: cst.BaseExpression) -> cst.Arg:
+    nospace = cst.SimpleWhitespace("")
+    return cst.Arg(
+        keyword=cst.Name(name),
+        value=value,
+        equal=cst.AssignEqual(whitespace_before=nospace, whitespace_after=nospace),
+    )
+
+
+def _quant_call(
+    call: cst.Call, op: str, receiver: cst.BaseExpression | None, backward: bool
+) -> cst.Call:
+    """``quantpatch_ops.quant_<op>(<operands>, fmt=custom_quant_type[, backward=True])`` with
+    the original argument nodes (and their comments) kept as they are."""
+    args = list(call.args)
+    if receiver is not None:
+        args.insert(0, cst.Arg(receiver))
+    extra = [_kwarg("fmt", cst.Name(SITE_NAME))]
+    if backward:
+        extra.append(_kwarg("backward", cst.Name("True")))
+    last = args[-1].comma if args else cst.MaybeSentinel.DEFAULT
+    if isinstance(last, cst.Comma) and isinstance(
+        last.whitespace_after, cst.ParenthesizedWhitespace
+    ):
+        # one argument per line, as written: the new arguments take the indentation of the
+        # arguments (the comma after a middle one), the closing comma keeps the last line's
+        between = next(
+            (
+                a.comma
+                for a in args[:-1]
+                if isinstance(a.comma, cst.Comma)
+                and isinstance(a.comma.whitespace_after, cst.ParenthesizedWhitespace)
+            ),
+            last,
+        )
+        args[-1] = args[-1].with_changes(comma=between)
+        extra = [a.with_changes(comma=between) for a in extra[:-1]] + [
+            extra[-1].with_changes(comma=last)
+        ]
+    args += extra
+    for i, arg in enumerate(args[:-1]):
+        if arg.comma is cst.MaybeSentinel.DEFAULT:
+            args[i] = arg.with_changes(comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")))
+    func = cst.Attribute(value=cst.Name("quantpatch_ops"), attr=cst.Name(f"quant_{op}"))
+    return call.with_changes(func=func, args=args)
+
+
+def _code(node: cst.CSTNode) -> str:
+    return cst.Module([]).code_for_node(node)
+
+
+def product_of(stmt: cst.SimpleStatementLine, func: str) -> _Product | None:
+    """Recognise one of the five products in a statement line of ``func``."""
+    if len(stmt.body) != 1 or not isinstance(stmt.body[0], cst.Assign):
+        return None
+    assign = stmt.body[0]
+    if len(assign.targets) != 1 or not isinstance(assign.targets[0].target, cst.Name):
+        return None
+    target = assign.targets[0].target.value
+    call = assign.value
+    if not isinstance(call, cst.Call) or not isinstance(call.func, cst.Attribute):
+        return None
+    attr = call.func.attr.value
+    receiver = call.func.value
+    is_torch = m.matches(receiver, m.Name("torch"))
+    if func == "forward" and attr == "matmul" and is_torch:
+        return _Product("forward", target, "matmul", _quant_call(call, attr, None, False))
+    if func == "backward" and attr == "matmul" and not is_torch:
+        if target not in ("grad_input", "grad_weight"):
+            return None
+        name = "dgrad" if target == "grad_input" else "wgrad"
+        return _Product(name, target, "matmul", _quant_call(call, attr, receiver, True))
+    if func == "forward" and is_torch and attr in ("baddbmm", "bmm"):
+        name = "qk" if attr == "baddbmm" else "pv"
+        return _Product(name, target, attr, _quant_call(call, attr, None, False))
+    return None
+
+
+class _Inject(cst.CSTTransformer):
+    def __init__(self, kind: str, layout: Layout) -> None:
+        super().__init__()
+        self.kind = kind
+        self.layout = layout
+        self.cls: list[str] = []
+        self.func: list[str] = []
+        self.found: list[str] = []
+        self.label_done = False
+
+    def visit_ClassDef(self, node: cst.ClassDef) -> None:
+        self.cls.append(node.name.value)
+
+    def leave_ClassDef(
+        self, original_node: cst.ClassDef, updated_node: cst.ClassDef
+    ) -> cst.ClassDef:
+        self.cls.pop()
+        return updated_node
+
+    def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
+        self.func.append(node.name.value)
+
+    def leave_FunctionDef(
+        self, original_node: cst.FunctionDef, updated_node: cst.FunctionDef
+    ) -> cst.FunctionDef:
+        self.func.pop()
+        return updated_node
+
+    def _in_target(self) -> bool:
+        if not self.cls or not self.func:
+            return False
+        if self.kind == "linear":
+            return self.cls[-1].endswith(LINEAR_CLASS_SUFFIX) and self.func[-1] in (
+                "forward",
+                "backward",
+            )
+        return self.cls[-1] == ATTENTION_CLASS and self.func[-1] == "forward"
+
+    def leave_SimpleStatementLine(
+        self, original_node: cst.SimpleStatementLine, updated_node: cst.SimpleStatementLine
+    ) -> cst.BaseStatement | cst.FlattenSentinel[cst.BaseStatement]:
+        if not self._in_target():
+            return updated_node
+        product = product_of(original_node, self.func[-1])
+        if product is None or (self.kind == "linear") != (product.name not in ("qk", "pv")):
+            return updated_node
+        self.found.append(product.name)
+        lines: list[str] = []
+        if product.name == "pv" and self.layout.shared_attention:
+            pass  # P.V reuses the value assigned before Q.K^T
+        else:
+            if self.layout.label and not self.label_done and product.name == "forward":
+                # a fork's label site: names the saved tensors, overwritten before the GEMM
+                q = self.layout.quote
+                lines += [
+                    f"{SITE_NAME} = {q}{self.layout.value}{q}",
+                    f"quantpatch_label = {SITE_NAME}",
+                ]
+                self.label_done = True
+            lines += _site_lines(self.layout, indent_comment=True)
+        new = [cst.parse_statement(code + "\n") for code in _group(lines)]
+        new.append(_dispatch(updated_node, product, self.layout))
+        new[0] = new[0].with_changes(
+            leading_lines=(*updated_node.leading_lines, *new[0].leading_lines)
+        )
+        return cst.FlattenSentinel(new)
+
+
+def _group(lines: list[str]) -> list[str]:
+    """Split generated lines into top-level statements (a line that is not indented starts one;
+    blank lines become part of the following statement's leading lines)."""
+    out: list[str] = []
+    pending: list[str] = []
+    for line in lines:
+        if line == "" or line.startswith("#"):
+            pending.append(line)
+            continue
+        if line.startswith((" ", "else:")) and out:
+            out[-1] += "\n" + line
+            continue
+        out.append("\n".join([*pending, line]))
+        pending = []
+    return out
+
+
+_EXPECTED = {"linear": ["forward", "dgrad", "wgrad"], "attention": ["qk", "pv"]}
+
+
+def _ensure_import_os(module: cst.Module) -> cst.Module:
+    has_os = any(
+        m.matches(s, m.SimpleStatementLine(body=[m.Import(names=[m.ImportAlias(m.Name("os"))])]))
+        for s in module.body
+    )
+    if has_os:
+        return module
+    body = list(module.body)
+    first_import = next(
+        (
+            i
+            for i, s in enumerate(body)
+            if m.matches(s, m.SimpleStatementLine(body=[m.Import() | m.ImportFrom()]))
+        ),
+        0,
+    )
+    body.insert(first_import, cst.parse_statement("import os\n"))
+    return module.with_changes(body=body)
+
+
+MLA_HEAD_DIMS = ("k_channels", "v_channels")
+_MLA_COMMENT = (
+    "# quantpatch: Multi-Latent Attention hands its own Q/K and V head dims (as it does to",
+    "# TEDotProductAttention); without them the local attention cannot be built for MLA",
+)
+_MLA_LINES = """\
+if k_channels is not None:
+    self.hidden_size_per_attention_head = k_channels
+if v_channels is not None:
+    self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition
+"""
+
+
+class _TeachHeadDims(cst.CSTTransformer):
+    """``DotProductAttention.__init__`` takes MLA's ``k_channels`` / ``v_channels`` (the
+    keywords ``MLASelfAttention`` passes to its core attention): two keyword parameters and,
+    before the softmax scale is derived, the head dims they set. Nothing else changes, so the
+    layer computes as before for every other attention; ``init --remove`` restores the bytes."""
+
+    def leave_ClassDef(
+        self, original_node: cst.ClassDef, updated_node: cst.ClassDef
+    ) -> cst.ClassDef:
+        if updated_node.name.value != ATTENTION_CLASS:
+            return updated_node
+        body = [
+            _teach(stmt)
+            if isinstance(stmt, cst.FunctionDef) and stmt.name.value == "__init__"
+            else stmt
+            for stmt in updated_node.body.body
+        ]
+        return updated_node.with_changes(body=updated_node.body.with_changes(body=body))
+
+
+def _teach(init: cst.FunctionDef) -> cst.FunctionDef:
+    """The stock ``__init__`` with the two parameters and the head dims they set (as it is
+    when it already takes them or has another shape)."""
+    params = init.params
+    names = {p.name.value for p in (*params.params, *params.kwonly_params)}
+    if names & set(MLA_HEAD_DIMS) or not isinstance(init.body, cst.IndentedBlock):
+        return init
+    body = list(init.body.body)
+    anchor = next(
+        (
+            i
+            for i, stmt in enumerate(body)
+            if m.matches(
+                stmt,
+                m.If(test=m.Comparison(left=m.Name("softmax_scale"))),
+            )
+        ),
+        None,
+    )
+    if anchor is None:
+        return init
+    # a parameter line's own comma (its newline and indent) for every parameter but the
+    # last, which keeps the comma before the closing parenthesis
+    last = params.params[-1]
+    inner = params.params[-2].comma if len(params.params) > 1 else last.comma
+    if not isinstance(inner, cst.Comma) or not isinstance(last.comma, cst.Comma):
+        return init
+    new_params = [
+        cst.Param(
+            cst.Name(name),
+            annotation=cst.Annotation(cst.Name("int")),
+            default=cst.Name("None"),
+            comma=inner if name != MLA_HEAD_DIMS[-1] else last.comma,
+            equal=cst.AssignEqual(
+                whitespace_before=cst.SimpleWhitespace(" "),
+                whitespace_after=cst.SimpleWhitespace(" "),
+            ),
+        )
+        for name in MLA_HEAD_DIMS
+    ]
+    params = params.with_changes(
+        params=[*params.params[:-1], last.with_changes(comma=inner), *new_params]
+    )
+    lines = list(cst.parse_module(_MLA_LINES).body)
+    comments = [cst.EmptyLine(indent=True, comment=cst.Comment(c)) for c in _MLA_COMMENT]
+    anchor_if = cst.ensure_type(body[anchor], cst.If)
+    lines[0] = lines[0].with_changes(leading_lines=[*anchor_if.leading_lines, *comments])
+    body[anchor] = anchor_if.with_changes(leading_lines=())
+    body[anchor:anchor] = lines
+    return init.with_changes(params=params, body=init.body.with_changes(body=body))
+
+
+def takes_mla_head_dims(text: str, rel: str) -> bool | None:
+    """Whether the file's ``DotProductAttention.__init__`` takes MLA's ``k_channels`` and
+    ``v_channels`` (or ``**kwargs``); None when the file has no such class."""
+    module = parse_source(text, rel)
+    for cls in m.findall(module, m.ClassDef(name=m.Name(ATTENTION_CLASS))):
+        for fn in m.findall(cls, m.FunctionDef(name=m.Name("__init__"))):
+            params = cst.ensure_type(fn, cst.FunctionDef).params
+            if isinstance(params.star_kwarg, cst.Param):
+                return True
+            names = {p.name.value for p in (*params.params, *params.kwonly_params)}
+            return set(MLA_HEAD_DIMS) <= names
+    return None
+
+
+def teach_mla_head_dims(module: cst.Module) -> cst.Module:
+    """``module`` with the local ``DotProductAttention`` taking MLA's head dims, where its
+    ``__init__`` has the stock shape (unchanged otherwise, and when it already takes them)."""
+    return module.visit(_TeachHeadDims())
+
+
+def inject_sites(
+    text: str, rel: str, kind: str, layout: Layout | None = None, *, teach_mla: bool = True
+) -> str:
+    """``text`` with fork-layout sites and dispatches around every product of ``kind`` (and,
+    in the attention file, the MLA head dims of ``teach_mla_head_dims`` unless told not to:
+    real forks do not have them)."""
+    layout = layout or Layout()
+    module = parse_source(text, rel)
+    if SITE_NAME in text and m.findall(module, m.Name(SITE_NAME)):
+        raise UserError(f"{rel}: the file already has {SITE_NAME} sites; nothing to initialise.")
+    inject = _Inject(kind, layout)
+    new = module.visit(inject)
+    missing = [p for p in _EXPECTED[kind] if p not in inject.found]
+    if missing:
+        raise UserError(
+            f"{rel}: cannot find the {', '.join(missing)} product(s) this Megatron layout "
+            "should have; the file is not a supported megatron-core release."
+        )
+    if layout.env:
+        new = _ensure_import_os(new)
+    if kind == "attention" and teach_mla:
+        new = teach_mla_head_dims(new)
+    return keep_bom(text, new.code)
