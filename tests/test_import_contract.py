@@ -125,3 +125,60 @@ def test_the_runtime_copied_into_checkouts_imports_nothing_of_quantpatch():
 def test_no_module_takes_another_modules_private_names():
     _, private = _graph()
     assert private == []
+
+
+LAYERS = {
+    "quantpatch.runtime": set(),
+    "quantpatch.base": set(),
+    "quantpatch.sites": {"quantpatch.base"},
+    "quantpatch.git": {"quantpatch.base", "quantpatch.sites"},
+    "quantpatch.checkout": {"quantpatch.base", "quantpatch.sites", "quantpatch.git"},
+    "quantpatch.launch": {
+        "quantpatch.base",
+        "quantpatch.sites",
+        "quantpatch.git",
+        "quantpatch.checkout",
+    },
+    "quantpatch.analysis": {"quantpatch.base", "quantpatch.runtime"},
+}
+"""What each package may import besides itself (and ``quantpatch.__version__``); ``cli`` may
+import everything, and nothing may import ``cli``."""
+
+
+TOP = ("quantpatch", "quantpatch.__main__", "quantpatch.cli")
+"""The package's own module (``__version__``), ``python -m quantpatch`` and the CLI."""
+
+
+def _package(module: str) -> str:
+    parts = module.split(".")
+    return ".".join(parts[:2]) if len(parts) > 1 else module
+
+
+def upward(graph: dict[str, set[str]]) -> list[str]:
+    out = []
+    for mod, deps in sorted(graph.items()):
+        here = _package(mod)
+        for dep in sorted(deps):
+            there = _package(dep)
+            if there in (here, "quantpatch") or here in TOP:
+                continue
+            if here not in LAYERS or there not in LAYERS[here]:
+                out.append(f"{mod} -> {dep}")
+    return out
+
+
+def test_every_module_lives_in_a_package_of_the_contract():
+    graph, _ = _graph()
+    loose = [m for m in graph if _package(m) not in {*LAYERS, *TOP}]
+    assert loose == []
+
+
+def test_the_upward_finder_finds_an_upward_import():
+    assert upward({"quantpatch.sites.x": {"quantpatch.git.repo", "quantpatch.base.errors"}}) == [
+        "quantpatch.sites.x -> quantpatch.git.repo"
+    ]
+
+
+def test_no_package_imports_one_above_it():
+    graph, _ = _graph()
+    assert upward(graph) == []

@@ -7,11 +7,13 @@ through a symbolic link, never over one of the command's own inputs."""
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import tempfile
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from quantpatch.base.errors import UserError
 
@@ -149,3 +151,18 @@ def atomic_file(
         raise
     if f.fd >= 0:  # the body did not commit: nothing is written
         f.discard()
+
+
+def format_value(v: Any) -> str:
+    """One cell: 4 significant digits, '-' for missing, inf spelled out."""
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "-"
+        if math.isinf(v):
+            return "inf" if v > 0 else "-inf"
+        return f"{v:.4g}"
+    return str(v)

@@ -66,7 +66,7 @@ def table_rows(
     rows: list[dict[str, Any]], columns: list[str], bad: str | None = None
 ) -> list[dict[str, Any]]:
     """The cells of a table, as text, each with whether it is left-aligned (text)."""
-    from quantpatch.cli.render_analysis import format_value
+    from quantpatch.analysis.outputs import format_value
 
     return [
         {

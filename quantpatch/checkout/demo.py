@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import git
 from rich.console import Console
@@ -14,6 +16,9 @@ from quantpatch.base.errors import UserError
 from quantpatch.base.megatron_source import DEFAULT_VERSION, megatron_tree
 from quantpatch.git import repo as gitrepo
 from quantpatch.sites.codemods.init_sites import Layout, inject_sites
+
+if TYPE_CHECKING:
+    from quantpatch.checkout.switch import CheckReport
 
 _IGNORE = shutil.ignore_patterns("__pycache__", "*.pyc")
 
@@ -50,10 +55,10 @@ def build_checkout(
     return dest
 
 
-def walk(dest: Path, console: Console) -> None:
-    """check -> set -> check -> set (other values, same base) -> restore -> check, printed."""
+def walk(dest: Path, console: Console, print_check: Callable[[CheckReport, Console], None]) -> None:
+    """check -> set -> check -> set (other values, same base) -> restore -> check, printed
+    (each check's table by ``print_check``: the CLI's renderer)."""
     from quantpatch.checkout.switch import SetRequest, check, restore, set_values
-    from quantpatch.cli.render_check import print_check
 
     targets = Targets()
     before = {rel: (dest / rel).read_bytes() for rel in targets.all_files}

@@ -336,11 +336,12 @@ def demo(
 ) -> None:
     """Build a demo checkout from megatron-core and walk check, set, set again, restore."""
     from quantpatch.checkout.demo import build_checkout, walk
+    from quantpatch.cli.render_check import print_check
 
     out.rule(f"building {directory} from megatron-core {megatron_core}")
     with err.status(f"fetching megatron-core {megatron_core} (about 19 MB, once) and building"):
         build_checkout(directory, megatron_core)
-    walk(directory, out)
+    walk(directory, out, print_check)
     out.rule("next")
     out.print(
         f"try: cd {directory} && quantpatch check; quantpatch saver install; "

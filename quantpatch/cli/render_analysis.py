@@ -16,6 +16,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedCo
 from rich.table import Table
 from rich.text import Text
 
+from quantpatch.analysis.outputs import format_value
+
 
 @contextmanager
 def progress_bar(err: Console, what: str) -> Iterator[Callable[[int, int], None]]:
@@ -45,21 +47,6 @@ def progress_bar(err: Console, what: str) -> Iterator[Callable[[int, int], None]
     finally:
         if started:
             bar.stop()
-
-
-def format_value(v: Any) -> str:
-    """One cell: 4 significant digits, '-' for missing, inf spelled out."""
-    if v is None:
-        return "-"
-    if isinstance(v, bool):
-        return "yes" if v else "no"
-    if isinstance(v, float):
-        if math.isnan(v):
-            return "-"
-        if math.isinf(v):
-            return "inf" if v > 0 else "-inf"
-        return f"{v:.4g}"
-    return str(v)
 
 
 def _json_safe(v: Any) -> Any:
