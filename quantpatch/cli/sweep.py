@@ -1,0 +1,196 @@
+"""The sweep commands: ``sweep run``, ``sweep status``, ``sweep report``."""
+
+import time
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from quantpatch.base.errors import CheckFailed, UserError
+from quantpatch.cli.app import OPTS, JsonOpt, RepoOpt, app, emit_json, err, out, repo_root
+from quantpatch.cli.launch import ConfigOpt, csv_list
+
+sweep_app = typer.Typer(
+    help="Every scheme from one command: run (local queue or Slurm), status, report.",
+    no_args_is_help=True,
+)
+app.add_typer(sweep_app, name="sweep")
+SweepDirArg = typer.Argument(..., help="The sweep's folder (scripts, sweep.json, runs/).")
+
+
+@sweep_app.command("run")
+def sweep_run(
+    sweep_dir: Path = SweepDirArg,
+    extra: list[str] | None = typer.Argument(
+        None, help="pretrain_gpt.py arguments for every run, after --."
+    ),
+    models: str | None = typer.Option(None, "--models", help="Comma-separated (default all)."),
+    datasets: str | None = typer.Option(None, "--datasets", help="Comma-separated."),
+    schemes: str | None = typer.Option(None, "--schemes", help="Comma-separated."),
+    profile: str | None = typer.Option(None, "--profile", help="full, fast or smoke."),
+    launcher: str | None = typer.Option(
+        None, "--launcher", help="local (a queue on this machine, default) or slurm (a job array)."
+    ),
+    parallel: int | None = typer.Option(
+        None, "--parallel", help="Runs at once (local; each on its own GPUs)."
+    ),
+    gpus: str | None = typer.Option(
+        None, "--gpus", help="The GPUs to use, e.g. 0,1,2,3 (default: all nvidia-smi lists)."
+    ),
+    only_pending: bool = typer.Option(
+        False, "--only-pending", help="On resume, keep failed runs as they are."
+    ),
+    config: Path | None = ConfigOpt,
+    repo: Path | None = RepoOpt,
+) -> None:
+    """Generate the scripts, prepare the worktrees, run (or submit) every combination, report."""
+    from quantpatch.launch import sweep
+
+    given = {
+        "models": csv_list(models) or None,
+        "datasets": csv_list(datasets) or None,
+        "schemes": csv_list(schemes) or None,
+        "profile": profile,
+        "launcher": launcher,
+        "parallel": parallel,
+        "gpus": sweep.parse_gpus(gpus),
+        "config": str(config.resolve()) if config else None,
+        "extra": list(extra) if extra else None,
+    }
+    selection = sweep.selection_for(sweep.load(sweep_dir), given)
+    prepared = sweep.prepare(
+        sweep_dir,
+        repo_root(repo),
+        selection,
+        only_pending=only_pending,
+        progress=lambda line: err.print(line, markup=False),
+    )
+    for note in prepared.notes:
+        err.print(f"note: {note}", style="yellow", markup=False)
+    record = prepared.record
+    if record["launcher"] == "slurm":
+        job = sweep.submit_slurm(sweep_dir, record)
+        out.print(
+            f"submitted {len(record['runs'])} runs as Slurm job array {job}; "
+            f"`quantpatch sweep status {sweep_dir}` follows it.",
+            markup=False,
+        )
+        return
+    total = len(record["runs"])
+
+    def changed(rec: dict[str, Any]) -> None:
+        c = sweep.counts(rec)
+        running = [r["name"] for r in rec["runs"] if r["state"] == "running"]
+        err.print(
+            f"[{c['finished']}/{total} finished, {c['failed']} failed, {c['running']} running, "
+            f"{c['pending']} pending] {', '.join(running) or '-'}",
+            markup=False,
+        )
+
+    start = time.monotonic()
+    try:
+        record = sweep.run_local(sweep_dir, record, prepared.per_run_gpus, changed)
+    except sweep.Interrupted:
+        c = sweep.counts(sweep.load(sweep_dir) or record)
+        err.print(
+            f"stopped: {c['interrupted']} run(s) interrupted, {c['finished']} finished; "
+            f"`quantpatch sweep run {sweep_dir}` resumes.",
+            markup=False,
+        )
+        raise typer.Exit(130) from None
+    c = sweep.counts(record)
+    report_note = ""
+    if any(r.get("log") for r in record["runs"]):
+        try:
+            facts = _sweep_report(sweep_dir, record, sweep_dir / "report.html")
+            report_note = f"; report {sweep_dir / 'report.html'} ({facts['bytes'] / 1e3:.0f} kB)"
+        except UserError as exc:
+            report_note = f"; no report ({exc})"
+    out.print(
+        f"sweep {sweep_dir}: {c['finished']} of {total} finished, {c['failed']} failed in "
+        f"{time.monotonic() - start:.0f} s{report_note}",
+        markup=False,
+    )
+    if c["finished"] != total:
+        raise CheckFailed(f"{total - c['finished']} run(s) did not finish (see sweep status).")
+
+
+def _sweep_report(sweep_dir: Path, record: dict[str, Any], out_file: Path) -> dict[str, Any]:
+    from quantpatch.analysis import plots
+    from quantpatch.analysis.report import write_report
+    from quantpatch.launch import sweep
+    from quantpatch.launch.registry import load_registry
+
+    cfg = record["selection"].get("config")
+    reg = load_registry(Path(cfg) if cfg else None)
+    plots.require_matplotlib()
+    logs = sweep.run_logs(sweep_dir, record)
+    if not logs:
+        raise UserError(f"{sweep_dir}: no run of the sweep has written a log yet.")
+    tensors = sweep.tensor_dirs(sweep_dir, record)
+    return write_report(
+        out_file, tensors[0] if tensors else None, logs, names=(reg.models, reg.datasets)
+    )
+
+
+@sweep_app.command("status")
+def sweep_status(
+    sweep_dir: Path = SweepDirArg,
+    watch: bool = typer.Option(False, "--watch", help="Redraw every 5 s until every run ended."),
+    json_: bool = JsonOpt,
+) -> None:
+    """The sweep's runs and their states (with Slurm's, for a submitted sweep)."""
+    from quantpatch.launch import sweep
+
+    while True:
+        data = sweep.status(sweep_dir)
+        if json_ or OPTS.json:
+            emit_json({"counts": data["counts"], "runs": data["runs"]})
+        else:
+            from rich.markup import escape as escape_markup
+            from rich.table import Table
+
+            table = Table(title=escape_markup(f"sweep {sweep_dir}"))
+            for col in ("run", "state", "exit", "gpus", "started", "ended", "commit"):
+                table.add_column(col)
+            for r in data["runs"]:
+                state = r["state"] + (f" ({r['slurm_state']})" if r.get("slurm_state") else "")
+                table.add_row(
+                    *(
+                        escape_markup(str(v))
+                        for v in (
+                            r["name"],
+                            state,
+                            "" if r["exit_code"] is None else r["exit_code"],
+                            r["gpus"] or "",
+                            r["started"] or "",
+                            r["ended"] or "",
+                            (r["commit"] or "")[:10],
+                        )
+                    )
+                )
+            out.print(table)
+            shown = ", ".join(f"{n} {k}" for k, n in data["counts"].items() if n)
+            out.print(f"{len(data['runs'])} runs: {shown}", markup=False)
+        busy = sum(data["counts"][k] for k in ("pending", "running", "submitted"))
+        if not watch or not busy:
+            return
+        time.sleep(5)
+
+
+@sweep_app.command("report")
+def sweep_report(
+    sweep_dir: Path = SweepDirArg,
+    out_file: Path | None = typer.Option(
+        None, "--out", help="The HTML file (default DIR/report.html)."
+    ),
+) -> None:
+    """`runs` and `tensors formats` over exactly the sweep's runs, in one HTML file."""
+    from quantpatch.launch import sweep
+
+    record = sweep.load(sweep_dir)
+    if record is None:
+        raise UserError(f"{sweep_dir} holds no sweep.json: not a sweep.")
+    target = out_file or sweep_dir / "report.html"
+    facts = _sweep_report(sweep_dir, record, target)
+    out.print(f"wrote {target} ({facts['bytes'] / 1e3:.0f} kB)", markup=False)
