@@ -11,7 +11,14 @@ Usage: python benchmarks/gpu_suite.py [--device cuda|cpu] [--out DIR] [--skip sa
    the saving-step stall against a pinned device-to-host copy of the same bytes.
 3. The tiny megatron-core GPT (``gpu_e2e.py --json``) from an ``init``ed checkout: step time per
    scheme, bf16 = 1.0.
-4. The generated scripts, run (``pretrain_runs.py``): a Megatron-LM clone (``--megatron-lm``,
+4. Flash attention (issue 30): the attention core of one llama32-1b layer (32 query heads, 8
+   key/value heads, head dim 64, batch 1, causal, bf16) at sequence 4096, forward + backward:
+   the unfused local attention as Megatron's ``DotProductAttention`` computes it (repeated
+   key/value heads, ``baddbmm`` scores, float32 softmax, ``bmm``) in bf16 and with
+   ``quant_baddbmm`` (mxfp8), and ``quant_flash_attention`` in bf16 and mxfp8 (the FA_mxfp8
+   route): time, ratio to the bf16 flash kernel and to the unfused bf16 attention, peak memory
+   and the bytes kept for the backward.
+5. The generated scripts, run (``pretrain_runs.py``): a Megatron-LM clone (``--megatron-lm``,
    core_v0.13.1) ``init``ed with the saver installed, ``smoke`` scripts for llama32-1b and
    deepseek2_lite run through ``torchrun pretrain_gpt.py`` (bf16, FA_linear_mxfp8 with the saver
    on, FA_linear_hifp8), then ``runs`` and ``report``: step time per scheme against bf16, finite
@@ -123,6 +130,83 @@ def bench_ops(device: str, n: int, iters: int) -> dict[str, Any]:
     }
 
 
+def unfused_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fmt: str, scale: float
+) -> torch.Tensor:
+    """Megatron's local DotProductAttention (causal, the torch softmax path): [sq, b, h, dv]."""
+    from quantpatch.runtime import quantpatch_ops as ops
+
+    sq, b, h, _ = q.shape
+    rep = h // k.shape[2]
+    k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+    query = q.reshape(sq, b * h, -1).transpose(0, 1)
+    key = k.reshape(sq, b * h, -1).transpose(0, 1).transpose(1, 2)
+    buf = torch.empty((b * h, sq, sq), dtype=q.dtype, device=q.device)
+    if fmt == "bf16":
+        scores = torch.baddbmm(buf, query, key, beta=0.0, alpha=scale)
+    else:
+        scores = ops.quant_baddbmm(buf, query, key, beta=0.0, alpha=scale, fmt=fmt)
+    mask = torch.ones(sq, sq, dtype=torch.bool, device=q.device).triu(1)
+    x = scores.view(b, h, sq, sq).float().masked_fill(mask, -10000.0)
+    probs = torch.softmax(x, dim=-1).to(q.dtype).view(b * h, sq, sq)
+    ctx = torch.bmm(probs, v.reshape(sq, b * h, -1).transpose(0, 1))
+    return ctx.view(b, h, sq, -1).permute(2, 0, 1, 3)
+
+
+FLASH_ROWS = (  # name, path, format
+    ("unfused bf16 (stock)", "unfused", "bf16"),
+    ("unfused mxfp8 (QUANTPATCH_FLASH=0)", "unfused", "mxfp8"),
+    ("flash bf16", "flash", "bf16"),
+    ("flash mxfp8 (FA_mxfp8)", "flash", "mxfp8"),
+)
+
+
+def bench_flash(device: str, seq: int, heads: int, groups: int, dim: int, iters: int) -> dict:
+    from quantpatch.runtime import quantpatch_ops as ops
+
+    os.environ["QUANTPATCH_FLASH"] = "1"  # CPU tensors too, in the interpreter
+    gen = torch.Generator().manual_seed(0)
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(torch.bfloat16).to(device)
+
+    q, k, v = rnd(seq, 1, heads, dim), rnd(seq, 1, groups, dim), rnd(seq, 1, groups, dim)
+    grad = rnd(seq, 1, heads, dim)
+    scale = dim**-0.5
+    rows = []
+    for name, path, fmt in FLASH_ROWS:
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+
+        def step(path: str = path, fmt: str = fmt, leaves: list = leaves) -> None:
+            for t in leaves:
+                t.grad = None
+            if path == "flash":
+                out = ops.quant_flash_attention(*leaves, fmt=fmt, causal=True, softmax_scale=scale)
+            else:
+                out = unfused_attention(*leaves, fmt, scale)
+            out.backward(grad)
+
+        kept: list[int] = []
+
+        def pack(t: torch.Tensor, kept: list[int] = kept) -> torch.Tensor:
+            kept.append(t.numel() * t.element_size())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            step()
+        entry: dict[str, Any] = {"row": name, "saved_mib": sum(kept) / 2**20}
+        entry["ms"] = timed(step, device, iters) * 1e3
+        if device == "cuda":
+            entry["peak_mib"] = extra_memory(step) / 2**20
+        rows.append(entry)
+    os.environ.pop("QUANTPATCH_FLASH")
+    by = {e["row"]: e for e in rows}
+    for e in rows:
+        e["vs_flash_bf16"] = e["ms"] / by["flash bf16"]["ms"]
+        e["vs_unfused_bf16"] = e["ms"] / by["unfused bf16 (stock)"]["ms"]
+    return {"seq": seq, "heads": heads, "groups": groups, "dim": dim, "rows": rows}
+
+
 def _script(name: str, args: list[str], out: Path) -> dict[str, Any] | None:
     cmd = [sys.executable, str(HERE / name), *args, "--json", str(out)]
     print(f"$ {' '.join(cmd[1:])}", flush=True)
@@ -189,6 +273,22 @@ def markdown(r: dict[str, Any]) -> str:
         lines.append("")
     elif e2e:
         lines += [f"End to end: {e2e['error']}", ""]
+    fl = r.get("flash")
+    if fl:
+        lines += [
+            f"Attention core, forward + backward: sequence {fl['seq']}, {fl['heads']} query "
+            f"heads, {fl['groups']} key/value heads, head dim {fl['dim']}, batch 1, causal, bf16.",
+            "",
+            "| path | ms | vs flash bf16 | vs unfused bf16 | peak MiB | kept for backward MiB |",
+            "| --- | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for e in fl["rows"]:
+            peak = f"{e['peak_mib']:.0f}" if "peak_mib" in e else "n/a"
+            lines.append(
+                f"| {e['row']} | {e['ms']:.3g} | {e['vs_flash_bf16']:.2f} "
+                f"| {e['vs_unfused_bf16']:.2f} | {peak} | {e['saved_mib']:.3g} |"
+            )
+        lines.append("")
     pre = r.get("pretrain")
     if pre and "error" not in pre:
         from pretrain_runs import markdown as runs_table
@@ -221,6 +321,24 @@ def bars(r: dict[str, Any]) -> list[str]:
     if e2e and "error" not in e2e:
         ratio = e2e["step_vs_bf16"]["FA_linear_mxfp8"]
         say(ratio <= 1.3, f"FA_linear_mxfp8 step <= 1.3x bf16 ({ratio:.2f}x)")
+    fl = r.get("flash")
+    if fl:
+        by = {e["row"]: e for e in fl["rows"]}
+        fa, stock = by["flash mxfp8 (FA_mxfp8)"], by["unfused bf16 (stock)"]
+        say(
+            fa["vs_flash_bf16"] <= 1.05,
+            f"FA_mxfp8 flash attention <= 1.05x the bf16 flash kernel ({fa['vs_flash_bf16']:.2f}x)",
+        )
+        say(
+            fa["vs_unfused_bf16"] <= 1.0,
+            f"FA_mxfp8 flash attention <= 1.0x the unfused bf16 attention "
+            f"({fa['vs_unfused_bf16']:.2f}x)",
+        )
+        say(
+            fa["peak_mib"] < stock["peak_mib"],
+            f"FA_mxfp8 peak memory below the unfused bf16 attention's at sequence {fl['seq']} "
+            f"({fa['peak_mib']:.0f} vs {stock['peak_mib']:.0f} MiB)",
+        )
     pre = r.get("pretrain")
     if pre and "error" not in pre and not pre["stub"]:
         ran = [d for d in pre["runs"] if d["exit"] == 0 and d["losses_finite"]]
@@ -245,7 +363,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", type=Path, default=Path("gpu-suite"))
     ap.add_argument("--size", type=int, default=None, help="square tensor side for the ops")
-    ap.add_argument("--skip", default="", help="comma list of: ops, saver, e2e, pretrain")
+    ap.add_argument("--skip", default="", help="comma list of: ops, flash, saver, e2e, pretrain")
     ap.add_argument(
         "--megatron-lm",
         type=Path,
@@ -263,6 +381,10 @@ def main() -> None:
     if "ops" not in skip:
         r["ops"] = bench_ops(args.device, args.size or (8192 if gpu else 256), 20 if gpu else 2)
         print(json.dumps(r["ops"], indent=1), flush=True)
+    if "flash" not in skip:
+        shape = (4096, 32, 8, 64) if gpu else (64, 4, 2, 32)
+        r["flash"] = bench_flash(args.device, *shape, iters=10 if gpu else 1)
+        print(json.dumps(r["flash"], indent=1), flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         small = [] if gpu else ["--hidden", "128", "--tokens", "256", "--layers", "2"]
         if "saver" not in skip:

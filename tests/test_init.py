@@ -9,7 +9,13 @@ from pathlib import Path
 import git
 import pytest
 
-from quantpatch.checkout.init import KERNELS_MODULE, OPS_MODULE, ops_source, runtime_source
+from quantpatch.checkout.init import (
+    FLASH_MODULE,
+    KERNELS_MODULE,
+    OPS_MODULE,
+    ops_source,
+    runtime_source,
+)
 
 from .conftest import ATTENTION, LINEAR, VERSIONS, run_probe, snapshot
 
@@ -32,15 +38,19 @@ def test_init_and_remove_round_trip(run, make_checkout, version):
     res = run("init", "--repo", root)
     assert res.code == 0, res
     data = json.loads(run("check", "--json", "--repo", root).out)
-    assert [(s["role"], s["value"]) for s in data["sites"]] == [
-        ("linear", "bf16"),
-        ("linear", "bf16"),
-        ("linear", "bf16"),
-        ("qk", "bf16"),
-        ("pv", "bf16"),
+    # the attention forward reads P.V's format (a label site), then Q.K^T's, at its top for
+    # the flash route of the FA schemes; the P.V product has its own site
+    assert [(s["role"], s["value"], s["form"]) for s in data["sites"]] == [
+        ("linear", "bf16", "literal"),
+        ("linear", "bf16", "literal"),
+        ("linear", "bf16", "literal"),
+        ("pv", "bf16", "label"),
+        ("qk", "bf16", "literal"),
+        ("pv", "bf16", "literal"),
     ]
     assert (root / OPS_MODULE).read_text() == ops_source()
     assert (root / KERNELS_MODULE).read_text() == runtime_source(KERNELS_MODULE)
+    assert (root / FLASH_MODULE).read_text() == runtime_source(FLASH_MODULE)
     repo = git.Repo(root)
     assert repo.head.commit.message.startswith("quantpatch init:") and not repo.is_dirty()
     assert run("init", "--repo", root).code == 2

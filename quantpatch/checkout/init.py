@@ -1,10 +1,12 @@
 """``quantpatch init``: make a stock Megatron checkout a quantization test bed, and undo it.
 
 ``init`` inserts fork-layout sites (value ``bf16``, so the checkout computes exactly as before)
-into the two target files and installs ``megatron/core/quantpatch_ops.py`` and
-``megatron/core/quantpatch_kernels.py`` (verbatim copies of ``quantpatch/runtime/``: the ops
-and their fused Triton kernels for CUDA tensors): a recorded install, so ``init --remove``
-restores the original bytes exactly.
+into the two target files, with the flash-attention route of the FA schemes at the top of
+``DotProductAttention.forward``, and installs ``megatron/core/quantpatch_ops.py``,
+``megatron/core/quantpatch_kernels.py`` and ``megatron/core/quantpatch_flash.py`` (verbatim
+copies of ``quantpatch/runtime/``: the ops, their fused Triton kernels for CUDA tensors, and
+the flash-attention kernels): a recorded install, so ``init --remove`` restores the original
+bytes exactly.
 """
 
 from __future__ import annotations
@@ -22,10 +24,12 @@ from quantpatch.sites.model import read_target
 
 OPS_MODULE = "megatron/core/quantpatch_ops.py"
 KERNELS_MODULE = "megatron/core/quantpatch_kernels.py"
+FLASH_MODULE = "megatron/core/quantpatch_flash.py"
 # installed path -> the runtime module it copies
 RUNTIME_MODULES = {
     OPS_MODULE: "runtime/quantpatch_ops.py",
     KERNELS_MODULE: "runtime/quantpatch_kernels.py",
+    FLASH_MODULE: "runtime/quantpatch_flash.py",
 }
 RECORD = "init"
 
@@ -50,7 +54,7 @@ def _plan(checkout: gitrepo.Checkout) -> list[Edit]:
     edits = []
     for rel in targets.all_files:
         text = read_target(root, rel)
-        edits.append(Edit(rel, text, inject_sites(text, rel, targets.kind_of(rel))))
+        edits.append(Edit(rel, text, inject_sites(text, rel, targets.kind_of(rel), flash=True)))
     for installed in RUNTIME_MODULES:
         current, source = read_exact(root / installed), runtime_source(installed)
         if current is not None and current != source:

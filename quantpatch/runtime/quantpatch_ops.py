@@ -54,6 +54,7 @@ format instead of ~30 elementwise passes; bit-identical results, tested).
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -492,3 +493,184 @@ E4M3, E5M2, E2M1 = _E4M3, _E5M2, _E2M1
 SCALE_MIN, SCALE_MAX = _SCALE_MIN, _SCALE_MAX
 round_element = _round_element
 nvfp4 = _nvfp4
+# -- flash attention for the FA schemes (Q.K^T quantized, P.V bf16) -----------------------------
+#
+# ``quant_flash_attention`` fake-quantizes Q and K once, up front, with ``_q`` (the fused kernel
+# on CUDA tensors, straight-through for the gradients), exactly the operands and gradients of the
+# unfused ``quant_baddbmm``, and runs the bf16 flash-attention kernels of
+# ``quantpatch_flash.py`` on them: Q.K^T reads the same quantized values, dQ = dS . K_q and
+# dK = dS^T . Q_q as the unfused path's autograd computes them, and no [b * h, sq, sk] tensor is
+# made. (Quantizing inside the kernel would redo each K block's quantization for every query
+# block, and again in the backward; up front it is one memory-bound pass over Q and over K.)
+#
+# The patched ``DotProductAttention.forward`` (``quantpatch init``) asks ``flash_eligible`` first
+# and returns ``flash_dot_product_attention`` when it may; the unfused path runs otherwise.
+# ``QUANTPATCH_FLASH``: ``auto`` (default: CUDA tensors), ``0`` (never), ``1`` (also CPU tensors,
+# in Triton's interpreter: ``TRITON_INTERPRET=1``; without it a CPU tensor is an error).
+
+FLASH_MODES = ("auto", "0", "1")
+_flash_module: Any = None
+_flash_error: str | None = None
+
+
+def _flash() -> Any:
+    """The flash-attention kernels module beside this one, or None (the reason kept)."""
+    global _flash_module, _flash_error
+    if _flash_module is None and _flash_error is None:
+        try:
+            from . import quantpatch_flash  # megatron.core or quantpatch.runtime
+        except Exception as exc:  # no triton, no package: the unfused path runs
+            _flash_error = f"{type(exc).__name__}: {exc}"
+        else:
+            _flash_module = quantpatch_flash
+    return _flash_module
+
+
+def _flash_mode() -> str:
+    mode = os.environ.get("QUANTPATCH_FLASH", "auto")
+    if mode not in FLASH_MODES:
+        raise ValueError(f"QUANTPATCH_FLASH={mode!r}; expected auto, 0 or 1")
+    return mode
+
+
+def quant_flash_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    fmt: str,
+    causal: bool,
+    softmax_scale: float,
+) -> torch.Tensor:
+    """``softmax(softmax_scale * Q_q K_q^T) V`` per head with flash-attention kernels, Q and K
+    fake-quantized to ``fmt`` along the head dim (the reduction dim of Q.K^T) as
+    ``quant_baddbmm`` quantizes them, V and P.V in the input dtype. Layout ``[s, b, heads,
+    head_dim]``: query ``[sq, b, h, d]``, key ``[sk, b, g, d]``, value ``[sk, b, g, dv]`` with
+    ``g`` dividing ``h`` (query head ``i`` reads key/value head ``i // (h // g)``); the result
+    is ``[sq, b, h, dv]``. ``causal``: key ``j`` is visible from query ``i`` when ``j <= i``
+    (``sq == sk``). Needs the Triton kernels: CUDA tensors, or CPU ones in the interpreter."""
+    flash = _flash()
+    if flash is None:
+        raise RuntimeError(f"flash attention needs its Triton kernels: {_flash_error}")
+    q = _q(query, _operand_fmt(query, fmt), -1, False)
+    k = _q(key, _operand_fmt(key, fmt), -1, False)
+    out: torch.Tensor = flash.flash_attention(q, k, value, causal=causal, scale=softmax_scale)
+    return out
+
+
+_FLAG_TRUE = ("1", "true", "yes", "on")
+_causal_seen: list[Any] = []  # [(weakref to a mask, its version, whether it is causal)]
+
+
+def _is_causal_mask(mask: torch.Tensor, sq: int) -> bool:
+    """Whether ``mask`` (True = masked, Megatron's convention) is the causal mask of ``sq``
+    queries for every batch and head. Remembered for the last mask seen (by identity and
+    version): the layers of one step share the data loader's mask, so it is compared once."""
+    if _causal_seen:
+        ref, version, answer = _causal_seen[0]
+        if ref() is mask and mask._version == version:
+            return bool(answer)
+    answer = (
+        mask.dtype == torch.bool
+        and mask.dim() == 4
+        and tuple(mask.shape[2:]) == (sq, sq)
+        and torch.equal(
+            mask,
+            torch.ones(sq, sq, dtype=torch.bool, device=mask.device).triu(1).expand(mask.shape),
+        )
+    )
+    _causal_seen[:] = [(weakref.ref(mask), mask._version, answer)]
+    return answer
+
+
+def _mask_kind(attention: Any) -> str:
+    kind = getattr(attention, "attn_mask_type", None)
+    return str(getattr(kind, "name", kind))
+
+
+def flash_refusal(
+    attention: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    *,
+    qk: str,
+    pv: str,
+) -> str | None:
+    """Why Megatron's ``DotProductAttention`` ``attention`` must take the unfused path for
+    these inputs, or None when ``flash_dot_product_attention`` computes what it would (up to
+    the rounding of a flash kernel). Raises where ``QUANTPATCH_FLASH=1`` asks for CPU tensors
+    outside Triton's interpreter."""
+    mode = _flash_mode()
+    if mode == "0":
+        return "QUANTPATCH_FLASH=0"
+    if qk == "bf16":
+        return "Q.K^T is bf16: the stock attention runs"
+    if pv != "bf16":
+        return f"P.V is quantized ({pv}): the flash kernel keeps P.V in bf16"
+    if qk not in FORMATS:
+        return f"unknown format {qk!r}"
+    if os.environ.get("TENSOR_SAVE_ENABLED", "").strip().lower() in _FLAG_TRUE:
+        return "the tensor saver is on (it saves the attention probabilities)"
+    if not query.is_cuda:
+        if mode == "auto":
+            return "CPU tensors"
+        if not _interpreted():
+            raise RuntimeError(
+                f"QUANTPATCH_FLASH=1, but the tensors are on {query.device.type} and compiled "
+                "Triton kernels run on CUDA tensors only; set TRITON_INTERPRET=1 to interpret "
+                "them on CPU tensors, or QUANTPATCH_FLASH=auto."
+            )
+    flash = _flash()
+    if flash is None:
+        return f"no flash-attention kernels ({_flash_error})"
+    dropout = getattr(getattr(attention, "attention_dropout", None), "p", 0.0)
+    if dropout and attention.training:
+        return f"attention dropout {dropout} (the kernel has none)"
+    kind = _mask_kind(attention)
+    causal = kind == "causal"
+    why: str | None = flash.shape_refusal(query, key, value, causal)
+    if why is not None:
+        return why
+    if attention_mask is not None and not (causal and _is_causal_mask(attention_mask, len(query))):
+        return f"an attention mask other than the causal one (mask type {kind})"
+    if kind not in ("causal", "padding", "no_mask"):
+        return f"mask type {kind}"
+    return None
+
+
+def flash_eligible(
+    attention: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    *,
+    qk: str,
+    pv: str,
+) -> bool:
+    """Whether the patched ``DotProductAttention.forward`` may return
+    ``flash_dot_product_attention`` (see :func:`flash_refusal` for the reasons it may not)."""
+    return flash_refusal(attention, query, key, value, attention_mask, qk=qk, pv=pv) is None
+
+
+def flash_dot_product_attention(
+    attention: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    *,
+    fmt: str,
+) -> torch.Tensor:
+    """What Megatron's local ``DotProductAttention.forward`` returns (``[sq, b, heads x
+    head_dim]``), computed by :func:`quant_flash_attention`: the scores' scale is the layer's
+    ``softmax_scale`` times its softmax's ``scale`` (the layer number under
+    ``apply_query_key_layer_scaling``), causal for the causal mask type. The caller has checked
+    :func:`flash_eligible`, which has seen ``attention_mask`` (None or the causal mask)."""
+    coeff = getattr(getattr(attention, "scale_mask_softmax", None), "scale", None)
+    scale = float(attention.softmax_scale) * (float(coeff) if coeff is not None else 1.0)
+    causal = _mask_kind(attention) == "causal"
+    context = quant_flash_attention(query, key, value, fmt=fmt, causal=causal, softmax_scale=scale)
+    return context.view(context.shape[0], context.shape[1], -1)

@@ -182,10 +182,12 @@ def product_of(stmt: cst.SimpleStatementLine, func: str) -> _Product | None:
 
 
 class _Inject(cst.CSTTransformer):
-    def __init__(self, kind: str, layout: Layout) -> None:
+    def __init__(self, kind: str, layout: Layout, flash: bool = False) -> None:
         super().__init__()
         self.kind = kind
         self.layout = layout
+        self.flash = flash and kind == "attention"
+        self.flash_done = False
         self.cls: list[str] = []
         self.func: list[str] = []
         self.found: list[str] = []
@@ -206,6 +208,9 @@ class _Inject(cst.CSTTransformer):
     def leave_FunctionDef(
         self, original_node: cst.FunctionDef, updated_node: cst.FunctionDef
     ) -> cst.FunctionDef:
+        if self.flash and self._in_target():
+            updated_node = _with_flash_route(updated_node, self.layout)
+            self.flash_done = True
         self.func.pop()
         return updated_node
 
@@ -231,6 +236,8 @@ class _Inject(cst.CSTTransformer):
         lines: list[str] = []
         if product.name == "pv" and self.layout.shared_attention:
             pass  # P.V reuses the value assigned before Q.K^T
+        elif product.name == "qk" and self.flash:
+            pass  # the Q.K^T site heads the forward, before the flash route (_with_flash_route)
         else:
             if self.layout.label and not self.label_done and product.name == "forward":
                 # a fork's label site: names the saved tensors, overwritten before the GEMM
@@ -267,6 +274,73 @@ def _group(lines: list[str]) -> list[str]:
 
 
 _EXPECTED = {"linear": ["forward", "dgrad", "wgrad"], "attention": ["qk", "pv"]}
+
+
+# -- the flash-attention route of the FA schemes ---------------------------------------------
+#
+# With ``flash=True`` (``quantpatch init``) DotProductAttention.forward starts, after its
+# docstring and assertions, with the formats of both attention products and a guarded early
+# return to the flash-attention kernel (quantpatch_ops.flash_dot_product_attention), taken when
+# Q.K^T is quantized, P.V is bf16 and the inputs allow it (CUDA tensors, the causal mask or
+# none, no dropout, ...). Both formats must be known there, before the key/value heads are
+# repeated and the [b * np, sq, sk] score buffer is taken, so the Q.K^T site moves up from its
+# product (it still governs the Q.K^T dispatch: nothing assigns the variable in between) and
+# P.V's format is read first by a second P.V site (``# quantpatch: role=pv``: ``set`` writes it
+# with the one at the P.V product, ``check`` flags them if they ever differ). With Q.K^T in
+# bf16 the guard is one string comparison and the stock computation runs, bit for bit.
+
+FLASH_PV = "quantpatch_pv"
+FLASH_ARGS = ("query", "key", "value", "attention_mask")  # the forward's first parameters
+_FLASH_COMMENT = (
+    "# quantpatch: the formats of P.V, then of Q.K^T; a quantized Q.K^T with a bf16 P.V runs",
+    "# on the flash-attention kernel when the inputs allow it, before any score is materialised",
+)
+
+
+def _flash_lines(layout: Layout) -> str:
+    q = layout.quote
+    literal = f"{q}{layout.value}{q}"
+    args = ", ".join(("self", *FLASH_ARGS))
+    return (
+        f"{SITE_NAME} = {literal}  # quantpatch: role=pv\n"
+        f"{FLASH_PV} = {SITE_NAME}\n"
+        f"{SITE_NAME} = {literal}\n"
+        f"if {SITE_NAME} != {q}bf16{q}:\n"
+        "    from megatron.core import quantpatch_ops\n"
+        "\n"
+        "    if quantpatch_ops.flash_eligible(\n"
+        f"        {args}, qk={SITE_NAME}, pv={FLASH_PV}\n"
+        "    ):\n"
+        "        return quantpatch_ops.flash_dot_product_attention(\n"
+        f"            {args}, fmt={SITE_NAME}\n"
+        "        )\n"
+    )
+
+
+def _is_preamble(stmt: cst.BaseStatement) -> bool:
+    """A docstring or an assertion: the flash route comes after them."""
+    return isinstance(stmt, cst.SimpleStatementLine) and all(
+        isinstance(s, cst.Assert) or m.matches(s, m.Expr(value=m.SimpleString())) for s in stmt.body
+    )
+
+
+def _with_flash_route(forward: cst.FunctionDef, layout: Layout) -> cst.FunctionDef:
+    """``DotProductAttention.forward`` with the two formats and the flash route at its top."""
+    names = [p.name.value for p in forward.params.params]
+    if names[1:5] != list(FLASH_ARGS) or not isinstance(forward.body, cst.IndentedBlock):
+        raise UserError(
+            "DotProductAttention.forward does not take (self, query, key, value, "
+            "attention_mask, ...); the file is not a supported megatron-core release."
+        )
+    body = list(forward.body.body)
+    at = 0
+    while at < len(body) and _is_preamble(body[at]):
+        at += 1
+    route = list(cst.parse_module(_flash_lines(layout)).body)
+    comments = [cst.EmptyLine(indent=True, comment=cst.Comment(c)) for c in _FLASH_COMMENT]
+    route[0] = route[0].with_changes(leading_lines=[cst.EmptyLine(indent=False), *comments])
+    body[at:at] = route
+    return forward.with_changes(body=forward.body.with_changes(body=body))
 
 
 def _ensure_import_os(module: cst.Module) -> cst.Module:
@@ -395,18 +469,29 @@ def teach_mla_head_dims(module: cst.Module) -> cst.Module:
 
 
 def inject_sites(
-    text: str, rel: str, kind: str, layout: Layout | None = None, *, teach_mla: bool = True
+    text: str,
+    rel: str,
+    kind: str,
+    layout: Layout | None = None,
+    *,
+    teach_mla: bool = True,
+    flash: bool = False,
 ) -> str:
     """``text`` with fork-layout sites and dispatches around every product of ``kind`` (and,
     in the attention file, the MLA head dims of ``teach_mla_head_dims`` unless told not to:
-    real forks do not have them)."""
+    real forks do not have them). ``flash``: the attention forward also gets the
+    flash-attention route of the FA schemes (see ``_with_flash_route``; ``quantpatch init``)."""
     layout = layout or Layout()
     module = parse_source(text, rel)
     if SITE_NAME in text and m.findall(module, m.Name(SITE_NAME)):
         raise UserError(f"{rel}: the file already has {SITE_NAME} sites; nothing to initialise.")
-    inject = _Inject(kind, layout)
+    if flash and (layout.shared_attention or layout.env or layout.nested):
+        raise ValueError("the flash route is written with one plain literal site per product")
+    inject = _Inject(kind, layout, flash)
     new = module.visit(inject)
     missing = [p for p in _EXPECTED[kind] if p not in inject.found]
+    if inject.flash and not inject.flash_done:
+        missing.append("DotProductAttention.forward")
     if missing:
         raise UserError(
             f"{rel}: cannot find the {', '.join(missing)} product(s) this Megatron layout "
