@@ -153,6 +153,70 @@ def test_gradient_accumulation_quantizes_each_weight_once_per_step(monkeypatch, 
         assert same_bits(got, want)
 
 
+MEGATRON_PROBE = """
+import inspect, sys, torch
+from megatron.core import quantpatch_ops as ops
+from megatron.core.tensor_parallel.layers import (
+    LinearWithGradAccumulationAndAsyncCommunication as Linear,
+)
+
+out, k = sys.argv[1], int(sys.argv[2])
+gen = torch.Generator().manual_seed(0)
+w = torch.nn.Parameter((torch.randn(80, 96, generator=gen) * 96**-0.5).to(torch.bfloat16))
+values = {
+    "bias": None, "gradient_accumulation_fusion": False, "allreduce_dgrad": False,
+    "async_grad_allreduce": False, "sequence_parallel": False, "grad_output_buffer": None,
+    "wgrad_deferral_limit": 0, "tp_group": None,
+}
+names = list(inspect.signature(Linear.forward).parameters)[3:]
+seen = []
+real = ops.fake_quant
+
+def spy(x, fmt, *, dim=-1, backward=False):
+    if x.data_ptr() == w.data_ptr():
+        seen.append(backward)
+    return real(x, fmt, dim=dim, backward=backward)
+
+ops.fake_quant = spy
+results, per_step = [], []
+for step in range(2):
+    for _ in range(k):
+        x = torch.randn(16, 2, 96, generator=gen).to(torch.bfloat16).requires_grad_()
+        y = Linear.apply(x, w, *(values[n] for n in names))
+        y.float().square().sum().backward()
+        results += [y.detach(), x.grad]
+    results.append(w.grad.clone())
+    per_step.append(sorted(seen))
+    seen.clear()
+    torch.optim.SGD([w], lr=0.1).step()
+    w.grad = None
+torch.save({"results": results, "per_step": per_step, "stats": ops.weight_cache_stats()}, out)
+"""
+
+
+@pytest.mark.slow
+def test_megatron_linear_layer_quantizes_its_weight_once_per_step(run, make_checkout, tmp_path):
+    """The real linear autograd function of an initialised megatron-core 0.13.1 checkout under
+    ``set --linear mxfp8``: 3 micro-batches of gradient accumulation, 2 SGD steps; with the
+    cache the weight is quantized once per step for the forward (E4M3) and once for dgrad
+    (E5M2), without it 3 times each; outputs and gradients bit-identical."""
+    from .conftest import run_probe
+
+    root = make_checkout("0.13.1", inject=False, full=True)
+    assert run("init", "--repo", root).code == 0
+    assert run("set", "--repo", root, "--linear", "mxfp8", "--no-branch").code == 0
+    probe = tmp_path / "probe.py"
+    probe.write_text(MEGATRON_PROBE)
+    on = run_probe(probe, root, tmp_path / "on.pt", "3", QUANTPATCH_WEIGHT_CACHE="1")[0]
+    off = run_probe(probe, root, tmp_path / "off.pt", "3", QUANTPATCH_WEIGHT_CACHE="0")[0]
+    assert on["per_step"] == [[False, True]] * 2
+    assert off["per_step"] == [[False] * 3 + [True] * 3] * 2
+    assert on["stats"]["hits"] == 2 * 2 * 2 and on["stats"]["hit_ratio"] == pytest.approx(2 / 3)
+    assert len(on["results"]) == len(off["results"]) == 2 * (2 * 3 + 1)
+    for got, want in zip(on["results"], off["results"], strict=True):
+        assert same_bits(got, want)
+
+
 def test_cache_is_never_stale(monkeypatch):
     """Every way a weight changes makes the next lookup miss and quantize the new values."""
     w = torch.nn.Parameter(torch.randn(64, 96, dtype=torch.bfloat16))
@@ -524,3 +588,33 @@ def test_auto_measures_each_problem_once_and_keeps_the_faster(monkeypatch):
     monkeypatch.setattr(ops, "_gemm_timer", lambda fn: {"fused": 3.0, "separate": 2.0}[fn.__name__])
     assert ops._choose_gemm(("j",), fused, separate) == "separate"
     assert ops.gemm_choices() == {"('k',)": "fused", "('j',)": "separate"}
+
+
+def test_auto_through_the_products_uses_the_measured_path(kernels, monkeypatch):
+    """auto where it measures (CUDA; here the interpreter stands in): the timer's verdict is
+    kept per problem; separate gives the separate path's bits, fused calls the GEMM."""
+    monkeypatch.setattr(ops, "_kernels_module", kernels)
+    monkeypatch.setattr(ops, "_auto_fuses", lambda t: True)
+    monkeypatch.setattr(ops, "_GEMM_CHOICES", {})
+    verdict = {"fused": 2.0, "separate": 1.0}
+    timed = []
+
+    def timer(fn):
+        timed.append(fn.__name__)
+        fn()
+        return verdict[fn.__name__]
+
+    monkeypatch.setattr(ops, "_gemm_timer", timer)
+    a, b = _operands(24, 64, 40, torch.float32, seed=8, transposed_b=False)
+    with torch.no_grad():
+        got = ops.quant_matmul(a, b, "hifp8")
+        monkeypatch.setenv("QUANTPATCH_GEMM", "separate")
+        assert same_bits(got, ops.quant_matmul(a, b, "hifp8"))
+        monkeypatch.setenv("QUANTPATCH_GEMM", "auto")
+        assert same_bits(ops.quant_matmul(a, b, "hifp8"), got) and len(timed) == 2
+        verdict.update(fused=0.5)
+        fused = ops.quant_matmul(a, b, "mxfp4")  # another problem: measured, fused kept
+        assert len(timed) == 4 and list(ops.gemm_choices().values()) == ["separate", "fused"]
+        qa, qb = ops._fake_quant(a, "mxfp4", -1, False), ops._fake_quant(b, "mxfp4", -2, False)
+        tol, ref = _tolerance(qa, qb, torch.float32)
+        assert bool(((fused.double() - ref).abs() <= tol).all())

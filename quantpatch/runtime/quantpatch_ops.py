@@ -763,6 +763,12 @@ def _choose_gemm(
     return choice
 
 
+def _auto_fuses(t: torch.Tensor) -> bool:
+    """Whether ``auto`` considers the fused GEMM for ``t``'s device: CUDA only (the
+    interpreter is a correctness tool, not a candidate for speed)."""
+    return t.is_cuda
+
+
 def _gemm_operand(t: torch.Tensor, fmt: str, dim: int, backward: bool) -> tuple[torch.Tensor, str]:
     """The operand as the GEMM reads it: a weight the cache may hold, already quantized."""
     if _is_weight(t) and weight_cache_enabled() and not torch.is_inference_mode_enabled():
@@ -786,7 +792,7 @@ def _fused_product(
         return None
     if a.shape[-1] != b.shape[-2] or a.device != b.device:
         return None
-    if mode == "auto" and (not a.is_cuda or _kernel_mode() == "reference"):
+    if mode == "auto" and (not _auto_fuses(a) or _kernel_mode() == "reference"):
         return None
     if not a.is_cuda and not _interpreted():
         raise RuntimeError(
