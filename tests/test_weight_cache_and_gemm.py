@@ -154,7 +154,7 @@ def test_gradient_accumulation_quantizes_each_weight_once_per_step(monkeypatch, 
 
 
 MEGATRON_PROBE = """
-import inspect, sys, torch
+import inspect, os, sys, torch
 from megatron.core import quantpatch_ops as ops
 from megatron.core.tensor_parallel.layers import (
     LinearWithGradAccumulationAndAsyncCommunication as Linear,
@@ -178,19 +178,27 @@ def spy(x, fmt, *, dim=-1, backward=False):
     return real(x, fmt, dim=dim, backward=backward)
 
 ops.fake_quant = spy
-results, per_step = [], []
-for step in range(2):
-    for _ in range(k):
-        x = torch.randn(16, 2, 96, generator=gen).to(torch.bfloat16).requires_grad_()
-        y = Linear.apply(x, w, *(values[n] for n in names))
-        y.float().square().sum().backward()
-        results += [y.detach(), x.grad]
-    results.append(w.grad.clone())
-    per_step.append(sorted(seen))
-    seen.clear()
-    torch.optim.SGD([w], lr=0.1).step()
-    w.grad = None
-torch.save({"results": results, "per_step": per_step, "stats": ops.weight_cache_stats()}, out)
+saved = {}
+w0 = w.detach().clone()
+for cache in ("1", "0"):
+    os.environ["QUANTPATCH_WEIGHT_CACHE"] = cache
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        w.copy_(w0)
+    results, per_step = [], []
+    for step in range(2):
+        for _ in range(k):
+            x = torch.randn(16, 2, 96, generator=gen).to(torch.bfloat16).requires_grad_()
+            y = Linear.apply(x, w, *(values[n] for n in names))
+            y.float().square().sum().backward()
+            results += [y.detach(), x.grad]
+        results.append(w.grad.clone())
+        per_step.append(sorted(seen))
+        seen.clear()
+        torch.optim.SGD([w], lr=0.1).step()
+        w.grad = None
+    saved[cache] = {"results": results, "per_step": per_step, "stats": ops.weight_cache_stats()}
+torch.save(saved, out)
 """
 
 
@@ -207,8 +215,8 @@ def test_megatron_linear_layer_quantizes_its_weight_once_per_step(run, make_chec
     assert run("set", "--repo", root, "--linear", "mxfp8", "--no-branch").code == 0
     probe = tmp_path / "probe.py"
     probe.write_text(MEGATRON_PROBE)
-    on = run_probe(probe, root, tmp_path / "on.pt", "3", QUANTPATCH_WEIGHT_CACHE="1")[0]
-    off = run_probe(probe, root, tmp_path / "off.pt", "3", QUANTPATCH_WEIGHT_CACHE="0")[0]
+    saved = run_probe(probe, root, tmp_path / "out.pt", "3")[0]
+    on, off = saved["1"], saved["0"]
     assert on["per_step"] == [[False, True]] * 2
     assert off["per_step"] == [[False] * 3 + [True] * 3] * 2
     assert on["stats"]["hits"] == 2 * 2 * 2 and on["stats"]["hit_ratio"] == pytest.approx(2 / 3)
@@ -360,14 +368,16 @@ def test_every_autotune_configuration_is_bit_exact(kernels):
     """The interpreter runs one configuration per layout; here each one of the fixed set runs
     (the raw kernel, given its tiles) and matches the reference."""
     gen = torch.Generator().manual_seed(9)
-    x = (torch.randn(40, 200, generator=gen) * 30).to(torch.bfloat16)
-    x[3, 7], x[5, 100] = float("nan"), -float("inf")
+    x = (torch.randn(48, 96, generator=gen) * 30).to(torch.bfloat16)
+    x[3, 7], x[5, 90] = float("nan"), -float("inf")
     mx_raw = kernels._mx_kernel.fn
+    ran = 0
     for cfg in kernels._mx_kernel.configs:
-        for t, dim in ((x, -1), (x.t(), -2)):  # contiguous and strided reductions
+        for t, dim in ((x, -1), (x, 0)):  # a contiguous and a strided reduction
             t3, (b, rows, n), (sb, sr, sn) = kernels._as_3d(t, dim % 2)
-            if cfg.quantpatch_layout != int(sn == 1):
+            if kernels.layout_of(cfg) != int(sn == 1):
                 continue
+            ran += 1
             y = torch.empty_like(t3)
             br, bn = cfg.kwargs["BLOCK_R"], cfg.kwargs["BLOCK_N"]
             grid = (-(-rows // br), -(-n // bn), b)
@@ -379,6 +389,7 @@ def test_every_autotune_configuration_is_bit_exact(kernels):
             ref = ops._fake_quant(t, "mxfp8", dim, False)
             assert torch.equal(torch.isnan(y), torch.isnan(ref))
             assert same_bits(torch.nan_to_num(y), torch.nan_to_num(ref)), cfg
+    assert ran == len(kernels._mx_kernel.configs)  # each configuration on its layout
     flat = x.reshape(-1)
     for cfg in kernels._hifp8_kernel.configs:
         y = torch.empty_like(flat)
@@ -399,7 +410,7 @@ def test_autotune_keys_and_pruning(kernels, monkeypatch):
     contiguous = kernels._prune_by_layout(configs, {"sn": 1})
     strided = kernels._prune_by_layout(configs, {"sn": 64})
     assert len(contiguous) == 5 and len(strided) == 4
-    assert {c.quantpatch_layout for c in contiguous} == {1}
+    assert {kernels.layout_of(c) for c in contiguous} == {1}
     assert len(kernels._prune_gemm(kernels._qgemm_kernel.configs, {})) == 5
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # interpreted: the first one, no timing
     assert kernels._prune_by_layout(configs, {"sn": 64}) == strided[:1]
@@ -449,9 +460,12 @@ def test_fused_gemm_quantizes_operands_bit_for_bit_and_multiplies_within_the_bou
     qa = ops._fake_quant(a, fmt, -1, backward)
     qb = ops._fake_quant(b, fmt, -2, backward)
     eye = torch.eye(80, dtype=dtype, device=DEVICE)
-    if fmt == "mxfp8":  # the two operand positions (tile layouts) checked once each
-        assert same_bits(kernels.quant_gemm(a, eye, fmt, "bf16", backward), qa)
-        assert same_bits(kernels.quant_gemm(eye, b, "bf16", fmt, False, backward), qb)
+    # rows of A and columns of B quantize independently: one tile row / column of each (a
+    # sum turns -0 into +0, so zeros are compared without their sign)
+    got_a = kernels.quant_gemm(a[:32], eye, fmt, "bf16", backward)
+    assert same_bits(got_a + 0.0, qa[:32] + 0.0)
+    got_b = kernels.quant_gemm(eye, b[:, :32], "bf16", fmt, False, backward)
+    assert same_bits(got_b + 0.0, qb[:, :32] + 0.0)
     got = kernels.quant_gemm(a, b, fmt, fmt, backward, backward)
     assert got.dtype == dtype and got.shape == (64, 96)
     tol, ref = _tolerance(qa, qb, dtype)

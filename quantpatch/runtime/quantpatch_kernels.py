@@ -80,15 +80,23 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+_LAYOUTS: dict[tuple[tuple[str, int], ...], int] = {}
+
+
 def _configs(table: tuple[tuple[int, ...], ...], names: tuple[str, ...]) -> list[Any]:
-    """``triton.Config`` objects of a table, each tagged with its layout
-    (``quantpatch_layout``) for :func:`_prune_by_layout`."""
+    """``triton.Config`` objects of a table; each one's layout is kept in ``_LAYOUTS`` (by its
+    tile sizes) for :func:`_prune_by_layout`."""
     out = []
     for layout, *sizes, warps in table:
-        cfg = triton.Config(dict(zip(names, sizes, strict=True)), num_warps=warps)
-        cfg.quantpatch_layout = layout
-        out.append(cfg)
+        tiles = dict(zip(names, sizes, strict=True))
+        _LAYOUTS[tuple(sorted(tiles.items()))] = layout
+        out.append(triton.Config(tiles, num_warps=warps))
     return out
+
+
+def layout_of(config: Any) -> int:
+    """1 for a configuration made for a contiguous reduction, 0 for a strided one."""
+    return _LAYOUTS[tuple(sorted(config.kwargs.items()))]
 
 
 def shape_class(rows: int, n: int, sn: int) -> int:
@@ -99,7 +107,7 @@ def shape_class(rows: int, n: int, sn: int) -> int:
 
 def _prune_by_layout(configs: list[Any], named_args: dict[str, Any], **kwargs: Any) -> list[Any]:
     contiguous = int(named_args.get("sn", 1) == 1)
-    kept = [c for c in configs if c.quantpatch_layout == contiguous] or configs
+    kept = [c for c in configs if layout_of(c) == contiguous] or configs
     return kept[:1] if _interpreting() else kept
 
 
@@ -584,7 +592,6 @@ def _qgemm_kernel(
     rk = tl.arange(0, BLOCK_K)
     a_rows = a_ptr + batch * sab + rm[:, None].to(tl.int64) * sam
     b_cols = b_ptr + batch * sbb + rn[None, :].to(tl.int64) * sbn
-    elem: tl.constexpr = a_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + rk
@@ -600,16 +607,18 @@ def _qgemm_kernel(
         )
         if A_KIND == 1:
             a = _mx_quant_tile(
-                a, BLOCK_M, BLOCK_K, True, A_MBITS, A_EMIN, A_VMAX, A_EMAX, elem, BF16
-            )
+                a, BLOCK_M, BLOCK_K, True, A_MBITS, A_EMIN, A_VMAX, A_EMAX,
+                a_ptr.dtype.element_ty, BF16,
+            )  # fmt: skip
         elif A_KIND == 2:
-            a = _hifp8_quant_tile(a, elem, BF16)
+            a = _hifp8_quant_tile(a, a_ptr.dtype.element_ty, BF16)
         if B_KIND == 1:
             b = _mx_quant_tile(
-                b, BLOCK_K, BLOCK_N, False, B_MBITS, B_EMIN, B_VMAX, B_EMAX, elem, BF16
-            )
+                b, BLOCK_K, BLOCK_N, False, B_MBITS, B_EMIN, B_VMAX, B_EMAX,
+                b_ptr.dtype.element_ty, BF16,
+            )  # fmt: skip
         elif B_KIND == 2:
-            b = _hifp8_quant_tile(b, elem, BF16)
+            b = _hifp8_quant_tile(b, b_ptr.dtype.element_ty, BF16)
         if UPCAST:  # the interpreter multiplies bf16 as its raw bits: exact float32 instead
             acc = tl.dot(_load_f32(a, BF16), _load_f32(b, BF16), acc, input_precision="ieee")
         elif IEEE:
