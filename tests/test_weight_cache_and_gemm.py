@@ -632,3 +632,35 @@ def test_auto_through_the_products_uses_the_measured_path(kernels, monkeypatch):
         qa, qb = ops._fake_quant(a, "mxfp4", -1, False), ops._fake_quant(b, "mxfp4", -2, False)
         tol, ref = _tolerance(qa, qb, torch.float32)
         assert bool(((fused.double() - ref).abs() <= tol).all())
+
+
+def test_gpu_suite_issue30_rows_run_at_tiny_sizes(monkeypatch):
+    """benchmarks/gpu_suite.py's issue-30 sections end to end on CPU at tiny sizes (the
+    kernels interpreted), and their table and bars, so that they run the first time a GPU
+    is there."""
+    import sys
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    suite = importlib.import_module("gpu_suite")
+    r = {
+        "kernel_shapes": suite.bench_kernel_shapes(DEVICE, ((8, 64),), 1),
+        "gemm": suite.bench_gemm(DEVICE, ((16, 32, 32),), 1, (("mxfp8", False),)),
+        "weight_cache": suite.bench_weight_cache(DEVICE, 32, 64, 16, micro_batches=3, steps=2),
+    }
+    assert os.environ.get("QUANTPATCH_GEMM") is None and os.environ["QUANTPATCH_KERNELS"] == "auto"
+    c = r["weight_cache"]
+    assert c["hit_ratio"] == pytest.approx(2 / 3) and c["quantizations_per_step"] == 4
+    assert c["quantizations_per_step_off"] == 12 and c["bytes_held"] == 2 * c["weight_bytes"]
+    row = r["gemm"][0]["mxfp8"]
+    assert row["separate_ms"] > 0 and row["fused_ms"] > 0
+    md = "\n".join(suite.issue30_markdown(r))
+    assert "| 8x64 |" in md and "| 16x32x32 |" in md and "hit ratio 0.667" in md
+    said = []
+    suite.issue30_bars(r, lambda ok, text: said.append(text))
+    assert [s.split(" (")[0] for s in said] == [
+        "every kernel >= 80 % of the copy",
+        "quantized GEMM <= 1.08x bf16",
+        "each weight quantized once per step",
+    ]
+    sys.modules.pop("gpu_suite", None)
