@@ -559,6 +559,7 @@ def test_quant_matmul_dispatch(kernels, monkeypatch):
         ops.quant_matmul(a, w.t(), "nvfp4")  # separate: a tensor-wide amax
         assert ops._fused_product(a3, b3.float(), "mxfp8", False, False) is None  # dtypes
         assert ops._fused_product(a3, b3[:1], "mxfp8", False, False) is None  # batches
+        assert ops._fused_product(a3, b3[:, :8], "mxfp8", False, False) is None  # K differs
         ops.quant_matmul(a3, b3[0], "mxfp8")  # an activation b: quantized in the loop
         assert calls[-1] == ("mxfp8", "mxfp8", False, False) and len(calls) == 5
     x = a.detach().requires_grad_()
@@ -578,6 +579,9 @@ def test_quant_matmul_dispatch(kernels, monkeypatch):
     monkeypatch.setattr(ops, "_kernels_error", "ModuleNotFoundError: No module named 'triton'")
     with pytest.raises(RuntimeError, match="No module named 'triton'"), torch.no_grad():
         ops.quant_matmul(a, w.t(), "mxfp8")
+    monkeypatch.setenv("QUANTPATCH_GEMM", "auto")  # auto without kernels: separate, silently
+    monkeypatch.setattr(ops, "_auto_fuses", lambda t: True)
+    assert ops._fused_product(a, w.detach().t(), "mxfp8", False, False) is None
 
 
 def test_auto_measures_each_problem_once_and_keeps_the_faster(monkeypatch):
