@@ -98,10 +98,11 @@ def _step(weights, micro_batches, fmt, seed):
         y.float().square().sum().backward()
         outs += [y.detach(), x.grad]
     outs += [w.grad.clone() for w in weights]
+    held = ops.weight_cache_stats()["bytes"]
     torch.optim.SGD(weights, lr=0.5).step()
     for w in weights:
         w.grad = None
-    return outs
+    return outs, held
 
 
 def _count_weight_quantizations(monkeypatch, weights) -> list[tuple[int, str, bool]]:
@@ -130,24 +131,32 @@ def test_gradient_accumulation_quantizes_each_weight_once_per_step(monkeypatch, 
         monkeypatch.setenv("QUANTPATCH_WEIGHT_CACHE", cache)
         ops.reset_sr_generators()
         weights = _weights()
-        per_step = []
+        per_step, held = [], []
         out = []
         with monkeypatch.context() as m:
             seen = _count_weight_quantizations(m, weights)
             for step in range(2):
                 before = len(seen)
-                out += _step(weights, k, fmt, seed=step)
+                outs, nbytes = _step(weights, k, fmt, seed=step)
+                out += outs
+                held.append(nbytes)
                 per_step.append(sorted(seen[before:]))
         results[cache] = out
         dgrad_bw = fmt not in ops.NVFP4_FORMATS  # NVFP4 rounds the weight to nearest even
-        once = sorted((i, fmt, bw) for i in (0, 1) for bw in (False, dgrad_bw))
+        both = sorted((i, fmt, bw) for i in (0, 1) for bw in (False, dgrad_bw))
         if cache == "1":
+            # MX: one quantization for the forward, one for dgrad; HiF8 and nvfp4-2d quantize
+            # a weight alike for both: once
+            once = both if fmt == "mxfp8" else [(0, fmt, False), (1, fmt, False)]
             assert per_step == [once, once]
             stats = ops.weight_cache_stats()
-            assert stats["misses"] == 2 * 2 * 2 and stats["hits"] == 2 * 2 * 2 * (k - 1)
-            assert stats["hit_ratio"] == pytest.approx((k - 1) / k)
+            lookups = 2 * 2 * 2 * k  # steps x weights x (forward, dgrad) x micro-batches
+            assert stats["misses"] == 2 * len(once) and stats["hits"] == lookups - 2 * len(once)
+            # the bytes held before each optimizer step: one weight's bytes per quantization
+            assert held == [sum(w.numel() * 2 for w in weights) * len(once) // 2] * 2
+            assert stats["bytes"] == 0  # the last step emptied the cache
         else:
-            assert per_step == [sorted(once * k)] * 2
+            assert per_step == [sorted(both * k)] * 2
     assert len(results["1"]) == len(results["0"])
     for got, want in zip(results["1"], results["0"], strict=True):
         assert same_bits(got, want)
@@ -225,14 +234,15 @@ def test_megatron_linear_layer_quantizes_its_weight_once_per_step(run, make_chec
         assert same_bits(got, want)
 
 
-def test_cache_is_never_stale(monkeypatch):
+@pytest.mark.parametrize("fmt", ["mxfp8", "hifp8"])  # per view, and one entry for both views
+def test_cache_is_never_stale(monkeypatch, fmt):
     """Every way a weight changes makes the next lookup miss and quantize the new values."""
     w = torch.nn.Parameter(torch.randn(64, 96, dtype=torch.bfloat16))
     x = torch.randn(8, 96, dtype=torch.bfloat16)
 
     def product():
         with torch.no_grad():
-            return ops.quant_matmul(x, w.t(), "mxfp8")
+            return ops.quant_matmul(x, w.t(), fmt)
 
     def fresh():
         monkeypatch.setenv("QUANTPATCH_WEIGHT_CACHE", "0")
@@ -276,7 +286,7 @@ def test_cache_is_never_stale(monkeypatch):
 
     # a write into what the cache handed out is seen too
     with torch.no_grad():
-        alias = ops._cached_q(w.t(), "mxfp8", -2, False)
+        alias = ops._cached_q(w.t(), fmt, -2, False)
         alias.zero_()
     assert same_bits(product(), fresh())
 

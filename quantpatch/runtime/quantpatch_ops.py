@@ -541,7 +541,9 @@ nvfp4 = _nvfp4
 # forward/backward order would make an LRU evict every entry before its next use).
 # ``weight_cache_stats()`` reports hits, misses and the bytes held. ``QUANTPATCH_WEIGHT_CACHE=0``
 # turns the cache off. NVFP4's stochastically rounded operand (``backward=True``) is never cached:
-# its bits come from the generator's next draws, and a hit would skip them.
+# its bits come from the generator's next draws, and a hit would skip them. HiF8 and ``nvfp4-2d``
+# quantize a weight alike for the forward and dgrad (elementwise; square tiles): one entry and
+# one quantization a step serve both, the transposed operand a view of it.
 
 _WEIGHT_CACHE_DEFAULT_MB = 8192
 
@@ -629,6 +631,13 @@ def _hook_optimizer_steps() -> None:
         _WEIGHT_CACHE.hooked = True
 
 
+def _layout_free(fmt: str, weight: torch.Tensor) -> bool:
+    """Whether ``fmt`` quantizes a weight alike along either dimension and in either direction
+    (HiF8: elementwise; ``nvfp4-2d``: 16 x 16 tiles of a matrix and its tensor-wide scale,
+    rounded to nearest even, the only rounding a cached weight takes)."""
+    return fmt == "hifp8" or (fmt == "nvfp4-2d" and weight.dim() == 2)
+
+
 def _drop_collected(wid: int, _: object) -> None:
     _WEIGHT_CACHE.drop(wid)
 
@@ -646,6 +655,15 @@ def _weight_fake_quant(x: torch.Tensor, fmt: str, dim: int, backward: bool) -> t
         return fake_quant(x, fmt, dim=dim, backward=backward)
     _hook_optimizer_steps()
     base = x._base if x._base is not None else x
+    if _layout_free(fmt, base):
+        # one entry per weight: a view of it (``weight.t()``) is the same view of its quantized
+        # values, and neither the dimension nor the direction changes them
+        if x is not base and x.numel() == base.numel() and base.is_contiguous():
+            q_base = _weight_fake_quant(base, fmt, -1, False)
+            if q_base.stride() == base.stride():
+                offset = q_base.storage_offset() + x.storage_offset() - base.storage_offset()
+                return q_base.as_strided(x.shape, x.stride(), offset).detach()
+        dim, backward = -1, False
     wid = id(base)
     entry = cache.entries.get(wid)
     if entry is not None and entry[0]() is not base:  # the id of a collected weight, reused
