@@ -380,6 +380,7 @@ def test_every_autotune_configuration_is_bit_exact(kernels):
     gen = torch.Generator().manual_seed(9)
     x = (torch.randn(48, 96, generator=gen) * 30).to(torch.bfloat16)
     x[3, 7], x[5, 90] = float("nan"), -float("inf")
+    x = x.to(DEVICE)
     mx_raw = kernels._mx_kernel.fn
     ran = 0
     for cfg in kernels._mx_kernel.configs:
@@ -537,7 +538,9 @@ def test_quant_matmul_dispatch(kernels, monkeypatch):
     operands that need gradients and NVFP4 stay separate; the refusals."""
     monkeypatch.setattr(ops, "_kernels_module", kernels)
     a, _ = _operands(24, 64, 40, torch.bfloat16, seed=5)
-    w = torch.nn.Parameter(torch.randn(40, 64).to(torch.bfloat16))
+    w = torch.nn.Parameter(torch.randn(40, 64).to(torch.bfloat16).to(DEVICE))
+    if CUDA:  # auto would measure there: the first part is the separate path's
+        monkeypatch.setenv("QUANTPATCH_GEMM", "separate")
     calls = []
     real = kernels.quant_gemm
 
@@ -560,8 +563,8 @@ def test_quant_matmul_dispatch(kernels, monkeypatch):
             torch.bfloat16,
         )  # fmt: skip
         assert bool(((fused.reshape(24, 40).double() - separate.double()).abs() <= tol).all())
-        a3, b3 = a.reshape(2, 12, 64), torch.randn(2, 64, 8).to(torch.bfloat16)
-        buffer = torch.full((2, 12, 8), float("nan"), dtype=torch.bfloat16)
+        a3, b3 = a.reshape(2, 12, 64), torch.randn(2, 64, 8).to(torch.bfloat16).to(DEVICE)
+        buffer = torch.full((2, 12, 8), float("nan"), dtype=torch.bfloat16, device=DEVICE)
         bmm = ops.quant_bmm(a3, b3, "hifp8")
         scores = ops.quant_baddbmm(buffer, a3, b3, beta=0.0, alpha=0.5, fmt="hifp8")
         assert same_bits(scores, bmm * 0.5) and len(calls) == 3
