@@ -24,9 +24,19 @@ Usage: python benchmarks/gpu_suite.py [--device cuda|cpu] [--out DIR] [--skip sa
    on, FA_linear_hifp8), then ``runs`` and ``report``: step time per scheme against bf16, finite
    losses, the commit each log names, the saver's files. Off a GPU a stub ``torchrun`` stands in.
 
+5. Issue 30: the fake-quant kernels (Triton only) at the models' shapes (8192 x 4096,
+   8192 x 14336, 4096 x 128256) as % of a copy of the same tensor; the quantized GEMM at
+   8192^3 and the models' shapes (tokens x hidden @ hidden x ffn, ffn x hidden, hidden x
+   vocabulary), fused (operands quantized in the GEMM's tile loop) and separate (two
+   fake-quant kernels + torch.matmul), each against a bf16 torch.matmul, and auto's choice;
+   the weight cache over k micro-batches of Megatron's three linear GEMMs (hit ratio, bytes
+   held, quantizations, step time with the cache on and off).
+
 Bars (issue 10): each op >= 30 % of the copy (goal 50 %), <= 2 kernels per MX call, extra
 memory <= one output tensor; FA_linear_mxfp8 step <= 1.3x bf16; saver stall <= 3x the pinned
-copy; disabled saver <= 1 % of a step.
+copy; disabled saver <= 1 % of a step. Issue 30: every kernel >= 80 % of the copy at every
+shape; the quantized GEMM (the faster path) <= 1.08x bf16 at every shape; each weight
+quantized once per step (hit ratio (k - 1) / k).
 
 Without a GPU (``--device cpu``) the same suite runs end to end with the kernels in Triton's
 interpreter and small sizes, so it runs first time on a GPU; CPU figures are not the bars'.
@@ -207,6 +217,185 @@ def bench_flash(device: str, seq: int, heads: int, groups: int, dim: int, iters:
     return {"seq": seq, "heads": heads, "groups": groups, "dim": dim, "rows": rows}
 
 
+# issue 30: the models' shapes. Fake quant: [rows, reduction] bf16 tensors; GEMM: (M, K, N)
+KERNEL_SHAPES = ((8192, 8192), (8192, 4096), (8192, 14336), (4096, 128256))
+GEMM_SHAPES = ((8192, 8192, 8192), (8192, 4096, 14336), (8192, 14336, 4096), (8192, 4096, 128256))
+GEMM_FORMATS = (("mxfp8", False), ("mxfp8", True), ("mxfp4", False), ("hifp8", False))
+CPU_KERNEL_SHAPES = ((64, 64), (64, 32), (32, 112))
+CPU_GEMM_SHAPES = ((40, 64, 48),)
+
+
+def bench_kernel_shapes(
+    device: str, shapes: tuple[tuple[int, int], ...], iters: int
+) -> list[dict[str, Any]]:
+    """Each fake-quant kernel (Triton) as % of a copy of the same tensor, per shape."""
+    from quantpatch.runtime import quantpatch_ops as ops
+
+    os.environ["QUANTPATCH_KERNELS"] = "triton"
+    out = []
+    try:
+        for rows, n in shapes:
+            x = torch.randn(rows, n, device=device).to(torch.bfloat16)
+            nbytes = 2 * x.numel() * x.element_size()
+            copy_s = timed(lambda x=x: x.clone(), device, iters)
+            entry: dict[str, Any] = {"shape": [rows, n], "copy_gbs": nbytes / copy_s / 1e9}
+            for name, fmt, backward, dim in OPS:
+
+                def call(
+                    x: torch.Tensor = x, fmt: str = fmt, backward: bool = backward, dim: int = dim
+                ) -> object:
+                    return ops.fake_quant(x, fmt, dim=dim, backward=backward)
+
+                s = timed(call, device, iters)
+                entry[name] = {"gbs": nbytes / s / 1e9, "pct_of_copy": 100 * copy_s / s}
+            out.append(entry)
+            del x
+    finally:
+        os.environ["QUANTPATCH_KERNELS"] = "auto"
+    return out
+
+
+def bench_gemm(
+    device: str,
+    shapes: tuple[tuple[int, int, int], ...],
+    iters: int,
+    formats: tuple[tuple[str, bool], ...] = GEMM_FORMATS,
+) -> list[dict[str, Any]]:
+    """The quantized GEMM ``a @ weight.t()`` (bf16, no autograd: as in Megatron's linear
+    function), fused and separate, against a bf16 ``torch.matmul``; the weight cache off, so
+    both operands are quantized in every call."""
+    from quantpatch.runtime import quantpatch_ops as ops
+
+    saved = {k: os.environ.get(k) for k in ("QUANTPATCH_GEMM", "QUANTPATCH_WEIGHT_CACHE")}
+    os.environ["QUANTPATCH_WEIGHT_CACHE"] = "0"
+    out = []
+    try:
+        for m, k, n in shapes:
+            a = torch.randn(m, k, device=device).to(torch.bfloat16)
+            w = torch.nn.Parameter(torch.randn(n, k, device=device).to(torch.bfloat16))
+            with torch.no_grad():
+                bf16_s = timed(lambda a=a, w=w: torch.matmul(a, w.t()), device, iters)
+                entry: dict[str, Any] = {"shape": [m, k, n], "bf16_ms": bf16_s * 1e3}
+                for fmt, backward in formats:
+                    row: dict[str, Any] = {}
+                    for path in ("separate", "fused", "auto"):
+                        if path == "auto" and device != "cuda":
+                            continue  # auto takes the separate path on CPU
+                        os.environ["QUANTPATCH_GEMM"] = path
+
+                        def call(
+                            a: torch.Tensor = a,
+                            w: torch.Tensor = w,
+                            fmt: str = fmt,
+                            backward: bool = backward,
+                        ) -> object:
+                            return ops.quant_matmul(a, w.t(), fmt, backward=backward)
+
+                        s = timed(call, device, iters)
+                        row[f"{path}_ms"] = s * 1e3
+                        row[f"{path}_vs_bf16"] = s / bf16_s
+                    if device == "cuda":
+                        row["auto_choice"] = [
+                            v for key, v in ops.gemm_choices().items() if f"'{fmt}'" in key
+                        ][-1:]
+                    entry[f"{fmt}{' E5M2' if backward else ''}"] = row
+            out.append(entry)
+            del a, w
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    return out
+
+
+class _Linear(torch.autograd.Function):
+    """Megatron's linear autograd function as ``quantpatch init`` patches it: forward
+    ``x @ w.t()``, dgrad ``gy @ w`` and wgrad ``gy.t() @ x`` (``backward=True``)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, fmt: str) -> torch.Tensor:
+        from quantpatch.runtime import quantpatch_ops as ops
+
+        ctx.save_for_backward(x, w)
+        ctx.fmt = fmt
+        return ops.quant_matmul(x, w.t(), fmt)
+
+    @staticmethod
+    def backward(ctx: Any, gy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        from quantpatch.runtime import quantpatch_ops as ops
+
+        x, w = ctx.saved_tensors
+        dgrad = ops.quant_matmul(gy, w, ctx.fmt, backward=True)
+        wgrad = ops.quant_matmul(gy.t(), x, ctx.fmt, backward=True)
+        return dgrad, wgrad, None
+
+
+def bench_weight_cache(
+    device: str, hidden: int, ffn: int, tokens: int, micro_batches: int, steps: int
+) -> dict[str, Any]:
+    """An MLP stack (hidden -> ffn -> hidden, bf16 weights, SGD) trained ``steps`` steps of
+    ``micro_batches`` micro-batches through the patched linear function, mxfp8, with the
+    weight cache on and off: hit ratio, bytes held, quantizations and step time."""
+    from quantpatch.runtime import quantpatch_ops as ops
+
+    saved = os.environ.get("QUANTPATCH_WEIGHT_CACHE")
+    result: dict[str, Any] = {
+        "hidden": hidden,
+        "ffn": ffn,
+        "tokens": tokens,
+        "micro_batches": micro_batches,
+        "weight_bytes": 2 * 2 * hidden * ffn,
+    }
+    try:
+        for cache in ("1", "0"):
+            os.environ["QUANTPATCH_WEIGHT_CACHE"] = cache
+            ops.weight_cache_clear()
+            ops.weight_cache_reset_stats()
+            gen = torch.Generator(device=device).manual_seed(0)
+            ws = [
+                torch.nn.Parameter(
+                    (torch.randn(o, i, device=device, generator=gen) * i**-0.5).to(torch.bfloat16)
+                )
+                for o, i in ((ffn, hidden), (hidden, ffn))
+            ]
+            opt = torch.optim.SGD(ws, lr=1e-3)
+            x = torch.randn(tokens, hidden, device=device, generator=gen).to(torch.bfloat16)
+            samples = []
+            for _ in range(steps):
+                _sync(device)
+                start = time.perf_counter()
+                for _ in range(micro_batches):
+                    h = x.requires_grad_()
+                    for w in ws:
+                        h = _Linear.apply(h, w, "mxfp8")
+                    h.float().square().mean().backward()
+                bytes_held = ops.weight_cache_stats()["bytes"]
+                opt.step()
+                opt.zero_grad()
+                _sync(device)
+                samples.append(time.perf_counter() - start)
+            stats = ops.weight_cache_stats()
+            key = "on" if cache == "1" else "off"
+            result[f"step_ms_{key}"] = statistics.median(samples) * 1e3
+            if cache == "1":
+                result["hit_ratio"] = stats["hit_ratio"]
+                result["hits"], result["misses"] = stats["hits"], stats["misses"]
+                result["bytes_held"] = bytes_held
+                result["quantizations_per_step"] = stats["misses"] / steps
+            else:
+                result["quantizations_per_step_off"] = stats["bypassed"] / steps
+    finally:
+        if saved is None:
+            os.environ.pop("QUANTPATCH_WEIGHT_CACHE", None)
+        else:
+            os.environ["QUANTPATCH_WEIGHT_CACHE"] = saved
+        ops.weight_cache_clear()
+    result["step_on_vs_off"] = result["step_ms_on"] / result["step_ms_off"]
+    return result
+
+
 def _script(name: str, args: list[str], out: Path) -> dict[str, Any] | None:
     cmd = [sys.executable, str(HERE / name), *args, "--json", str(out)]
     print(f"$ {' '.join(cmd[1:])}", flush=True)
@@ -297,8 +486,93 @@ def markdown(r: dict[str, Any]) -> str:
         lines += [f"Generated smoke scripts through {kind}:", "", runs_table(pre)]
     elif pre:
         lines += [f"Generated scripts: {pre['error']}", ""]
+    lines += issue30_markdown(r)
     lines += ["Bars:", ""] + [f"- {b}" for b in r["bars"]]
     return "\n".join(lines) + "\n"
+
+
+def issue30_markdown(r: dict[str, Any]) -> list[str]:
+    lines: list[str] = []
+    shapes = r.get("kernel_shapes")
+    if shapes:
+        names = [name for name, *_ in OPS]
+        lines += [
+            "Fake-quant kernels (Triton) at the models' shapes, % of a copy of the same tensor:",
+            "",
+            "| shape | copy GB/s | " + " | ".join(names) + " |",
+            "| --- | ---: | " + " | ".join("---:" for _ in names) + " |",
+        ]
+        for e in shapes:
+            cells = " | ".join(f"{e[name]['pct_of_copy']:.1f}" for name in names)
+            lines.append(f"| {e['shape'][0]}x{e['shape'][1]} | {e['copy_gbs']:.0f} | {cells} |")
+        lines.append("")
+    gemm = r.get("gemm")
+    if gemm:
+        lines += [
+            "Quantized GEMM (a @ weight.t(), bf16, both operands quantized every call) against a "
+            "bf16 torch.matmul:",
+            "",
+            "| M x K x N | bf16 ms | format | separate ms | x bf16 | fused ms | x bf16 | auto |",
+            "| --- | ---: | --- | ---: | ---: | ---: | ---: | --- |",
+        ]
+        for e in gemm:
+            shape = "x".join(map(str, e["shape"]))
+            for fmt, row in e.items():
+                if not isinstance(row, dict):
+                    continue
+                auto = ", ".join(row.get("auto_choice", [])) or "n/a"
+                lines.append(
+                    f"| {shape} | {e['bf16_ms']:.3f} | {fmt} | {row['separate_ms']:.3f} | "
+                    f"{row['separate_vs_bf16']:.2f} | {row['fused_ms']:.3f} | "
+                    f"{row['fused_vs_bf16']:.2f} | {auto} |"
+                )
+        lines.append("")
+    c = r.get("weight_cache")
+    if c:
+        lines += [
+            f"Weight cache, mxfp8, {c['micro_batches']} micro-batches a step, MLP "
+            f"{c['hidden']} -> {c['ffn']} -> {c['hidden']} ({c['tokens']} tokens): hit ratio "
+            f"{c['hit_ratio']:.3f}, {c['quantizations_per_step']:.0f} weight quantizations a "
+            f"step (off: {c['quantizations_per_step_off']:.0f}), {c['bytes_held'] / 2**20:.1f} "
+            f"MiB held ({c['bytes_held'] / c['weight_bytes']:.2f}x the weights); step "
+            f"{c['step_ms_on']:.1f} ms on, {c['step_ms_off']:.1f} ms off "
+            f"({c['step_on_vs_off']:.2f}x).",
+            "",
+        ]
+    return lines
+
+
+def issue30_bars(r: dict[str, Any], say: Callable[[bool, str], None]) -> None:
+    shapes = r.get("kernel_shapes")
+    if shapes:
+        worst = min(
+            (e[name]["pct_of_copy"], f"{name} at {e['shape'][0]}x{e['shape'][1]}")
+            for e in shapes
+            for name, *_ in OPS
+        )
+        say(
+            worst[0] >= 80, f"every kernel >= 80 % of the copy (worst {worst[0]:.1f} %, {worst[1]})"
+        )
+    gemm = r.get("gemm")
+    if gemm:
+        ratios = [
+            (min(row["separate_vs_bf16"], row["fused_vs_bf16"]), f"{fmt} at {e['shape']}")
+            for e in gemm
+            for fmt, row in e.items()
+            if isinstance(row, dict)
+        ]
+        worst_gemm = max(ratios)
+        say(
+            worst_gemm[0] <= 1.08,
+            f"quantized GEMM <= 1.08x bf16 (worst {worst_gemm[0]:.2f}x, {worst_gemm[1]})",
+        )
+    c = r.get("weight_cache")
+    if c:
+        k = c["micro_batches"]
+        say(
+            c["hit_ratio"] >= (k - 1) / k - 1e-9,
+            f"each weight quantized once per step (hit ratio {c['hit_ratio']:.3f})",
+        )
 
 
 def bars(r: dict[str, Any]) -> list[str]:
@@ -317,6 +591,7 @@ def bars(r: dict[str, Any]) -> list[str]:
         say(mx <= 2, f"<= 2 kernels per MX call (most {mx})")
         mem = max(e["triton_extra_vs_output"] for e in o["ops"])
         say(mem <= 1.0 + 1e-6, f"extra memory <= one output (most {mem:.2f})")
+    issue30_bars(r, say)
     e2e = r.get("e2e")
     if e2e and "error" not in e2e:
         ratio = e2e["step_vs_bf16"]["FA_linear_mxfp8"]
@@ -363,7 +638,11 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", type=Path, default=Path("gpu-suite"))
     ap.add_argument("--size", type=int, default=None, help="square tensor side for the ops")
-    ap.add_argument("--skip", default="", help="comma list of: ops, flash, saver, e2e, pretrain")
+    ap.add_argument(
+        "--skip",
+        default="",
+        help="comma list of: ops, shapes, gemm, cache, flash, saver, e2e, pretrain",
+    )
     ap.add_argument(
         "--megatron-lm",
         type=Path,
@@ -385,6 +664,18 @@ def main() -> None:
         shape = (4096, 32, 8, 64) if gpu else (64, 4, 2, 32)
         r["flash"] = bench_flash(args.device, *shape, iters=10 if gpu else 1)
         print(json.dumps(r["flash"], indent=1), flush=True)
+
+    if "shapes" not in skip:
+        r["kernel_shapes"] = bench_kernel_shapes(
+            args.device, KERNEL_SHAPES if gpu else CPU_KERNEL_SHAPES, 20 if gpu else 1
+        )
+    if "gemm" not in skip:
+        r["gemm"] = bench_gemm(
+            args.device, GEMM_SHAPES if gpu else CPU_GEMM_SHAPES, 10 if gpu else 1
+        )
+    if "cache" not in skip:
+        sizes = (4096, 14336, 8192, 4) if gpu else (64, 128, 32, 4)
+        r["weight_cache"] = bench_weight_cache(args.device, *sizes, steps=5 if gpu else 2)
     with tempfile.TemporaryDirectory() as tmp:
         small = [] if gpu else ["--hidden", "128", "--tokens", "256", "--layers", "2"]
         if "saver" not in skip:

@@ -21,6 +21,11 @@ PyTorch reference without a GPU.
   reduction computes before the launch (a grid-wide maximum cannot be taken inside one
   pass). The divisions are ``div_rn`` (correctly rounded, as PyTorch's); stochastic
   rounding (``backward``) reads the caller's uniforms, laid out with the input's strides.
+* The MX and HiF8 kernels are autotuned over a small fixed set of tiles, once per shape class
+  (``_MX_CONFIGS``, ``_HIFP8_CONFIGS``); the interpreter runs the first of a layout.
+* ``quant_gemm``: a GEMM that MX- or HiF8-quantizes its operands in the tile loop (K-tiles of
+  multiples of 32, so every MX block is whole in one tile); ``quantpatch_ops`` chooses it or
+  the separate kernels per shape (``QUANTPATCH_GEMM``).
 
 The arithmetic mirrors the reference step for step on exact float32 values (powers of two are
 built from their bits; rounding is floor plus an exact remainder test, not a library call), so
@@ -29,6 +34,7 @@ results are bit-identical, NaN/Inf pass through and signed zeros keep their sign
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -39,6 +45,70 @@ import triton.language as tl
 # quantpatch_ops
 _ELEMENTS = {"e4m3": (3, -6, 448.0, 8), "e5m2": (2, -14, 57344.0, 15), "e2m1": (1, 0, 6.0, 2)}
 BLOCK = 32
+
+
+# -- the configurations the fake-quant kernels are tuned over (issue 30) -----------------------
+#
+# A small fixed set per kernel, tried once per shape class on the first call of that class
+# (``triton.autotune``; the winner is cached for the process) instead of one hard-coded tile.
+# The shape class is (layout, ceil(log2(rows)), ceil(log2(reduction length))): a training run
+# tunes a handful of times, never per call. The MX tiles depend on the layout: where the
+# reduction dimension is contiguous (``sn == 1``, rows of an activation) the tiles are wide
+# (few rows of many 32-element blocks); where it is strided (a weight or the key reduced along
+# a leading dimension) they are tall (many rows of one or two blocks), so loads stay
+# coalesced. In Triton's interpreter (``TRITON_INTERPRET=1``) only the first configuration of a
+# layout runs (no timing there); ``tests/test_weight_cache_and_gemm.py`` runs every
+# configuration in the interpreter bit for bit against the reference.
+#
+# (layout, BLOCK_R, BLOCK_N, num_warps); layout 1: reduction contiguous, 0: strided
+_MX_CONFIGS = (
+    (1, 8, 256, 4),
+    (1, 16, 256, 8),
+    (1, 4, 512, 4),
+    (1, 32, 128, 4),
+    (1, 16, 512, 8),
+    (0, 64, 32, 4),
+    (0, 128, 32, 8),
+    (0, 32, 64, 4),
+    (0, 64, 64, 8),
+)
+# HiF8 walks storage order: one layout. (layout, BLOCK_SIZE, num_warps)
+_HIFP8_CONFIGS = ((1, 4096, 4), (1, 1024, 4), (1, 2048, 4), (1, 4096, 8), (1, 8192, 8))
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+_LAYOUTS: dict[tuple[tuple[str, int], ...], int] = {}
+
+
+def _configs(table: tuple[tuple[int, ...], ...], names: tuple[str, ...]) -> list[Any]:
+    """``triton.Config`` objects of a table; each one's layout is kept in ``_LAYOUTS`` (by its
+    tile sizes) for :func:`_prune_by_layout`."""
+    out = []
+    for layout, *sizes, warps in table:
+        tiles = dict(zip(names, sizes, strict=True))
+        _LAYOUTS[tuple(sorted(tiles.items()))] = layout
+        out.append(triton.Config(tiles, num_warps=warps))
+    return out
+
+
+def layout_of(config: Any) -> int:
+    """1 for a configuration made for a contiguous reduction, 0 for a strided one."""
+    return _LAYOUTS[tuple(sorted(config.kwargs.items()))]
+
+
+def shape_class(rows: int, n: int, sn: int) -> int:
+    """The autotuning key of a ``[rows, n]`` problem (reduction stride ``sn``): the layout and
+    the sizes rounded up to powers of two, packed into one integer."""
+    return (int(sn == 1) << 16) | (max(rows - 1, 0).bit_length() << 8) | max(n - 1, 0).bit_length()
+
+
+def _prune_by_layout(configs: list[Any], named_args: dict[str, Any], **kwargs: Any) -> list[Any]:
+    contiguous = int(named_args.get("sn", 1) == 1)
+    kept = [c for c in configs if layout_of(c) == contiguous] or configs
+    return kept[:1] if _interpreting() else kept
 
 
 @triton.jit
@@ -91,7 +161,12 @@ def _round_half_even(y):
     return tl.where(up, f + 1.0, f)
 
 
-@triton.jit
+@triton.autotune(
+    configs=_configs(_MX_CONFIGS, ("BLOCK_R", "BLOCK_N")),
+    key=["shape_class"],
+    prune_configs_by={"early_config_prune": _prune_by_layout},
+)
+@triton.jit(do_not_specialize=["shape_class"])
 def _mx_kernel(
     x_ptr,
     y_ptr,
@@ -100,6 +175,7 @@ def _mx_kernel(
     sb,
     sr,
     sn,
+    shape_class,
     MBITS: tl.constexpr,
     EMIN: tl.constexpr,
     VMAX: tl.constexpr,
@@ -142,8 +218,13 @@ def _mx_kernel(
     tl.store(y_ptr + offs, out, mask=inside)
 
 
-@triton.jit
-def _hifp8_kernel(x_ptr, y_ptr, numel, BLOCK_SIZE: tl.constexpr, BF16: tl.constexpr):
+@triton.autotune(
+    configs=_configs(_HIFP8_CONFIGS, ("BLOCK_SIZE",)),
+    key=["shape_class"],
+    prune_configs_by={"early_config_prune": _prune_by_layout},
+)
+@triton.jit(do_not_specialize=["shape_class"])
+def _hifp8_kernel(x_ptr, y_ptr, numel, shape_class, BLOCK_SIZE: tl.constexpr, BF16: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     inside = offs < numel
     x = tl.load(x_ptr + offs, mask=inside, other=0.0)
@@ -316,8 +397,8 @@ def fake_quant(
     if fmt == "hifp8":
         numel = x.numel()
         # the same strides in and out: the elementwise pass walks storage order
-        _hifp8_kernel[(triton.cdiv(numel, 4096),)](
-            _storage_view(x), _storage_view(y), numel, BLOCK_SIZE=4096, BF16=bf16
+        _hifp8_kernel[lambda meta: (triton.cdiv(numel, meta["BLOCK_SIZE"]),)](
+            _storage_view(x), _storage_view(y), numel, shape_class(1, numel, 1), BF16=bf16
         )
         return y
     if x.dim() == 0:  # a scalar is a block of one
@@ -330,12 +411,14 @@ def fake_quant(
     x, (b, rows, n), (sb, sr, sn) = _as_3d(x, dim)
     if y.stride() != x.stride():
         y = torch.empty_like(x)
-    block_r, block_n = _tiles(sn)
-    grid = (triton.cdiv(rows, block_r), triton.cdiv(n, block_n), b)
+
+    def grid(meta: dict[str, Any]) -> tuple[int, int, int]:
+        return (triton.cdiv(rows, meta["BLOCK_R"]), triton.cdiv(n, meta["BLOCK_N"]), b)
+
     mbits, emin, vmax, emax = elem
     _mx_kernel[grid](
-        x, y, rows, n, sb, sr, sn,
-        MBITS=mbits, EMIN=emin, VMAX=vmax, EMAX=emax, BLOCK_R=block_r, BLOCK_N=block_n, BF16=bf16,
+        x, y, rows, n, sb, sr, sn, shape_class(b * rows, n, sn),
+        MBITS=mbits, EMIN=emin, VMAX=vmax, EMAX=emax, BF16=bf16,
     )  # fmt: skip
     return y
 
@@ -353,3 +436,259 @@ def _non_overlapping_and_dense(x: torch.Tensor) -> bool:
 def _storage_view(x: torch.Tensor) -> Any:
     """The dense storage of ``x`` as a flat tensor in memory order (no copy)."""
     return x.as_strided((x.numel(),), (1,), x.storage_offset())
+
+
+# -- a GEMM that quantizes its operands inside the tile loop (issue 30) ----------------------
+#
+# ``quant_gemm(a, b, ...)`` computes ``a @ b`` (batched or not) with each operand MX- or
+# HiF8-fake-quantized along the reduction dimension as its tiles are loaded: no quantized copy
+# of either operand is written to memory. The K-tiles are multiples of 32 and start at
+# multiples of 32, so every MX block lies whole in one tile; the tail of K (not a multiple of
+# 32) is loaded as zeros, exactly the reference's padding, so any K is handled. The quantized
+# tile is the reference's value rounded to the operand's dtype (the same arithmetic as
+# ``_mx_kernel`` / ``_hifp8_kernel``, so the operands are bit-identical to ``fake_quant``'s);
+# the products accumulate in float32 (float32 operands: ``input_precision="ieee"``, not TF32,
+# as ``torch.matmul``'s default) and the result is rounded once to the output dtype. Only the
+# order of the float32 sums differs from ``torch.matmul`` of the quantized operands.
+#
+# The tile loop re-quantizes an operand tile for every tile of the other dimension that reads
+# it (A once per column of C tiles, B once per row), so whether this beats two fake-quant
+# kernels plus a plain GEMM depends on the shape; ``quantpatch_ops`` measures both per shape.
+#
+# (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages): a small fixed set tuned once per
+# (M, N, K) on CUDA; in the interpreter the small first one only.
+_GEMM_CONFIGS = (
+    (32, 32, 32, 4, 4, 2),
+    (128, 128, 64, 8, 8, 3),
+    (128, 256, 64, 8, 8, 3),
+    (64, 128, 64, 8, 4, 4),
+    (128, 64, 64, 8, 4, 4),
+    (128, 128, 128, 8, 8, 3),
+)
+# operand kinds of the GEMM: not quantized, MX blocks of 32 along K, HiF8 elementwise
+GEMM_NONE, GEMM_MX, GEMM_HIFP8 = 0, 1, 2
+
+
+def _gemm_configs() -> list[Any]:
+    names = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")
+    return [
+        triton.Config(dict(zip(names, c[:4], strict=True)), num_warps=c[4], num_stages=c[5])
+        for c in _GEMM_CONFIGS
+    ]
+
+
+def _prune_gemm(configs: list[Any], named_args: dict[str, Any], **kwargs: Any) -> list[Any]:
+    return configs[:1] if _interpreting() else configs[1:]
+
+
+@triton.jit
+def _mx_quant_tile(
+    x,
+    R: tl.constexpr,
+    C: tl.constexpr,
+    BLOCKS_ALONG_C: tl.constexpr,
+    MBITS: tl.constexpr,
+    EMIN: tl.constexpr,
+    VMAX: tl.constexpr,
+    EMAX: tl.constexpr,
+    OUT: tl.constexpr,
+    BF16: tl.constexpr,
+):
+    """A loaded ``[R, C]`` tile MX-fake-quantized in registers, blocks of 32 along C (or R),
+    as ``_mx_kernel`` does it: the result in the tile's dtype."""
+    v = _load_f32(x, BF16)
+    a = tl.abs(v)
+    finite = a < float("inf")
+    mags = tl.where(finite, a, 0.0)
+    if BLOCKS_ALONG_C:
+        amax = tl.max(tl.reshape(mags, (R, C // 32, 32)), axis=2)
+    else:
+        amax = tl.max(tl.reshape(mags, (R // 32, 32, C)), axis=1)
+    nonzero = amax > 0
+    shared = tl.where(nonzero, _floor_log2(tl.where(nonzero, amax, 1.0)) - EMAX, -127)
+    shared = tl.minimum(tl.maximum(shared, -127), 127)
+    if BLOCKS_ALONG_C:
+        shared = tl.reshape(tl.broadcast_to(shared[:, :, None], (R, C // 32, 32)), (R, C))
+    else:
+        shared = tl.reshape(tl.broadcast_to(shared[:, None, :], (R // 32, 32, C)), (R, C))
+    scale = _pow2(shared)
+    p = tl.abs(tl.where(finite, v, 0.0) * _pow2(-shared))
+    q = _round_nonneg(p, MBITS, EMIN, VMAX)
+    sign = v.to(tl.int32, bitcast=True) & -2147483648
+    qs = (q.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+    return tl.where(finite, _store_as(qs * scale, OUT, BF16), x)
+
+
+@triton.jit
+def _hifp8_quant_tile(x, OUT: tl.constexpr, BF16: tl.constexpr):
+    """A loaded tile HiF8-fake-quantized in registers, as ``_hifp8_kernel`` does it."""
+    v = _load_f32(x, BF16)
+    a = tl.abs(v)
+    positive = (a < float("inf")) & (a > 0)
+    e = _floor_log2(tl.where(positive, a, 1.0))
+    ae = tl.abs(e)
+    mbits = tl.where(ae <= 3, 3, tl.where(ae <= 7, 2, tl.where(ae <= 15, 1, 0)))
+    k = tl.minimum(mbits - e, 127)
+    q = tl.floor(a * _pow2(k) + 0.5) * _pow2(tl.maximum(e - mbits, -149))
+    q = tl.where(e < -22, tl.where(a >= 1.1920928955078125e-07, 2.384185791015625e-07, 0.0), q)
+    q = tl.minimum(q, 32768.0)
+    sign = v.to(tl.int32, bitcast=True) & -2147483648
+    qs = (q.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+    return tl.where(positive, _store_as(qs, OUT, BF16), x)
+
+
+@triton.autotune(
+    configs=_gemm_configs(),
+    key=["M", "N", "K"],
+    prune_configs_by={"early_config_prune": _prune_gemm},
+)
+@triton.jit
+def _qgemm_kernel(
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    M,
+    N,
+    K,
+    sab,
+    sam,
+    sak,
+    sbb,
+    sbk,
+    sbn,
+    scb,
+    scm,
+    scn,
+    A_KIND: tl.constexpr,
+    A_MBITS: tl.constexpr,
+    A_EMIN: tl.constexpr,
+    A_VMAX: tl.constexpr,
+    A_EMAX: tl.constexpr,
+    B_KIND: tl.constexpr,
+    B_MBITS: tl.constexpr,
+    B_EMIN: tl.constexpr,
+    B_VMAX: tl.constexpr,
+    B_EMAX: tl.constexpr,
+    BF16: tl.constexpr,
+    IEEE: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    batch = tl.program_id(1).to(tl.int64)
+    # grouped order: GROUP_M rows of C tiles share the B tiles they read (L2 reuse)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    group_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_m
+    pid_n = (pid % per_group) // group_m
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    a_rows = a_ptr + batch * sab + rm[:, None].to(tl.int64) * sam
+    b_cols = b_ptr + batch * sbb + rn[None, :].to(tl.int64) * sbn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        a = tl.load(
+            a_rows + kk[None, :].to(tl.int64) * sak,
+            mask=(rm[:, None] < M) & (kk[None, :] < K),
+            other=0.0,
+        )
+        b = tl.load(
+            b_cols + kk[:, None].to(tl.int64) * sbk,
+            mask=(kk[:, None] < K) & (rn[None, :] < N),
+            other=0.0,
+        )
+        if A_KIND == 1:
+            a = _mx_quant_tile(
+                a, BLOCK_M, BLOCK_K, True, A_MBITS, A_EMIN, A_VMAX, A_EMAX,
+                a_ptr.dtype.element_ty, BF16,
+            )  # fmt: skip
+        elif A_KIND == 2:
+            a = _hifp8_quant_tile(a, a_ptr.dtype.element_ty, BF16)
+        if B_KIND == 1:
+            b = _mx_quant_tile(
+                b, BLOCK_K, BLOCK_N, False, B_MBITS, B_EMIN, B_VMAX, B_EMAX,
+                b_ptr.dtype.element_ty, BF16,
+            )  # fmt: skip
+        elif B_KIND == 2:
+            b = _hifp8_quant_tile(b, b_ptr.dtype.element_ty, BF16)
+        if UPCAST:  # the interpreter multiplies bf16 as its raw bits: exact float32 instead
+            acc = tl.dot(_load_f32(a, BF16), _load_f32(b, BF16), acc, input_precision="ieee")
+        elif IEEE:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+    c = _store_as(acc, c_ptr.dtype.element_ty, BF16)
+    c_offs = batch * scb + rm[:, None].to(tl.int64) * scm + rn[None, :].to(tl.int64) * scn
+    tl.store(c_ptr + c_offs, c, mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def gemm_operand(fmt: str, backward: bool) -> tuple[int, int, int, float, int]:
+    """The GEMM's constants for an operand of ``fmt`` (``bf16`` / None: not quantized):
+    (kind, mantissa bits, minimum normal exponent, largest normal, emax)."""
+    if fmt in ("bf16", "none"):
+        return (GEMM_NONE, 0, 0, 0.0, 0)
+    if fmt == "hifp8":
+        return (GEMM_HIFP8, 0, 0, 0.0, 0)
+    if fmt in ("mxfp8", "mxfp4"):
+        return (GEMM_MX, *_ELEMENTS["e2m1" if fmt == "mxfp4" else "e5m2" if backward else "e4m3"])
+    raise ValueError(f"the quantized GEMM takes mxfp8, mxfp4, hifp8 or bf16 operands, not {fmt!r}")
+
+
+def quant_gemm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    a_fmt: str,
+    b_fmt: str,
+    a_backward: bool = False,
+    b_backward: bool = False,
+) -> torch.Tensor:
+    """``torch.matmul(fake_quant(a, a_fmt, dim=-1), fake_quant(b, b_fmt, dim=-2))`` in one
+    kernel: ``a`` ``[M, K]`` or ``[batch, M, K]``, ``b`` ``[K, N]`` or ``[batch, K, N]`` (a 2-D
+    operand is shared by every batch), the same float dtype; both read in place through their
+    strides (a transposed weight is not copied). The result is contiguous, in that dtype."""
+    if a.dtype != b.dtype or a.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"quant_gemm takes bf16, fp16 or fp32 operands, not {a.dtype}, {b.dtype}")
+    if a.dim() not in (2, 3) or b.dim() not in (2, 3) or a.shape[-1] != b.shape[-2]:
+        raise ValueError(f"quant_gemm cannot multiply {tuple(a.shape)} by {tuple(b.shape)}")
+    batch = max(a.shape[0] if a.dim() == 3 else 1, b.shape[0] if b.dim() == 3 else 1)
+    for t in (a, b):
+        if t.dim() == 3 and t.shape[0] not in (1, batch):
+            raise ValueError(f"quant_gemm: batch sizes {a.shape[0]} and {b.shape[0]} differ")
+    m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
+    out_shape = (batch, m, n) if max(a.dim(), b.dim()) == 3 else (m, n)
+    c = torch.empty(out_shape, dtype=a.dtype, device=a.device)
+    if c.numel() == 0:
+        return c
+    if k == 0:
+        return c.zero_()
+
+    def strides3(t: torch.Tensor) -> tuple[int, int, int]:
+        if t.dim() == 2:
+            return (0, t.stride(0), t.stride(1))
+        return (0 if t.shape[0] == 1 else t.stride(0), t.stride(1), t.stride(2))
+
+    sab, sam, sak = strides3(a)
+    sbb, sbk, sbn = strides3(b)
+    c3 = c if c.dim() == 3 else c.unsqueeze(0)
+    ak, am, aemin, avmax, aemax = gemm_operand(a_fmt, a_backward)
+    bk, bm, bemin, bvmax, bemax = gemm_operand(b_fmt, b_backward)
+
+    def grid(meta: dict[str, Any]) -> tuple[int, int]:
+        return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), batch)
+
+    _qgemm_kernel[grid](
+        a, b, c3, m, n, k, sab, sam, sak, sbb, sbk, sbn, *c3.stride(),
+        A_KIND=ak, A_MBITS=am, A_EMIN=aemin, A_VMAX=avmax, A_EMAX=aemax,
+        B_KIND=bk, B_MBITS=bm, B_EMIN=bemin, B_VMAX=bvmax, B_EMAX=bemax,
+        BF16=a.dtype == torch.bfloat16, IEEE=a.dtype == torch.float32,
+        UPCAST=_interpreting() and a.dtype == torch.bfloat16,
+    )  # fmt: skip
+    return c
