@@ -319,8 +319,8 @@ def refuse_mla_without_head_dims(
                 "which hands the local DotProductAttention its k_channels and v_channels, but "
                 f"{rel} does not take them "
                 "(the model could not be built); `quantpatch init` adds them to a stock "
-                "checkout, a fork needs the two keyword parameters (see the README), or leave "
-                f"{'it' if len(mla) == 1 else 'them'} out with --models."
+                "checkout, a fork needs the two keyword parameters (docs/launch.md, MLA "
+                f"models), or leave {'it' if len(mla) == 1 else 'them'} out with --models."
             )
 
 
