@@ -13,7 +13,7 @@ from importlib import resources
 from pathlib import Path
 
 from quantpatch import repo as gitrepo
-from quantpatch.codemods.init_sites import inject_sites
+from quantpatch.codemods.init_sites import inject_sites, inject_weight_steps
 from quantpatch.config import load_targets
 from quantpatch.edits import Edit, read_exact
 from quantpatch.errors import UserError
@@ -50,7 +50,10 @@ def _plan(checkout: gitrepo.Checkout) -> list[Edit]:
     edits = []
     for rel in targets.all_files:
         text = read_target(root, rel)
-        edits.append(Edit(rel, text, inject_sites(text, rel, targets.kind_of(rel))))
+        new = inject_sites(text, rel, targets.kind_of(rel))
+        if targets.kind_of(rel) == "linear":
+            new = inject_weight_steps(new, rel)  # ParetoQ steps: parameters of the layers
+        edits.append(Edit(rel, text, new))
     for installed in RUNTIME_MODULES:
         current, source = read_exact(root / installed), runtime_source(installed)
         if current is not None and current != source:
