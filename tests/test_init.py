@@ -36,6 +36,8 @@ def test_init_and_remove_round_trip(run, make_checkout, version):
         ("linear", "bf16"),
         ("linear", "bf16"),
         ("linear", "bf16"),
+        ("linear", "bf16"),  # ColumnParallelLinear.__init__: ParetoQ steps
+        ("linear", "bf16"),  # RowParallelLinear.__init__
         ("qk", "bf16"),
         ("pv", "bf16"),
     ]

@@ -434,3 +434,45 @@ def test_tensor_parallel_two_ranks_match_one(run, make_checkout, tmp_path):
     assert sites["sharded"]["row.weight_alpha"][:2] == ((16, 1), (0, 0))
     assert grouped["sharded"]["col.weight_alpha"][:2] == ((24, 4), (0, 0))
     assert grouped["sharded"]["row.weight_alpha"][:2] == ((16, 6), (0, 0))
+
+
+# -- tensors formats: ParetoQ candidates for weights only ------------------------------------------
+
+
+def test_tensors_formats_takes_paretoq_candidates_for_weights_only(run, tmp_path):
+    from quantpatch.analysis.tensor_metrics import NOT_APPLICABLE
+
+    d = tmp_path / "t"
+    d.mkdir()
+    gen = torch.Generator().manual_seed(2)
+    w = (torch.randn(12, 40, generator=gen) * 0.1).to(torch.bfloat16)
+    w[0, 0] = 3.0  # an outlier: with a 1-bit mean step, its row clips
+    x = torch.randn(8, 40, generator=gen)
+    torch.save({"tensor": w, "metadata": {"tensor_name": "weight", "layer_idx": 1}}, d / "w.pt")
+    torch.save({"tensor": x, "metadata": {"tensor_name": "input", "layer_idx": 1}}, d / "x.pt")
+    res = run(
+        "tensors", "formats", d, "--json", "--formats", "w1,w1.58,w4g16,mxfp4", "--by", "tensor"
+    )
+    assert res.code == 0, res
+    rows = {(r["tensor"], r["candidate"]): r for r in json.loads(res.out)["rows"]}
+    assert len(rows) == 8
+    for fmt in ("w1", "w1.58", "w4g16"):
+        assert all(v == NOT_APPLICABLE for k, v in rows[("input", fmt)].items() if k != "tensor"
+                   and k != "candidate")  # fmt: skip
+        r = rows[("weight", fmt)]
+        q = ops.fake_quant(w, fmt).double()
+        ref = w.double()
+        want = 10 * math.log10(float((ref * ref).sum() / ((ref - q) ** 2).sum()))
+        assert r["sqnr_db"] == pytest.approx(want, rel=1e-9)
+        assert r["rel_error"] == pytest.approx(10 ** (-want / 20), rel=1e-9)
+        clipped = ops.paretoq_clipped(w, fmt)
+        assert r["overflows %"] == pytest.approx(100 * float(clipped.sum()) / w.numel())
+    assert rows[("weight", "w1")]["overflows %"] > 0
+    assert rows[("weight", "w4g16")]["sqnr_db"] > rows[("weight", "w1.58")]["sqnr_db"]
+    assert isinstance(rows[("input", "mxfp4")]["sqnr_db"], float)
+    ordered = json.loads(res.out)["rows"]
+    assert [r["sqnr_db"] == NOT_APPLICABLE for r in ordered] == [False] * 5 + [True] * 3
+    res = run("tensors", "formats", d, "--formats", "w1.58,mxfp8")  # the table shows n/a
+    assert res.code == 0 and "n/a" in res.out
+    res = run("tensors", "formats", d, "--formats", "w2g0")
+    assert res.code == 2 and "unknown format w2g0" in res.err

@@ -640,8 +640,7 @@ def paretoq_grads(
     qn, qp, _ = _levels(base)
     w32 = w.to(torch.float32)
     q = w32 / _expand(_clamped(alpha), w.shape, group)
-    lo, hi = (-_SEQ_CLIP, _SEQ_CLIP) if bits in (0, 2) else (qn, qp)
-    small, big = q < lo, q > hi
+    small, big = _outside(q, base)
     inside = ~(small | big)
     dw = torch.where(inside, grad, torch.zeros_like(grad))
     if bits == 1:
@@ -652,6 +651,23 @@ def paretoq_grads(
     k = grad_scale(base, w.numel() if numel is None else numel).to(q.device)
     contrib = (c * grad.to(torch.float32)) * k
     return dw, _row_sum(contrib, group)
+
+
+def _outside(q: torch.Tensor, base: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where ``q = W / alpha`` lies below and above the clip range."""
+    qn, qp, _ = _levels(base)
+    lo, hi = (-_SEQ_CLIP, _SEQ_CLIP) if PARETOQ_BITS[base] in (0, 2) else (qn, qp)
+    return q < lo, q > hi
+
+
+def paretoq_clipped(w: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Where ``w`` lies outside the clip range at the initial step (a boolean mask)."""
+    spec = paretoq_spec(fmt)
+    if spec is None:
+        raise ValueError(f"{fmt!r} is not a ParetoQ weight format")
+    alpha = _expand(_clamped(paretoq_init_alpha(w, fmt)), w.shape, spec[1])
+    small, big = _outside(w.to(torch.float32) / alpha, spec[0])
+    return small | big
 
 
 def paretoq_init_alpha(w: torch.Tensor, fmt: str) -> torch.Tensor:
