@@ -476,3 +476,30 @@ def test_tensors_formats_takes_paretoq_candidates_for_weights_only(run, tmp_path
     assert res.code == 0 and "n/a" in res.out
     res = run("tensors", "formats", d, "--formats", "w2g0")
     assert res.code == 2 and "unknown format w2g0" in res.err
+
+
+def test_paretoq_schemes_listed_chosen_and_scripted_outside_the_default_set(run, tmp_path):
+    from quantpatch.registry import load_registry
+
+    reg = load_registry()
+    names = ["paretoq_w1.58", "paretoq_w2", "paretoq_w4g128"]
+    assert [reg.schemes[n].values() for n in names] == [
+        {"linear": v, "qk": "bf16", "pv": "bf16"} for v in ("w1.58", "w2", "w4g128")
+    ]
+    assert not set(names) & set(reg.pick("schemes", None))
+    res = run("list")
+    assert res.code == 0 and all(n in res.out for n in names)
+    res = run("gen-scripts", "--out", tmp_path / "default")
+    assert res.code == 0 and len(list((tmp_path / "default").rglob("*.sh"))) == 60
+    res = run("gen-scripts", "--out", tmp_path / "pq", "--schemes", ",".join(names))
+    assert res.code == 0, res
+    paths = sorted((tmp_path / "pq").rglob("*.sh"))
+    assert len(paths) == 18
+    dotted = [p for p in paths if p.name.endswith("_paretoq_w1.58.sh")]
+    assert len(dotted) == 6 and "readonly QUANT_LINEAR=w1.58" in dotted[0].read_text()
+    shellcheck = Path(sys.executable).with_name("shellcheck")
+    for path in dotted[:1] + [p for p in paths if p.name.endswith("_w4g128.sh")][:1]:
+        assert subprocess.run(["bash", "-n", str(path)]).returncode == 0
+        if shellcheck.exists():
+            res = subprocess.run([str(shellcheck), str(path)], capture_output=True, text=True)
+            assert res.returncode == 0, res.stdout
