@@ -503,3 +503,47 @@ def test_paretoq_schemes_listed_chosen_and_scripted_outside_the_default_set(run,
         if shellcheck.exists():
             res = subprocess.run([str(shellcheck), str(path)], capture_output=True, text=True)
             assert res.returncode == 0, res.stdout
+
+
+def test_row_step_reductions_in_process_on_a_one_rank_group():
+    """The TP reductions of a whole per-row step (initial statistics, gradient) on a gloo
+    group of one rank: the same numbers as without a group (the two-rank run is
+    ``test_tensor_parallel_two_ranks_match_one``)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+    try:
+        for fmt in ("w1", "w3"):
+            torch.manual_seed(1)
+            grouped, plain = _Layer(4, 12, 1, tp=2, tp_group=dist.group.WORLD), _Layer(4, 6, 1)
+            plain.weight.data.copy_(grouped.weight.data)
+            ops.add_weight_scales(grouped, fmt, partition_dim=1)
+            ops.add_weight_scales(plain, fmt, partition_dim=1)
+            plain.weight_alpha_numel = grouped.weight_alpha_numel  # the whole weight's k
+            x = torch.randn(3, 6)
+            for layer in (grouped, plain):
+                y = ops.paretoq_linear(
+                    layer,
+                    _linear,
+                    input=x,
+                    weight=layer.weight,
+                    bias=None,
+                    gradient_accumulation_fusion=False,
+                )
+                y.square().sum().backward()
+            assert torch.equal(grouped.weight_alpha, plain.weight_alpha)
+            assert torch.equal(grouped.weight_alpha.grad, plain.weight_alpha.grad)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_weight_steps_need_the_stock_layer_shapes():
+    from quantpatch.codemods.init_sites import inject_weight_steps
+
+    text = "class ColumnParallelLinear:\n    def __init__(self):\n        pass\n"
+    with pytest.raises(UserError, match=r"cannot find ColumnParallelLinear\.forward"):
+        inject_weight_steps(text, "layers.py")
+    with pytest.raises(ValueError, match="not a ParetoQ"):
+        ops.paretoq_clipped(torch.ones(2, 2), "nvfp4")
