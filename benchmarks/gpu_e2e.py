@@ -50,6 +50,9 @@ data = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"] + 1), generator=
 pos = torch.arange(cfg["seq"], device=dev).expand(cfg["batch"], cfg["seq"])
 mask = torch.triu(torch.ones(1, 1, cfg["seq"], cfg["seq"], dtype=torch.bool, device=dev), 1)
 losses, times = [], []
+# ParetoQ values: the linear layers' learnable weight steps (the sum of each, after each step)
+steps_of = [p for n, p in model.named_parameters() if n.endswith("weight_alpha")]
+alpha_sums = []
 for step in range(cfg["steps"]):
     if dev == "cuda":
         torch.cuda.synchronize()
@@ -59,6 +62,7 @@ for step in range(cfg["steps"]):
     loss.backward()
     opt.step()
     losses.append(float(loss))
+    alpha_sums.append([float(p.float().sum()) for p in steps_of])
     if dev == "cuda":
         torch.cuda.synchronize()
     times.append(time.perf_counter() - a)
@@ -68,10 +72,20 @@ if os.environ.get("TENSOR_SAVE_ENABLED") == "true":
     saved = tensor_saver.flush()
 from megatron.core import quantpatch_ops
 print(json.dumps({"losses": losses, "step": statistics.median(times[2:] or times),
-                  "saved": saved, "kernels": quantpatch_ops.kernels_in_use(dev)}))
+                  "saved": saved, "kernels": quantpatch_ops.kernels_in_use(dev),
+                  "alpha": {"count": len(steps_of), "first": alpha_sums[0],
+                            "last": alpha_sums[-1]}}))
 """
 
-SCHEMES = ("bf16", "FA_mxfp8", "linear_mxfp4", "FA_linear_hifp8", "FA_linear_mxfp8")
+SCHEMES = (
+    "bf16",
+    "FA_mxfp8",
+    "linear_mxfp4",
+    "FA_linear_hifp8",
+    "FA_linear_mxfp8",
+    "paretoq_w1.58",
+    "paretoq_w2",
+)
 
 
 def main() -> None:

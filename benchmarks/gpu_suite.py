@@ -9,6 +9,10 @@ Usage: python benchmarks/gpu_suite.py [--device cuda|cpu] [--out DIR] [--skip sa
    profiler) and peak extra memory per call against the output's size.
 2. The tensor saver (``saver_overhead.py --json``): disabled overhead as a share of a step, and
    the saving-step stall against a pinned device-to-host copy of the same bytes.
+1b. ParetoQ weight quantization (``paretoq_quantize`` with the layer's step: w1.58, w2,
+   w4g128) of a hidden x hidden bf16 weight against the linear layer's forward on TOKENS x
+   hidden bf16 activations (quantization + GEMM): the quantization's share of that forward
+   (hidden 4096, 8192 tokens on a GPU; 256 and 512 on CPU).
 3. The tiny megatron-core GPT (``gpu_e2e.py --json``) from an ``init``ed checkout: step time per
    scheme, bf16 = 1.0.
 4. Flash attention (issue 30): the attention core of one llama32-1b layer (32 query heads, 8
@@ -33,10 +37,11 @@ Usage: python benchmarks/gpu_suite.py [--device cuda|cpu] [--out DIR] [--skip sa
    held, quantizations, step time with the cache on and off).
 
 Bars (issue 10): each op >= 30 % of the copy (goal 50 %), <= 2 kernels per MX call, extra
-memory <= one output tensor; FA_linear_mxfp8 step <= 1.3x bf16; saver stall <= 3x the pinned
-copy; disabled saver <= 1 % of a step. Issue 30: every kernel >= 80 % of the copy at every
-shape; the quantized GEMM (the faster path) <= 1.08x bf16 at every shape; each weight
-quantized once per step (hit ratio (k - 1) / k).
+memory <= one output tensor; ParetoQ weight quantization < 10 % of the layer's forward (issue
+29); FA_linear_mxfp8 step <= 1.3x bf16; saver stall <= 3x the pinned copy; disabled saver
+<= 1 % of a step. Issue 30: every kernel >= 80 % of the copy at every shape; the quantized
+GEMM (the faster path) <= 1.08x bf16 at every shape; each weight quantized once per step
+(hit ratio (k - 1) / k).
 
 Without a GPU (``--device cpu``) the same suite runs end to end with the kernels in Triton's
 interpreter and small sizes, so it runs first time on a GPU; CPU figures are not the bars'.
@@ -396,6 +401,34 @@ def bench_weight_cache(
     return result
 
 
+PARETOQ = ("w1.58", "w2", "w4g128")
+
+
+def bench_paretoq(device: str, hidden: int, tokens: int, iters: int) -> dict[str, Any]:
+    """Per ParetoQ value: the weight quantization alone and the layer's forward (quantization
+    then the GEMM, as Column/RowParallelLinear run it), in ms, and the quantization's share."""
+    from quantpatch.runtime import quantpatch_ops as ops
+
+    gen = torch.Generator().manual_seed(0)
+    w = (torch.randn(hidden, hidden, generator=gen) * hidden**-0.5).to(device, torch.bfloat16)
+    x = torch.randn(tokens, hidden, generator=gen).to(device, torch.bfloat16)
+    gemm_s = timed(lambda: x @ w.t(), device, iters)
+    rows = []
+    for fmt in PARETOQ:
+        alpha = ops.paretoq_init_alpha(w, fmt).to(torch.bfloat16)
+        quant_s = timed(lambda f=fmt, a=alpha: ops.paretoq_quantize(w, a, f), device, iters)
+        fwd_s = timed(lambda f=fmt, a=alpha: x @ ops.paretoq_quantize(w, a, f).t(), device, iters)
+        rows.append(
+            {
+                "format": fmt,
+                "quant_ms": quant_s * 1e3,
+                "forward_ms": fwd_s * 1e3,
+                "quant_pct_of_forward": 100 * quant_s / fwd_s,
+            }
+        )
+    return {"hidden": hidden, "tokens": tokens, "gemm_ms": gemm_s * 1e3, "rows": rows}
+
+
 def _script(name: str, args: list[str], out: Path) -> dict[str, Any] | None:
     cmd = [sys.executable, str(HERE / name), *args, "--json", str(out)]
     print(f"$ {' '.join(cmd[1:])}", flush=True)
@@ -430,6 +463,21 @@ def markdown(r: dict[str, Any]) -> str:
                 return f"{e[f'{p}_gbs']:.3g} | {e[f'{p}_pct_of_copy']:.3g} | {k} | {mem}"
 
             lines.append(f"| {e['op']} | {cells('triton')} | {cells('reference')} |")
+        lines.append("")
+    pq = r.get("paretoq")
+    if pq:
+        lines += [
+            f"ParetoQ weight quantization, {pq['hidden']}x{pq['hidden']} bf16 weight, "
+            f"{pq['tokens']} tokens (bf16 GEMM alone {pq['gemm_ms']:.3f} ms):",
+            "",
+            "| value | quantization ms | layer forward ms | share of the forward |",
+            "| --- | ---: | ---: | ---: |",
+        ]
+        for e in pq["rows"]:
+            lines.append(
+                f"| {e['format']} | {e['quant_ms']:.3f} | {e['forward_ms']:.3f} "
+                f"| {e['quant_pct_of_forward']:.1f} % |"
+            )
         lines.append("")
     s = r.get("saver")
     if s and "error" not in s:
@@ -592,6 +640,10 @@ def bars(r: dict[str, Any]) -> list[str]:
         mem = max(e["triton_extra_vs_output"] for e in o["ops"])
         say(mem <= 1.0 + 1e-6, f"extra memory <= one output (most {mem:.2f})")
     issue30_bars(r, say)
+    pq = r.get("paretoq")
+    if pq:
+        worst = max(e["quant_pct_of_forward"] for e in pq["rows"])
+        say(worst < 10, f"ParetoQ weight quantization < 10 % of the forward (most {worst:.1f} %)")
     e2e = r.get("e2e")
     if e2e and "error" not in e2e:
         ratio = e2e["step_vs_bf16"]["FA_linear_mxfp8"]
@@ -641,7 +693,7 @@ def main() -> None:
     ap.add_argument(
         "--skip",
         default="",
-        help="comma list of: ops, shapes, gemm, cache, flash, saver, e2e, pretrain",
+        help="comma list of: ops, paretoq, shapes, gemm, cache, flash, saver, e2e, pretrain",
     )
     ap.add_argument(
         "--megatron-lm",
@@ -676,6 +728,10 @@ def main() -> None:
     if "cache" not in skip:
         sizes = (4096, 14336, 8192, 4) if gpu else (64, 128, 32, 4)
         r["weight_cache"] = bench_weight_cache(args.device, *sizes, steps=5 if gpu else 2)
+    if "paretoq" not in skip:
+        sizes = (4096, 8192) if gpu else (256, 512)
+        r["paretoq"] = bench_paretoq(args.device, *sizes, 20 if gpu else 3)
+        print(json.dumps(r["paretoq"], indent=1), flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         small = [] if gpu else ["--hidden", "128", "--tokens", "256", "--layers", "2"]
         if "saver" not in skip:

@@ -26,7 +26,7 @@ def test_demo_walks_and_restores_byte_identical(run, tmp_path):
     }
     per_format = {
         f"quantpatch/linear-{f}_qk-bf16_pv-bf16"
-        for f in ("bf16", "mxfp8", "mxfp4", "hifp8", "nvfp4")
+        for f in ("bf16", "mxfp8", "mxfp4", "hifp8", "nvfp4", "w1.58", "w2")
     }
     assert {h.name for h in repo.heads} == {"main"} | walked | per_format
     # the whole package tree is there, not only the two target files
@@ -40,13 +40,28 @@ def test_demo_walks_and_restores_byte_identical(run, tmp_path):
     rows = {}
     for line in res.out.splitlines():
         cells = [c.strip() for c in line.strip("│ ").split("│")]
-        if len(cells) == 4 and cells[0] in ("bf16", "mxfp8", "mxfp4", "hifp8", "nvfp4"):
+        if len(cells) == 4 and cells[0] in (
+            "bf16",
+            "mxfp8",
+            "mxfp4",
+            "hifp8",
+            "nvfp4",
+            "w1.58",
+            "w2",
+        ):
             rows[cells[0]] = [float(c) for c in cells[1:]]
     assert rows["bf16"] == [0.0, 0.0, 0.0]
     for fmt in ("mxfp8", "mxfp4", "hifp8", "nvfp4"):
         assert all(0.001 < e < 0.5 for e in rows[fmt]), (fmt, rows[fmt])
     assert rows["mxfp4"][0] > rows["mxfp8"][0]  # 2 mantissa bits less than E4M3
     assert rows["nvfp4"][0] < rows["mxfp4"][0]  # E4M3 scales of 16, not powers of two of 32
+    # ParetoQ: the weight quantized (ternary, 2-bit) with the first forward's step, activations
+    # as they are: the forward and input gradient err far more than with 4-bit blocks; the
+    # weight gradient is the bf16 one but where W / alpha clips (the row maxima: a few)
+    for fmt in ("w1.58", "w2"):
+        fwd, dgrad, wgrad = rows[fmt]
+        assert rows["mxfp4"][0] < fwd < 2 and rows["mxfp4"][1] < dgrad < 2, (fmt, rows[fmt])
+        assert 0 < wgrad < 0.2, (fmt, rows[fmt])
     res = run("demo", dest)
     assert res.code == 2 and "not empty" in res.err
 

@@ -174,9 +174,9 @@ def test_every_module_lives_in_a_package_of_the_contract():
 
 
 def test_the_upward_finder_finds_an_upward_import():
-    assert upward({"quantpatch.sites.x": {"quantpatch.git.repo", "quantpatch.base.errors"}}) == [
-        "quantpatch.sites.x -> quantpatch.git.repo"
-    ]
+    assert upward(
+        {"quantpatch.sites.discovery.x": {"quantpatch.git.repo", "quantpatch.base.errors"}}
+    ) == ["quantpatch.sites.discovery.x -> quantpatch.git.repo"]
 
 
 def test_no_package_imports_one_above_it():

@@ -43,7 +43,8 @@ def test_init_and_remove_round_trip(run, make_checkout, version):
     assert [(s["role"], s["value"], s["form"]) for s in data["sites"]] == [
         ("linear", "bf16", "literal"),
         ("linear", "bf16", "literal"),
-        ("linear", "bf16", "literal"),
+        ("linear", "bf16", "literal"),  # ColumnParallelLinear.__init__: ParetoQ steps
+        ("linear", "bf16", "literal"),  # RowParallelLinear.__init__
         ("pv", "bf16", "label"),
         ("qk", "bf16", "literal"),
         ("pv", "bf16", "literal"),

@@ -159,6 +159,7 @@ def plot_formats(rows: list[dict[str, Any]], formats: tuple[str, ...], out: Path
     (``rows`` from ``tensors.formats(..., by=("layer", "tensor"))``)."""
     plt = _pyplot()
     written: list[Path] = []
+    rows = [r for r in rows if isinstance(r["sqnr_db"], float)]  # not n/a (ParetoQ on non-weights)
     layers = sorted_layers({r["layer"] for r in rows})
     kinds = sorted({str(r["tensor"]) for r in rows})
     if not rows:

@@ -35,6 +35,8 @@ _MX_ELEMENTS = {  # (fmt, backward) -> (largest normal, emax_elem)
     ("mxfp4", True): (ops.E2M1[2], ops.E2M1[3]),
 }
 HIFP8_MAX = 32768.0
+NOT_APPLICABLE = "n/a"
+"""The cells of a candidate that applies to none of a row's tensors (ParetoQ: weights only)."""
 
 
 def reduction_of(tensor: str | None, operation: str | None) -> tuple[int, bool]:
@@ -145,12 +147,16 @@ class FormatSums:
     noise: float = 0.0  # sum (x - q)^2
     dot: float = 0.0  # sum x q
     quant_sq: float = 0.0  # sum q^2
+    not_applicable: int = 0  # tensors the format does not apply to (ParetoQ: all but weights)
 
     def merge(self, o: FormatSums) -> None:
         for f in fields(self):
             setattr(self, f.name, getattr(self, f.name) + getattr(o, f.name))
 
     def summary(self) -> dict[str, Any]:
+        if self.not_applicable and not self.finite:  # no tensor it applies to: every cell n/a
+            keys = FormatSums().summary()
+            return dict.fromkeys(keys, NOT_APPLICABLE)
         sqnr = (
             math.inf
             if self.noise == 0
@@ -217,6 +223,8 @@ def formats_sums(
     dim: int = -1,
     backward: bool = False,
     amax: torch.Tensor | None = None,
+    *,
+    weight: bool = False,
 ) -> dict[str, FormatSums]:
     """What each of ``fmts`` does to ``t``, as sums. Large tensors are worked slice by slice
     along a dimension other than ``dim`` (every sum adds up exactly, MX blocks stay whole),
@@ -224,13 +232,21 @@ def formats_sums(
     computed once per slice. NVFP4's tensor scale comes from ``amax`` (the whole tensor's
     where ``t`` is a sample of it; None: ``t``'s own); its elements are rounded to nearest even
     in either direction (stochastic rounding's error is a random draw, not a property of the
-    tensor)."""
+    tensor). ParetoQ's weight values apply to a ``weight`` tensor only (rows ``[out, in]``, the
+    step taken as the layer's first forward would; "clipped" counts as overflows); for any
+    other tensor they count it as not applicable."""
     if t.dim() == 0:
         t, dim = t.reshape(1), 0
     t = t.detach()
     if amax is None and any(f in ops.NVFP4_FORMATS for f in fmts):
         amax = nv_amax(t)
     out = {f: FormatSums() for f in fmts}
+    weights_only = tuple(f for f in fmts if ops.is_paretoq(f))
+    if weights_only:
+        _add_weight_formats(t, weights_only, weight, out)
+        fmts = tuple(f for f in fmts if f not in weights_only)
+        if not fmts:
+            return out
     d = dim % t.dim()
     others = [i for i in range(t.dim()) if i != d]
     if t.numel() <= 2 * _SLICE or not others:
@@ -330,6 +346,37 @@ def _add_slice(
         elif fmt == "hifp8":
             s.overflows = int((x0.abs() > HIFP8_MAX).sum())
         out[fmt].merge(s)
+
+
+def _add_weight_formats(
+    t: torch.Tensor, fmts: tuple[str, ...], weight: bool, out: dict[str, FormatSums]
+) -> None:
+    """ParetoQ candidates: the weight's rows (``[..., in]`` as ``[rows, in]``) quantized with
+    the initial step; another tensor is counted as not applicable."""
+    if not weight:
+        for f in fmts:
+            out[f].not_applicable += 1
+        return
+    w = t.reshape(-1, t.shape[-1])
+    x = w.to(torch.float64)
+    finite = torch.isfinite(x)
+    x0 = torch.where(finite, x, torch.zeros_like(x))
+    for f in fmts:
+        q = ops.fake_quant(w, f).to(torch.float64)
+        q0 = torch.where(finite, q, torch.zeros_like(q))
+        err = x0 - q0
+        out[f].merge(
+            FormatSums(
+                finite=int(finite.sum()),
+                nonzero=int((x0 != 0).sum()),
+                underflows=int(((x0 != 0) & (q0 == 0)).sum()),
+                overflows=int((ops.paretoq_clipped(w, f) & finite).sum()),
+                signal=float((x0 * x0).sum()),
+                noise=float((err * err).sum()),
+                dot=float((x0 * q0).sum()),
+                quant_sq=float((q0 * q0).sum()),
+            )
+        )
 
 
 def format_sums(t: torch.Tensor, fmt: str, dim: int = -1, backward: bool = False) -> FormatSums:

@@ -28,7 +28,9 @@ from quantpatch.analysis.tensor_files import (
 )
 from quantpatch.base.errors import UserError
 
-FORMATS = ("mxfp8", "mxfp4", "hifp8", "nvfp4")
+FORMATS = ("mxfp8", "mxfp4", "hifp8", "nvfp4", "w1", "w1.58", "w2", "w3", "w4")
+"""The candidates ``--formats`` takes; ParetoQ's weight values (``w<b>``, grouped ``w<b>g<N>``
+too) apply to weights only (other tensors show n/a)."""
 DEFAULT_FORMATS = ("mxfp8", "mxfp4", "hifp8")
 """The candidates when none are named (nvfp4 is taken when named)."""
 Progress = Callable[[int, int], None]  # (files done, files in all)
@@ -87,6 +89,11 @@ def parse_by(value: str | None, default: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def parse_formats(value: str | None) -> tuple[str, ...]:
+    from quantpatch.base.config import is_paretoq
+
+    if value:  # grouped ParetoQ values are a pattern, not a list: allowed as named
+        named = tuple(v.strip() for v in value.split(",") if v.strip() and is_paretoq(v.strip()))
+        return _choices(value, (*FORMATS, *named), "--formats", "format")
     return _choices(value, FORMATS, "--formats", "format")
 
 
@@ -137,7 +144,8 @@ def _formats_file(
             dim = -1
         amax = nv_amax(t) if "nvfp4" in fmts else None  # the whole tensor's, not the sample's
         t, dim = sample_rows(t, dim if t.dim() else 0, sample)
-        return meta, formats_sums(t, fmts, dim, backward, amax), path.stat().st_size
+        sums = formats_sums(t, fmts, dim, backward, amax, weight=meta.tensor == "weight")
+        return meta, sums, path.stat().st_size
     except Exception as exc:  # one file never stops the others: skipped, with why
         return Skipped(str(path.relative_to(root)), skip_reason(exc))
 
@@ -282,8 +290,15 @@ def formats(
     for key, per_fmt in groups.items():
         for f, s in per_fmt.items():
             rows.append({**dict(zip(by, key, strict=True)), "candidate": f, **s.summary()})
-    rows.sort(key=lambda r: (_finite_or(r["sqnr_db"]), -r["overflows %"], -r["underflows %"]))
+    rows.sort(key=_worst_first)
     return FormatsResult(inv, by, fmts, sample, rows)
+
+
+def _worst_first(r: dict[str, Any]) -> tuple[bool, float, float, float]:
+    """Lowest SQNR first, then the most overflows and underflows; n/a rows last."""
+    if not isinstance(r["sqnr_db"], float):
+        return True, 0.0, 0.0, 0.0
+    return False, _finite_or(r["sqnr_db"]), -r["overflows %"], -r["underflows %"]
 
 
 def _finite_or(v: float) -> float:

@@ -12,9 +12,35 @@ from typing import Any
 
 from quantpatch.base.errors import UserError
 
-QUANT_TYPES: tuple[str, ...] = ("bf16", "mxfp8", "mxfp4", "hifp8", "nvfp4", "nvfp4-2d")
+PARETOQ_TYPES: tuple[str, ...] = ("w1", "w1.58", "w2", "w3", "w4")
+"""ParetoQ's extremely low-bit weights (binary, ternary, 2, 3, 4 bits, a learnable step per
+output row), linear role only; each also takes a group suffix ``g<N>`` (``w2g128``: one step
+per row and 128 input columns)."""
+
+QUANT_TYPES: tuple[str, ...] = (
+    "bf16",
+    "mxfp8",
+    "mxfp4",
+    "hifp8",
+    "nvfp4",
+    "nvfp4-2d",
+    *PARETOQ_TYPES,
+)
 """Values a site may hold: bf16 is the unquantized PyTorch path. ``nvfp4-2d`` is ``nvfp4``
-with 16 x 16 weight tiles: it differs from ``nvfp4`` at the linear role only."""
+with 16 x 16 weight tiles: it differs from ``nvfp4`` at the linear role only. Besides these,
+the grouped ParetoQ values ``w<b>g<N>`` (:func:`is_known_value`)."""
+
+_GROUPED_RE = re.compile(r"(w1|w1\.58|w2|w3|w4)g[1-9][0-9]{0,6}")
+
+
+def is_paretoq(value: str) -> bool:
+    """A ParetoQ weight value, grouped or not."""
+    return value in PARETOQ_TYPES or _GROUPED_RE.fullmatch(value) is not None
+
+
+def is_known_value(value: str) -> bool:
+    return value in QUANT_TYPES or is_paretoq(value)
+
 
 ROLES: tuple[str, ...] = ("linear", "qk", "pv")
 """The three GEMM families a checkout's sites govern."""
@@ -149,6 +175,11 @@ def validate_value(
 ) -> str:
     """Refuse a quant type that is not known (unless allowed), cannot sit in a literal, or
     (given the ``role``) does not belong to that role."""
+    if role is not None and role != "linear" and is_paretoq(value):
+        raise UserError(
+            f"{where}: '{value}' is a ParetoQ weight format, and only the linear role has "
+            f"weights; {role} takes the other values."
+        )
     if role is not None and role != "linear" and value in LINEAR_ONLY:
         raise UserError(
             f"{where}: '{value}' tiles weights 16 x 16, and only the linear role has weights; "
@@ -158,9 +189,9 @@ def validate_value(
         raise UserError(
             f"{where}: {value!r} is not a valid quant type name (letters, digits, '_.+-' only)."
         )
-    if value not in QUANT_TYPES and not allow_unknown:
+    if not is_known_value(value) and not allow_unknown:
         raise UserError(
             f"{where}: unknown quant type '{value}'; valid values are "
-            f"{', '.join(QUANT_TYPES)} (--allow-unknown writes it anyway)."
+            f"{', '.join(QUANT_TYPES)} and w<b>g<N> (--allow-unknown writes it anyway)."
         )
     return value

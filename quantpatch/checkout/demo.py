@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import git
 from rich.console import Console
 
-from quantpatch.base.config import QUANT_TYPES, Targets
+from quantpatch.base.config import QUANT_TYPES, Targets, is_paretoq
 from quantpatch.base.edits import Edit, apply_edits
 from quantpatch.base.errors import UserError
 from quantpatch.base.megatron_source import DEFAULT_VERSION, megatron_tree
@@ -98,9 +98,10 @@ def walk(dest: Path, console: Console, print_check: Callable[[CheckReport, Conso
     print_linear_errors(dest, console)
 
 
-DEMO_FORMATS = tuple(f for f in QUANT_TYPES if f != "nvfp4-2d")
+DEMO_FORMATS = (*(f for f in QUANT_TYPES if f != "nvfp4-2d" and not is_paretoq(f)), "w1.58", "w2")
 """The demo's linear formats: nvfp4-2d tiles a weight Parameter, which the probe's plain
-weight tensor is not, so its row would repeat nvfp4's."""
+weight tensor is not, so its row would repeat nvfp4's; of ParetoQ's weight values, those of
+the schemes ``paretoq_w1.58`` and ``paretoq_w2`` (ternary and 2-bit weights)."""
 
 
 def linear_errors(
@@ -123,8 +124,9 @@ def linear_errors(
         for fmt in formats:
             wt = ensure_worktree(dest, {"linear": fmt, "qk": "bf16", "pv": "bf16"})
             out = Path(tmp) / f"{fmt}.pt"
+            weights = ["--weights", fmt] if is_paretoq(fmt) else []
             subprocess.run(
-                [sys.executable, str(probe), str(out)],
+                [sys.executable, str(probe), str(out), *weights],
                 check=True,
                 cwd=wt.path,
                 env={**_clean_env(), "PYTHONPATH": str(wt.path)},

@@ -19,7 +19,7 @@ from quantpatch.base.edits import Edit, read_exact
 from quantpatch.base.errors import UserError
 from quantpatch.git import repo as gitrepo
 from quantpatch.git.installs import InstallResult, record_of, run_install, run_remove
-from quantpatch.sites.codemods.init_sites import inject_sites
+from quantpatch.sites.codemods.init_sites import inject_sites, inject_weight_steps
 from quantpatch.sites.model import read_target
 
 OPS_MODULE = "megatron/core/quantpatch_ops.py"
@@ -54,7 +54,10 @@ def _plan(checkout: gitrepo.Checkout) -> list[Edit]:
     edits = []
     for rel in targets.all_files:
         text = read_target(root, rel)
-        edits.append(Edit(rel, text, inject_sites(text, rel, targets.kind_of(rel), flash=True)))
+        new = inject_sites(text, rel, targets.kind_of(rel), flash=True)
+        if targets.kind_of(rel) == "linear":
+            new = inject_weight_steps(new, rel)  # ParetoQ steps: parameters of the layers
+        edits.append(Edit(rel, text, new))
     for installed in RUNTIME_MODULES:
         current, source = read_exact(root / installed), runtime_source(installed)
         if current is not None and current != source:

@@ -2,7 +2,11 @@
 save the three GEMM results (forward output, input gradient, weight gradient).
 
 Usage (inside a checkout, with the checkout first on PYTHONPATH):
-    python linear_probe.py OUT.pt [TOKENS HIDDEN_IN HIDDEN_OUT]
+    python linear_probe.py OUT.pt [TOKENS HIDDEN_IN HIDDEN_OUT] [--weights FMT]
+
+``--weights`` names a ParetoQ value (``w2``, ...): the weight is quantized first with the
+checkout's ops and the step the layer's first forward takes, as Column/RowParallelLinear do
+before they call the linear function (which leaves the operands as they are for that value).
 
 torch and the standard library only; the inputs are seeded so that runs of different sources
 (one per quantization format) see identical tensors. Used by ``quantpatch demo``.
@@ -17,7 +21,12 @@ import torch
 
 
 def run(
-    tokens: int = 256, hidden_in: int = 512, hidden_out: int = 512, seed: int = 0
+    tokens: int = 256,
+    hidden_in: int = 512,
+    hidden_out: int = 512,
+    seed: int = 0,
+    *,
+    weights: str | None = None,
 ) -> dict[str, torch.Tensor]:
     from megatron.core.tensor_parallel.layers import (
         LinearWithGradAccumulationAndAsyncCommunication as Linear,
@@ -40,12 +49,23 @@ def run(
         "tp_group": None,
     }
     names = list(inspect.signature(Linear.forward).parameters)[3:]  # after ctx, input, weight
-    y = Linear.apply(x, w, *(values[n] for n in names))
+    wq = w
+    if weights is not None:
+        from megatron.core import quantpatch_ops as ops
+
+        wq = ops.paretoq_weight(w, ops.paretoq_init_alpha(w, weights), weights)
+    y = Linear.apply(x, wq, *(values[n] for n in names))
     y.backward(grad_y)
     assert x.grad is not None and w.grad is not None
     return {"forward": y.detach(), "dgrad": x.grad, "wgrad": w.grad}
 
 
 if __name__ == "__main__":
-    sizes = [int(a) for a in sys.argv[2:5]]
-    torch.save(run(*sizes), sys.argv[1])
+    args = sys.argv[2:]
+    fmt = None
+    if "--weights" in args:
+        i = args.index("--weights")
+        fmt = args[i + 1]
+        del args[i : i + 2]
+    sizes = [int(a) for a in args[:3]]
+    torch.save(run(*sizes, weights=fmt), sys.argv[1])

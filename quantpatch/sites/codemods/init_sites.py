@@ -502,3 +502,151 @@ def inject_sites(
     if kind == "attention" and teach_mla:
         new = teach_mla_head_dims(new)
     return keep_bom(text, new.code)
+
+
+# -- ParetoQ weight steps: a linear-role site in the tensor-parallel layers' constructors ----
+
+PARALLEL_LINEAR_CLASSES = {"ColumnParallelLinear": 0, "RowParallelLinear": 1}
+"""The layers whose constructors get a linear-role site, with the weight's TP split dim."""
+_STEP_COMMENT = (
+    "# the linear role's learnable weight steps (ParetoQ values), parameters from here on"
+)
+_HAS_STEP = (
+    "if self.weight_alpha is None:\n"
+    "    pass\n"
+    "else:\n"
+    "    from megatron.core import quantpatch_ops\n"
+    "    pass\n"
+)
+
+
+def _constructor_site(partition_dim: int) -> list[cst.BaseStatement]:
+    """``custom_quant_type = 'bf16'`` and its dispatch: ``bf16`` registers no step (as a
+    layer without bias registers ``bias = None``); another value asks the ops for one."""
+    code = (
+        f"{_STEP_COMMENT}\n"
+        f"{SITE_NAME} = 'bf16'\n"
+        f"if {SITE_NAME} == 'bf16':\n"
+        "    self.register_parameter('weight_alpha', None)\n"
+        "else:\n"
+        "    from megatron.core import quantpatch_ops\n"
+        f"    quantpatch_ops.add_weight_scales(self, {SITE_NAME}, "
+        f"partition_dim={partition_dim})\n"
+    )
+    module = cst.parse_module(code)
+    body: list[cst.BaseStatement] = list(
+        module.body
+    )  # the comment is the module's header: it leads the site's line
+    body[0] = body[0].with_changes(leading_lines=[cst.EmptyLine(indent=False), *module.header])
+    return body
+
+
+def _wrapped(stmt: cst.SimpleStatementLine, helper: str) -> cst.If:
+    """``if self.weight_alpha is None: <stmt> else: <stmt calling quantpatch_ops.<helper>(
+    self, <the original callee>, <its arguments>)>``: the original statement kept verbatim."""
+    small = stmt.body[0]
+    assert isinstance(small, (cst.Assign, cst.Return)) and isinstance(small.value, cst.Call)
+    call = small.value
+    first = call.args[0].comma if call.args else cst.MaybeSentinel.DEFAULT
+    comma = (  # one argument a line where the call is written so
+        first
+        if isinstance(first, cst.Comma)
+        and isinstance(first.whitespace_after, cst.ParenthesizedWhitespace)
+        else cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))
+    )
+    helper_call = call.with_changes(
+        func=cst.Attribute(value=cst.Name("quantpatch_ops"), attr=cst.Name(helper)),
+        args=[cst.Arg(cst.Name("self"), comma=comma), cst.Arg(call.func, comma=comma), *call.args],
+    )
+    quantized = stmt.with_changes(body=[small.with_changes(value=helper_call)], leading_lines=())
+    template = cst.ensure_type(cst.parse_statement(_HAS_STEP), cst.If)
+    orelse = cst.ensure_type(template.orelse, cst.Else)
+    else_body = cst.ensure_type(orelse.body, cst.IndentedBlock)
+    return template.with_changes(
+        body=template.body.with_changes(body=[stmt.with_changes(leading_lines=())]),
+        orelse=orelse.with_changes(
+            body=else_body.with_changes(body=[else_body.body[0], quantized])
+        ),
+        leading_lines=stmt.leading_lines,
+    )
+
+
+def _is_call_of(stmt: cst.BaseStatement, kind: type, func: m.BaseMatcherNode) -> bool:
+    if not isinstance(stmt, cst.SimpleStatementLine) or len(stmt.body) != 1:
+        return False
+    small = stmt.body[0]
+    return (
+        isinstance(small, kind)
+        and isinstance(getattr(small, "value", None), cst.Call)
+        and m.matches(small.value.func, func)  # type: ignore[attr-defined]
+    )
+
+
+class _WeightSteps(cst.CSTTransformer):
+    """In each tensor-parallel linear layer: the constructor site (last in ``__init__``), the
+    forward's call of its linear function and ``sharded_state_dict``'s return wrapped in a
+    test of ``self.weight_alpha`` (None under ``bf16``: the original statements run)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.found: dict[str, set[str]] = {}
+
+    def leave_ClassDef(
+        self, original_node: cst.ClassDef, updated_node: cst.ClassDef
+    ) -> cst.ClassDef:
+        name = updated_node.name.value
+        if name not in PARALLEL_LINEAR_CLASSES:
+            return updated_node
+        done = self.found.setdefault(name, set())
+        body = []
+        for stmt in updated_node.body.body:
+            if isinstance(stmt, cst.FunctionDef) and isinstance(stmt.body, cst.IndentedBlock):
+                stmt = self._method(stmt, PARALLEL_LINEAR_CLASSES[name], done)
+            body.append(stmt)
+        return updated_node.with_changes(body=updated_node.body.with_changes(body=body))
+
+    def _method(self, fn: cst.FunctionDef, dim: int, done: set[str]) -> cst.FunctionDef:
+        block = cst.ensure_type(fn.body, cst.IndentedBlock)
+        stmts = list(block.body)
+        method = fn.name.value
+        if method == "__init__":
+            stmts += _constructor_site(dim)
+            done.add(method)
+        elif method in ("forward", "sharded_state_dict"):
+            kind, func, helper = (
+                (cst.Assign, m.Attribute(m.Name("self"), m.Name("_forward_impl")), "paretoq_linear")
+                if method == "forward"
+                else (
+                    cst.Return,
+                    m.Name("make_sharded_tensors_for_checkpoint"),
+                    "paretoq_sharded_state_dict",
+                )
+            )
+            for i, stmt in enumerate(stmts):
+                if _is_call_of(stmt, kind, func):
+                    stmts[i] = _wrapped(cst.ensure_type(stmt, cst.SimpleStatementLine), helper)
+                    done.add(method)
+                    break
+        return fn.with_changes(body=block.with_changes(body=stmts))
+
+
+def inject_weight_steps(text: str, rel: str) -> str:
+    """``text`` (a linear file) with the ParetoQ weight steps wired into
+    ``ColumnParallelLinear`` and ``RowParallelLinear``: a ``custom_quant_type`` site in each
+    constructor (one more linear-role site, set with the others), the forward passing the
+    step to the ops, and ``sharded_state_dict`` sharding it like the weight."""
+    module = parse_source(text, rel)
+    steps = _WeightSteps()
+    new = module.visit(steps)
+    wanted = {"__init__", "forward", "sharded_state_dict"}
+    missing = [
+        f"{cls}.{method}"
+        for cls in PARALLEL_LINEAR_CLASSES
+        for method in sorted(wanted - steps.found.get(cls, set()))
+    ]
+    if missing:
+        raise UserError(
+            f"{rel}: cannot find {', '.join(missing)} in the shape this Megatron layout should "
+            "have; the file is not a supported megatron-core release."
+        )
+    return keep_bom(text, new.code)
