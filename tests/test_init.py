@@ -41,8 +41,9 @@ def test_init_and_remove_round_trip(run, make_checkout, version):
     # the attention forward reads P.V's format (a label site), then Q.K^T's, at its top for
     # the flash route of the FA schemes; the P.V product has its own site
     assert [(s["role"], s["value"], s["form"]) for s in data["sites"]] == [
-        ("linear", "bf16", "literal"),
-        ("linear", "bf16", "literal"),
+        ("linear", "bf16", "literal"),  # the linear autograd function: forward,
+        ("linear", "bf16", "literal"),  # input gradient,
+        ("linear", "bf16", "literal"),  # weight gradient
         ("linear", "bf16", "literal"),  # ColumnParallelLinear.__init__: ParetoQ steps
         ("linear", "bf16", "literal"),  # RowParallelLinear.__init__
         ("pv", "bf16", "label"),
