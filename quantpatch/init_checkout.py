@@ -9,11 +9,12 @@ restores the original bytes exactly.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
 
 from quantpatch import repo as gitrepo
-from quantpatch.codemods.init_sites import inject_sites
+from quantpatch.codemods.init_sites import inject_sites, teach_dispatches
 from quantpatch.config import load_targets
 from quantpatch.edits import Edit, read_exact
 from quantpatch.errors import UserError
@@ -47,15 +48,36 @@ def _plan(checkout: gitrepo.Checkout) -> list[Edit]:
     if record_of(checkout, RECORD) is not None:
         raise UserError(f"{root}: already initialised by quantpatch ('init --remove' undoes it).")
     targets = load_targets(root)
-    edits = []
-    for rel in targets.all_files:
-        text = read_target(root, rel)
-        edits.append(Edit(rel, text, inject_sites(text, rel, targets.kind_of(rel))))
+    edits = _site_edits(root, targets.all_files, targets.kind_of)
     for installed in RUNTIME_MODULES:
         current, source = read_exact(root / installed), runtime_source(installed)
         if current is not None and current != source:
             raise UserError(f"{installed}: a different file is already there; move it away first.")
         edits.append(Edit(installed, current, source))
+    return edits
+
+
+def _site_edits(root: Path, rels: tuple[str, ...], kind_of: Callable[[str], str]) -> list[Edit]:
+    """A stock file gets sites and quantpatch's dispatches; a file that has sites already
+    (a fork's) gets its explicit dispatch chains taught the quantpatch values they lack,
+    its own branches untouched. Nothing to do anywhere is refused."""
+    from quantpatch.sites import discover_sites
+
+    edits, forked = [], []
+    for rel in rels:
+        text = read_target(root, rel)
+        if not discover_sites(text, rel, kind_of(rel)):
+            edits.append(Edit(rel, text, inject_sites(text, rel, kind_of(rel))))
+            continue
+        forked.append(rel)
+        taught = teach_dispatches(text, rel)
+        if taught is not None:
+            edits.append(Edit(rel, text, taught))
+    if forked and len(edits) == 0:
+        raise UserError(
+            f"{forked[0]}: the file already has custom_quant_type sites whose dispatches "
+            "quantpatch cannot teach more values; nothing to initialise."
+        )
     return edits
 
 
