@@ -245,6 +245,25 @@ def test_products_round_the_gradient_stochastically_and_tile_the_weight_only():
     assert_bits(ops.quant_baddbmm(torch.empty(2, 4, 5), q1, q2, beta=0.0, fmt="nvfp4"), want)
 
 
+def test_the_named_weight_operand_takes_the_tiles():
+    """Megatron's linear autograd function hands ``weight.t()`` over as a plain tensor:
+    ``weight=`` names it, and the named operand alone takes 16 x 16 tiles; without it the
+    old call form still tiles a Parameter only."""
+    a, w = _mixed((8, 32), 41), _mixed((16, 32), 42)
+    tiled = torch.matmul(nvfp4_oracle(a), nvfp4_oracle(w, two_d=True).t())
+    assert_bits(ops.quant_matmul(a, w.t(), "nvfp4-2d", weight="b"), tiled)
+    assert_bits(ops.quant_matmul(a, w.t(), "nvfp4-2d"), ops.quant_matmul(a, w.t(), "nvfp4"))
+    assert not torch.equal(tiled, ops.quant_matmul(a, w.t(), "nvfp4"))
+    g = _mixed((16, 8), 43)
+    want = torch.matmul(nvfp4_oracle(w, two_d=True).t(), nvfp4_oracle(g, dim=0))
+    assert_bits(ops.quant_matmul(w.t(), g, "nvfp4-2d", weight="a"), want)
+    assert_bits(
+        ops.quant_matmul(a, w.t(), "nvfp4", weight="b"), ops.quant_matmul(a, w.t(), "nvfp4")
+    )
+    with pytest.raises(ValueError, match="weight='w'"):
+        ops.quant_matmul(a, w.t(), "nvfp4-2d", weight="w")
+
+
 def test_straight_through_gradient():
     x = _mixed((4, 32), 31).requires_grad_()
     w = _mixed((32, 8), 32).requires_grad_()
