@@ -785,7 +785,7 @@ def tensors_formats(
     formats: str = typer.Option(
         "mxfp8,mxfp4,hifp8",
         "--formats",
-        help="Candidate formats, comma-separated (of mxfp8, mxfp4, hifp8, nvfp4).",
+        help="Candidate formats, comma-separated (of mxfp8, mxfp4, hifp8, nvfp4, nvfp4-2d).",
     ),
     by: str = typer.Option(
         "layer,kind,operation,tensor",

@@ -346,6 +346,40 @@ def test_tensors_formats_takes_nvfp4_as_a_candidate(run, tmp_path):
     }
 
 
+def test_tensors_formats_takes_nvfp4_2d_as_a_candidate(run, tmp_path):
+    """nvfp4-2d tiles a linear weight 16 x 16 (its metrics are those of the oracle's tiles)
+    and gives every other tensor nvfp4's 1-D blocks, as the quant op does in training."""
+    import json
+    import math
+
+    from quantpatch.analysis.tensor_metrics import format_sums, sample_row_groups
+
+    d = tmp_path / "t"
+    d.mkdir()
+    w, x = torch.randn(64, 48, generator=torch.Generator().manual_seed(51)), _mixed((32, 48), 52)
+    w[:16, :16] = w[:16, :16] / w[:16, :16].abs().max() * 1e-6  # a tile whose E4M3 scale flushes
+    for name, t in (("weight", w), ("input", x)):
+        torch.save({"tensor": t, "metadata": {"tensor_name": name}}, d / f"{name}.pt")
+    res = run("tensors", "formats", d, "--json", "--formats", "nvfp4,nvfp4-2d", "--by", "tensor")
+    assert res.code == 0, res
+    rows = {(r["tensor"], r["candidate"]): r for r in json.loads(res.out)["rows"]}
+    err = w.double() - nvfp4_oracle(w, two_d=True).double()
+    sqnr = 10 * math.log10(float((w.double() ** 2).sum() / (err**2).sum()))
+    assert rows[("weight", "nvfp4-2d")]["sqnr_db"] == pytest.approx(sqnr, rel=1e-12)
+    assert rows[("weight", "nvfp4-2d")]["sqnr_db"] != rows[("weight", "nvfp4")]["sqnr_db"]
+    same = {k: v for k, v in rows[("input", "nvfp4")].items() if k != "candidate"}
+    assert same == {k: v for k, v in rows[("input", "nvfp4-2d")].items() if k != "candidate"}
+    tiles, blocks = format_sums(w, "nvfp4-2d", tiled=True), format_sums(w, "nvfp4-2d")
+    assert (tiles.blocks, tiles.blocks_scale_clipped) == (12, 1)
+    assert (blocks.blocks, blocks.blocks_scale_clipped) == (64 * 3, 16)
+    # a sample keeps whole tiles: groups of 32 rows at multiples of 32, the partial one last
+    t = torch.arange(100 * 16.0).reshape(100, 16)
+    assert torch.equal(sample_row_groups(t, 2 * 32 * 16), torch.cat([t[:32], t[96:]]))
+    assert sample_row_groups(t, None) is t
+    res = run("tensors", "formats", d, "--json", "--formats", "nvfp4-2d", "--sample", "1600")
+    assert res.code == 0, res
+
+
 def test_the_ops_module_imports_torch_and_the_standard_library_only():
     import ast
     import sys
