@@ -192,6 +192,8 @@ def product_of(stmt: cst.SimpleStatementLine, func: str) -> _Product | None:
     if func == "backward" and attr == "matmul" and not is_torch:
         if target not in ("grad_input", "grad_weight"):
             return None
+        if len(call.args) != 1 or call.args[0].keyword is not None:
+            return None  # Tensor.matmul takes one operand: not a fork's quant_mod.matmul(a, b)
         name = "dgrad" if target == "grad_input" else "wgrad"
         return _Product(name, target, "matmul", _quant_call(call, attr, receiver, True))
     if func == "forward" and is_torch and attr in ("baddbmm", "bmm"):
