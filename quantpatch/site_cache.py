@@ -81,6 +81,7 @@ def _well_formed(site: Site) -> bool:
         and all(isinstance(v, str) for v in (site.role, site.file, site.form, site.source))
         and isinstance(site.value, str | None)
         and (site.knows is None or all(isinstance(v, str) for chain in site.knows for v in chain))
+        and all(isinstance(v, str) for v in site.knows_for)
     )
 
 

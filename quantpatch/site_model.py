@@ -41,6 +41,10 @@ class Site:
     """For each dispatch this site governs, the values its branches are written for
     (``OPS_VALUES`` standing for those the checkout's ``quantpatch_ops.py`` declares);
     ``None`` where the site governs no dispatch or one that cannot be read."""
+    knows_for: tuple[str, ...] = ()
+    """The products of each dispatch in ``knows`` (``linear``, ``qk``, ``pv``, joined by ``+``
+    where one dispatch holds several): a value is checked against the dispatches of its own
+    role only."""
 
     @property
     def roles(self) -> tuple[str, ...]:
@@ -65,7 +69,10 @@ class Site:
         knows = data.get("knows")
         if knows is not None:
             knows = tuple(tuple(str(v) for v in chain) for chain in knows)
-        return cls(**{**data, "governs": tuple(data["governs"]), "knows": knows})
+        knows_for = tuple(str(v) for v in data.get("knows_for", ()))
+        return cls(
+            **{**data, "governs": tuple(data["governs"]), "knows": knows, "knows_for": knows_for}
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -135,13 +142,24 @@ NO_OPS = OpsValues()
 """A checkout without ``quantpatch_ops.py``: a branch that imports it cannot run."""
 
 
-def dispatch_knows(site: Site, value: str, ops: OpsValues) -> bool | None:
-    """Whether every dispatch ``site`` governs has a branch written for ``value``; None
-    where that cannot be told (a label site, a dispatch that is not a plain chain of
-    comparisons with literals, an unreadable ops module behind it)."""
+def _chains(site: Site, role: str | None) -> list[tuple[str, ...]]:
+    """The dispatches of ``site`` that compute ``role``'s products (all of them where
+    ``role`` is None or no dispatch is known to compute it)."""
+    assert site.knows is not None
+    if role is None or len(site.knows_for) != len(site.knows):
+        return list(site.knows)
+    mine = [c for c, f in zip(site.knows, site.knows_for, strict=True) if role in f.split("+")]
+    return mine or list(site.knows)
+
+
+def dispatch_knows(site: Site, value: str, ops: OpsValues, role: str | None = None) -> bool | None:
+    """Whether every dispatch ``site`` governs (of ``role``'s products, where given) has a
+    branch written for ``value``; None where that cannot be told (a label site, a dispatch
+    that is not a plain chain of comparisons with literals, an unreadable ops module behind
+    it)."""
     if site.knows is None:
         return None
-    for chain in site.knows:
+    for chain in _chains(site, role):
         if value in chain:
             continue
         if OPS_VALUES in chain:
@@ -153,11 +171,11 @@ def dispatch_knows(site: Site, value: str, ops: OpsValues) -> bool | None:
     return True
 
 
-def chain_values(site: Site, ops: OpsValues) -> list[str]:
-    """The values every dispatch of ``site`` knows (for messages), the ops' own included."""
-    assert site.knows is not None
+def chain_values(site: Site, ops: OpsValues, role: str | None = None) -> list[str]:
+    """The values every dispatch of ``site`` (of ``role``'s products) knows, for messages,
+    the ops' own included."""
     common: set[str] | None = None
-    for chain in site.knows:
+    for chain in _chains(site, role):
         values = {v for v in chain if v != OPS_VALUES}
         if OPS_VALUES in chain:
             values |= ops.formats | {f"{g}g<N>" for g in ops.grouped}
@@ -168,19 +186,19 @@ def chain_values(site: Site, ops: OpsValues) -> list[str]:
 def unknown_to_dispatch(
     sites: Sequence[Site], values: Mapping[str, str], ops: OpsValues
 ) -> tuple[Site, str] | None:
-    """The first site of a role in ``values`` whose dispatch does not know that role's
-    value (the site and the value), or None."""
+    """The first site of a role in ``values`` whose dispatch (of that role's products) does
+    not know that role's value: the site and the role, or None."""
     for site in sites:
         for role in site.roles:
-            if role in values and dispatch_knows(site, values[role], ops) is False:
-                return site, values[role]
+            if role in values and dispatch_knows(site, values[role], ops, role) is False:
+                return site, role
     return None
 
 
-def unknown_sentence(site: Site, value: str, ops: OpsValues, where: str) -> str:
+def unknown_sentence(site: Site, role: str, value: str, ops: OpsValues, where: str) -> str:
     """A sentence (without its full stop) naming the value, the site and what its
     dispatch does know."""
-    known = ", ".join(chain_values(site, ops)) or "nothing"
+    known = ", ".join(chain_values(site, ops, role)) or "nothing"
     return (
         f"{where}: the dispatch of the {site.role} site at {site.file}:{site.line} "
         f"({site.function}) knows {known}, not '{value}', which would silently run its "

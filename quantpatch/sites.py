@@ -810,10 +810,12 @@ def _discover(
         governs: list[set[str]] = [set() for _ in raw_sites]
         pv_nodes: list[list[cst.If]] = [[] for _ in raw_sites]
         knows: list[list[tuple[str, ...] | None]] = [[] for _ in raw_sites]
+        knows_for: list[list[str]] = [[] for _ in raw_sites]
         for d in dispatches:
             for i in _governs(raw_sites, d):
                 governs[i] |= d.products
                 knows[i].append(d.knows)
+                knows_for[i].append("+".join(sorted(d.products)))
                 if "pv" in d.products and "qk" not in d.products:
                     pv_nodes[i].append(d.node)
         roles: list[str | None] = []
@@ -843,6 +845,7 @@ def _discover(
                 governs=tuple(sorted(governs[i] - {"unknown"})),
                 source=raw.source,
                 knows=_site_knows(knows[i]),
+                knows_for=tuple(knows_for[i]) if _site_knows(knows[i]) is not None else (),
             )
             found.append((raw, site, pv_nodes[i]))
     found.sort(key=lambda t: t[0].pos)

@@ -78,22 +78,21 @@ class CheckReport:
         )
 
         ops: OpsValues = NO_OPS
-        literal = [
+        doubtful = [
             s
             for s in self.sites
             if s.knows is not None
             and any(r in expect and expect[r] not in c for r in s.roles for c in s.knows)
         ]
-        if any(OPS_VALUES in c for s in literal for c in s.knows or ()):
+        if any(OPS_VALUES in c for s in doubtful for c in s.knows or ()):
             from quantpatch.sites import read_ops_values  # libcst: only where it is needed
 
             ops = read_ops_values(ops_text_in(self.root))
-        found = unknown_to_dispatch(literal, expect, ops)
+        found = unknown_to_dispatch(doubtful, expect, ops)
         if found is None:
             return []
-        site, value = found
-        role = next(r for r in site.roles if expect.get(r) == value)
-        return [unknown_sentence(site, value, ops, f"--expect {role}") + "."]
+        site, role = found
+        return [unknown_sentence(site, role, expect[role], ops, f"--expect {role}") + "."]
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -324,10 +323,10 @@ def refuse_unknown_to_dispatch(
         ops = read_ops_values(ops_text)
     found = unknown_to_dispatch(sites, values, ops)
     if found is not None:
-        site, value = found
-        role = next(r for r in site.roles if values.get(r) == value)
+        site, role = found
         raise UserError(
-            unknown_sentence(site, value, ops, f"--{role}") + " (--allow-unknown writes it anyway)."
+            unknown_sentence(site, role, values[role], ops, f"--{role}")
+            + " (--allow-unknown writes it anyway)."
         )
 
 

@@ -244,6 +244,27 @@ def test_init_teaches_the_chains_and_remove_restores_every_byte(run, tmp_path):
     assert snapshot(root)["files"] == before["files"]
 
 
+def test_a_shared_site_is_checked_per_product(run, tmp_path):
+    """One assignment before Q.K^T and P.V: each value is checked against the chain of its
+    own product (Q.K^T's knows mxfp8, P.V's mxfp4)."""
+    pv = (
+        "if custom_quant_type == 'mxfp4':\n"
+        "            context = fork_quant.bmm(attention_probs, value, fmt='mxfp4')\n"
+        "        else:\n"
+        "            context = torch.bmm(attention_probs, value)"
+    )
+    root = _fork(tmp_path, pv=pv)
+    (site,) = discover_source((root / ATTENTION).read_text(), ATTENTION, "attention").sites
+    assert (site.role, site.knows_for) == ("qk+pv", ("qk", "pv"))
+    before = snapshot(root)
+    res = run("set", "--repo", root, "--qk", "mxfp4", "--pv", "mxfp4")
+    assert res.code == 2 and "--qk:" in res.err and "knows bf16, mxfp8, not 'mxfp4'" in res.err
+    res = run("set", "--repo", root, "--qk", "mxfp8", "--pv", "mxfp8")
+    assert res.code == 2 and "--pv:" in res.err and "knows bf16, mxfp4, not 'mxfp8'" in res.err
+    assert snapshot(root) == before
+    assert run("set", "--repo", root, "--qk", "mxfp8", "--pv", "mxfp4").code == 0
+
+
 def test_init_refuses_chains_it_cannot_teach(run, tmp_path):
     root = _fork(tmp_path, ops=False)
     assert run("init", "--repo", root).code == 0  # the linear chain and the qk chain
