@@ -439,9 +439,10 @@ def _branch_test(test: cst.BaseExpression) -> tuple[bool, list[str]] | None:
         return True, strings
     if isinstance(op, cst.NotEqual) and len(strings) == 1 and not isinstance(right, cst.Tuple):
         return False, strings
-    if isinstance(op, cst.In) and not isinstance(right, cst.SimpleString):
+    collection = isinstance(right, cst.Tuple | cst.List | cst.Set)  # not a substring test
+    if isinstance(op, cst.In) and collection:
         return True, strings
-    if isinstance(op, cst.NotIn) and not isinstance(right, cst.SimpleString):
+    if isinstance(op, cst.NotIn) and collection:
         return False, strings
     return None
 

@@ -102,6 +102,7 @@ def test_each_site_knows_its_chains_values():
         ("if custom_quant_type not in ['x', 'y']:\n    y = a\n", None),  # catch-all, fork op
         ("if custom_quant_type == X:\n    y = a\n", None),
         ("if custom_quant_type in 'xy':\n    y = a\n", None),  # a substring test
+        ("if custom_quant_type in 'x' 'y':\n    y = a\n", None),
         ("if custom_quant_type == 'x' or flag:\n    y = a\n", None),
         ("if custom_quant_type in ('x', ('y',)):\n    y = a\n", None),
         ("if custom_quant_type is None:\n    y = a\n", None),
