@@ -280,3 +280,47 @@ def test_init_refuses_chains_it_cannot_teach(run, tmp_path):
     res = run("init", "--repo", root)
     assert res.code == 2 and "already has custom_quant_type sites" in res.err, res.err
     assert snapshot(root) == before
+
+
+def test_teaching_finds_the_stock_product_in_a_bf16_branch_and_skips_what_it_cannot_read():
+    chain = (
+        "class CustomLinearWithGradAccumulationAndAsyncCommunication:\n"
+        "    def backward(ctx, grad_output, weight):\n"
+        '        custom_quant_type = "hifp8"\n'
+        '        if custom_quant_type == "hifp8":\n'
+        '            grad_input = fork_quant.matmul(grad_output, weight, fmt="hifp8")\n'
+        '        elif custom_quant_type == "bf16":\n'
+        "            grad_input = grad_output.matmul(weight)\n"
+        "        else:\n"
+        '            raise ValueError("unknown format")\n'
+        "{more}"
+        "        return grad_input\n"
+    )
+    more = (
+        '        if custom_quant_type == "mxfp8":\n'  # no recognisable stock product: left
+        "            grad_input = grad_input * 2\n"
+        "        else:\n"
+        "            grad_input = grad_input + 0\n"
+        "            grad_input = grad_input * 1\n"
+        '        if custom_quant_type == "mxfp4":\n'  # hands on to the ops already: left
+        "            grad_input = quantpatch_ops.quant_matmul(grad_output, weight, "
+        "fmt=custom_quant_type)\n"
+    )
+    text = chain.format(more=more)
+    taught = teach_dispatches(text, LINEAR)
+    assert taught == text.replace(
+        "        else:\n            raise",
+        '        elif custom_quant_type != "bf16":\n'
+        "            from megatron.core import quantpatch_ops\n"
+        "            grad_input = quantpatch_ops.quant_matmul(grad_output, weight, "
+        'fmt=custom_quant_type, backward=True, weight="b")\n'
+        "        else:\n            raise",
+    )
+    (site,) = discover_source(taught, LINEAR, "linear").sites
+    assert site.knows == (
+        tuple(sorted(("bf16", "hifp8", OPS_VALUES))),
+        ("bf16", "mxfp8"),
+        ("bf16", "mxfp4"),
+    )
+    unreadable = chain.format(more=more[: more.index('        if custom_quant_type == "mxfp4"')])
+    assert teach_dispatches(unreadable.replace('== "hifp8"', "== HIFP8"), LINEAR) is None
