@@ -83,6 +83,7 @@ SCHEMES = (
     "linear_mxfp4",
     "FA_linear_hifp8",
     "FA_linear_mxfp8",
+    "FA_linear_nvfp4",
     "paretoq_w1.58",
     "paretoq_w2",
 )
@@ -102,7 +103,13 @@ def main() -> None:
     ap.add_argument("--megatron-core", default="0.13.1")
     ap.add_argument("--json", type=Path, help="also write the figures to this file")
     ap.add_argument("--no-saving-run", action="store_true", help="skip the tensor-saver run")
+    ap.add_argument(
+        "--schemes", default=",".join(SCHEMES), help="comma list of schemes (bf16 among them)"
+    )
     args = ap.parse_args()
+    chosen = [n for n in args.schemes.split(",") if n]
+    if "bf16" not in chosen:
+        ap.error("--schemes: bf16 is the reference every step time is divided by")
     gpu = args.device == "cuda"
     cfg = {
         "device": args.device,
@@ -136,7 +143,7 @@ def main() -> None:
         steps: dict[str, float] = {}
         losses: dict[str, list[float]] = {}
         kernels: set[str] = set()
-        for name in SCHEMES:
+        for name in chosen:
             s = schemes[name]
             wt = ensure_worktree(root, s.values())
             res = _worker(wt.path, cfg, env)
@@ -149,7 +156,9 @@ def main() -> None:
                 f"{res['losses'][-1]:11.4f} {res['step'] * 1e3:9.1f}"
                 f"{'' if finite else '  NON-FINITE LOSS'}"
             )
-        print(f"step time FA_linear_mxfp8 / bf16: {steps['FA_linear_mxfp8'] / steps['bf16']:.2f}")
+        for name in ("FA_linear_mxfp8", "FA_linear_nvfp4"):
+            if name in steps:
+                print(f"step time {name} / bf16: {steps[name] / steps['bf16']:.2f}")
         print(f"fake quant on {args.device} tensors: {', '.join(sorted(kernels))}")
         if args.json:
             args.json.write_text(

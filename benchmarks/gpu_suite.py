@@ -1,12 +1,13 @@
 """Every GPU figure of the project in one command, written as JSON and as a Markdown table.
 
 Usage: python benchmarks/gpu_suite.py [--device cuda|cpu] [--out DIR] [--skip saver,e2e]
-    [--megatron-lm PATH]
+    [--megatron-lm PATH] [--size N] [--e2e-schemes bf16,FA_linear_nvfp4] [--e2e-steps N]
 
 1. Fake quant (``fake_quant`` through the fused Triton kernels, and the PyTorch reference for
    comparison) on an 8192 x 8192 bf16 tensor: GB/s (input read + output written) next to a
    device-to-device copy of the same tensor in the same run, CUDA kernels per call (torch
-   profiler) and peak extra memory per call against the output's size.
+   profiler) and peak extra memory per call against the output's size; NVFP4 (round to
+   nearest, stochastic, 16 x 16 tiles) beside MXFP4.
 2. The tensor saver (``saver_overhead.py --json``): disabled overhead as a share of a step, and
    the saving-step stall against a pinned device-to-host copy of the same bytes.
 1b. ParetoQ weight quantization (``paretoq_quantize`` with the layer's step: w1.58, w2,
@@ -14,7 +15,7 @@ Usage: python benchmarks/gpu_suite.py [--device cuda|cpu] [--out DIR] [--skip sa
    hidden bf16 activations (quantization + GEMM): the quantization's share of that forward
    (hidden 4096, 8192 tokens on a GPU; 256 and 512 on CPU).
 3. The tiny megatron-core GPT (``gpu_e2e.py --json``) from an ``init``ed checkout: step time per
-   scheme, bf16 = 1.0.
+   scheme (FA_linear_nvfp4 among them), bf16 = 1.0.
 4. Flash attention (issue 30): the attention core of one llama32-1b layer (32 query heads, 8
    key/value heads, head dim 64, batch 1, causal, bf16) at sequence 4096, forward + backward:
    the unfused local attention as Megatron's ``DotProductAttention`` computes it (repeated
@@ -69,8 +70,15 @@ OPS = (  # name, format, backward, dim
     ("mxfp8 E5M2, rows", "mxfp8", True, -1),
     ("mxfp8 E4M3, columns", "mxfp8", False, 0),
     ("mxfp4 E2M1, rows", "mxfp4", False, -1),
+    ("nvfp4 E2M1 (E4M3 scales), rows", "nvfp4", False, -1),
+    ("nvfp4 stochastic (gradients), rows", "nvfp4", True, -1),
+    ("nvfp4-2d 16x16 tiles", "nvfp4-2d", False, -1),
     ("hifp8", "hifp8", False, -1),
 )
+NVFP4 = ("nvfp4", "nvfp4-2d")
+"""Reported beside MXFP4 but judged by no bar (issue 10's bars are the MX and HiF8 ops'):
+NVFP4's tensor amax is one torch reduction before its kernel, and stochastic rounding
+draws its uniforms with torch.rand (one float32 tensor)."""
 
 
 def _sync(device: str) -> None:
@@ -120,7 +128,7 @@ def bench_ops(device: str, n: int, iters: int) -> dict[str, Any]:
     copy_s = timed(lambda: x.clone(), device, iters)
     rows = []
     for name, fmt, backward, dim in OPS:
-        entry: dict[str, Any] = {"op": name}
+        entry: dict[str, Any] = {"op": name, "format": fmt}
         for path in ("triton", "reference"):
             os.environ["QUANTPATCH_KERNELS"] = path
 
@@ -633,21 +641,26 @@ def bars(r: dict[str, Any]) -> list[str]:
         return ["not judged: no GPU (CPU figures, kernels in Triton's interpreter)"]
     o = r.get("ops")
     if o:
-        worst = min(e["triton_pct_of_copy"] for e in o["ops"])
-        say(worst >= 30, f"every op >= 30 % of the copy (worst {worst:.1f} %)")
-        mx = max(e["triton_kernels"] for e in o["ops"] if e["op"].startswith("mx"))
+        judged = [e for e in o["ops"] if e.get("format") not in NVFP4]
+        worst = min(e["triton_pct_of_copy"] for e in judged)
+        say(worst >= 30, f"every MX/HiF8 op >= 30 % of the copy (worst {worst:.1f} %)")
+        mx = max(e["triton_kernels"] for e in judged if e["op"].startswith("mx"))
         say(mx <= 2, f"<= 2 kernels per MX call (most {mx})")
-        mem = max(e["triton_extra_vs_output"] for e in o["ops"])
+        mem = max(e["triton_extra_vs_output"] for e in judged)
         say(mem <= 1.0 + 1e-6, f"extra memory <= one output (most {mem:.2f})")
+        out.extend(nvfp4_line(o))
     issue30_bars(r, say)
     pq = r.get("paretoq")
     if pq:
         worst = max(e["quant_pct_of_forward"] for e in pq["rows"])
         say(worst < 10, f"ParetoQ weight quantization < 10 % of the forward (most {worst:.1f} %)")
     e2e = r.get("e2e")
-    if e2e and "error" not in e2e:
+    if e2e and "error" not in e2e and "FA_linear_mxfp8" in e2e["step_vs_bf16"]:
         ratio = e2e["step_vs_bf16"]["FA_linear_mxfp8"]
         say(ratio <= 1.3, f"FA_linear_mxfp8 step <= 1.3x bf16 ({ratio:.2f}x)")
+    if e2e and "error" not in e2e and "FA_linear_nvfp4" in e2e["step_vs_bf16"]:
+        ratio = e2e["step_vs_bf16"]["FA_linear_nvfp4"]
+        out.append(f"reported (no bar): FA_linear_nvfp4 step {ratio:.2f}x bf16")
     fl = r.get("flash")
     if fl:
         by = {e["row"]: e for e in fl["rows"]}
@@ -685,6 +698,20 @@ def bars(r: dict[str, Any]) -> list[str]:
     return out
 
 
+def nvfp4_line(o: dict[str, Any]) -> list[str]:
+    """NVFP4's figures beside MXFP4's, reported and judged by no bar."""
+    nv = [e for e in o["ops"] if e.get("format") in NVFP4]
+    if not nv:
+        return []
+    worst = min(e["triton_pct_of_copy"] for e in nv)
+    kernels = max(e["triton_kernels"] for e in nv)
+    mem = max(e["triton_extra_vs_output"] for e in nv)
+    return [
+        f"reported (no bar): NVFP4 worst {worst:.1f} % of the copy, at most {kernels} "
+        f"kernels a call, extra memory at most {mem:.2f} outputs"
+    ]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -695,6 +722,8 @@ def main() -> None:
         default="",
         help="comma list of: ops, paretoq, shapes, gemm, cache, flash, saver, e2e, pretrain",
     )
+    ap.add_argument("--e2e-schemes", default=None, help="gpu_e2e.py's --schemes (default: all)")
+    ap.add_argument("--e2e-steps", type=int, default=None, help="Adam steps per e2e scheme")
     ap.add_argument(
         "--megatron-lm",
         type=Path,
@@ -741,9 +770,11 @@ def main() -> None:
                 Path(tmp) / "saver.json",
             )
         if "e2e" not in skip:
+            steps = args.e2e_steps or (20 if gpu else 4)
+            chosen = ["--schemes", args.e2e_schemes] if args.e2e_schemes else []
             r["e2e"] = _script(
                 "gpu_e2e.py",
-                ["--device", args.device, "--steps", "20" if gpu else "4", "--no-saving-run"],
+                ["--device", args.device, "--steps", str(steps), "--no-saving-run", *chosen],
                 Path(tmp) / "e2e.json",
             )
         if "pretrain" not in skip:

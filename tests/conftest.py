@@ -15,6 +15,7 @@ import pytest
 from quantpatch import cli
 from quantpatch.base.config import Targets
 from quantpatch.base.megatron_source import megatron_tree
+from quantpatch.checkout.init import OPS_MODULE, ops_source
 from quantpatch.sites.codemods.init_sites import Layout, inject_sites
 
 
@@ -50,7 +51,8 @@ MakeCheckout = Callable[..., Path]
 
 @pytest.fixture
 def make_checkout(tmp_path: Path, trees: dict[str, Path]) -> MakeCheckout:
-    """A git checkout holding the two real target files of a release with sites injected."""
+    """A git checkout holding the two real target files of a release with sites injected
+    (and, with them, the ops module their dispatches hand values to, as init installs it)."""
     counter = iter(range(1000))
 
     def make(
@@ -61,6 +63,7 @@ def make_checkout(tmp_path: Path, trees: dict[str, Path]) -> MakeCheckout:
         use_git: bool = True,
         full: bool = False,
         extra: tuple[str, ...] = (),
+        ops: bool = True,
     ) -> Path:
         root = tmp_path / f"checkout{next(counter)}"
         src = trees[version]
@@ -75,6 +78,8 @@ def make_checkout(tmp_path: Path, trees: dict[str, Path]) -> MakeCheckout:
             text = (src.parent / rel).read_text(encoding="utf-8")
             kind = "linear" if rel == LINEAR else "attention"
             dest.write_text(inject_sites(text, rel, kind, layout) if inject else text)
+        if inject and ops:  # as init leaves it: the module its dispatches hand values to
+            (root / OPS_MODULE).write_text(ops_source(), encoding="utf-8")
         (root / "README.md").write_text("not a target\n")
         if use_git:
             repo = git.Repo.init(root, initial_branch="main")

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import libcst as cst
+import libcst.matchers as m
 
 from quantpatch.base.config import DEFAULT_ATTENTION_FILE, DEFAULT_LINEAR_FILE
 from quantpatch.sites.codemods.init_sites import LINEAR_CLASS_SUFFIX, Layout, inject_sites
@@ -162,6 +163,137 @@ save_attention_tensors(query=query, key=key, value=value, quant_type={site},
                        operation="forward", layer_idx=self.layer_number, phase="pre",
                        component="FA")
 """
+
+
+# -- the fork's own quantizers and its explicit dispatch chains ------------------------------
+
+FORK_QUANT = "megatron/core/fork_quant.py"
+FORK_FORMATS = ("mxfp8", "mxfp4", "hifp8")
+"""The values the fork's chains have a branch for (besides bf16, their stock ``else``)."""
+
+FORK_QUANT_SOURCE = '''\
+"""The fork's own quantizers: MXFP8, MXFP4 and HiFP8 fake quantization with a straight-through
+gradient, and the products its dispatch chains call."""
+
+import torch
+
+_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def _mx(x, dim, fmt):
+    x = x.float().movedim(dim, -1)
+    n = x.shape[-1]
+    blocks = torch.nn.functional.pad(x, (0, (-n) % 32)).unflatten(-1, (-1, 32))
+    amax = blocks.abs().amax(-1, keepdim=True).clamp_min(2.0**-126)
+    scale = torch.exp2(torch.floor(torch.log2(amax)) - (8 if fmt == "mxfp8" else 2))
+    y = blocks / scale
+    if fmt == "mxfp8":
+        q = y.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float()
+    else:
+        grid = torch.tensor(_E2M1)
+        idx = torch.bucketize(y.abs().clamp(max=6.0), (grid[1:] + grid[:-1]) / 2)
+        q = grid[idx] * torch.sign(y)
+    return (q * scale).flatten(-2)[..., :n].movedim(-1, dim)
+
+
+def _hifp8(x):
+    x = x.float()
+    _, e = torch.frexp(x.abs())
+    e = e - 1
+    bits = torch.where(e.abs() <= 3, 3, torch.where(e.abs() <= 7, 2, 1))
+    step = torch.exp2((e - bits).float())
+    return (torch.round(x / step) * step).clamp(-(2.0**15), 2.0**15)
+
+
+def fake_quant(x, fmt, dim=-1):
+    q = _hifp8(x) if fmt == "hifp8" else _mx(x, dim, fmt)
+    return x + (q.to(x.dtype) - x).detach()
+
+
+def matmul(a, b, fmt, backward=False):
+    return torch.matmul(fake_quant(a, fmt), fake_quant(b, fmt, -2 if b.dim() > 1 else -1))
+
+
+def bmm(a, b, fmt, backward=False):
+    return torch.bmm(fake_quant(a, fmt), fake_quant(b, fmt, -2))
+
+
+def baddbmm(input, batch1, batch2, beta=1.0, alpha=1.0, fmt="mxfp8", backward=False):
+    q1, q2 = fake_quant(batch1, fmt), fake_quant(batch2, fmt, -2)
+    if beta == 0:
+        return torch.bmm(q1, q2) * alpha
+    return torch.baddbmm(input, q1, q2, beta=beta, alpha=alpha)
+'''
+
+
+class _Chains(cst.CSTTransformer):
+    """quantpatch's generic dispatch (``if custom_quant_type == 'bf16': <stock> else:
+    quantpatch_ops.quant_<op>(..., fmt=custom_quant_type)``) as the fork writes its own: one
+    branch per value it knows, calling its own quantizer, and the stock product in ``else``
+    (where any other value silently lands)."""
+
+    def __init__(self, quote: str) -> None:
+        self.quote = quote
+
+    def leave_If(self, original_node: cst.If, updated_node: cst.If) -> cst.If:
+        orelse = updated_node.orelse
+        if not (
+            isinstance(orelse, cst.Else)
+            and m.matches(
+                updated_node.test,
+                m.Comparison(left=m.Name("custom_quant_type"), comparisons=[m.ComparisonTarget()]),
+            )
+            and "quantpatch_ops" in cst.Module([]).code_for_node(orelse)
+        ):
+            return updated_node
+        else_body = cst.ensure_type(orelse.body, cst.IndentedBlock).body
+        line = cst.ensure_type(else_body[-1], cst.SimpleStatementLine)
+        assign = cst.ensure_type(line.body[0], cst.Assign)
+        call = cst.ensure_type(assign.value, cst.Call)
+        op = cst.ensure_type(call.func, cst.Attribute).attr.value.removeprefix("quant_")
+        q = self.quote
+        code = "".join(
+            f"{'if' if i == 0 else 'elif'} custom_quant_type == {q}{f}{q}:\n"
+            "    from megatron.core import fork_quant\n"
+            "    x = None\n"
+            for i, f in enumerate(FORK_FORMATS)
+        )
+        template = cst.ensure_type(cst.parse_statement(code + "else:\n    pass\n"), cst.If)
+
+        def fill(node: cst.If, i: int) -> cst.If:
+            fmt = cst.SimpleString(f"{q}{FORK_FORMATS[i]}{q}")
+            args = [
+                a.with_changes(value=fmt)
+                if a.keyword is not None and a.keyword.value == "fmt"
+                else a
+                for a in call.args
+                if a.keyword is None or a.keyword.value != "weight"  # quantpatch's own
+            ]
+            if len(args) < len(call.args):
+                args[-1] = args[-1].with_changes(comma=call.args[-1].comma)
+            mine = call.with_changes(
+                func=cst.Attribute(cst.Name("fork_quant"), cst.Name(op)), args=args
+            )
+            body = cst.ensure_type(node.body, cst.IndentedBlock)
+            new_line = line.with_changes(body=[assign.with_changes(value=mine)])
+            body = body.with_changes(body=[body.body[0], new_line])
+            nxt = node.orelse
+            if isinstance(nxt, cst.If):
+                return node.with_changes(body=body, orelse=fill(nxt, i + 1))
+            stock = cst.ensure_type(nxt, cst.Else)
+            return node.with_changes(
+                body=body,
+                orelse=stock.with_changes(
+                    body=stock.body.with_changes(body=updated_node.body.body)
+                ),
+            )
+
+        return fill(template, 0).with_changes(leading_lines=updated_node.leading_lines)
+
+
+def fork_chains(text: str, quote: str = "'") -> str:
+    """``text`` with every generic dispatch made the fork's explicit chain."""
+    return cst.parse_module(text).visit(_Chains(quote)).code
 
 
 # -- building the fork's files from the real megatron-core ones -----------------------------
@@ -316,11 +448,14 @@ def build_fork(
     history: int = 30,
     layout: Layout | None = None,
     full: bool = True,
+    chains: bool = True,
 ) -> Fork:
     """The fork's origin repository at ``dest`` from a megatron-core ``tree`` (its
     ``megatron/`` directory): upstream history on ``main``, the fork's work on ``quant``
     (including the ``sed`` accident that committed a bare ``'hifp8'`` line, later fixed) and
-    a ``dev`` branch."""
+    a ``dev`` branch. ``chains``: the dispatches are the fork's explicit chains calling its
+    own quantizers (``fork_quant.py``), which know only bf16, mxfp8, mxfp4 and hifp8; else
+    quantpatch's generic dispatch (values handed to a ``quantpatch_ops`` it does not ship)."""
     layout = layout or Layout(value="hifp8", label=True)
     dest.mkdir(parents=True)
     git(dest, "init", "-q", "-b", "main")
@@ -341,6 +476,10 @@ def build_fork(
     stock_attention = (tree.parent / ATTENTION).read_text(encoding="utf-8")
     linear = fork_linear(stock_linear, layout)
     attention = fork_attention(stock_attention, layout)
+    if chains:
+        linear = fork_chains(linear, layout.quote)
+        attention = fork_chains(attention, layout.quote)
+        (dest / FORK_QUANT).write_text(FORK_QUANT_SOURCE, encoding="utf-8")
     # the fork's first try: sites flipped with sed, which once committed a bare 'hifp8' line
     lines = attention.splitlines(keepends=True)
     at = next(i for i, line in enumerate(lines) if line.strip().startswith("custom_quant_type ="))

@@ -68,8 +68,8 @@ def test_headline_set_on_the_clone(run, clone):
     text = (clone / ATTENTION).read_text()
     lines = text.splitlines()
     pv_line = next(s["line"] for s in after if s["role"] == "pv")
-    assert lines[pv_line].strip() == "if custom_quant_type == 'bf16':"
-    assert "torch.bmm(attention_probs" in "\n".join(lines[pv_line : pv_line + 3])
+    assert lines[pv_line].strip() == "if custom_quant_type == 'mxfp8':"  # the fork's chain
+    assert "fork_quant.bmm(attention_probs" in "\n".join(lines[pv_line : pv_line + 3])
     linear = [s for s in after if s["file"] == LINEAR]
     assert {s["value"] for s in linear} == {"mxfp8"} and len(linear) == 4
     assert all(s["function"].startswith("CustomLinear") for s in linear)

@@ -205,18 +205,29 @@ def test_nvfp4_through_real_megatron_layers(run, make_checkout, tmp_path, monkey
     assert res.code == 0, res
     two_d = _probe(stock, tmp_path / "2d.pt")
     assert all(torch.isfinite(v).all() for v in two_d.values())
+    # Megatron's autograd function hands the weight over as a plain tensor: the sites name
+    # it (weight="b"), so its 16 x 16 tiles are taken in the forward and in dgrad
+    from .test_nvfp4 import nvfp4_oracle
+
+    want = torch.matmul(nvfp4_oracle(x), nvfp4_oracle(w, two_d=True).t())
+    assert torch.equal(two_d["linear_forward"], want)
+    assert not torch.equal(two_d["linear_forward"], quant["linear_forward"])
+    ops.reset_sr_generators()
+    dgrad = ops.quant_matmul(gy, w, "nvfp4-2d", backward=True, weight="b")
+    assert torch.equal(two_d["linear_dgrad"], dgrad)
+    assert not torch.equal(two_d["linear_dgrad"], quant["linear_dgrad"])
+    assert torch.equal(two_d["linear_wgrad"], quant["linear_wgrad"])  # no weight operand
     assert run("restore", "--repo", stock).code == 0
 
 
-def test_tiny_gpt_trains_under_nvfp4_on_cpu(run, make_checkout):
-    """benchmarks/gpu_e2e.py's worker (a megatron-core GPT, local spec, bf16, Adam) on CPU
-    under `set --linear nvfp4 --qk nvfp4`: every loss finite, and the loss falls."""
+def _train_tiny_gpt(root: Path, **sizes: int) -> list[float]:
+    """benchmarks/gpu_e2e.py's worker (a megatron-core GPT, local spec, bf16, Adam) on CPU in
+    ``root``: its 12 losses (``sizes`` override the model's)."""
     import importlib.util
     import os
     import subprocess
     import sys
 
-    pytest.importorskip("torch")
     bench = Path(__file__).resolve().parents[1] / "benchmarks"
     sys.path.insert(0, str(bench))
     try:
@@ -226,11 +237,8 @@ def test_tiny_gpt_trains_under_nvfp4_on_cpu(run, make_checkout):
         spec.loader.exec_module(e2e)
     finally:
         sys.path.remove(str(bench))
-    root = make_checkout("0.13.1", inject=False, full=True)
-    assert run("init", "--repo", root).code == 0
-    assert run("set", "--repo", root, "--linear", "nvfp4", "--qk", "nvfp4").code == 0
     cfg = {"device": "cpu", "steps": 12, "vocab": 256, "layers": 2, "hidden": 128, "heads": 4}
-    cfg |= {"seq": 64, "batch": 2}
+    cfg |= {"seq": 64, "batch": 2, **sizes}
     env = {k: v for k, v in os.environ.items() if not k.startswith("TENSOR_SAVE")}
     env.pop("CUSTOM_QUANT_TYPE", None)
     env["PYTHONPATH"] = e2e.worker_pythonpath(root)
@@ -243,6 +251,38 @@ def test_tiny_gpt_trains_under_nvfp4_on_cpu(run, make_checkout):
         timeout=600,
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    losses = json.loads(out.stdout.strip().splitlines()[-1])["losses"]
+    losses: list[float] = json.loads(out.stdout.strip().splitlines()[-1])["losses"]
     assert len(losses) == 12 and all(math.isfinite(v) for v in losses), losses
+    return losses
+
+
+def test_tiny_gpt_trains_under_nvfp4_on_cpu(run, make_checkout):
+    """The tiny GPT under `set --linear nvfp4 --qk nvfp4` on an initialised core_v0.13.1
+    checkout: every loss finite, and the loss falls."""
+    pytest.importorskip("torch")
+    root = make_checkout("0.13.1", inject=False, full=True)
+    assert run("init", "--repo", root).code == 0
+    assert run("set", "--repo", root, "--linear", "nvfp4", "--qk", "nvfp4").code == 0
+    losses = _train_tiny_gpt(root)
+    assert losses[-1] < losses[0] - 0.5, losses
+
+
+def test_tiny_gpt_trains_under_nvfp4_on_a_fork_clone(run, trees, tmp_path):
+    """On a fork-shaped clone (its own mxfp8/mxfp4/hifp8 chains): `set --linear nvfp4 --qk
+    nvfp4` is refused before init, naming the value and the site, nothing changed; after
+    init (which teaches the chains the quantpatch values) the tiny GPT trains under it."""
+    pytest.importorskip("torch")
+    from .forklike import build_fork, clone_quant
+
+    fork = build_fork(tmp_path / "origin", trees["0.13.1"], history=2, full=True)
+    root = clone_quant(fork, tmp_path / "clone")
+    before = snapshot(root)
+    res = run("set", "--repo", root, "--linear", "nvfp4", "--qk", "nvfp4")
+    assert res.code == 2 and "'nvfp4'" in res.err and f"linear site at {LINEAR}:" in res.err
+    assert snapshot(root) == before
+    assert git.Repo(root).git.status("--porcelain") == ""
+    assert run("init", "--repo", root).code == 0
+    res = run("set", "--repo", root, "--linear", "nvfp4", "--qk", "nvfp4")
+    assert res.code == 0, res
+    losses = _train_tiny_gpt(root, layers=1, hidden=64, seq=32)
     assert losses[-1] < losses[0] - 0.5, losses

@@ -245,6 +245,25 @@ def test_products_round_the_gradient_stochastically_and_tile_the_weight_only():
     assert_bits(ops.quant_baddbmm(torch.empty(2, 4, 5), q1, q2, beta=0.0, fmt="nvfp4"), want)
 
 
+def test_the_named_weight_operand_takes_the_tiles():
+    """Megatron's linear autograd function hands ``weight.t()`` over as a plain tensor:
+    ``weight=`` names it, and the named operand alone takes 16 x 16 tiles; without it the
+    old call form still tiles a Parameter only."""
+    a, w = _mixed((8, 32), 41), _mixed((16, 32), 42)
+    tiled = torch.matmul(nvfp4_oracle(a), nvfp4_oracle(w, two_d=True).t())
+    assert_bits(ops.quant_matmul(a, w.t(), "nvfp4-2d", weight="b"), tiled)
+    assert_bits(ops.quant_matmul(a, w.t(), "nvfp4-2d"), ops.quant_matmul(a, w.t(), "nvfp4"))
+    assert not torch.equal(tiled, ops.quant_matmul(a, w.t(), "nvfp4"))
+    g = _mixed((16, 8), 43)
+    want = torch.matmul(nvfp4_oracle(w, two_d=True).t(), nvfp4_oracle(g, dim=0))
+    assert_bits(ops.quant_matmul(w.t(), g, "nvfp4-2d", weight="a"), want)
+    assert_bits(
+        ops.quant_matmul(a, w.t(), "nvfp4", weight="b"), ops.quant_matmul(a, w.t(), "nvfp4")
+    )
+    with pytest.raises(ValueError, match="weight='w'"):
+        ops.quant_matmul(a, w.t(), "nvfp4-2d", weight="w")
+
+
 def test_straight_through_gradient():
     x = _mixed((4, 32), 31).requires_grad_()
     w = _mixed((32, 8), 32).requires_grad_()
@@ -325,6 +344,40 @@ def test_tensors_formats_takes_nvfp4_as_a_candidate(run, tmp_path):
         "mxfp4",
         "hifp8",
     }
+
+
+def test_tensors_formats_takes_nvfp4_2d_as_a_candidate(run, tmp_path):
+    """nvfp4-2d tiles a linear weight 16 x 16 (its metrics are those of the oracle's tiles)
+    and gives every other tensor nvfp4's 1-D blocks, as the quant op does in training."""
+    import json
+    import math
+
+    from quantpatch.analysis.tensor_metrics import format_sums, sample_row_groups
+
+    d = tmp_path / "t"
+    d.mkdir()
+    w, x = torch.randn(64, 48, generator=torch.Generator().manual_seed(51)), _mixed((32, 48), 52)
+    w[:16, :16] = w[:16, :16] / w[:16, :16].abs().max() * 1e-6  # a tile whose E4M3 scale flushes
+    for name, t in (("weight", w), ("input", x)):
+        torch.save({"tensor": t, "metadata": {"tensor_name": name}}, d / f"{name}.pt")
+    res = run("tensors", "formats", d, "--json", "--formats", "nvfp4,nvfp4-2d", "--by", "tensor")
+    assert res.code == 0, res
+    rows = {(r["tensor"], r["candidate"]): r for r in json.loads(res.out)["rows"]}
+    err = w.double() - nvfp4_oracle(w, two_d=True).double()
+    sqnr = 10 * math.log10(float((w.double() ** 2).sum() / (err**2).sum()))
+    assert rows[("weight", "nvfp4-2d")]["sqnr_db"] == pytest.approx(sqnr, rel=1e-12)
+    assert rows[("weight", "nvfp4-2d")]["sqnr_db"] != rows[("weight", "nvfp4")]["sqnr_db"]
+    same = {k: v for k, v in rows[("input", "nvfp4")].items() if k != "candidate"}
+    assert same == {k: v for k, v in rows[("input", "nvfp4-2d")].items() if k != "candidate"}
+    tiles, blocks = format_sums(w, "nvfp4-2d", tiled=True), format_sums(w, "nvfp4-2d")
+    assert (tiles.blocks, tiles.blocks_scale_clipped) == (12, 1)
+    assert (blocks.blocks, blocks.blocks_scale_clipped) == (64 * 3, 16)
+    # a sample keeps whole tiles: groups of 32 rows at multiples of 32, the partial one last
+    t = torch.arange(100 * 16.0).reshape(100, 16)
+    assert torch.equal(sample_row_groups(t, 2 * 32 * 16), torch.cat([t[:32], t[96:]]))
+    assert sample_row_groups(t, None) is t
+    res = run("tensors", "formats", d, "--json", "--formats", "nvfp4-2d", "--sample", "1600")
+    assert res.code == 0, res
 
 
 def test_the_ops_module_imports_torch_and_the_standard_library_only():

@@ -192,6 +192,33 @@ def sample_rows(t: torch.Tensor, dim: int, limit: int | None) -> tuple[torch.Ten
     return rows[idx], -1
 
 
+TILE_GROUP = 32
+"""Rows kept together when a weight is sampled for ``nvfp4-2d``: whole 16 x 16 tiles, and
+whole MX blocks of 32 where the reduction runs along the rows."""
+
+
+def is_tiled_weight(tensor: str | None, t: torch.Tensor) -> bool:
+    """Whether ``nvfp4-2d`` quantizes this saved tensor in 16 x 16 tiles: a linear layer's
+    2-D weight (as the quant op does with the operand init's sites name the weight). Every
+    other tensor (activations, gradients, attention operands) gets ``nvfp4``'s 1-D blocks
+    of 16 along its reduction dimension, as it does in training."""
+    return tensor == "weight" and t.dim() == 2
+
+
+def sample_row_groups(t: torch.Tensor, limit: int | None) -> torch.Tensor:
+    """At most about ``limit`` elements of the 2-D ``t`` as groups of ``TILE_GROUP``
+    consecutive rows starting at multiples of it, evenly spaced (the last, possibly partial,
+    group only ever last): every 16 x 16 tile and every MX block in the sample is one of the
+    tensor's own."""
+    if limit is None or t.numel() <= limit:
+        return t
+    rows, cols = t.shape
+    groups = -(-rows // TILE_GROUP)
+    keep = max(1, limit // max(1, TILE_GROUP * cols))
+    idx = torch.unique(torch.linspace(0, groups - 1, keep).round().long()).tolist()
+    return torch.cat([t[g * TILE_GROUP : (g + 1) * TILE_GROUP] for g in idx])
+
+
 def _mx_blocks(
     blocks: torch.Tensor, amax: torch.Tensor, vmax: float, emax: int
 ) -> tuple[int, int, int, int]:
@@ -223,6 +250,7 @@ def formats_sums(
     dim: int = -1,
     backward: bool = False,
     amax: torch.Tensor | None = None,
+    tiled: bool = False,
     *,
     weight: bool = False,
 ) -> dict[str, FormatSums]:
@@ -232,9 +260,11 @@ def formats_sums(
     computed once per slice. NVFP4's tensor scale comes from ``amax`` (the whole tensor's
     where ``t`` is a sample of it; None: ``t``'s own); its elements are rounded to nearest even
     in either direction (stochastic rounding's error is a random draw, not a property of the
-    tensor). ParetoQ's weight values apply to a ``weight`` tensor only (rows ``[out, in]``, the
-    step taken as the layer's first forward would; "clipped" counts as overflows); for any
-    other tensor they count it as not applicable."""
+    tensor). ``tiled``: ``nvfp4-2d`` takes 16 x 16 tiles of ``t`` (a weight: see
+    :func:`is_tiled_weight`), else its 1-D blocks, as ``nvfp4``. ParetoQ's weight values
+    apply to a ``weight`` tensor only (rows ``[out, in]``, the step taken as the layer's
+    first forward would; "clipped" counts as overflows); for any other tensor they count
+    it as not applicable."""
     if t.dim() == 0:
         t, dim = t.reshape(1), 0
     t = t.detach()
@@ -250,25 +280,34 @@ def formats_sums(
     d = dim % t.dim()
     others = [i for i in range(t.dim()) if i != d]
     if t.numel() <= 2 * _SLICE or not others:
-        _add_slice(t, fmts, d, backward, out, amax)
+        _add_slice(t, fmts, d, backward, out, amax, tiled)
         return out
     split = max(others, key=lambda i: t.shape[i])
     step = max(1, _SLICE // max(1, t.numel() // t.shape[split]))
+    if tiled:  # slices of whole tiles
+        step = -(-step // ops.NV_BLOCK) * ops.NV_BLOCK
     for start in range(0, t.shape[split], step):
         piece = t.narrow(split, start, min(step, t.shape[split] - start))
-        _add_slice(piece, fmts, d, backward, out, amax)
+        _add_slice(piece, fmts, d, backward, out, amax, tiled)
     return out
 
 
-def _nv_blocks(t: torch.Tensor, dim: int, amax: torch.Tensor) -> tuple[int, int, int, int]:
+def _nv_blocks(
+    t: torch.Tensor, dim: int, amax: torch.Tensor, two_d: bool = False
+) -> tuple[int, int, int, int]:
     """(overflows, blocks, blocks saturated, blocks whose E4M3 scale saturated or flushed) of
-    NVFP4 blocks of 16 along ``dim``, in the float32 arithmetic of the quant op."""
+    NVFP4 blocks of 16 along ``dim`` (``two_d``: 16 x 16 tiles of the last two dimensions),
+    in the float32 arithmetic of the quant op."""
     v = t.to(torch.float32)
-    mags = torch.where(torch.isfinite(v), v.abs(), torch.zeros_like(v)).movedim(dim, -1)
-    pad = (-mags.shape[-1]) % ops.NV_BLOCK
-    if pad:
-        mags = torch.nn.functional.pad(mags, (0, pad))
-    blocks = mags.reshape(-1, ops.NV_BLOCK)
+    mags = torch.where(torch.isfinite(v), v.abs(), torch.zeros_like(v))
+    if two_d:
+        blocks = _tiles(mags)
+    else:
+        mags = mags.movedim(dim, -1)
+        pad = (-mags.shape[-1]) % ops.NV_BLOCK
+        if pad:
+            mags = torch.nn.functional.pad(mags, (0, pad))
+        blocks = mags.reshape(-1, ops.NV_BLOCK)
     bmax = blocks.amax(dim=-1, keepdim=True)
     g = ops.nv_global_scale(amax)
     raw = (bmax / 6.0) * g
@@ -282,6 +321,17 @@ def _nv_blocks(t: torch.Tensor, dim: int, amax: torch.Tensor) -> tuple[int, int,
     return int(per_block.sum()), blocks.shape[0], int((per_block > 0).sum()), int(clipped.sum())
 
 
+def _tiles(mags: torch.Tensor) -> torch.Tensor:
+    """The 16 x 16 tiles of the last two dimensions of ``mags`` (zero-padded), one a row."""
+    b = ops.NV_BLOCK
+    rows, cols = mags.shape[-2:]
+    mags = torch.nn.functional.pad(mags, (0, (-cols) % b, 0, (-rows) % b))
+    lead = mags.shape[:-2]
+    r, c = mags.shape[-2] // b, mags.shape[-1] // b
+    tiles = mags.reshape(*lead, r, b, c, b).movedim(-3, -2)
+    return tiles.reshape(-1, b * b)
+
+
 def _add_slice(
     t: torch.Tensor,
     fmts: tuple[str, ...],
@@ -289,6 +339,7 @@ def _add_slice(
     backward: bool,
     out: dict[str, FormatSums],
     tensor_amax: torch.Tensor | None = None,
+    tiled: bool = False,
 ) -> None:
     # float64 throughout: a square or product of float32 values leaves float32's range (a
     # value of 2^-83 squares to zero, 1e30 to inf) but never float64's (2^-266 to 2^256
@@ -318,7 +369,7 @@ def _add_slice(
     for fmt in fmts:
         if fmt in ops.NVFP4_FORMATS:
             assert tensor_amax is not None
-            q = ops.nvfp4(t, dim, fmt == "nvfp4-2d", None, tensor_amax).to(f64)
+            q = ops.nvfp4(t, dim, fmt == "nvfp4-2d" and tiled, None, tensor_amax).to(f64)
         else:
             q = ops.fake_quant(t, fmt, dim=dim, backward=backward).to(f64)
         q0 = q if all_finite else torch.where(finite, q, zero)
@@ -338,10 +389,10 @@ def _add_slice(
             s.overflows, s.blocks, s.blocks_saturated, s.blocks_scale_clipped = _mx_blocks(
                 blocks, amax, vmax, emax
             )
-        elif fmt == "nvfp4":
+        elif fmt in ops.NVFP4_FORMATS:
             assert tensor_amax is not None
             s.overflows, s.blocks, s.blocks_saturated, s.blocks_scale_clipped = _nv_blocks(
-                t, dim, tensor_amax
+                t, dim, tensor_amax, fmt == "nvfp4-2d" and tiled
             )
         elif fmt == "hifp8":
             s.overflows = int((x0.abs() > HIFP8_MAX).sum())
@@ -379,6 +430,8 @@ def _add_weight_formats(
         )
 
 
-def format_sums(t: torch.Tensor, fmt: str, dim: int = -1, backward: bool = False) -> FormatSums:
+def format_sums(
+    t: torch.Tensor, fmt: str, dim: int = -1, backward: bool = False, tiled: bool = False
+) -> FormatSums:
     """What ``fmt`` does to ``t`` (see :func:`formats_sums`)."""
-    return formats_sums(t, (fmt,), dim, backward)[fmt]
+    return formats_sums(t, (fmt,), dim, backward, tiled=tiled)[fmt]

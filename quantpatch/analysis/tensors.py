@@ -28,11 +28,12 @@ from quantpatch.analysis.tensor_files import (
 )
 from quantpatch.base.errors import UserError
 
-FORMATS = ("mxfp8", "mxfp4", "hifp8", "nvfp4", "w1", "w1.58", "w2", "w3", "w4")
+FORMATS = ("mxfp8", "mxfp4", "hifp8", "nvfp4", "nvfp4-2d", "w1", "w1.58", "w2", "w3", "w4")
 """The candidates ``--formats`` takes; ParetoQ's weight values (``w<b>``, grouped ``w<b>g<N>``
 too) apply to weights only (other tensors show n/a)."""
 DEFAULT_FORMATS = ("mxfp8", "mxfp4", "hifp8")
-"""The candidates when none are named (nvfp4 is taken when named)."""
+"""The candidates when none are named (nvfp4 and nvfp4-2d are taken when named; nvfp4-2d
+tiles a linear weight 16 x 16 and gives every other tensor nvfp4's 1-D blocks)."""
 Progress = Callable[[int, int], None]  # (files done, files in all)
 
 
@@ -131,7 +132,15 @@ def skip_reason(exc: BaseException) -> str:
 def _formats_file(
     args: tuple[str, str, tuple[str, ...], int | None],
 ) -> tuple[TensorMeta, dict[str, Any], int] | Skipped:
-    from quantpatch.analysis.tensor_metrics import formats_sums, nv_amax, reduction_of, sample_rows
+    from quantpatch.analysis.tensor_metrics import (
+        formats_sums,
+        is_tiled_weight,
+        nv_amax,
+        reduction_of,
+        sample_row_groups,
+        sample_rows,
+    )
+    from quantpatch.runtime.quantpatch_ops import NVFP4_FORMATS
 
     path, root, fmts, sample = Path(args[0]), Path(args[1]), args[2], args[3]
     try:
@@ -142,9 +151,14 @@ def _formats_file(
         dim, backward = reduction_of(meta.tensor, meta.operation)
         if t.dim() and not -t.dim() <= dim < t.dim():
             dim = -1
-        amax = nv_amax(t) if "nvfp4" in fmts else None  # the whole tensor's, not the sample's
-        t, dim = sample_rows(t, dim if t.dim() else 0, sample)
-        sums = formats_sums(t, fmts, dim, backward, amax, weight=meta.tensor == "weight")
+        # the whole tensor's amax, not the sample's
+        amax = nv_amax(t) if set(fmts) & set(NVFP4_FORMATS) else None
+        tiled = "nvfp4-2d" in fmts and is_tiled_weight(meta.tensor, t)
+        if tiled:  # a sample of whole tiles
+            t = sample_row_groups(t, sample)
+        else:
+            t, dim = sample_rows(t, dim if t.dim() else 0, sample)
+        sums = formats_sums(t, fmts, dim, backward, amax, tiled, weight=meta.tensor == "weight")
         return meta, sums, path.stat().st_size
     except Exception as exc:  # one file never stops the others: skipped, with why
         return Skipped(str(path.relative_to(root)), skip_reason(exc))

@@ -11,6 +11,7 @@ bytes exactly.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from quantpatch.base.edits import Edit, read_exact
 from quantpatch.base.errors import UserError
 from quantpatch.git import repo as gitrepo
 from quantpatch.git.installs import InstallResult, record_of, run_install, run_remove
-from quantpatch.sites.codemods.init_sites import inject_sites, inject_weight_steps
+from quantpatch.sites.codemods.init_sites import inject_sites, inject_weight_steps, teach_dispatches
 from quantpatch.sites.model import read_target
 
 OPS_MODULE = "megatron/core/quantpatch_ops.py"
@@ -51,18 +52,39 @@ def _plan(checkout: gitrepo.Checkout) -> list[Edit]:
     if record_of(checkout, RECORD) is not None:
         raise UserError(f"{root}: already initialised by quantpatch ('init --remove' undoes it).")
     targets = load_targets(root)
-    edits = []
-    for rel in targets.all_files:
-        text = read_target(root, rel)
-        new = inject_sites(text, rel, targets.kind_of(rel), flash=True)
-        if targets.kind_of(rel) == "linear":
-            new = inject_weight_steps(new, rel)  # ParetoQ steps: parameters of the layers
-        edits.append(Edit(rel, text, new))
+    edits = _site_edits(root, targets.all_files, targets.kind_of)
     for installed in RUNTIME_MODULES:
         current, source = read_exact(root / installed), runtime_source(installed)
         if current is not None and current != source:
             raise UserError(f"{installed}: a different file is already there; move it away first.")
         edits.append(Edit(installed, current, source))
+    return edits
+
+
+def _site_edits(root: Path, rels: tuple[str, ...], kind_of: Callable[[str], str]) -> list[Edit]:
+    """A stock file gets sites and quantpatch's dispatches; a file that has sites already
+    (a fork's) gets its explicit dispatch chains taught the quantpatch values they lack,
+    its own branches untouched. Nothing to do anywhere is refused."""
+    from quantpatch.sites.discovery import discover_sites
+
+    edits, forked = [], []
+    for rel in rels:
+        text = read_target(root, rel)
+        if not discover_sites(text, rel, kind_of(rel)):
+            new = inject_sites(text, rel, kind_of(rel), flash=True)
+            if kind_of(rel) == "linear":
+                new = inject_weight_steps(new, rel)  # ParetoQ steps: parameters of the layers
+            edits.append(Edit(rel, text, new))
+            continue
+        forked.append(rel)
+        taught = teach_dispatches(text, rel)
+        if taught is not None:
+            edits.append(Edit(rel, text, taught))
+    if forked and len(edits) == 0:
+        raise UserError(
+            f"{forked[0]}: the file already has custom_quant_type sites whose dispatches "
+            "quantpatch cannot teach more values; nothing to initialise."
+        )
     return edits
 
 

@@ -62,7 +62,39 @@ class CheckReport:
         for role, want in (expect or {}).items():
             if self.roles.get(role) != want:
                 out.append(f"{role} is {self.roles.get(role)}, expected {want}.")
+        if expect and not out:
+            out += self._unknown_to_dispatch(expect)
         return out
+
+    def _unknown_to_dispatch(self, expect: Mapping[str, str]) -> list[str]:
+        """A value that is written but that a site's dispatch has no branch for does not
+        hold: the run would silently compute its fallback (the stock bf16 product)."""
+        from quantpatch.sites.model import (
+            NO_OPS,
+            OPS_VALUES,
+            OpsValues,
+            unknown_sentence,
+            unknown_to_dispatch,
+        )
+
+        ops: OpsValues = NO_OPS
+        doubtful = [
+            s
+            for s in self.sites
+            if s.knows is not None
+            and any(r in expect and expect[r] not in c for r in s.roles for c in s.knows)
+        ]
+        if any(OPS_VALUES in c for s in doubtful for c in s.knows or ()):
+            from quantpatch.sites.discovery import (
+                read_ops_values,  # libcst: only where it is needed
+            )
+
+            ops = read_ops_values(ops_text_in(self.root))
+        found = unknown_to_dispatch(doubtful, expect, ops)
+        if found is None:
+            return []
+        site, role = found
+        return [unknown_sentence(site, role, expect[role], ops, f"--expect {role}") + "."]
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -258,6 +290,48 @@ def _discover_text(text: str, rel: str, targets: Targets) -> FileSites:
     return discover_source(text, rel, targets.kind_of(rel))
 
 
+def ops_text_at(repo: Any, commit: str) -> str | None:
+    """The checkout's installed ``quantpatch_ops.py`` at ``commit`` (None: not there)."""
+    from quantpatch.checkout.init import OPS_MODULE
+
+    try:
+        return gitrepo.read_at(repo, commit, OPS_MODULE)
+    except (UserError, UnicodeDecodeError):
+        return None
+
+
+def ops_text_in(root: Path) -> str | None:
+    """The checkout's installed ``quantpatch_ops.py`` in the work tree (None: not there)."""
+    from quantpatch.checkout.init import OPS_MODULE
+
+    return read_exact(root / OPS_MODULE) if (root / OPS_MODULE).is_file() else None
+
+
+def refuse_unknown_to_dispatch(
+    files: Sequence[FileSites], values: Mapping[str, str], ops_text: str | None
+) -> None:
+    """Refuse (before anything changes) a value that a site's dispatch has no branch for:
+    in a fork's explicit ``if custom_quant_type == 'mxfp8': ... else: <stock>`` chain it
+    would silently run the stock bf16 product. Label sites, and dispatches that are not a
+    plain chain of comparisons with literals, are never refused: what they accept cannot be
+    read. The ops module is read only where a chain hands values on to it."""
+    from quantpatch.sites.model import NO_OPS, OPS_VALUES, unknown_sentence, unknown_to_dispatch
+
+    sites = [s for f in files for s in f.sites]
+    ops = NO_OPS
+    if any(OPS_VALUES in chain for s in sites for chain in s.knows or ()):
+        from quantpatch.sites.discovery import read_ops_values
+
+        ops = read_ops_values(ops_text)
+    found = unknown_to_dispatch(sites, values, ops)
+    if found is not None:
+        site, role = found
+        raise UserError(
+            unknown_sentence(site, role, values[role], ops, f"--{role}")
+            + " (--allow-unknown writes it anyway)."
+        )
+
+
 def plan_from_base(
     repo: Any,
     commit: str,
@@ -266,8 +340,12 @@ def plan_from_base(
     split: bool,
     cache_dir: Path,
     current_files: Sequence[FileSites] = (),
+    *,
+    known: Mapping[str, str] | None = None,
 ) -> tuple[dict[str, str], dict[str, str]]:
-    """The target files at ``commit`` and their planned, verified new texts."""
+    """The target files at ``commit`` and their planned, verified new texts. ``known``:
+    the values that each of their sites' dispatches must know (``refuse_unknown_to_dispatch``
+    at ``commit``)."""
     base_texts = {rel: gitrepo.read_at(repo, commit, rel) for rel in targets.all_files}
     current_by_rel = {fs.rel: fs for fs in current_files}
     base_files = [
@@ -278,6 +356,8 @@ def plan_from_base(
     ]
     if not any(f.sites for f in base_files):
         raise _no_sites(targets)
+    if known:
+        refuse_unknown_to_dispatch(base_files, known, ops_text_at(repo, commit))
     return base_texts, _plan(base_files, values, targets, split, cache_dir)
 
 
@@ -291,6 +371,11 @@ def set_values(path: Path | None, req: SetRequest) -> SetResult:
     with gitrepo.locked(checkout):
         gitrepo.recover(checkout)
         return _set_unlocked(checkout, targets, req)
+
+
+def _must_know(req: SetRequest) -> dict[str, str]:
+    """The values the sites' dispatches must know: those named, unless --allow-unknown."""
+    return {} if req.allow_unknown else dict(req.values)
 
 
 def _set_unlocked(checkout: gitrepo.Checkout, targets: Targets, req: SetRequest) -> SetResult:
@@ -381,7 +466,14 @@ def _set_branch(
         )
     base = {**base, "commit": tip}
     _, planned = plan_from_base(
-        repo, tip, targets, values, req.split, checkout.state_dir / "cache", current_files
+        repo,
+        tip,
+        targets,
+        values,
+        req.split,
+        checkout.state_dir / "cache",
+        current_files,
+        known=_must_know(req),
     )
     edits = [Edit(fs.rel, fs.text, planned[fs.rel]) for fs in current_files]
     result = SetResult(values=values, edits=edits, diff=unified_diff(edits), base=base, notes=notes)
@@ -462,6 +554,8 @@ def _set_in_place(
             )
     elif checkout.repo is not None:
         _refuse_dirty(checkout.repo, targets)
+    if _must_know(req):
+        refuse_unknown_to_dispatch(current_files, _must_know(req), ops_text_in(checkout.root))
     planned = _plan(current_files, values, targets, req.split, checkout.state_dir / "cache")
     edits = [Edit(fs.rel, fs.text, planned[fs.rel]) for fs in current_files]
     result = SetResult(values=values, edits=edits, diff=unified_diff(edits))

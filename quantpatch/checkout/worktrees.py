@@ -122,7 +122,15 @@ def ensure_worktree(
             raise UserError(f"{checkout.root}: the repository has no commit yet.")
         tip = base_tip(repo, base)
         base = {**base, "commit": tip}
-        _, planned = plan_from_base(repo, tip, targets, values, split, checkout.state_dir / "cache")
+        _, planned = plan_from_base(
+            repo,
+            tip,
+            targets,
+            values,
+            split,
+            checkout.state_dir / "cache",
+            known=None if allow_unknown else values,
+        )
         wt = _open_worktree(repo, checkout.root, wt_path)
         if wt is not None:
             _refuse_dirty(wt, wt_path, name)

@@ -68,8 +68,8 @@ def tensors_formats(
     formats: str = typer.Option(
         "mxfp8,mxfp4,hifp8",
         "--formats",
-        help="Candidate formats, comma-separated (of mxfp8, mxfp4, hifp8, nvfp4; for weights "
-        "only: w1, w1.58, w2, w3, w4 and grouped w<b>g<N>).",
+        help="Candidate formats, comma-separated (of mxfp8, mxfp4, hifp8, nvfp4, nvfp4-2d; for "
+        "weights only: w1, w1.58, w2, w3, w4 and grouped w<b>g<N>).",
     ),
     by: str = typer.Option(
         "layer,kind,operation,tensor",

@@ -5,7 +5,7 @@ Installed by ``quantpatch init`` as ``megatron/core/quantpatch_ops.py``; depends
 the standard library only. Public API::
 
     fake_quant(x, fmt, *, dim=-1, backward=False) -> Tensor
-    quant_matmul(a, b, fmt, *, backward=False) -> Tensor
+    quant_matmul(a, b, fmt, *, backward=False, weight=None) -> Tensor
     quant_baddbmm(input, batch1, batch2, *, beta=1.0, alpha=1.0, fmt, backward=False) -> Tensor
     quant_bmm(a, b, fmt, *, backward=False) -> Tensor
 
@@ -29,8 +29,10 @@ Formats (OCP Microscaling v1.0; Luo et al., arXiv 2409.16626 for HiFloat8):
   Megatron's dgrad and wgrad sites: the output gradient); the other one keeps nearest even.
 * ``nvfp4-2d``: ``nvfp4`` with 16 x 16 tiles over the last two dimensions (any ``dim`` among
   them gives the same tiles), so a matrix and its transpose quantize alike. In the products
-  only a weight takes the tiles (a 2-D ``torch.nn.Parameter``, or a view of one such as
-  ``weight.t()``: the linear layer's forward and dgrad); every other operand is ``nvfp4``.
+  only a weight takes the tiles: the operand ``quant_matmul``'s ``weight=`` names (init's
+  linear forward and dgrad sites name it), or where none is named a 2-D
+  ``torch.nn.Parameter`` or a view of one such as ``weight.t()``; every other operand is
+  ``nvfp4``.
 * ``hifp8``: per tensor, no scale: 3/2/1 mantissa bits for |e| <= 3/7/15, powers of two
   2^-22..2^-16 below 2^-15, zero below, saturation at 2^15, ties away from zero.
 * ``bf16``: the identity.
@@ -446,15 +448,31 @@ def _is_weight(t: torch.Tensor) -> bool:
     return t.dim() == 2 and isinstance(base, torch.nn.Parameter)
 
 
-def _operand_fmt(t: torch.Tensor, fmt: str) -> str:
-    """``nvfp4-2d`` tiles weights only; every other operand takes 1-D ``nvfp4`` blocks."""
-    return "nvfp4" if fmt == "nvfp4-2d" and not _is_weight(t) else fmt
+def _operand_fmt(t: torch.Tensor, fmt: str, weight: bool | None = None) -> str:
+    """``nvfp4-2d`` tiles weights only; every other operand takes 1-D ``nvfp4`` blocks.
+    ``weight``: whether the caller named ``t`` the weight (``None``: it did not say, and a
+    2-D Parameter or a view of one is taken for the weight)."""
+    is_weight = _is_weight(t) if weight is None else weight
+    return "nvfp4" if fmt == "nvfp4-2d" and not is_weight else fmt
 
 
-def _q(x: torch.Tensor, fmt: str, dim: int, backward: bool) -> torch.Tensor:
+def _named_weight(weight: str | None, operand: str) -> bool | None:
+    """Whether ``operand`` ("a" or "b") is the one the caller's ``weight=`` names."""
+    if weight is None:
+        return None
+    if weight not in ("a", "b"):
+        raise ValueError(f"weight={weight!r}; expected 'a', 'b' or None")
+    return weight == operand
+
+
+def _q(
+    x: torch.Tensor, fmt: str, dim: int, backward: bool, weight: bool | None = None
+) -> torch.Tensor:
+    """``x`` fake-quantized for a product; a weight (named so by the site, or else a 2-D
+    Parameter or a view of one) through the once-per-step cache."""
     if fmt == "bf16" or is_paretoq(fmt):  # ParetoQ: the layer quantized its weight already
         return x
-    if _is_weight(x):
+    if _is_weight(x) if weight is None else weight:
         return _cached_q(x, fmt, dim, backward)
     if x.requires_grad and torch.is_grad_enabled():
         out: torch.Tensor = _StraightThrough.apply(x, fmt, dim, backward)  # type: ignore[no-untyped-call]
@@ -463,18 +481,26 @@ def _q(x: torch.Tensor, fmt: str, dim: int, backward: bool) -> torch.Tensor:
 
 
 def quant_matmul(
-    a: torch.Tensor, b: torch.Tensor, fmt: str, *, backward: bool = False
+    a: torch.Tensor,
+    b: torch.Tensor,
+    fmt: str,
+    *,
+    backward: bool = False,
+    weight: str | None = None,
 ) -> torch.Tensor:
     """``torch.matmul(a, b)`` with both operands quantized along the reduction dimension
     (the last of ``a``, the second to last of ``b``). NVFP4 rounds only ``a`` stochastically
-    under ``backward``, and ``nvfp4-2d`` tiles only a weight operand."""
+    under ``backward``, and ``nvfp4-2d`` tiles only the weight operand: the one ``weight``
+    names (``"a"`` or ``"b"``: init's linear sites say which, since Megatron's autograd
+    function hands the weight over as a plain tensor), else a 2-D Parameter or a view of one."""
     bdim = -2 if b.dim() > 1 else -1
     fused = _fused_product(a, b, fmt, backward, backward)
     if fused is not None:
         return fused
+    wa, wb = _named_weight(weight, "a"), _named_weight(weight, "b")
     return torch.matmul(
-        _q(a, _operand_fmt(a, fmt), -1, backward),
-        _q(b, _operand_fmt(b, fmt), bdim, backward and fmt not in NVFP4_FORMATS),
+        _q(a, _operand_fmt(a, fmt, wa), -1, backward, wa),
+        _q(b, _operand_fmt(b, fmt, wb), bdim, backward and fmt not in NVFP4_FORMATS, wb),
     )
 
 

@@ -26,7 +26,7 @@ from quantpatch.base.config import SITE_NAME, Targets
 from quantpatch.base.errors import UserError
 from quantpatch.sites.model import Site, read_target
 
-CACHE_FORMAT = 3
+CACHE_FORMAT = 4
 KEEP = 64
 
 
@@ -80,6 +80,8 @@ def _well_formed(site: Site) -> bool:
         and not isinstance(site.line, bool)
         and all(isinstance(v, str) for v in (site.role, site.file, site.form, site.source))
         and isinstance(site.value, str | None)
+        and (site.knows is None or all(isinstance(v, str) for chain in site.knows for v in chain))
+        and all(isinstance(v, str) for v in site.knows_for)
     )
 
 

@@ -32,7 +32,15 @@ from libcst.metadata import MetadataWrapper, PositionProvider
 
 from quantpatch.base.config import SITE_NAME, Targets
 from quantpatch.base.errors import UserError
-from quantpatch.sites.model import SITE_ROLES, Site, read_target, role_values
+from quantpatch.sites.model import (
+    NO_OPS,
+    OPS_VALUES,
+    SITE_ROLES,
+    OpsValues,
+    Site,
+    read_target,
+    role_values,
+)
 
 __all__ = ["FileSites", "Site", "discover", "discover_sites", "discover_source", "role_values"]
 
@@ -63,6 +71,8 @@ class _Dispatch:
     pos: int
     ancestors: tuple[cst.CSTNode, ...]
     products: frozenset[str]
+    knows: tuple[str, ...] | None
+    """The values the chain's branches are written for (``chain_knows``)."""
     kills: tuple[int, ...]
     """Positions (visit order) of the statements before the dispatch, in its enclosing blocks, that
     definitely assign the variable (a site line, or an ``if`` whose every branch assigns)."""
@@ -326,6 +336,7 @@ class _Collector(ScopedVisitor):
                 pos=self._pos(node),
                 ancestors=ancestors,
                 products=frozenset(products),
+                knows=chain_knows(node),
                 kills=self._kills(node, ancestors),
             )
         )
@@ -386,6 +397,175 @@ def _governs(sites: list[_RawSite], dispatch: _Dispatch) -> list[int]:
         and not _exclusive(s.ancestors, dispatch.ancestors)
         and not any(k > s.pos for k in dispatch.kills)
     ]
+
+
+# -- what a dispatch knows ---------------------------------------------------------------------
+
+
+def _literal_strings(node: cst.BaseExpression) -> list[str] | None:
+    """The strings of a literal, or of a tuple, list or set of literals; None otherwise."""
+    if isinstance(node, cst.SimpleString | cst.ConcatenatedString):
+        value = node.evaluated_value
+        return [value] if isinstance(value, str) else None
+    if isinstance(node, cst.Tuple | cst.List | cst.Set):
+        out: list[str] = []
+        for element in node.elements:
+            if not isinstance(element, cst.Element):
+                return None
+            strings = _literal_strings(element.value)
+            if strings is None or isinstance(element.value, cst.Tuple | cst.List | cst.Set):
+                return None
+            out += strings
+        return out
+    return None
+
+
+def _branch_test(test: cst.BaseExpression) -> tuple[bool, list[str]] | None:
+    """``(True, values)`` for a test that holds for exactly those values of the site
+    (``== 'x'``, ``in ('x', 'y')``), ``(False, values)`` for one that holds for every other
+    value (``!=``, ``not in``); None for any other test."""
+    if not isinstance(test, cst.Comparison) or len(test.comparisons) != 1:
+        return None
+    target = test.comparisons[0]
+    left, right, op = test.left, target.comparator, target.operator
+    if _is_site_name(right) and isinstance(op, cst.Equal | cst.NotEqual):
+        left, right = right, left  # 'x' == custom_quant_type
+    if not _is_site_name(left):
+        return None
+    strings = _literal_strings(right)
+    if strings is None:
+        return None
+    if isinstance(op, cst.Equal) and len(strings) == 1 and not isinstance(right, cst.Tuple):
+        return True, strings
+    if isinstance(op, cst.NotEqual) and len(strings) == 1 and not isinstance(right, cst.Tuple):
+        return False, strings
+    collection = isinstance(right, cst.Tuple | cst.List | cst.Set)  # not a substring test
+    if isinstance(op, cst.In) and collection:
+        return True, strings
+    if isinstance(op, cst.NotIn) and collection:
+        return False, strings
+    return None
+
+
+def calls_quantpatch_ops(body: cst.CSTNode) -> bool:
+    """The block hands the site's value to ``quantpatch_ops.quant_*(..., fmt=<site>)``."""
+    for call in find_all(body, cst.Call):
+        func = call.func
+        if not (
+            isinstance(func, cst.Attribute)
+            and _dotted(func.value).endswith("quantpatch_ops")
+            and func.attr.value.startswith("quant")
+        ):
+            continue
+        if any(
+            arg.keyword is not None and arg.keyword.value == "fmt" and _is_site_name(arg.value)
+            for arg in call.args
+        ):
+            return True
+    return False
+
+
+def _raises(body: cst.BaseSuite) -> bool:
+    return bool(find_all(body, cst.Raise))
+
+
+def chain_knows(node: cst.If) -> tuple[str, ...] | None:
+    """The values an ``if``/``elif`` dispatch chain on the site is written for: the literals
+    its tests compare the site with; ``OPS_VALUES`` where a branch hands the value on to
+    ``quantpatch_ops`` (quantpatch's own dispatch: ``else`` or a ``!= 'bf16'`` branch); and
+    ``bf16`` where the values no test names fall through to code that is not a raise (the
+    stock product). None when a test is not such a comparison, or a catch-all branch
+    (``!=``, ``not in``) runs code other than ``quantpatch_ops``: the values it accepts
+    cannot be read from the source."""
+    values: set[str] = set()
+    cur: cst.If | cst.Else | None = node
+    while isinstance(cur, cst.If):
+        test = _branch_test(cur.test)
+        if test is None:
+            return None
+        only, strings = test
+        if only:
+            values |= set(strings)
+        elif calls_quantpatch_ops(cur.body):
+            values.add(OPS_VALUES)
+        else:
+            return None
+        cur = cur.orelse
+    if cur is None or (not calls_quantpatch_ops(cur.body) and not _raises(cur.body)):
+        values.add("bf16")
+    elif calls_quantpatch_ops(cur.body):
+        values.add(OPS_VALUES)
+    return tuple(sorted(values))
+
+
+def _site_knows(chains: Sequence[tuple[str, ...] | None]) -> tuple[tuple[str, ...], ...] | None:
+    """A site's knowledge: one entry per governed dispatch; None where it governs none or
+    one of them cannot be read."""
+    if not chains or any(c is None for c in chains):
+        return None
+    return tuple(c for c in chains if c is not None)
+
+
+def _tuple_strings(
+    node: cst.BaseExpression, names: dict[str, cst.BaseExpression], depth: int = 0
+) -> list[str] | None:
+    """The strings of a module-level tuple expression: literals, other such tuples by name,
+    ``*NAME`` inside a tuple, and ``A + B``."""
+    if depth > 8:
+        return None
+    if isinstance(node, cst.Name):
+        return _tuple_strings(names[node.value], names, depth + 1) if node.value in names else None
+    if isinstance(node, cst.BinaryOperation) and isinstance(node.operator, cst.Add):
+        a = _tuple_strings(node.left, names, depth + 1)
+        b = _tuple_strings(node.right, names, depth + 1)
+        return None if a is None or b is None else a + b
+    if isinstance(node, cst.Tuple | cst.List):
+        out: list[str] = []
+        for element in node.elements:
+            part = (
+                _tuple_strings(element.value, names, depth + 1)
+                if isinstance(element, cst.StarredElement)
+                else _literal_strings(element.value)
+                if not isinstance(element.value, cst.Tuple | cst.List | cst.Set)
+                else None
+            )
+            if part is None:
+                return None
+            out += part
+        return out
+    return None
+
+
+def read_ops_values(text: str | None) -> OpsValues:
+    """What an installed ``quantpatch_ops.py`` declares (``FORMATS``, ``GROUPED_FORMATS``),
+    read with libcst, never imported. ``None`` (no module): nothing."""
+    if text is None:
+        return NO_OPS
+    try:
+        module = cst.parse_module(text)
+    except cst.ParserSyntaxError:
+        return OpsValues(readable=False)
+    names: dict[str, cst.BaseExpression] = {}
+    for stmt in module.body:
+        if isinstance(stmt, cst.SimpleStatementLine):
+            for small in stmt.body:
+                if isinstance(small, cst.Assign) and len(small.targets) == 1:
+                    target = small.targets[0].target
+                    if isinstance(target, cst.Name):
+                        names[target.value] = small.value
+                elif (
+                    isinstance(small, cst.AnnAssign)
+                    and small.value is not None
+                    and isinstance(small.target, cst.Name)
+                ):
+                    names[small.target.value] = small.value
+    if "FORMATS" not in names:
+        return OpsValues(readable=False)
+    formats = _tuple_strings(names["FORMATS"], names)
+    grouped = _tuple_strings(names["GROUPED_FORMATS"], names) if "GROUPED_FORMATS" in names else []
+    if formats is None or grouped is None:
+        return OpsValues(readable=False)
+    return OpsValues(frozenset(formats), frozenset(grouped))
 
 
 def _role_from_products(products: set[str], file_kind: str) -> str:
@@ -630,9 +810,13 @@ def _discover(
     for raw_sites, dispatches in collector.done:
         governs: list[set[str]] = [set() for _ in raw_sites]
         pv_nodes: list[list[cst.If]] = [[] for _ in raw_sites]
+        knows: list[list[tuple[str, ...] | None]] = [[] for _ in raw_sites]
+        knows_for: list[list[str]] = [[] for _ in raw_sites]
         for d in dispatches:
             for i in _governs(raw_sites, d):
                 governs[i] |= d.products
+                knows[i].append(d.knows)
+                knows_for[i].append("+".join(sorted(d.products)))
                 if "pv" in d.products and "qk" not in d.products:
                     pv_nodes[i].append(d.node)
         roles: list[str | None] = []
@@ -661,6 +845,8 @@ def _discover(
                 kind=raw.kind,
                 governs=tuple(sorted(governs[i] - {"unknown"})),
                 source=raw.source,
+                knows=_site_knows(knows[i]),
+                knows_for=tuple(knows_for[i]) if _site_knows(knows[i]) is not None else (),
             )
             found.append((raw, site, pv_nodes[i]))
     found.sort(key=lambda t: t[0].pos)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +37,14 @@ class Site:
     """The products (qk, pv, linear) of the dispatches this site governs."""
     source: str
     """The assignment's value as written."""
+    knows: tuple[tuple[str, ...], ...] | None = None
+    """For each dispatch this site governs, the values its branches are written for
+    (``OPS_VALUES`` standing for those the checkout's ``quantpatch_ops.py`` declares);
+    ``None`` where the site governs no dispatch or one that cannot be read."""
+    knows_for: tuple[str, ...] = ()
+    """The products of each dispatch in ``knows`` (``linear``, ``qk``, ``pv``, joined by ``+``
+    where one dispatch holds several): a value is checked against the dispatches of its own
+    role only."""
 
     @property
     def roles(self) -> tuple[str, ...]:
@@ -58,7 +66,13 @@ class Site:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Site:
-        return cls(**{**data, "governs": tuple(data["governs"])})
+        knows = data.get("knows")
+        if knows is not None:
+            knows = tuple(tuple(str(v) for v in chain) for chain in knows)
+        knows_for = tuple(str(v) for v in data.get("knows_for", ()))
+        return cls(
+            **{**data, "governs": tuple(data["governs"]), "knows": knows, "knows_for": knows_for}
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -98,3 +112,95 @@ def refuse_links(root: Path, rels: Sequence[str]) -> None:
                 f"{rel}: is a symbolic link (to {os.readlink(path)}); quantpatch edits regular "
                 "files only: point the [tool.quantpatch] paths at the real file."
             )
+
+
+# -- what a site's dispatch knows ---------------------------------------------------------------
+
+OPS_VALUES = "<quantpatch_ops>"
+"""In ``Site.knows``: a branch that hands the value to ``quantpatch_ops`` (``fmt=<site>``), so
+every value the checkout's installed ``megatron/core/quantpatch_ops.py`` declares."""
+
+
+@dataclass(frozen=True)
+class OpsValues:
+    """The values a checkout's ``quantpatch_ops.py`` declares: ``FORMATS``, and the bases
+    of ``GROUPED_FORMATS`` that take a ``g<N>`` suffix (``w2g128``). ``readable`` False: the
+    module is there but its tuples could not be read (then no value is refused for it)."""
+
+    formats: frozenset[str] = frozenset()
+    grouped: frozenset[str] = frozenset()
+    readable: bool = True
+
+    def declares(self, value: str) -> bool:
+        if value in self.formats:
+            return True
+        base, sep, size = value.rpartition("g")
+        return bool(sep) and base in self.grouped and size.isdigit() and int(size) > 0
+
+
+NO_OPS = OpsValues()
+"""A checkout without ``quantpatch_ops.py``: a branch that imports it cannot run."""
+
+
+def _chains(site: Site, role: str | None) -> list[tuple[str, ...]]:
+    """The dispatches of ``site`` that compute ``role``'s products (all of them where
+    ``role`` is None or no dispatch is known to compute it)."""
+    assert site.knows is not None
+    if role is None or len(site.knows_for) != len(site.knows):
+        return list(site.knows)
+    mine = [c for c, f in zip(site.knows, site.knows_for, strict=True) if role in f.split("+")]
+    return mine or list(site.knows)
+
+
+def dispatch_knows(site: Site, value: str, ops: OpsValues, role: str | None = None) -> bool | None:
+    """Whether every dispatch ``site`` governs (of ``role``'s products, where given) has a
+    branch written for ``value``; None where that cannot be told (a label site, a dispatch
+    that is not a plain chain of comparisons with literals, an unreadable ops module behind
+    it)."""
+    if site.knows is None:
+        return None
+    for chain in _chains(site, role):
+        if value in chain:
+            continue
+        if OPS_VALUES in chain:
+            if not ops.readable:
+                return None
+            if ops.declares(value):
+                continue
+        return False
+    return True
+
+
+def chain_values(site: Site, ops: OpsValues, role: str | None = None) -> list[str]:
+    """The values every dispatch of ``site`` (of ``role``'s products) knows, for messages,
+    the ops' own included."""
+    common: set[str] | None = None
+    for chain in _chains(site, role):
+        values = {v for v in chain if v != OPS_VALUES}
+        if OPS_VALUES in chain:
+            values |= ops.formats | {f"{g}g<N>" for g in ops.grouped}
+        common = values if common is None else common & values
+    return sorted(common or ())
+
+
+def unknown_to_dispatch(
+    sites: Sequence[Site], values: Mapping[str, str], ops: OpsValues
+) -> tuple[Site, str] | None:
+    """The first site of a role in ``values`` whose dispatch (of that role's products) does
+    not know that role's value: the site and the role, or None."""
+    for site in sites:
+        for role in site.roles:
+            if role in values and dispatch_knows(site, values[role], ops, role) is False:
+                return site, role
+    return None
+
+
+def unknown_sentence(site: Site, role: str, value: str, ops: OpsValues, where: str) -> str:
+    """A sentence (without its full stop) naming the value, the site and what its
+    dispatch does know."""
+    known = ", ".join(chain_values(site, ops, role)) or "nothing"
+    return (
+        f"{where}: the dispatch of the {site.role} site at {site.file}:{site.line} "
+        f"({site.function}) knows {known}, not '{value}', which would silently run its "
+        "fallback branch; 'quantpatch init' teaches it the quantpatch values"
+    )

@@ -29,7 +29,8 @@ import libcst.matchers as m
 from quantpatch.base.config import SITE_NAME
 from quantpatch.base.errors import UserError
 from quantpatch.sites.codemods.set_value import keep_bom
-from quantpatch.sites.discovery import parse_source
+from quantpatch.sites.discovery import calls_quantpatch_ops, chain_knows, parse_source
+from quantpatch.sites.model import OPS_VALUES
 
 LINEAR_CLASS_SUFFIX = "LinearWithGradAccumulationAndAsyncCommunication"
 ATTENTION_CLASS = "DotProductAttention"
@@ -112,17 +113,35 @@ def _kwarg(name: str, value: cst.BaseExpression) -> cst.Arg:
     )
 
 
+WEIGHT_NAME = "weight"
+"""The linear autograd function's weight: the operand ``nvfp4-2d`` tiles."""
+
+
+def _weight_operand(args: list[cst.Arg]) -> str | None:
+    """``"a"`` or ``"b"``: which of the product's two operands is the layer's weight (the
+    one that names it: ``weight.t()`` in the forward, ``weight`` in dgrad); None for none."""
+    operands = [a for a in args if a.keyword is None and not a.star][:2]
+    for letter, arg in zip("ab", operands, strict=False):
+        if m.findall(arg.value, m.Name(WEIGHT_NAME)):
+            return letter
+    return None
+
+
 def _quant_call(
     call: cst.Call, op: str, receiver: cst.BaseExpression | None, backward: bool
 ) -> cst.Call:
-    """``quantpatch_ops.quant_<op>(<operands>, fmt=custom_quant_type[, backward=True])`` with
-    the original argument nodes (and their comments) kept as they are."""
+    """``quantpatch_ops.quant_<op>(<operands>, fmt=custom_quant_type[, backward=True]
+    [, weight="b"])`` with the original argument nodes (and their comments) kept as they
+    are; ``weight`` names the operand that is the layer's weight (matmul only)."""
     args = list(call.args)
     if receiver is not None:
         args.insert(0, cst.Arg(receiver))
     extra = [_kwarg("fmt", cst.Name(SITE_NAME))]
     if backward:
         extra.append(_kwarg("backward", cst.Name("True")))
+    weight = _weight_operand(args) if op == "matmul" else None
+    if weight is not None:
+        extra.append(_kwarg("weight", cst.SimpleString(f'"{weight}"')))
     last = args[-1].comma if args else cst.MaybeSentinel.DEFAULT
     if isinstance(last, cst.Comma) and isinstance(
         last.whitespace_after, cst.ParenthesizedWhitespace
@@ -173,6 +192,8 @@ def product_of(stmt: cst.SimpleStatementLine, func: str) -> _Product | None:
     if func == "backward" and attr == "matmul" and not is_torch:
         if target not in ("grad_input", "grad_weight"):
             return None
+        if len(call.args) != 1 or call.args[0].keyword is not None:
+            return None  # Tensor.matmul takes one operand: not a fork's quant_mod.matmul(a, b)
         name = "dgrad" if target == "grad_input" else "wgrad"
         return _Product(name, target, "matmul", _quant_call(call, attr, receiver, True))
     if func == "forward" and is_torch and attr in ("baddbmm", "bmm"):
@@ -649,4 +670,135 @@ def inject_weight_steps(text: str, rel: str) -> str:
             f"{rel}: cannot find {', '.join(missing)} in the shape this Megatron layout should "
             "have; the file is not a supported megatron-core release."
         )
+    return keep_bom(text, new.code)
+
+
+# -- teaching a fork's own dispatch chains the quantpatch values --------------------------------
+
+_TEACH_TEMPLATE = """\
+if x:
+    pass
+elif {site} != {q}bf16{q}:
+    from megatron.core import quantpatch_ops
+    {target} = None
+"""
+
+
+def _chain_ifs(node: cst.If) -> list[cst.If]:
+    out = [node]
+    while isinstance(out[-1].orelse, cst.If):
+        out.append(out[-1].orelse)
+    return out
+
+
+def _stock_line(node: cst.If, func: str) -> tuple[cst.SimpleStatementLine, _Product] | None:
+    """The chain's stock product: the one statement of its ``else`` (or of its
+    ``== 'bf16'`` branch) that ``product_of`` recognises."""
+    blocks: list[cst.BaseSuite] = []
+    last = _chain_ifs(node)[-1]
+    if isinstance(last.orelse, cst.Else):
+        blocks.append(last.orelse.body)
+    for branch in _chain_ifs(node):
+        if m.matches(
+            branch.test,
+            m.Comparison(
+                left=m.Name(SITE_NAME),
+                comparisons=[m.ComparisonTarget(m.Equal(), comparator=m.SimpleString())],
+            ),
+        ):
+            literal = cst.ensure_type(branch.test, cst.Comparison).comparisons[0].comparator
+            if cst.ensure_type(literal, cst.SimpleString).evaluated_value == "bf16":
+                blocks.append(branch.body)
+    for block in blocks:
+        if not isinstance(block, cst.IndentedBlock) or len(block.body) != 1:
+            continue
+        stmt = block.body[0]
+        if isinstance(stmt, cst.SimpleStatementLine):
+            product = product_of(stmt, func)
+            if product is not None:
+                return stmt, product
+    return None
+
+
+def _quote_of(node: cst.If) -> str:
+    for string in find_strings(node.test):
+        return string.quote[-1]
+    return "'"
+
+
+def find_strings(node: cst.CSTNode) -> list[cst.SimpleString]:
+    return [n for n in m.findall(node, m.SimpleString()) if isinstance(n, cst.SimpleString)]
+
+
+class _Teach(cst.CSTTransformer):
+    """Every explicit dispatch chain (``if custom_quant_type == 'mxfp8': <fork op> elif ...
+    else: <stock product>``) gains, before its ``else``, a branch for every other value
+    that is not bf16, calling ``quantpatch_ops`` on the stock product's operands (the
+    quantpatch values the chain lacks; the fork's own values still take its own branches,
+    which stay as they are). Chains that already hand values to ``quantpatch_ops``, that
+    cannot be read, or whose stock product is not recognised are left alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.func: list[str] = []
+        self.taught: list[str] = []
+        self.elifs: set[int] = set()
+
+    def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
+        self.func.append(node.name.value)
+
+    def leave_FunctionDef(
+        self, original_node: cst.FunctionDef, updated_node: cst.FunctionDef
+    ) -> cst.FunctionDef:
+        self.func.pop()
+        return updated_node
+
+    def visit_If(self, node: cst.If) -> None:
+        if isinstance(node.orelse, cst.If):
+            self.elifs.add(id(node.orelse))
+
+    def leave_If(self, original_node: cst.If, updated_node: cst.If) -> cst.If:
+        if id(original_node) in self.elifs or not self.func:
+            return updated_node
+        if not m.findall(original_node.test, m.Name(SITE_NAME)):
+            return updated_node
+        knows = chain_knows(original_node)
+        if knows is None or OPS_VALUES in knows:
+            return updated_node
+        if any(calls_quantpatch_ops(b.body) for b in _chain_ifs(original_node)):
+            return updated_node
+        stock = _stock_line(original_node, self.func[-1])
+        if stock is None:
+            return updated_node
+        _, product = stock
+        q = _quote_of(original_node)
+        template = cst.ensure_type(
+            cst.parse_statement(_TEACH_TEMPLATE.format(site=SITE_NAME, q=q, target=product.target)),
+            cst.If,
+        )
+        branch = cst.ensure_type(template.orelse, cst.If)
+        body = cst.ensure_type(branch.body, cst.IndentedBlock)
+        line = cst.ensure_type(body.body[1], cst.SimpleStatementLine)
+        assign = cst.ensure_type(line.body[0], cst.Assign)
+        line = line.with_changes(body=[assign.with_changes(value=product.call)])
+        branch = branch.with_changes(body=body.with_changes(body=[body.body[0], line]))
+        self.taught.append(product.name)
+        return _append_branch(updated_node, branch)
+
+
+def _append_branch(node: cst.If, branch: cst.If) -> cst.If:
+    """``node``'s chain with ``branch`` as its last ``elif`` (before the ``else``)."""
+    if isinstance(node.orelse, cst.If):
+        return node.with_changes(orelse=_append_branch(node.orelse, branch))
+    return node.with_changes(orelse=branch.with_changes(orelse=node.orelse))
+
+
+def teach_dispatches(text: str, rel: str) -> str | None:
+    """``text`` with each explicit dispatch chain taught the quantpatch values it lacks
+    (``_Teach``); None when no chain needs it."""
+    module = parse_source(text, rel)
+    teach = _Teach()
+    new = module.visit(teach)
+    if not teach.taught:
+        return None
     return keep_bom(text, new.code)
