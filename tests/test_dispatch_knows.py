@@ -193,7 +193,8 @@ def test_quantpatch_dispatch_knows_what_its_ops_module_declares(run, tmp_path):
     assert res.code == 2 and "knows bf16, not 'mxfp8'" in res.err, res.err
     assert snapshot(root) == before
     lines = ops_source().splitlines(keepends=True)
-    lines = ['FORMATS = ("bf16", "mxfp8")\n' if x.startswith("FORMATS = ") else x for x in lines]
+    declared = {"FORMATS = ": 'FORMATS = ("bf16", "mxfp8")\n', "GROUPED_FORMATS = ": ""}
+    lines = [next((v for k, v in declared.items() if x.startswith(k)), x) for x in lines]
     (root / OPS_MODULE).write_text("".join(lines))
     git.Repo(root).git.add("-A")
     git.Repo(root).git.commit("-qm", "an ops module without mxfp4")

@@ -448,19 +448,15 @@ def _branch_test(test: cst.BaseExpression) -> tuple[bool, list[str]] | None:
 
 
 def calls_quantpatch_ops(body: cst.CSTNode) -> bool:
-    """The block hands the site's value to ``quantpatch_ops.quant_*(..., fmt=<site>)``."""
+    """The block hands the site's value to a ``quantpatch_ops`` function: a product
+    (``quant_*(..., fmt=<site>)``) or any other call with the site among its arguments (the
+    ParetoQ steps ``init`` adds to the layers' constructors: ``add_weight_scales(self,
+    <site>, ...)``)."""
     for call in find_all(body, cst.Call):
         func = call.func
-        if not (
-            isinstance(func, cst.Attribute)
-            and _dotted(func.value).endswith("quantpatch_ops")
-            and func.attr.value.startswith("quant")
-        ):
+        if not (isinstance(func, cst.Attribute) and _dotted(func.value).endswith("quantpatch_ops")):
             continue
-        if any(
-            arg.keyword is not None and arg.keyword.value == "fmt" and _is_site_name(arg.value)
-            for arg in call.args
-        ):
+        if any(_is_site_name(arg.value) for arg in call.args):
             return True
     return False
 
