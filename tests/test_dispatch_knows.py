@@ -325,3 +325,18 @@ def test_teaching_finds_the_stock_product_in_a_bf16_branch_and_skips_what_it_can
     )
     unreadable = chain.format(more=more[: more.index('        if custom_quant_type == "mxfp4"')])
     assert teach_dispatches(unreadable.replace('== "hifp8"', "== HIFP8"), LINEAR) is None
+
+
+def test_a_paretoq_value_needs_the_steps_in_the_layers_constructors(run, make_checkout):
+    """Sites in the linear autograd function only (a fork's, or an older init's): the products
+    pass a ParetoQ weight through as its layer would have quantized it, so without the
+    constructors' sites the run would train unquantized weights; set says so, nothing changed."""
+    root = make_checkout("0.13.1")
+    before = snapshot(root)
+    res = run("set", "--repo", root, "--linear", "w2")
+    assert res.code == 2, res
+    assert "ColumnParallelLinear.__init__ and RowParallelLinear.__init__" in res.err
+    assert f"{LINEAR} has no site" in res.err and "'quantpatch init' adds them" in res.err
+    assert snapshot(root) == before
+    assert run("set", "--repo", root, "--linear", "mxfp8").code == 0  # other values are fine
+    assert run("set", "--repo", root, "--linear", "w2", "--allow-unknown").code == 0

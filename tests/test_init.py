@@ -71,10 +71,20 @@ def test_init_and_remove_round_trip(run, make_checkout, version):
 
 
 def test_init_refusals(run, make_checkout, tmp_path, monkeypatch):
-    forked = make_checkout()  # already has sites
+    # sites already, dispatching to quantpatch_ops, but no ParetoQ steps in the layers'
+    # constructors: init adds only those (the attention file has nothing to teach)
+    forked = make_checkout()
+    attention = (forked / ATTENTION).read_bytes()
+    assert run("set", "--repo", forked, "--linear", "w2").code == 2
+    assert run("init", "--repo", forked).code == 0
+    assert (forked / ATTENTION).read_bytes() == attention
+    functions = {
+        s["function"] for s in json.loads(run("check", "--json", "--repo", forked).out)["sites"]
+    }
+    assert {"ColumnParallelLinear.__init__", "RowParallelLinear.__init__"} <= functions
     before = snapshot(forked)
     res = run("init", "--repo", forked)
-    assert res.code == 2 and "already has custom_quant_type sites" in res.err
+    assert res.code == 2 and "already initialised by quantpatch" in res.err
     assert snapshot(forked) == before
     stock = make_checkout(inject=False)
     (stock / LINEAR).write_text((stock / LINEAR).read_text() + "# edit\n")
@@ -286,3 +296,12 @@ def test_tiny_gpt_trains_under_nvfp4_on_a_fork_clone(run, trees, tmp_path):
     assert res.code == 0, res
     losses = _train_tiny_gpt(root, layers=1, hidden=64, seq=32)
     assert losses[-1] < losses[0] - 0.5, losses
+    # init gave the fork's parallel linear layers the ParetoQ steps too (its own chains know
+    # no w-value; the taught branch passes the weight the layer quantized)
+    functions = {
+        s["function"] for s in json.loads(run("check", "--json", "--repo", root).out)["sites"]
+    }
+    assert {"ColumnParallelLinear.__init__", "RowParallelLinear.__init__"} <= functions
+    assert run("set", "--repo", root, "--linear", "w1.58", "--qk", "bf16").code == 0
+    losses = _train_tiny_gpt(root, layers=1, hidden=64, seq=32)
+    assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0], losses

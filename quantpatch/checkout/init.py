@@ -78,6 +78,8 @@ def _site_edits(root: Path, rels: tuple[str, ...], kind_of: Callable[[str], str]
             continue
         forked.append(rel)
         taught = teach_dispatches(text, rel)
+        if kind_of(rel) == "linear":
+            taught = _with_weight_steps(taught or text, rel) or taught
         if taught is not None:
             edits.append(Edit(rel, text, taught))
     if forked and len(edits) == 0:
@@ -86,6 +88,21 @@ def _site_edits(root: Path, rels: tuple[str, ...], kind_of: Callable[[str], str]
             "quantpatch cannot teach more values; nothing to initialise."
         )
     return edits
+
+
+def _with_weight_steps(text: str, rel: str) -> str | None:
+    """A fork's linear file with the ParetoQ steps in its parallel linear layers (as on a
+    stock checkout), or None where the fork has them already or changed those layers beyond
+    recognition (then ``set`` refuses the ParetoQ values there, naming the constructors)."""
+    from quantpatch.sites.codemods.init_sites import STEP_CONSTRUCTORS
+    from quantpatch.sites.discovery import discover_sites
+
+    if {s.function for s in discover_sites(text, rel, "linear")} >= set(STEP_CONSTRUCTORS):
+        return None
+    try:
+        return inject_weight_steps(text, rel)
+    except UserError:
+        return None
 
 
 def init(path: Path | None, *, remove: bool = False) -> InstallResult:

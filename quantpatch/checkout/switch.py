@@ -330,6 +330,28 @@ def refuse_unknown_to_dispatch(
             unknown_sentence(site, role, values[role], ops, f"--{role}")
             + " (--allow-unknown writes it anyway)."
         )
+    refuse_paretoq_without_steps(sites, values.get("linear"))
+
+
+def refuse_paretoq_without_steps(sites: Sequence[Site], linear: str | None) -> None:
+    """A ParetoQ value needs its steps (alpha) created by the parallel linear layers' constructors
+    (``init`` adds those sites): without them the products pass the weight through as the
+    layer would have quantized it, so the run would train unquantized weights, silently."""
+    from quantpatch.base.config import is_paretoq
+    from quantpatch.sites.codemods.init_sites import STEP_CONSTRUCTORS
+
+    if linear is None or not is_paretoq(linear):
+        return
+    linear_sites = [s for s in sites if s.role == "linear"]
+    have = {s.function for s in linear_sites if s.function in STEP_CONSTRUCTORS}
+    if linear_sites and have != set(STEP_CONSTRUCTORS):
+        missing = " and ".join(f for f in STEP_CONSTRUCTORS if f not in have)
+        raise UserError(
+            f"--linear: '{linear}' trains learnable steps that the parallel linear layers "
+            f"create in their constructors, and {linear_sites[0].file} has no site in "
+            f"{missing}, so its layers would run unquantized weights; 'quantpatch init' adds "
+            "them (--allow-unknown writes it anyway)."
+        )
 
 
 def plan_from_base(

@@ -529,6 +529,8 @@ def inject_sites(
 
 PARALLEL_LINEAR_CLASSES = {"ColumnParallelLinear": 0, "RowParallelLinear": 1}
 """The layers whose constructors get a linear-role site, with the weight's TP split dim."""
+STEP_CONSTRUCTORS = tuple(f"{cls}.__init__" for cls in PARALLEL_LINEAR_CLASSES)
+"""Where those sites are (the function names discovery gives them)."""
 _STEP_COMMENT = (
     "# the linear role's learnable weight steps (ParetoQ values), parameters from here on"
 )
