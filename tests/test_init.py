@@ -291,6 +291,9 @@ def test_tiny_gpt_trains_under_nvfp4_on_a_fork_clone(run, trees, tmp_path):
     assert res.code == 2 and "'nvfp4'" in res.err and f"linear site at {LINEAR}:" in res.err
     assert snapshot(root) == before
     assert git.Repo(root).git.status("--porcelain") == ""
+    res = run("set", "--repo", root, "--linear", "w1.58")  # ParetoQ: its chains know no w-value
+    assert res.code == 2 and "not 'w1.58'" in res.err and f"linear site at {LINEAR}:" in res.err
+    assert snapshot(root) == before
     assert run("init", "--repo", root).code == 0
     res = run("set", "--repo", root, "--linear", "nvfp4", "--qk", "nvfp4")
     assert res.code == 0, res
