@@ -166,3 +166,35 @@ def run_probe(
     )
     assert res.returncode == 0, res.stderr[-3000:]
     return torch.load(out), res.stderr
+
+
+def tiny_gpt(root: Path, cfg: dict[str, object]) -> dict[str, object]:
+    """benchmarks/gpu_e2e.py's worker (a megatron-core GPT, local spec, bf16, Adam) run on
+    ``root``'s megatron in a clean environment (no saver or quant-type variables): the JSON
+    it prints last (``losses``, and ``alpha`` under ParetoQ values)."""
+    import importlib.util
+    import json
+
+    bench = Path(__file__).resolve().parents[1] / "benchmarks"
+    sys.path.insert(0, str(bench))
+    try:
+        spec = importlib.util.spec_from_file_location("gpu_e2e", bench / "gpu_e2e.py")
+        assert spec is not None and spec.loader is not None
+        e2e = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(e2e)
+    finally:
+        sys.path.remove(str(bench))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TENSOR_SAVE")}
+    env.pop("CUSTOM_QUANT_TYPE", None)
+    env["PYTHONPATH"] = e2e.worker_pythonpath(root)
+    out = subprocess.run(
+        [sys.executable, "-c", e2e.WORKER, json.dumps(cfg)],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    result: dict[str, object] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result

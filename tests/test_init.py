@@ -17,7 +17,7 @@ from quantpatch.checkout.init import (
     runtime_source,
 )
 
-from .conftest import ATTENTION, LINEAR, VERSIONS, run_probe, snapshot
+from .conftest import ATTENTION, LINEAR, VERSIONS, run_probe, snapshot, tiny_gpt
 
 PROBE = Path(__file__).with_name("megatron_probe.py")
 
@@ -231,37 +231,11 @@ def test_nvfp4_through_real_megatron_layers(run, make_checkout, tmp_path, monkey
 
 
 def _train_tiny_gpt(root: Path, **sizes: int) -> list[float]:
-    """benchmarks/gpu_e2e.py's worker (a megatron-core GPT, local spec, bf16, Adam) on CPU in
-    ``root``: its 12 losses (``sizes`` override the model's)."""
-    import importlib.util
-    import os
-    import subprocess
-    import sys
-
-    bench = Path(__file__).resolve().parents[1] / "benchmarks"
-    sys.path.insert(0, str(bench))
-    try:
-        spec = importlib.util.spec_from_file_location("gpu_e2e", bench / "gpu_e2e.py")
-        assert spec is not None and spec.loader is not None
-        e2e = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(e2e)
-    finally:
-        sys.path.remove(str(bench))
+    """The tiny megatron-core GPT trained on CPU in ``root``: its 12 losses (``sizes``
+    override the model's)."""
     cfg = {"device": "cpu", "steps": 12, "vocab": 256, "layers": 2, "hidden": 128, "heads": 4}
     cfg |= {"seq": 64, "batch": 2, **sizes}
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TENSOR_SAVE")}
-    env.pop("CUSTOM_QUANT_TYPE", None)
-    env["PYTHONPATH"] = e2e.worker_pythonpath(root)
-    out = subprocess.run(
-        [sys.executable, "-c", e2e.WORKER, json.dumps(cfg)],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    losses: list[float] = json.loads(out.stdout.strip().splitlines()[-1])["losses"]
+    losses: list[float] = tiny_gpt(root, cfg)["losses"]  # type: ignore[assignment]
     assert len(losses) == 12 and all(math.isfinite(v) for v in losses), losses
     return losses
 

@@ -21,6 +21,8 @@ from quantpatch.base.config import is_paretoq, validate_value  # noqa: E402
 from quantpatch.base.errors import UserError  # noqa: E402
 from quantpatch.runtime import quantpatch_ops as ops  # noqa: E402
 
+from .conftest import tiny_gpt  # noqa: E402
+
 F32 = np.float32
 TP_WORKER = Path(__file__).with_name("paretoq_tp_worker.py")
 
@@ -330,21 +332,6 @@ def test_layer_step_shapes_and_refusals():
 # -- init, set and check on a stock checkout, and a tiny GPT trained under w1.58 ------------------
 
 
-def _e2e_module():
-    import importlib.util
-
-    bench = Path(__file__).resolve().parents[1] / "benchmarks"
-    sys.path.insert(0, str(bench))
-    try:
-        spec = importlib.util.spec_from_file_location("gpu_e2e", bench / "gpu_e2e.py")
-        assert spec is not None and spec.loader is not None
-        e2e = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(e2e)
-    finally:
-        sys.path.remove(str(bench))
-    return e2e
-
-
 def _clean_env(root: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TENSOR_SAVE")}
     env.pop("CUSTOM_QUANT_TYPE", None)
@@ -370,21 +357,9 @@ def test_tiny_gpt_trains_under_w158_on_cpu(run, make_checkout):
     assert run("set", "--repo", root, "--linear", "w1.58").code == 0
     res = run("check", "--repo", root, "--expect", "linear=w1.58,qk=bf16,pv=bf16")
     assert res.code == 0, res
-    e2e = _e2e_module()
     cfg = {"device": "cpu", "steps": 30, "vocab": 128, "layers": 1, "hidden": 64, "heads": 4}
     cfg |= {"seq": 32, "batch": 2}
-    env = _clean_env(root)
-    env["PYTHONPATH"] = e2e.worker_pythonpath(root)
-    out = subprocess.run(
-        [sys.executable, "-c", e2e.WORKER, json.dumps(cfg)],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    res = json.loads(out.stdout.strip().splitlines()[-1])
+    res = tiny_gpt(root, cfg)
     losses, alphas = res["losses"], res["alpha"]
     assert len(losses) == 30 and all(math.isfinite(v) for v in losses), losses
     assert losses[-1] < losses[0] - 0.5, losses
