@@ -60,6 +60,10 @@ for i in range(1, iters + 1):
           f"global batch size: {2:>5} | lm loss: {loss:.6E} | loss scale: 1.0 | "
           f"grad norm: 1.234 | number of skipped iterations: {0:>3} | "
           f"number of nan iterations: {0:>3} |", flush=True)
+    if i == 1:  # training_log's report_memory after the first logged iteration (rank 0)
+        print(f"[Rank 0] (after 1 iterations) memory (MB) | allocated: {900.0 * slow:.1f} | "
+              f"max allocated: {1200.0 * slow:.1f} | reserved: 1400.0 | max reserved: 1400.0",
+              flush=True)
 '''
 
 
@@ -100,36 +104,71 @@ def checkout(work: Path, megatron_lm: Path | None) -> Path:
 
 
 def _sweep(
-    root: Path, sweep_dir: Path, schemes: tuple[str, ...], steps: int, env: dict[str, str]
+    root: Path,
+    sweep_dir: Path,
+    schemes: tuple[str, ...],
+    steps: int,
+    env: dict[str, str],
+    models: tuple[str, ...] = MODELS,
 ) -> tuple[int, float]:
-    """``quantpatch sweep run`` over the models and ``schemes`` (smoke, local queue)."""
+    """``quantpatch sweep run`` over ``models`` and ``schemes`` (smoke, local queue); its output
+    goes to ``<sweep_dir>.log`` as it comes, so a run cut off by a time limit leaves it."""
     start = time.perf_counter()
-    res = subprocess.run(
-        [
-            QUANTPATCH, "--repo", str(root), "sweep", "run", str(sweep_dir),
-            "--models", ",".join(MODELS), "--datasets", "wikipedia", "--profile", "smoke",
-            "--schemes", ",".join(schemes), "--", "--train-iters", str(steps),
-        ],
-        env=env, capture_output=True, text=True,
-    )  # fmt: skip
-    print(res.stdout + res.stderr[-3000:], end="", flush=True)
+    log = sweep_dir.with_name(sweep_dir.name + ".log")
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as f:
+        res = subprocess.run(
+            [
+                QUANTPATCH, "--repo", str(root), "sweep", "run", str(sweep_dir),
+                "--models", ",".join(models), "--datasets", "wikipedia", "--profile", "smoke",
+                "--schemes", ",".join(schemes), "--", "--train-iters", str(steps),
+            ],
+            env=env, stdout=f, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    print(log.read_text()[-4000:], end="", flush=True)
     return res.returncode, time.perf_counter() - start
 
 
-def run_sweeps(root: Path, work: Path, steps: int, torchrun: str) -> list[dict[str, Any]]:
+def run_sweeps(
+    root: Path,
+    work: Path,
+    steps: int,
+    torchrun: str,
+    schemes: tuple[str, ...] = SCHEMES,
+    models: tuple[str, ...] = MODELS,
+    saver: bool = True,
+) -> list[dict[str, Any]]:
     """Two sweeps: every scheme with the saver off (the step times compare like with like),
-    then FA_linear_mxfp8 again with the saver on (its files)."""
+    then (``saver``) FA_linear_mxfp8 again with the saver on (its files)."""
     env = {**os.environ, "QUANTPATCH": QUANTPATCH, "TORCHRUN": torchrun}
-    code, wall = _sweep(root, work / "sweep", SCHEMES, steps, env)
-    saver_code, _ = _sweep(
-        root, work / "saver", (SAVER_SCHEME,), steps, {**env, "TENSOR_SAVE_ENABLED": "true"}
-    )
-    record = json.loads((work / "sweep" / "sweep.json").read_text())
-    saver = json.loads((work / "saver" / "sweep.json").read_text())
-    files = {
-        r["model"]: len(list((work / "saver" / "runs" / r["name"] / "tensor_logs").rglob("*.pt")))
-        for r in saver["runs"]
-    }
+    code, wall = _sweep(root, work / "sweep", schemes, steps, env, models)
+    saver_code = None
+    files: dict[str, int] = {}
+    if saver:
+        saver_code, _ = _sweep(
+            root,
+            work / "saver",
+            (SAVER_SCHEME,),
+            steps,
+            {**env, "TENSOR_SAVE_ENABLED": "true"},
+            models,
+        )
+        saved = json.loads((work / "saver" / "sweep.json").read_text())
+        runs_dir = work / "saver" / "runs"
+        files = {
+            r["model"]: len(list((runs_dir / r["name"] / "tensor_logs").rglob("*.pt")))
+            for r in saved["runs"]
+        }
+    print(f"sweep: exit {code} in {wall:.0f} s; saver sweep: exit {saver_code}", flush=True)
+    return sweep_rows(root, work / "sweep", env, files)
+
+
+def sweep_rows(
+    root: Path, sweep_dir: Path, env: dict[str, str], files: dict[str, int] | None = None
+) -> list[dict[str, Any]]:
+    """One row per run of ``sweep_dir/sweep.json``, as far as the sweep got: its exit status,
+    state, the commit its log names and whether that is the scheme worktree's HEAD."""
+    record = json.loads((sweep_dir / "sweep.json").read_text())
     done = []
     for r in record["runs"]:
         head = None
@@ -150,11 +189,12 @@ def run_sweeps(root: Path, work: Path, steps: int, torchrun: str) -> list[dict[s
                 "state": r["state"],
                 "commit": r["commit"],
                 "commit_is_worktree_head": bool(r["commit"]) and head == r["commit"],
-                "saver_files": files.get(r["model"], 0) if r["scheme"] == SAVER_SCHEME else 0,
+                "saver_files": (files or {}).get(r["model"], 0)
+                if r["scheme"] == SAVER_SCHEME
+                else 0,
                 "log": r["log"],
             }
         )
-    print(f"sweep: exit {code} in {wall:.0f} s; saver sweep: exit {saver_code}", flush=True)
     return done
 
 
@@ -175,6 +215,9 @@ def analyse(work: Path, done: list[dict[str, Any]]) -> dict[str, Any]:
             ]
         d["losses"] = len(losses)
         d["losses_finite"] = bool(losses) and all(math.isfinite(x) for x in losses)
+        d["loss_first"] = losses[0] if losses else None
+        d["loss_last"] = losses[-1] if losses else None
+        d["loss_falls"] = len(losses) > 1 and losses[-1] < losses[0]
     report = work / "sweep" / "report.html"
     quantpatch("sweep", "report", work / "sweep", "--out", report)
     tensors = sorted((work / "saver" / "runs").glob("*/tensor_logs"))
@@ -192,11 +235,15 @@ def analyse(work: Path, done: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def _loss(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.3f}"
+
+
 def markdown(result: dict[str, Any]) -> str:
     lines = [
-        "| model | scheme | exit | step ms | vs bf16 | losses finite | commit = worktree HEAD "
-        "| saver files |",
-        "| --- | --- | ---: | ---: | ---: | --- | --- | ---: |",
+        "| model | scheme | exit | step ms | vs bf16 | losses finite | first → last loss "
+        "| commit = worktree HEAD | saver files |",
+        "| --- | --- | ---: | ---: | ---: | --- | --- | --- | ---: |",
     ]
     for d in result["runs"]:
         step = f"{d['step_ms']:.1f}" if isinstance(d.get("step_ms"), float) else "n/a"
@@ -204,7 +251,8 @@ def markdown(result: dict[str, Any]) -> str:
         ratio = f"{vs:.2f}" if isinstance(vs, float) and math.isfinite(vs) else "n/a"
         lines.append(
             f"| {d['model']} | {d['scheme']} | {d['exit']} | {step} | {ratio} | "
-            f"{d['losses_finite']} ({d['losses']}) | {d['commit_is_worktree_head']} "
+            f"{d['losses_finite']} ({d['losses']}) | {_loss(d.get('loss_first'))} → "
+            f"{_loss(d.get('loss_last'))} | {d['commit_is_worktree_head']} "
             f"({(d['commit'] or 'none')[:10]}) | {d['saver_files']} |"
         )
     return "\n".join(lines) + "\n"
