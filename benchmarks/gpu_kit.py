@@ -20,8 +20,8 @@ in its own process group under its own time budget, and rewrites ``summary.md`` 
 1. ``setup``: the Megatron-LM tree unpacked and committed as the user's clone (its
    ``.gitignore`` too, so the helpers Megatron builds at its first start stay untracked),
    ``quantpatch init`` and ``saver install``;
-2. ``smoke``: ``quantpatch sweep run`` with the smoke profile through ``torchrun
-   pretrain_gpt.py`` exactly as generated (llama32-1b and deepseek2_lite x bf16,
+2. ``smoke``: ``quantpatch sweep run`` (one per model, the two at once) with the smoke profile
+   through ``torchrun pretrain_gpt.py`` exactly as generated (llama32-1b and deepseek2_lite x bf16,
    FA_linear_mxfp8, FA_linear_nvfp4, and nvfp4_recipe where the registry has it), then
    ``runs`` and ``sweep report``: exit status, finite and falling loss, step time against bf16;
 3. ``fast``: llama32-1b's ``fast`` script on one GPU with mock data at sequence 4096 (bf16,
@@ -79,20 +79,22 @@ SUITE_PARTS = ("shapes", "cache", "flash", "gemm")
 ALL_SUITE = ("ops", "paretoq", "shapes", "gemm", "cache", "flash", "saver", "e2e", "pretrain")
 # Seconds: the most each step may take on the GPU, and what is kept back for each later step,
 # all inside one deadline for the whole run (the device call ends within 10 minutes; the
-# machine's start and the wheels' install come before it).
+# machine's start and the wheels' install come before it). Sized from the H200 run of
+# 2026-11-27: setup 13 s, a smoke run 60-80 s (mostly Megatron's start), the fast step's
+# three runs 59 + 47 + 80 s, gpu_suite's parts 19 / 28 / 11 / 67 s.
 BUDGETS = {
     "setup": 90,
-    "smoke": 240,
+    "smoke": 270,
     "salvage": 45,
-    "fast": 180,
-    "shapes": 60,
+    "fast": 200,
+    "shapes": 40,
     "cache": 40,
-    "flash": 60,
-    "gemm": 150,
+    "flash": 30,
+    "gemm": 100,
 }
 FLOORS = {"smoke": 60, "fast": 60, "shapes": 20, "cache": 15, "flash": 20, "gemm": 30}
 ORDER = ("setup", "smoke", "fast", *SUITE_PARTS)
-DEADLINE_S = 555
+DEADLINE_S = 575
 
 
 # ------------------------------------------------------------------------------ prepare
@@ -224,7 +226,7 @@ def _head() -> str | None:
 def run_call(kit: Path) -> str:
     rel = os.path.relpath(kit, REPO)
     return json.dumps(
-        {"command": "bash benchmarks/gpu_run.sh", "carry": [rel], "timeout_s": 590}, indent=1
+        {"command": "bash benchmarks/gpu_run.sh", "carry": [rel], "timeout_s": 595}, indent=1
     )
 
 
@@ -391,15 +393,20 @@ def step_setup(kit: Path, work: Path, stub: bool) -> dict[str, Any]:
 
 
 def step_salvage(work: Path) -> dict[str, Any]:
-    """The smoke sweep's finished runs, read back after the step was cut off."""
+    """The smoke sweeps' finished runs, read back after the step was cut off."""
     pr = _pretrain_runs()
-    sweep_work = work / "smoke"
-    if not (sweep_work / "sweep" / "sweep.json").exists():
-        return {"runs": [], "markdown": "(the sweep recorded nothing)\n"}
     env = {**os.environ, "QUANTPATCH": pr.QUANTPATCH}
-    rows = [d for d in pr.sweep_rows(work / "Megatron-LM", sweep_work / "sweep", env) if d["log"]]
-    result = pr.analyse(sweep_work, rows)
-    _tails(result["runs"])
+    runs: list[dict[str, Any]] = []
+    for model in MODELS:
+        model_work = work / "smoke" / model
+        if not (model_work / "sweep" / "sweep.json").exists():
+            continue
+        rows = pr.sweep_rows(work / "Megatron-LM", model_work / "sweep", env)
+        rows = [d for d in rows if d["log"]]
+        if rows:
+            runs += pr.analyse(model_work, rows)["runs"]
+    _tails(runs)
+    result = {"runs": runs}
     return {**result, "markdown": pr.markdown(result)}
 
 
@@ -410,24 +417,45 @@ def _schemes_here() -> tuple[str, ...]:
 
 
 def step_smoke(kit: Path, work: Path, stub: bool, steps: int) -> dict[str, Any]:
+    """One ``sweep run`` per model, the two at once on the one GPU (a smoke run is mostly
+    Megatron's start: imports, the dataset helpers' build, Triton's compiles), over scheme
+    worktrees made first, one at a time; the step times of the two compare within a model."""
+    from concurrent.futures import ThreadPoolExecutor
+
     pr = _pretrain_runs()
     root = work / "Megatron-LM"
-    sweep_work = work / "smoke"
     torchrun = _torchrun(work, stub)
     schemes = _schemes_here()
     partial = {"schemes": list(schemes), "models": list(MODELS), "steps": steps}
     _atomic(work / "smoke.json", json.dumps({**partial, "runs": []}))
-    done = pr.run_sweeps(root, sweep_work, steps, torchrun, schemes, MODELS, saver=False)
-    result = pr.analyse(sweep_work, done)
-    _tails(result["runs"])
+    for scheme in schemes:
+        pr.quantpatch("--repo", root, "worktree", "--scheme", scheme, "--path-only")
+
+    def sweep(model: str) -> dict[str, Any]:
+        model_work = work / "smoke" / model
+        done = pr.run_sweeps(root, model_work, steps, torchrun, schemes, (model,), saver=False)
+        return pr.analyse(model_work, done)
+
+    with ThreadPoolExecutor(len(MODELS)) as pool:
+        results = list(pool.map(sweep, MODELS))
+    runs = [d for r in results for d in r["runs"]]
+    _tails(runs)
+    result = {"runs": runs, "reports": [r["report"] for r in results]}
     return {**partial, **result, "markdown": pr.markdown(result)}
+
+
+def failure(text: str) -> str:
+    """Where a failed run's log says why: its first traceback (torchrun's own report of the
+    child's exit comes after it and says nothing), else its end."""
+    at = text.find("Traceback (most recent call last)")
+    return text[max(0, at - 200) : at + 2500] if at >= 0 else text[-2500:]
 
 
 def _tails(rows: list[dict[str, Any]]) -> None:
     """The end of each failed run's log, so a failure on the GPU reads without its files."""
     for d in rows:
         if d.get("exit") != 0 and d.get("log") and Path(d["log"]).exists():
-            d["tail"] = Path(d["log"]).read_text(errors="replace")[-2500:]
+            d["tail"] = failure(Path(d["log"]).read_text(errors="replace"))
 
 
 MEMORY = re.compile(r"\(after \d+ iterations\) memory \(MB\).*?\| max allocated: ([0-9.eE+-]+)")
@@ -476,10 +504,13 @@ def step_fast(kit: Path, work: Path, stub: bool, iters: int) -> dict[str, Any]:
         "GPUS_PER_NODE": "1",
         "GLOBAL_BATCH_SIZE": "8",
     }
+    # a few iterations: no checkpoint, no evaluation, and no warm-up longer than the run
+    # (Megatron asserts lr_warmup_steps < lr_decay_steps)
     extra = ["--save", "", "--load", "", "--seq-length", "4096", "--train-iters", str(iters),
-             "--eval-iters", "0"]  # fmt: skip
+             "--eval-iters", "0", "--lr-warmup-iters", "0"]  # fmt: skip
     rows = []
-    for scheme in FAST_SCHEMES:
+    chosen = os.environ.get("GPU_KIT_FAST_SCHEMES", ",".join(FAST_SCHEMES)).split(",")
+    for scheme in chosen:
         (script,) = scripts.glob(f"llama32-1b/*_{scheme}.sh")
         t = time.perf_counter()
         res = subprocess.run(
@@ -490,7 +521,7 @@ def step_fast(kit: Path, work: Path, stub: bool, iters: int) -> dict[str, Any]:
         row = {"scheme": scheme, "exit": res.returncode, "wall_s": round(time.perf_counter() - t)}
         row.update(parse_megatron_log(text))
         if res.returncode:
-            row["tail"] = text[-1500:]
+            row["tail"] = failure(text)
         rows.append(row)
         _ratios(rows)
         _atomic(work / "fast.json", json.dumps({"runs": rows}))
@@ -599,7 +630,9 @@ def _f(x: float | None, fmt: str = ".2f") -> str:
     return "n/a" if x is None else format(x, fmt)
 
 
-def run(kit: Path, out: Path, work: Path | None, stub: bool, scale: float) -> int:
+def run(
+    kit: Path, out: Path, work: Path | None, stub: bool, scale: float, only: set[str] | None = None
+) -> int:
     work = work or Path(tempfile.mkdtemp(prefix="qp-gpukit-"))
     r = Run(kit, out, work, stub, scale)
     r.results["kit"] = json.loads((kit / "kit.json").read_text())
@@ -608,10 +641,13 @@ def run(kit: Path, out: Path, work: Path | None, stub: bool, scale: float) -> in
         print(summary(r.results))
         return 1
     for name in ORDER[1:]:
+        if only and name not in only:
+            continue
         r.step(name, [])
-    report = work / "smoke" / "sweep" / "report.html"
-    if report.exists() and report.stat().st_size < 16 * 1024 * 1024:
-        shutil.copyfile(report, out / "report.html")
+    for model in MODELS:
+        report = work / "smoke" / model / "sweep" / "report.html"
+        if report.exists() and report.stat().st_size < 16 * 1024 * 1024:
+            shutil.copyfile(report, out / f"report-{model}.html")
     text = summary(r.results)
     print(text)
     return 0 if all(e["state"] == "ok" for e in r.results["steps"].values()) else 1
@@ -631,6 +667,7 @@ def main() -> None:
     r.add_argument("--work", type=Path, help="working folder (default: a new temporary one)")
     r.add_argument("--stub", action="store_true", help="CPU: stub torchrun, Triton interpreter")
     r.add_argument("--budget-scale", type=float, default=1.0, help="multiply every budget")
+    r.add_argument("--only", default="", help="comma list of steps after setup (default: all)")
     s = sub.add_parser("step", help=argparse.SUPPRESS)
     s.add_argument("name", choices=sorted(BUDGETS))
     s.add_argument("--kit", type=Path, required=True)
@@ -653,7 +690,8 @@ def main() -> None:
     elif args.cmd == "run":
         if args.stub:
             os.environ.setdefault("TRITON_INTERPRET", "1")
-        raise SystemExit(run(args.kit, args.out, args.work, args.stub, args.budget_scale))
+        only = set(filter(None, args.only.split(","))) or None
+        raise SystemExit(run(args.kit, args.out, args.work, args.stub, args.budget_scale, only))
     else:
         if args.stub:
             os.environ.setdefault("TRITON_INTERPRET", "1")
