@@ -660,23 +660,29 @@ def _intervals(its: Any) -> Any:
 
 
 def nan_lines(run: Run) -> list[int]:
-    """The positions (in ``run.iterations``) of the lines whose interval's loss went NaN
-    without its line printing it: core_v0.13.1's ``training_log`` prints ``lm loss`` only
+    """The positions (in ``run.iterations``) of the lines without a finite loss that say the
+    loss went NaN, printed or not: core_v0.13.1's ``training_log`` prints ``lm loss`` only
     where its average over the interval's advanced iterations is above 0 (``if avg >
-    0.0``), so a NaN (or -Inf) loss leaves the field out. A line without a finite loss is
-    such a line where it prints ``grad norm`` as NaN or Inf (an update made of a NaN
-    gradient: with a loss scaler such an iteration is skipped and prints no grad norm), or
-    where an earlier line printed a finite loss; unless the loss scaler skipped every
-    iteration of its interval (none advanced: nothing was averaged, the average is 0; the
-    NaN ones among them are in ``number of nan iterations``)."""
-    loss = run.column("loss")
+    0.0``), so a NaN (or -Inf) loss leaves the field out. Such a line is one that prints
+    ``grad norm`` as NaN or Inf (an update made of a NaN gradient: with a loss scaler such
+    an iteration is skipped and prints no grad norm), or one after a line that printed a
+    finite loss; unless the loss scaler skipped every iteration of its interval (none
+    advanced: nothing was averaged, the average is 0; the NaN ones among them are in
+    ``number of nan iterations``). A loss printed NaN on a line of neither kind is in
+    ``Run.nonfinite_loss``."""
     np = _numpy()
     if np is None:
-        return _nan_lines_py(run, loss)
-    vec = _vector(loss)
-    bad = ~np.isfinite(vec)
+        return _nan_lines_py(run, run.column("loss"))
+    mask = _nan_mask(run)
+    return [] if mask is None else [int(i) for i in np.flatnonzero(mask)]
+
+
+def _nan_mask(run: Run) -> Any:
+    """``nan_lines`` as a numpy mask over the lines; None where every loss is finite."""
+    np = _numpy()
+    bad = ~np.isfinite(_vector(run.column("loss")))
     if not bad.any():  # the usual: every line printed a finite loss
-        return []
+        return None
     its = _vector(run.iterations, "int64")
     skipped = np.nan_to_num(_vector(run.column("skipped")), nan=0.0)
     by_scaler = (skipped >= 1) & (skipped >= _intervals(its))
@@ -684,7 +690,7 @@ def nan_lines(run: Run) -> list[int]:
     why = np.concatenate([[False], earlier[:-1]])
     if "grad_norm" in run.series or "grad_norm" in run.constant:  # printed by this release
         why |= ~np.isfinite(_vector(run.column("grad_norm")))
-    return [int(i) for i in np.flatnonzero(bad & ~by_scaler & why)]
+    return bad & ~by_scaler & why
 
 
 def _nan_lines_py(run: Run, loss: Sequence[float]) -> list[int]:
@@ -727,7 +733,12 @@ def nan_seen(run: Run) -> bool:
     out for being NaN (``nan_lines``), or NaN iterations the loss scaler never recovered
     from (``scaler_nan_unrecovered``). Skipped NaN iterations followed by finite losses are
     not: the scaler did its job."""
-    return bool(run.nonfinite_loss) or bool(nan_lines(run)) or scaler_nan_unrecovered(run)
+    if run.nonfinite_loss or scaler_nan_unrecovered(run):
+        return True
+    if _numpy() is None:
+        return bool(nan_lines(run))
+    mask = _nan_mask(run)
+    return mask is not None and bool(mask.any())
 
 
 def step_time(run: Run) -> float:
