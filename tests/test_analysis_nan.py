@@ -235,3 +235,28 @@ def test_every_path_and_no_numpy_judge_alike(tmp_path, monkeypatch, case):
         assert slow[key] == want[key], key
     assert want["status"] == ("finished" if case == "fp16-recovered" else "nan")
     assert lines == (list(range(85, 150)) if case == "bf16-nan" else [])
+
+
+def test_report_plot_and_sweep_line_say_nan_alike(run, tmp_path):
+    """The consumers of the status: the HTML report marks the NaN run (diverged) and not
+    the fp16 run the scaler recovered, ``report`` counts the NaN runs on the line naming
+    the file (as ``sweep run`` / ``sweep report`` do), the loss plot's legend says it."""
+    pytest.importorskip("matplotlib")
+    from quantpatch.analysis import plots
+    from quantpatch.cli.render_analysis import nan_note
+
+    _write(tmp_path / "logs" / "a.log", "FA_mxfp4", _training_log(bf16_nan_from(60, 31), 10))
+    skips = {21: math.nan, 22: math.nan}
+    _write(tmp_path / "logs" / "b.log", "fp16", _training_log(fp16_recovered(60, skips), 1))
+    res = run("report", "--runs", tmp_path / "logs", "--out", tmp_path / "r.html")
+    assert res.code == 0, res
+    assert "; 1 run went NaN (status nan in its runs table)" in res.out
+    rows = (tmp_path / "r.html").read_text().split("<tr")
+    bad = [r for r in rows if r.startswith(' class="bad"')]
+    assert len(bad) == 1 and "FA_mxfp4" in bad[0] and ">nan<" in bad[0]
+    assert any("fp16" in r and ">finished<" in r for r in rows)
+    result = training_logs.runs([tmp_path / "logs"])
+    status = {row["path"]: row["status"] for row in result.rows}
+    labels = sorted(plots.run_label(r, status) for r in result.runs)
+    assert labels == ["FA_mxfp4 (nan)", "fp16"]
+    assert nan_note({"nan": 0}) == "" and nan_note({"nan": 2}).startswith("; 2 runs went NaN")
