@@ -210,13 +210,13 @@ def plot_formats(rows: list[dict[str, Any]], formats: tuple[str, ...], out: Path
     return written
 
 
-@_plain_text
 def run_label(run: Any, status: dict[str, str]) -> str:
     """A run's name in the loss plot's legend: its scheme, and ``(nan)`` where ``runs`` says
     its loss went NaN (where its curve stops)."""
     return f"{run.scheme} (nan)" if status.get(run.path) == "nan" else str(run.scheme)
 
 
+@_plain_text
 def plot_runs(result: Any, out: Path) -> list[Path]:
     """Loss curves and relative difference to bf16 per model/dataset/profile, and step-time
     ratios (``result`` from ``training_logs.runs``)."""
