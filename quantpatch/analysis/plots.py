@@ -210,6 +210,12 @@ def plot_formats(rows: list[dict[str, Any]], formats: tuple[str, ...], out: Path
     return written
 
 
+def run_label(run: Any, status: dict[str, str]) -> str:
+    """A run's name in the loss plot's legend: its scheme, and ``(nan)`` where ``runs`` says
+    its loss went NaN (where its curve stops)."""
+    return f"{run.scheme} (nan)" if status.get(run.path) == "nan" else str(run.scheme)
+
+
 @_plain_text
 def plot_runs(result: Any, out: Path) -> list[Path]:
     """Loss curves and relative difference to bf16 per model/dataset/profile, and step-time
@@ -218,6 +224,7 @@ def plot_runs(result: Any, out: Path) -> list[Path]:
 
     plt = _pyplot()
     written = []
+    status = {row["path"]: row["status"] for row in result.rows}
     groups: dict[tuple[Any, ...], list[Run]] = {}
     for r in result.runs:
         if r.iterations:
@@ -227,7 +234,7 @@ def plot_runs(result: Any, out: Path) -> list[Path]:
         ref = next((r for r in rs if r.scheme == "bf16"), None)
         base = dict(zip(ref.iterations, ref.column("loss"), strict=True)) if ref else {}
         for r in sorted(rs, key=lambda r: str(r.scheme)):
-            ax1.plot(r.iterations, r.column("loss"), label=str(r.scheme), lw=1)
+            ax1.plot(r.iterations, r.column("loss"), label=run_label(r, status), lw=1)
             if ref and r is not ref:
                 pts = [
                     (i, (v - base[i]) / base[i])

@@ -128,13 +128,15 @@ def write_report(
         if run_paths is not None:
             rr = training_logs.runs(run_paths, jobs=jobs, names=names)
             facts["runs"] = len(rr.rows)
+            facts["nan"] = sum(1 for r in rr.rows if r["status"] == "nan")
             sections.append(
                 Section(
                     f"Runs ({rr.logs} logs)",
                     "loss: mean over the last window of logged iterations with a finite loss "
                     "(loss at: the last of them); deltas against the bf16 run of the same "
                     "model, dataset and profile at the iterations both logged; rows in red "
-                    "diverged.",
+                    "diverged (status nan: the loss went NaN, printed or left out of the log; "
+                    "skips the fp16 loss scaler recovered from are counted in nan only).",
                     RUN_COLUMNS,
                     table_rows(rr.rows, RUN_COLUMNS, bad="diverged"),
                     [_img(p) for p in plots.plot_runs(rr, figs)],

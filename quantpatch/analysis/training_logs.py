@@ -646,11 +646,99 @@ def last_finite_iteration(run: Run) -> int | None:
     return None
 
 
+def _intervals(its: Any) -> Any:
+    """How many iterations each logged line covers: Megatron prints at every multiple of
+    ``--log-interval`` (the smallest gap between logged iterations), averaging over the
+    iterations since its last line; the first line, and one after a gap (a line lost or
+    cut), cover at most one interval."""
+    np = _numpy()
+    if not len(its):
+        return np.zeros(0, np.int64)
+    gaps = np.diff(its)
+    every = int(gaps.min()) if len(gaps) else int(its[0])
+    return np.minimum(np.concatenate([its[:1], gaps]), every)
+
+
+def nan_lines(run: Run) -> list[int]:
+    """The positions (in ``run.iterations``) of the lines without a finite loss that say the
+    loss went NaN, printed or not: core_v0.13.1's ``training_log`` prints ``lm loss`` only
+    where its average over the interval's advanced iterations is above 0 (``if avg >
+    0.0``), so a NaN (or -Inf) loss leaves the field out. Such a line is one that prints
+    ``grad norm`` as NaN or Inf (an update made of a NaN gradient: with a loss scaler such
+    an iteration is skipped and prints no grad norm), or one after a line that printed a
+    finite loss; unless the loss scaler skipped every iteration of its interval (none
+    advanced: nothing was averaged, the average is 0; the NaN ones among them are in
+    ``number of nan iterations``). A loss printed NaN on a line of neither kind is in
+    ``Run.nonfinite_loss``."""
+    np = _numpy()
+    if np is None:
+        return _nan_lines_py(run, run.column("loss"))
+    mask = _nan_mask(run)
+    return [] if mask is None else [int(i) for i in np.flatnonzero(mask)]
+
+
+def _nan_mask(run: Run) -> Any:
+    """``nan_lines`` as a numpy mask over the lines; None where every loss is finite."""
+    np = _numpy()
+    bad = ~np.isfinite(_vector(run.column("loss")))
+    if not bad.any():  # the usual: every line printed a finite loss
+        return None
+    its = _vector(run.iterations, "int64")
+    skipped = np.nan_to_num(_vector(run.column("skipped")), nan=0.0)
+    by_scaler = (skipped >= 1) & (skipped >= _intervals(its))
+    earlier = np.logical_or.accumulate(~bad)  # a finite loss on this line or before it
+    why = np.concatenate([[False], earlier[:-1]])
+    if "grad_norm" in run.series or "grad_norm" in run.constant:  # printed by this release
+        why |= ~np.isfinite(_vector(run.column("grad_norm")))
+    return bad & ~by_scaler & why
+
+
+def _nan_lines_py(run: Run, loss: Sequence[float]) -> list[int]:
+    """``nan_lines`` without numpy."""
+    if all(math.isfinite(v) for v in loss):
+        return []
+    its, skipped = run.iterations, run.column("skipped")
+    every = min((b - a for a, b in itertools.pairwise(its)), default=its[0])
+    grad = run.column("grad_norm")
+    has_grad = "grad_norm" in run.series or "grad_norm" in run.constant
+    out, earlier = [], False
+    for i, v in enumerate(loss):
+        if not math.isfinite(v):
+            covers = min(its[i] - its[i - 1] if i else its[i], every)
+            sk = skipped[i] if math.isfinite(skipped[i]) else 0.0
+            by_scaler = sk >= 1 and sk >= covers
+            if not by_scaler and (earlier or (has_grad and not math.isfinite(grad[i]))):
+                out.append(i)
+        earlier = earlier or math.isfinite(v)
+    return out
+
+
+def scaler_nan_unrecovered(run: Run) -> bool:
+    """Whether the loss scaler's NaN iterations (``number of nan iterations``) went on to
+    the end: no line from the last one that counts one on printed a finite loss. The ones
+    it recovered from are normal fp16 training, counted in ``nan`` and nothing more."""
+    if "nan" in run.constant and not run.constant["nan"] > 0:
+        return False  # the usual: 0 on every line
+    nan, loss = run.column("nan"), run.column("loss")
+    np = _numpy()
+    if np is not None:
+        counted = np.flatnonzero(_vector(nan) > 0)
+        return bool(len(counted)) and not np.isfinite(_vector(loss)[counted[-1] :]).any()
+    last = next((i for i in range(len(nan) - 1, -1, -1) if nan[i] > 0), None)
+    return last is not None and not any(math.isfinite(v) for v in loss[last:])
+
+
 def nan_seen(run: Run) -> bool:
-    """A loss printed as NaN or Inf, or Megatron's ``number of nan iterations`` above 0
-    (core_v0.13.1 prints no ``lm loss`` at all on such an interval, only that count and
-    ``grad norm: nan``)."""
-    return bool(run.nonfinite_loss) or _count(run.column("nan")) > 0
+    """Whether the run's loss went NaN: a loss printed as NaN or Inf, a line that left it
+    out for being NaN (``nan_lines``), or NaN iterations the loss scaler never recovered
+    from (``scaler_nan_unrecovered``). Skipped NaN iterations followed by finite losses are
+    not: the scaler did its job."""
+    if run.nonfinite_loss or scaler_nan_unrecovered(run):
+        return True
+    if _numpy() is None:
+        return bool(nan_lines(run))
+    mask = _nan_mask(run)
+    return mask is not None and bool(mask.any())
 
 
 def step_time(run: Run) -> float:

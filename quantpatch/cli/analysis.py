@@ -183,6 +183,7 @@ def report_cmd(
     """One self-contained HTML file: the runs table, the format comparison and the plots."""
     from quantpatch.analysis import plots
     from quantpatch.analysis.report import write_report
+    from quantpatch.cli import render_analysis as pa
     from quantpatch.launch.registry import load_registry
 
     reg = load_registry(config)
@@ -190,4 +191,4 @@ def report_cmd(
     facts = write_report(
         out_file, tensors_dir, runs, sample=sample, jobs=jobs, names=(reg.models, reg.datasets)
     )
-    out.print(f"wrote {out_file} ({facts['bytes'] / 1e3:.0f} kB)", markup=False)
+    out.print(f"wrote {out_file} ({facts['bytes'] / 1e3:.0f} kB){pa.nan_note(facts)}", markup=False)

@@ -160,6 +160,14 @@ _RUN_LABELS = {
 }
 
 
+def nan_note(facts: dict[str, Any]) -> str:
+    """What ``write_report``'s facts add to the line that names the report: how many runs
+    went NaN (``runs``' status ``nan``), which a sweep's finished count does not say (a
+    process that trained on through a NaN loss exits 0)."""
+    n = facts.get("nan", 0)
+    return f"; {n} run{'s' if n != 1 else ''} went NaN (status nan in its runs table)" if n else ""
+
+
 def runs_display(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The runs rows with short column names for a terminal (JSON and CSV keep the long)."""
     return [{_RUN_LABELS.get(k, k): v for k, v in r.items() if k != "path"} for r in rows]

@@ -102,8 +102,11 @@ def sweep_run(
     report_note = ""
     if any(r.get("log") for r in record["runs"]):
         try:
+            from quantpatch.cli import render_analysis
+
             facts = _sweep_report(sweep_dir, record, sweep_dir / "report.html")
             report_note = f"; report {sweep_dir / 'report.html'} ({facts['bytes'] / 1e3:.0f} kB)"
+            report_note += render_analysis.nan_note(facts)
         except UserError as exc:
             report_note = f"; no report ({exc})"
     out.print(
@@ -186,6 +189,7 @@ def sweep_report(
     ),
 ) -> None:
     """`runs` and `tensors formats` over exactly the sweep's runs, in one HTML file."""
+    from quantpatch.cli import render_analysis
     from quantpatch.launch import sweep
 
     record = sweep.load(sweep_dir)
@@ -193,4 +197,7 @@ def sweep_report(
         raise UserError(f"{sweep_dir} holds no sweep.json: not a sweep.")
     target = out_file or sweep_dir / "report.html"
     facts = _sweep_report(sweep_dir, record, target)
-    out.print(f"wrote {target} ({facts['bytes'] / 1e3:.0f} kB)", markup=False)
+    out.print(
+        f"wrote {target} ({facts['bytes'] / 1e3:.0f} kB){render_analysis.nan_note(facts)}",
+        markup=False,
+    )
