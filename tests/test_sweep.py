@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -24,6 +25,9 @@ TORCHRUN = r"""#!/usr/bin/env bash
 set -u
 echo "$$ $(basename "$PWD") ${CUDA_VISIBLE_DEVICES:-none} $(date +%s.%N) start" >> "$STUB_DIR/calls"
 trap 'echo "$$ term" >> "$STUB_DIR/calls"; exit 143' TERM
+if [[ -n "${STUB_HANG:-}" && "$PWD" == *"$STUB_HANG"* ]]; then
+    sleep 600 & wait $!
+fi
 if [[ -n "${STUB_FAIL:-}" && "$PWD" == *"$STUB_FAIL"* ]]; then
     echo "Traceback: stub failure" >&2
     exit 3
@@ -39,18 +43,28 @@ done
 sleep "${STUB_SLEEP:-0}" & wait $!
 echo "$$ $(date +%s.%N) end" >> "$STUB_DIR/calls"
 """
+# Slurm's client commands, stubbed only for what the real one-node Slurm of
+# test_sweep_slurm.py does not show: Slurm's GPU refusal (that cluster has the gpu GRES) and a
+# cluster whose accounting is off (sacct refuses; squeue, scontrol and the task's output speak)
 SBATCH = r"""#!/usr/bin/env bash
 printf '%s\n' "$@" > "$STUB_DIR/sbatch.args"
+if [[ -n "${STUB_SBATCH_REFUSES:-}" ]]; then
+    echo "sbatch: error: Batch job submission failed: $STUB_SBATCH_REFUSES" >&2
+    exit 1
+fi
 echo "4242"
 """
 SQUEUE = r"""#!/usr/bin/env bash
-echo "4242_1|RUNNING"
-echo "4242_2|PENDING"
+echo "4242_1|RUNNING|4244"
+echo "4242_2|PENDING|4245"
 """
 SACCT = r"""#!/usr/bin/env bash
-echo "4242_0|COMPLETED"
-echo "4242_1|RUNNING"
-echo "4242_3|FAILED"
+echo "sacct: error: Slurm accounting storage is disabled" >&2
+exit 1
+"""
+SCONTROL = r"""#!/usr/bin/env bash
+echo "JobId=4243 ArrayJobId=4242 ArrayTaskId=0 JobState=COMPLETED Reason=None ExitCode=0:0 \
+StartTime=2026-11-27T10:00:00 EndTime=2026-11-27T10:05:00"
 """
 
 
@@ -65,6 +79,7 @@ def sweep_env(tmp_path, make_checkout, monkeypatch):
         ("sbatch", SBATCH),
         ("squeue", SQUEUE),
         ("sacct", SACCT),
+        ("scontrol", SCONTROL),
     ):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
@@ -263,34 +278,81 @@ def test_ctrl_c_and_sigterm_stop_every_child(sweep_env, sig):
     assert len([c for c in calls(stub) if c[-1] == "term"]) == 2
 
 
-def test_slurm_submission_and_status(sweep_env, run):
+def test_slurm_submission_and_status_where_accounting_is_off(sweep_env, run):
     root, _env, stub, out = sweep_env
     res = run("sweep", "run", out, *SELECT, "--launcher", "slurm", "--repo", root)
     assert res.code == 0, res
     assert "submitted 3 runs as Slurm job array 4242" in res.out
     args = (stub / "sbatch.args").read_text().splitlines()
     assert args[0] == "--parsable" and args[1] == f"--chdir={root}"
+    assert args[2] == f"--output={(out / 'slurm').resolve()}/%A_%a.out"
+    assert args[3] == "--array=0,1,2%8"
     assert args[-1] == str((out / "sweep.sbatch").resolve())
     rec = record(out)
     assert rec["slurm_job"] == "4242" and rec["launcher"] == "slurm"
-    assert [(r["state"], r["array_task"]) for r in rec["runs"]] == [
-        ("submitted", 0),
-        ("submitted", 1),
-        ("submitted", 2),
+    assert [(r["state"], r["slurm_job"], r["array_task"]) for r in rec["runs"]] == [
+        ("submitted", "4242", 0),
+        ("submitted", "4242", 1),
+        ("submitted", "4242", 2),
     ]
     res = run("sweep", "status", out, "--json")
     data = json.loads(res.out)
     assert [(r["state"], r.get("slurm_state")) for r in data["runs"]] == [
-        ("finished", "COMPLETED"),
-        ("running", "RUNNING"),
-        ("submitted", "PENDING"),
+        ("finished", "COMPLETED"),  # scontrol show job
+        ("running", "RUNNING"),  # squeue
+        ("pending", "PENDING"),
     ]
+    first = data["runs"][0]
+    assert first["exit_code"] == 0 and first["reason"] is None
+    assert first["started"].startswith("2026-11-27T") and first["ended"] > first["started"]
     assert data["counts"]["finished"] == 1 and data["counts"]["running"] == 1
-    # the submitted sweep is not submitted twice
+    assert record(out)["runs"][0]["state"] == "finished"  # status refreshed the record
+    # again with the same selection: every run is Slurm's or finished, nothing is submitted
+    (stub / "sbatch.args").unlink()
     res = run("sweep", "run", out, "--launcher", "slurm", "--repo", root)
-    assert res.code == 2 and "was submitted as Slurm job 4242" in " ".join(res.err.split())
+    assert res.code == 0 and "nothing to submit" in res.out, res
+    assert not (stub / "sbatch.args").exists()
+    # a different selection while the array runs: refused, the record as it was
+    before = (out / "sweep.json").read_text()
+    res = run("sweep", "run", out, "--schemes", "bf16", "--repo", root)
+    assert res.code == 2 and "pending or running in Slurm" in " ".join(res.err.split()), res
+    assert (out / "sweep.json").read_text() == before
     res = run("sweep", "status", out)
-    assert res.code == 0 and "submitted (PENDING)" in res.out
+    assert res.code == 0 and "pending (PENDING)" in res.out
+
+
+def test_slurm_refusals_say_what_to_change(sweep_env, run, monkeypatch, tmp_path):
+    root, _env, _stub, out = sweep_env
+    monkeypatch.setenv("STUB_SBATCH_REFUSES", "Invalid generic resource (gres) specification")
+    res = run("sweep", "run", out, *SELECT, "--launcher", "slurm", "--repo", root)
+    said = " ".join(res.err.split())
+    assert res.code == 2, res
+    assert (
+        "sbatch refused the sweep: Batch job submission failed: Invalid generic resource (gres) "
+        "specification (the scripts ask for --gpus-per-node=N: gpu_request in the [slurm] table "
+        "of --config changes that, to gpus-per-node, gres, or none for a CPU partition)."
+    ) in said
+    assert not (out / "sweep.json").exists()  # no record of a sweep sbatch did not take
+    # gpu_request = "gres": the scripts ask with --gres
+    cfg = tmp_path / "cluster.toml"
+    cfg.write_text('[slurm]\ngpu_request = "gres"\n')
+    monkeypatch.delenv("STUB_SBATCH_REFUSES")
+    res = run("sweep", "run", out, *SELECT, "--launcher", "slurm", "--config", cfg, "--repo", root)
+    assert res.code == 0, res
+    text = (out / "sweep.sbatch").read_text()
+    assert "#SBATCH --gres=gpu:1" in text and "--gpus-per-node" not in text
+    cfg.write_text('[slurm]\ngpu_request = "all"\n')
+    res = run("sweep", "run", tmp_path / "other", *SELECT, "--launcher", "slurm", "--config", cfg,
+              "--repo", root)  # fmt: skip
+    assert res.code == 2 and "slurm.gpu_request must be one of gpus-per-node, gres, none" in res.err
+    # no sbatch on PATH: refused before anything is written
+    only_git = tmp_path / "only-git"
+    only_git.mkdir()
+    (only_git / "git").symlink_to(shutil.which("git"))
+    monkeypatch.setenv("PATH", str(only_git))
+    res = run("sweep", "run", tmp_path / "third", *SELECT, "--launcher", "slurm", "--repo", root)
+    assert res.code == 2 and "sbatch is not on PATH" in res.err, res
+    assert not (tmp_path / "third").exists()
 
 
 def test_refusals_change_nothing(sweep_env, tmp_path, run):
