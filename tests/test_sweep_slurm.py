@@ -26,6 +26,8 @@ from pathlib import Path
 import git
 import pytest
 
+from quantpatch.launch.sweep import run_logs
+
 from .test_scripts import QUANTPATCH
 from .test_sweep import TORCHRUN
 
@@ -200,10 +202,12 @@ def test_a_study_on_a_real_one_node_slurm(real_slurm, make_checkout, tmp_path, m
     res = run("sweep", "report", out)
     assert res.code == 0, res
     html = (out / "report.html").read_text()
+    final = json.loads((out / "sweep.json").read_text())
+    logs = run_logs(out, final)  # the report's: each run's last log, not the failed attempts'
+    assert sorted(logs) == sorted(Path(r["log"]) for r in final["runs"])
+    assert len(logs) == 4 and len(list((out / "runs").rglob("*.log"))) == 6
     for scheme in ("bf16", "FA_mxfp8", "linear_mxfp4", "FA_hifp8"):
-        assert f"llama32-1b_wikipedia_{scheme}" in html or scheme in html
-    res = run("runs", "--json", out / "runs")
-    assert len(json.loads(res.out)["runs"]) == 4
+        assert scheme in html
     assert repo.git.status("--porcelain") == ""
 
     # the time limit: failed with TIMEOUT, and it runs again on resume
