@@ -3,11 +3,13 @@
 ``run`` generates the launch scripts into the sweep's folder (as ``gen-scripts`` does),
 prepares every scheme's worktree, then either runs the combinations on this machine as a
 queue (``--parallel N`` at once, each on its own ``CUDA_VISIBLE_DEVICES`` slice) or submits the
-folder's ``sweep.sbatch`` (one Slurm job array). ``DIR/sweep.json`` records the sweep; it is
-replaced atomically after every change, so a sweep killed at any moment leaves it readable, and
-``run`` again resumes it: finished runs are kept (unless their scheme branch moved since),
-failed and interrupted ones run again. ``status`` reads the record (and Slurm's view of the
-array); ``report`` writes one HTML report over exactly the sweep's runs.
+folder's ``sweep.sbatch`` as one Slurm job array of the runs to do (quantpatch.launch.slurm).
+``DIR/sweep.json`` records the sweep; it is replaced atomically after every change, so a sweep
+killed at any moment leaves it readable, and ``run`` again resumes it: finished runs are kept
+(unless their scheme branch moved since), failed and interrupted ones run again, and runs still
+pending or running in Slurm are left to it. ``status`` reads the record (a Slurm sweep's
+brought up to Slurm's word first); ``cancel`` scancels a Slurm sweep's live runs; ``report``
+writes one HTML report over exactly the sweep's runs.
 """
 
 from __future__ import annotations
