@@ -23,8 +23,9 @@ pytestmark = pytest.mark.slow
 # the scheme comes from the worktree's name (quantpatch__linear-X_qk-Y_pv-Z)
 TORCHRUN = r"""#!/usr/bin/env bash
 set -u
-echo "$$ $(basename "$PWD") ${CUDA_VISIBLE_DEVICES:-none} $(date +%s.%N) start" >> "$STUB_DIR/calls"
+# the trap before the start line: a test that signals once it reads the line finds it set
 trap 'echo "$$ term" >> "$STUB_DIR/calls"; exit 143' TERM
+echo "$$ $(basename "$PWD") ${CUDA_VISIBLE_DEVICES:-none} $(date +%s.%N) start" >> "$STUB_DIR/calls"
 if [[ -n "${STUB_HANG:-}" && "$PWD" == *"$STUB_HANG"* ]]; then
     sleep 600 & wait $!
 fi
