@@ -389,3 +389,42 @@ def test_refusals_change_nothing(sweep_env, tmp_path, run):
     assert res.code == 0
     res = run("sweep", "report", fresh)
     assert res.code == 2 and "no run of the sweep has written a log yet" in res.err
+
+
+def test_slurm_states_map_to_quantpatch_states_and_the_output_speaks_last(tmp_path, monkeypatch):
+    from quantpatch.launch import slurm
+
+    for said, state in (
+        ("COMPLETED", "finished"),
+        ("FAILED", "failed"),
+        ("NODE_FAIL", "failed"),
+        ("OUT_OF_MEMORY", "failed"),
+        ("TIMEOUT", "failed"),
+        ("CANCELLED by 0", "interrupted"),
+        ("PREEMPTED", "interrupted"),
+        ("PENDING", "pending"),
+        ("REQUEUED", "pending"),
+        ("RUNNING", "running"),
+    ):
+        assert slurm.state_of(said) == state, said
+    # no Slurm command answers (accounting off, the job long forgotten): the task's output
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    monkeypatch.setenv("PATH", str(empty))
+    (tmp_path / "slurm").mkdir()
+    slurm.output_file(tmp_path, "77", 1).write_text(
+        "[quantpatch] source commit " + "a" * 40 + " in /wt\n"
+        "[quantpatch] training exited with status 3\n"
+    )
+    rec = {
+        "runs": [
+            {"name": "a", "state": "submitted", "slurm_job": "77", "array_task": 0},
+            {"name": "b", "state": "submitted", "slurm_job": "77", "array_task": 1},
+        ]
+    }
+    assert slurm.refresh(tmp_path, rec)
+    unknown, failed = rec["runs"]
+    assert unknown["state"] == "submitted"  # nothing says how it stands: left as it was
+    assert (failed["state"], failed["exit_code"], failed["reason"]) == ("failed", 3, "FAILED")
+    assert failed["commit"] == "a" * 40 and failed["ended"]
+    assert not slurm.refresh(tmp_path, rec)  # nothing new
