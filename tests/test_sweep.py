@@ -64,8 +64,8 @@ echo "sacct: error: Slurm accounting storage is disabled" >&2
 exit 1
 """
 SCONTROL = r"""#!/usr/bin/env bash
-echo "JobId=4243 ArrayJobId=4242 ArrayTaskId=0 JobState=COMPLETED Reason=None ExitCode=0:0 \
-StartTime=2026-11-27T10:00:00 EndTime=2026-11-27T10:05:00"
+echo "JobId=4243 ArrayJobId=4242 ArrayTaskId=0 JobState=${STUB_TASK0:-COMPLETED} Reason=None \
+ExitCode=${STUB_TASK0_EXIT:-0:0} StartTime=2026-11-27T10:00:00 EndTime=2026-11-27T10:05:00"
 """
 
 
@@ -320,6 +320,26 @@ def test_slurm_submission_and_status_where_accounting_is_off(sweep_env, run):
     assert (out / "sweep.json").read_text() == before
     res = run("sweep", "status", out)
     assert res.code == 0 and "pending (PENDING)" in res.out
+
+
+def test_a_failed_slurm_run_is_resubmitted_alone_unless_only_pending(sweep_env, run, monkeypatch):
+    root, _env, stub, out = sweep_env
+    monkeypatch.setenv("STUB_TASK0", "FAILED")
+    monkeypatch.setenv("STUB_TASK0_EXIT", "3:0")
+    res = run("sweep", "run", out, *SELECT, "--launcher", "slurm", "--repo", root)
+    assert res.code == 0, res
+    res = run("sweep", "run", out, "--only-pending", "--repo", root)
+    assert res.code == 0, res
+    assert (
+        "nothing to submit: of 3 runs 0 finished, 2 still pending or running in Slurm, 1 "
+        "failed (kept by --only-pending)."
+    ) in " ".join(res.out.split())
+    first = record(out)["runs"][0]
+    assert (first["state"], first["exit_code"], first["reason"]) == ("failed", 3, "FAILED")
+    res = run("sweep", "run", out, "--repo", root)
+    assert res.code == 0 and "submitted 1 runs as Slurm job array 4242" in res.out, res
+    assert "--array=0%8" in (stub / "sbatch.args").read_text().splitlines()
+    assert [r["state"] for r in record(out)["runs"]] == ["submitted", "running", "pending"]
 
 
 def test_slurm_refusals_say_what_to_change(sweep_env, run, monkeypatch, tmp_path):
