@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -22,8 +23,12 @@ pytestmark = pytest.mark.slow
 # the scheme comes from the worktree's name (quantpatch__linear-X_qk-Y_pv-Z)
 TORCHRUN = r"""#!/usr/bin/env bash
 set -u
-echo "$$ $(basename "$PWD") ${CUDA_VISIBLE_DEVICES:-none} $(date +%s.%N) start" >> "$STUB_DIR/calls"
+# the trap before the start line: a test that signals once it reads the line finds it set
 trap 'echo "$$ term" >> "$STUB_DIR/calls"; exit 143' TERM
+echo "$$ $(basename "$PWD") ${CUDA_VISIBLE_DEVICES:-none} $(date +%s.%N) start" >> "$STUB_DIR/calls"
+if [[ -n "${STUB_HANG:-}" && "$PWD" == *"$STUB_HANG"* ]]; then
+    sleep 600 & wait $!
+fi
 if [[ -n "${STUB_FAIL:-}" && "$PWD" == *"$STUB_FAIL"* ]]; then
     echo "Traceback: stub failure" >&2
     exit 3
@@ -48,18 +53,28 @@ done
 sleep "${STUB_SLEEP:-0}" & wait $!
 echo "$$ $(date +%s.%N) end" >> "$STUB_DIR/calls"
 """
+# Slurm's client commands, stubbed only for what the real one-node Slurm of
+# test_sweep_slurm.py does not show: Slurm's GPU refusal (that cluster has the gpu GRES) and a
+# cluster whose accounting is off (sacct refuses; squeue, scontrol and the task's output speak)
 SBATCH = r"""#!/usr/bin/env bash
 printf '%s\n' "$@" > "$STUB_DIR/sbatch.args"
+if [[ -n "${STUB_SBATCH_REFUSES:-}" ]]; then
+    echo "sbatch: error: Batch job submission failed: $STUB_SBATCH_REFUSES" >&2
+    exit 1
+fi
 echo "4242"
 """
 SQUEUE = r"""#!/usr/bin/env bash
-echo "4242_1|RUNNING"
-echo "4242_2|PENDING"
+echo "4242_1|RUNNING|4244"
+echo "4242_2|PENDING|4245"
 """
 SACCT = r"""#!/usr/bin/env bash
-echo "4242_0|COMPLETED"
-echo "4242_1|RUNNING"
-echo "4242_3|FAILED"
+echo "sacct: error: Slurm accounting storage is disabled" >&2
+exit 1
+"""
+SCONTROL = r"""#!/usr/bin/env bash
+echo "JobId=4243 ArrayJobId=4242 ArrayTaskId=0 JobState=${STUB_TASK0:-COMPLETED} Reason=None \
+ExitCode=${STUB_TASK0_EXIT:-0:0} StartTime=2026-11-27T10:00:00 EndTime=2026-11-27T10:05:00"
 """
 
 
@@ -74,6 +89,7 @@ def sweep_env(tmp_path, make_checkout, monkeypatch):
         ("sbatch", SBATCH),
         ("squeue", SQUEUE),
         ("sacct", SACCT),
+        ("scontrol", SCONTROL),
     ):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
@@ -276,34 +292,101 @@ def test_ctrl_c_and_sigterm_stop_every_child(sweep_env, sig):
     assert len([c for c in calls(stub) if c[-1] == "term"]) == 2
 
 
-def test_slurm_submission_and_status(sweep_env, run):
+def test_slurm_submission_and_status_where_accounting_is_off(sweep_env, run):
     root, _env, stub, out = sweep_env
     res = run("sweep", "run", out, *SELECT, "--launcher", "slurm", "--repo", root)
     assert res.code == 0, res
     assert "submitted 3 runs as Slurm job array 4242" in res.out
     args = (stub / "sbatch.args").read_text().splitlines()
     assert args[0] == "--parsable" and args[1] == f"--chdir={root}"
+    assert args[2] == f"--output={(out / 'slurm').resolve()}/%A_%a.out"
+    assert args[3] == "--array=0,1,2%8"
     assert args[-1] == str((out / "sweep.sbatch").resolve())
     rec = record(out)
     assert rec["slurm_job"] == "4242" and rec["launcher"] == "slurm"
-    assert [(r["state"], r["array_task"]) for r in rec["runs"]] == [
-        ("submitted", 0),
-        ("submitted", 1),
-        ("submitted", 2),
+    assert [(r["state"], r["slurm_job"], r["array_task"]) for r in rec["runs"]] == [
+        ("submitted", "4242", 0),
+        ("submitted", "4242", 1),
+        ("submitted", "4242", 2),
     ]
     res = run("sweep", "status", out, "--json")
     data = json.loads(res.out)
     assert [(r["state"], r.get("slurm_state")) for r in data["runs"]] == [
-        ("finished", "COMPLETED"),
-        ("running", "RUNNING"),
-        ("submitted", "PENDING"),
+        ("finished", "COMPLETED"),  # scontrol show job
+        ("running", "RUNNING"),  # squeue
+        ("pending", "PENDING"),
     ]
+    first = data["runs"][0]
+    assert first["exit_code"] == 0 and first["reason"] is None
+    assert first["started"].startswith("2026-11-27T") and first["ended"] > first["started"]
     assert data["counts"]["finished"] == 1 and data["counts"]["running"] == 1
-    # the submitted sweep is not submitted twice
+    assert record(out)["runs"][0]["state"] == "finished"  # status refreshed the record
+    # again with the same selection: every run is Slurm's or finished, nothing is submitted
+    (stub / "sbatch.args").unlink()
     res = run("sweep", "run", out, "--launcher", "slurm", "--repo", root)
-    assert res.code == 2 and "was submitted as Slurm job 4242" in " ".join(res.err.split())
+    assert res.code == 0 and "nothing to submit" in res.out, res
+    assert not (stub / "sbatch.args").exists()
+    # a different selection while the array runs: refused, the record as it was
+    before = (out / "sweep.json").read_text()
+    res = run("sweep", "run", out, "--schemes", "bf16", "--repo", root)
+    assert res.code == 2 and "pending or running in Slurm" in " ".join(res.err.split()), res
+    assert (out / "sweep.json").read_text() == before
     res = run("sweep", "status", out)
-    assert res.code == 0 and "submitted (PENDING)" in res.out
+    assert res.code == 0 and "pending (PENDING)" in res.out
+
+
+def test_a_failed_slurm_run_is_resubmitted_alone_unless_only_pending(sweep_env, run, monkeypatch):
+    root, _env, stub, out = sweep_env
+    monkeypatch.setenv("STUB_TASK0", "FAILED")
+    monkeypatch.setenv("STUB_TASK0_EXIT", "3:0")
+    res = run("sweep", "run", out, *SELECT, "--launcher", "slurm", "--repo", root)
+    assert res.code == 0, res
+    res = run("sweep", "run", out, "--only-pending", "--repo", root)
+    assert res.code == 0, res
+    assert (
+        "nothing to submit: of 3 runs 0 finished, 2 still pending or running in Slurm, 1 "
+        "failed (kept by --only-pending)."
+    ) in " ".join(res.out.split())
+    first = record(out)["runs"][0]
+    assert (first["state"], first["exit_code"], first["reason"]) == ("failed", 3, "FAILED")
+    res = run("sweep", "run", out, "--repo", root)
+    assert res.code == 0 and "submitted 1 runs as Slurm job array 4242" in res.out, res
+    assert "--array=0%8" in (stub / "sbatch.args").read_text().splitlines()
+    assert [r["state"] for r in record(out)["runs"]] == ["submitted", "running", "pending"]
+
+
+def test_slurm_refusals_say_what_to_change(sweep_env, run, monkeypatch, tmp_path):
+    root, _env, _stub, out = sweep_env
+    monkeypatch.setenv("STUB_SBATCH_REFUSES", "Invalid generic resource (gres) specification")
+    res = run("sweep", "run", out, *SELECT, "--launcher", "slurm", "--repo", root)
+    said = " ".join(res.err.split())
+    assert res.code == 2, res
+    assert (
+        "sbatch refused the sweep: Batch job submission failed: Invalid generic resource (gres) "
+        "specification (the scripts ask for --gpus-per-node=N: gpu_request in the [slurm] table "
+        "of --config changes that, to gpus-per-node, gres, or none for a CPU partition)."
+    ) in said
+    assert not (out / "sweep.json").exists()  # no record of a sweep sbatch did not take
+    # gpu_request = "gres": the scripts ask with --gres
+    cfg = tmp_path / "cluster.toml"
+    cfg.write_text('[slurm]\ngpu_request = "gres"\n')
+    monkeypatch.delenv("STUB_SBATCH_REFUSES")
+    res = run("sweep", "run", out, *SELECT, "--launcher", "slurm", "--config", cfg, "--repo", root)
+    assert res.code == 0, res
+    text = (out / "sweep.sbatch").read_text()
+    assert "#SBATCH --gres=gpu:1" in text and "--gpus-per-node" not in text
+    cfg.write_text('[slurm]\ngpu_request = "all"\n')
+    res = run("sweep", "run", tmp_path / "other", *SELECT, "--launcher", "slurm", "--config", cfg,
+              "--repo", root)  # fmt: skip
+    assert res.code == 2 and "slurm.gpu_request must be one of gpus-per-node, gres, none" in res.err
+    # no sbatch on PATH: refused before anything is written
+    only_git = tmp_path / "only-git"
+    only_git.mkdir()
+    (only_git / "git").symlink_to(shutil.which("git"))
+    monkeypatch.setenv("PATH", str(only_git))
+    res = run("sweep", "run", tmp_path / "third", *SELECT, "--launcher", "slurm", "--repo", root)
+    assert res.code == 2 and "sbatch is not on PATH" in res.err, res
+    assert not (tmp_path / "third").exists()
 
 
 def test_refusals_change_nothing(sweep_env, tmp_path, run):
@@ -339,3 +422,42 @@ def test_refusals_change_nothing(sweep_env, tmp_path, run):
     assert res.code == 0
     res = run("sweep", "report", fresh)
     assert res.code == 2 and "no run of the sweep has written a log yet" in res.err
+
+
+def test_slurm_states_map_to_quantpatch_states_and_the_output_speaks_last(tmp_path, monkeypatch):
+    from quantpatch.launch import slurm
+
+    for said, state in (
+        ("COMPLETED", "finished"),
+        ("FAILED", "failed"),
+        ("NODE_FAIL", "failed"),
+        ("OUT_OF_MEMORY", "failed"),
+        ("TIMEOUT", "failed"),
+        ("CANCELLED by 0", "interrupted"),
+        ("PREEMPTED", "interrupted"),
+        ("PENDING", "pending"),
+        ("REQUEUED", "pending"),
+        ("RUNNING", "running"),
+    ):
+        assert slurm.state_of(said) == state, said
+    # no Slurm command answers (accounting off, the job long forgotten): the task's output
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    monkeypatch.setenv("PATH", str(empty))
+    (tmp_path / "slurm").mkdir()
+    slurm.output_file(tmp_path, "77", 1).write_text(
+        "[quantpatch] source commit " + "a" * 40 + " in /wt\n"
+        "[quantpatch] training exited with status 3\n"
+    )
+    rec = {
+        "runs": [
+            {"name": "a", "state": "submitted", "slurm_job": "77", "array_task": 0},
+            {"name": "b", "state": "submitted", "slurm_job": "77", "array_task": 1},
+        ]
+    }
+    assert slurm.refresh(tmp_path, rec)
+    unknown, failed = rec["runs"]
+    assert unknown["state"] == "submitted"  # nothing says how it stands: left as it was
+    assert (failed["state"], failed["exit_code"], failed["reason"]) == ("failed", 3, "FAILED")
+    assert failed["commit"] == "a" * 40 and failed["ended"]
+    assert not slurm.refresh(tmp_path, rec)  # nothing new

@@ -1,4 +1,4 @@
-"""The sweep commands: ``sweep run``, ``sweep status``, ``sweep report``."""
+"""The sweep commands: ``sweep run``, ``sweep status``, ``sweep report``, ``sweep cancel``."""
 
 import time
 from pathlib import Path
@@ -69,9 +69,22 @@ def sweep_run(
         err.print(f"note: {note}", style="yellow", markup=False)
     record = prepared.record
     if record["launcher"] == "slurm":
-        job = sweep.submit_slurm(sweep_dir, record)
+        done = sweep.submit_slurm(sweep_dir, record)
+        c = sweep.counts(record)
+        ahead = sum(c[k] for k in ("pending", "running", "submitted")) - len(
+            done.runs if done else []
+        )
+        kept = f"{c['finished']} finished" + (
+            f", {ahead} still pending or running in Slurm" if ahead else ""
+        )
+        if done is None:
+            failed = f", {c['failed']} failed (kept by --only-pending)" if c["failed"] else ""
+            out.print(
+                f"nothing to submit: of {len(record['runs'])} runs {kept}{failed}.", markup=False
+            )
+            return
         out.print(
-            f"submitted {len(record['runs'])} runs as Slurm job array {job}; "
+            f"submitted {len(done.runs)} runs as Slurm job array {done.job} ({kept}); "
             f"`quantpatch sweep status {sweep_dir}` follows it.",
             markup=False,
         )
@@ -192,12 +205,30 @@ def sweep_report(
     from quantpatch.cli import render_analysis
     from quantpatch.launch import sweep
 
-    record = sweep.load(sweep_dir)
-    if record is None:
+    if sweep.load(sweep_dir) is None:
         raise UserError(f"{sweep_dir} holds no sweep.json: not a sweep.")
+    sweep.status(sweep_dir)  # a Slurm sweep's record brought up to date first
+    record = sweep.load(sweep_dir)
+    assert record is not None
     target = out_file or sweep_dir / "report.html"
     facts = _sweep_report(sweep_dir, record, target)
     out.print(
         f"wrote {target} ({facts['bytes'] / 1e3:.0f} kB){render_analysis.nan_note(facts)}",
+        markup=False,
+    )
+
+
+@sweep_app.command("cancel")
+def sweep_cancel(sweep_dir: Path = SweepDirArg) -> None:
+    """Cancel a Slurm sweep's pending and running runs (scancel); `sweep run` resumes them."""
+    from quantpatch.launch import sweep
+
+    names = sweep.cancel(sweep_dir)
+    if not names:
+        out.print(f"nothing to cancel: no run of {sweep_dir} is pending or running in Slurm.")
+        return
+    out.print(
+        f"cancelled {len(names)} run(s), recorded interrupted: {', '.join(names)}; "
+        f"`quantpatch sweep run {sweep_dir}` resumes them.",
         markup=False,
     )

@@ -94,6 +94,10 @@ class Slurm:
     time: str | None = None
     throttle: int = 8
     """At most this many array tasks of a sweep run at once (``%N``)."""
+    gpu_request: str = "gpus-per-node"
+    """How the scripts ask for GPUs: ``gpus-per-node`` (``--gpus-per-node=N``), ``gres``
+    (``--gres=gpu:N``, for clusters without GPU types configured for ``--gpus``) or ``none``
+    (a CPU partition, or GPUs that come with the node)."""
 
 
 @dataclass(frozen=True)
@@ -151,7 +155,9 @@ SLURM_FIELDS: dict[str, type] = {
     "qos": str,
     "time": str,
     "throttle": int,
+    "gpu_request": str,
 }
+GPU_REQUESTS = ("gpus-per-node", "gres", "none")
 SLURM_VALUE_RE = re.compile(r"[A-Za-z0-9_.:,+-]{1,128}")
 """An ``#SBATCH`` value: sbatch reads directives without a shell, so no space or quote."""
 
@@ -187,6 +193,11 @@ def _check_slurm(table: Any, where: str, old: Slurm) -> Slurm:
             raise UserError(
                 f"{where}: slurm.{key} must be one word of letters, digits and '_.:,+-' "
                 "(it becomes an #SBATCH line)."
+            )
+        if key == "gpu_request" and value not in GPU_REQUESTS:
+            raise UserError(
+                f"{where}: slurm.gpu_request must be one of {', '.join(GPU_REQUESTS)} "
+                f"(got {value!r})."
             )
         values[key] = value
     return replace(old, **values)

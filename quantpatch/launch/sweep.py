@@ -3,11 +3,13 @@
 ``run`` generates the launch scripts into the sweep's folder (as ``gen-scripts`` does),
 prepares every scheme's worktree, then either runs the combinations on this machine as a
 queue (``--parallel N`` at once, each on its own ``CUDA_VISIBLE_DEVICES`` slice) or submits the
-folder's ``sweep.sbatch`` (one Slurm job array). ``DIR/sweep.json`` records the sweep; it is
-replaced atomically after every change, so a sweep killed at any moment leaves it readable, and
-``run`` again resumes it: finished runs are kept (unless their scheme branch moved since),
-failed and interrupted ones run again. ``status`` reads the record (and Slurm's view of the
-array); ``report`` writes one HTML report over exactly the sweep's runs.
+folder's ``sweep.sbatch`` as one Slurm job array of the runs to do (quantpatch.launch.slurm).
+``DIR/sweep.json`` records the sweep; it is replaced atomically after every change, so a sweep
+killed at any moment leaves it readable, and ``run`` again resumes it: finished runs are kept
+(unless their scheme branch moved since), failed and interrupted ones run again, and runs still
+pending or running in Slurm are left to it. ``status`` reads the record (a Slurm sweep's
+brought up to Slurm's word first); ``cancel`` scancels a Slurm sweep's live runs; ``report``
+writes one HTML report over exactly the sweep's runs.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from quantpatch.base.errors import UserError
+from quantpatch.launch import slurm
 
 RECORD = "sweep.json"
 VERSION = 1
@@ -201,11 +204,10 @@ def prepare(
         raise UserError(f"--parallel must be from 1 to 64 (got {selection.parallel}).")
     checkout = gitrepo.find_checkout(repo, need_git=True)
     _refuse_live_runs(old)
-    if old is not None and old.get("slurm_job") and selection.launcher == "slurm":
-        raise UserError(
-            f"{sweep_dir} was submitted as Slurm job {old['slurm_job']}; `quantpatch sweep "
-            "status` follows it (a new sweep needs a new folder)."
-        )
+    if selection.launcher == "slurm":
+        slurm.sbatch_exe()
+    if old is not None:
+        _follow_slurm(sweep_dir, old, selection if given is not None else None)
     done = generate_scripts(
         GenRequest(
             out=sweep_dir,
@@ -258,9 +260,12 @@ def prepare(
             "pid": None,
         }
         before = previous.get(name)
-        if before is not None and selection.launcher == "local":
+        if before is not None and slurm.live(before):
+            run = dict(before)  # Slurm's still: followed, never submitted twice
+        elif before is not None:
             state = before.get("state")
-            if state == "finished" and before.get("commit") == commit:
+            # (a finished Slurm run whose log named no commit: kept, nothing says it moved)
+            if state == "finished" and before.get("commit") in (commit, None):
                 run = {**run, **before}
             elif state == "finished":
                 notes.append(
@@ -275,12 +280,28 @@ def prepare(
         "checkout": str(checkout.root),
         "launcher": selection.launcher,
         "selection": selection.as_dict(),
-        "slurm_job": None,
+        "slurm_job": (old or {}).get("slurm_job"),
         "created": (old or {}).get("created") or now(),
         "runs": runs,
     }
-    save(sweep_dir, record)
+    if selection.launcher == "local":
+        save(sweep_dir, record)  # a Slurm sweep's is saved once sbatch took the array
     return Prepared(record, notes, per_run)
+
+
+def _follow_slurm(sweep_dir: Path, old: dict[str, Any], asked: Selection | None) -> None:
+    """The old record brought up to Slurm's word (saved); a different selection refused while
+    any of its runs is still pending or running in Slurm."""
+    if slurm.refresh(sweep_dir, old):
+        save(sweep_dir, old)
+    live = [r for r in old["runs"] if slurm.live(r)]
+    if live and asked is not None and asked != Selection.from_dict(old["selection"]):
+        jobs = ", ".join(sorted({str(r["slurm_job"]) for r in live}))
+        raise UserError(
+            f"{sweep_dir} still has {len(live)} run(s) pending or running in Slurm (job array "
+            f"{jobs}), so it cannot take a different selection now; wait for them, or `quantpatch "
+            f"sweep cancel {sweep_dir}`, or give a new folder."
+        )
 
 
 def group_alive(pgid: object) -> bool:
@@ -468,79 +489,48 @@ def run_local(
     return record
 
 
-def submit_slurm(sweep_dir: Path, record: dict[str, Any]) -> str:
-    """``sbatch --parsable`` of the folder's job array, from the checkout; the job id."""
-    sbatch = shutil.which("sbatch")
-    if sbatch is None:
-        raise UserError("sbatch is not on PATH: a Slurm sweep is submitted from a login node.")
-    checkout = record["checkout"]
-    runs_dir = sweep_dir.resolve() / "runs"
-    res = subprocess.run(
-        [
-            sbatch,
-            "--parsable",
-            f"--chdir={checkout}",
-            f"--export=ALL,OUTPUT_ROOT={runs_dir},MEGATRON_ROOT={checkout}",
-            str(sweep_dir.resolve() / "sweep.sbatch"),
-        ],
-        capture_output=True,
-        text=True,
-        check=False,
+def submit_slurm(
+    sweep_dir: Path, record: dict[str, Any], quantpatch_exe: str | None = None
+) -> slurm.Submitted | None:
+    """One job array of the record's runs that are to run (None where every run is finished
+    or still Slurm's), from the checkout; the record saved once sbatch took it."""
+    from quantpatch.launch.registry import load_registry
+    from quantpatch.launch.scripts import quantpatch_command
+
+    cfg = record["selection"].get("config")
+    settings = load_registry(Path(cfg) if cfg else None).slurm
+    done = slurm.submit(
+        sweep_dir,
+        record,
+        throttle=settings.throttle,
+        gpu_request=settings.gpu_request,
+        quantpatch_exe=quantpatch_exe or os.environ.get("QUANTPATCH") or quantpatch_command(),
     )
-    job = res.stdout.strip().split(";")[0]
-    if res.returncode != 0 or not re.fullmatch(r"[0-9]+", job):
-        raise UserError(f"sbatch refused the sweep: {(res.stderr or res.stdout).strip()}.")
-    record["slurm_job"] = job
-    for i, run in enumerate(record["runs"]):
-        if run["state"] != "finished":
-            run.update(state="submitted", array_task=i, started=now())
     save(sweep_dir, record)
-    return job
-
-
-_SLURM_DONE = {"COMPLETED": "finished"}
-_SLURM_FAILED = ("FAILED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL", "DEADLINE")
-
-
-def slurm_states(job: str) -> dict[int, str]:
-    """Each array task's state as ``squeue`` (pending, running) and ``sacct`` (ended) say."""
-    states: dict[int, str] = {}
-    for cmd, sep in (
-        (["sacct", "-n", "-P", "-X", "-j", job, "-o", "JobID,State"], "|"),
-        (["squeue", "-h", "-r", "-j", job, "-o", "%i|%T"], "|"),
-    ):
-        exe = shutil.which(cmd[0])
-        if exe is None:
-            continue
-        res = subprocess.run([exe, *cmd[1:]], capture_output=True, text=True, check=False)
-        for line in res.stdout.splitlines():
-            ident, _, state = line.strip().partition(sep)
-            m = re.fullmatch(rf"{re.escape(job)}_([0-9]+)", ident.strip())
-            if m and state.strip():
-                states[int(m[1])] = state.split()[0].strip()
-    return states
+    return done
 
 
 def status(sweep_dir: Path) -> dict[str, Any]:
-    """The record's runs with Slurm's state where there is one, and the counts."""
+    """The record's runs, a Slurm sweep's brought up to Slurm's word first (and saved), and
+    the counts."""
     record = load(sweep_dir)
     if record is None:
         raise UserError(f"{sweep_dir} holds no {RECORD}: not a sweep (start one with sweep run).")
+    if slurm.refresh(sweep_dir, record):
+        save(sweep_dir, record)
     runs = [dict(r) for r in record["runs"]]
-    if record.get("slurm_job"):
-        states = slurm_states(str(record["slurm_job"]))
-        for run in runs:
-            task = run.get("array_task")
-            if isinstance(task, int) and task in states:
-                slurm = states[task]
-                run["slurm_state"] = slurm
-                if slurm in _SLURM_DONE:
-                    run["state"] = _SLURM_DONE[slurm]
-                elif slurm.startswith(_SLURM_FAILED) or slurm.startswith("CANCELLED"):
-                    run["state"] = "failed"
-                elif slurm == "RUNNING":
-                    run["state"] = "running"
-    return {"counts": counts({"runs": runs}), "runs": runs, "launcher": record["launcher"]}
+    return {"counts": counts(record), "runs": runs, "launcher": record["launcher"]}
+
+
+def cancel(sweep_dir: Path) -> list[str]:
+    """scancel the sweep's runs that are pending or running in Slurm, recorded interrupted."""
+    record = load(sweep_dir)
+    if record is None:
+        raise UserError(f"{sweep_dir} holds no {RECORD}: not a sweep (start one with sweep run).")
+    slurm.refresh(sweep_dir, record)
+    names = slurm.cancel(sweep_dir, record)
+    save(sweep_dir, record)
+    return names
 
 
 def run_logs(sweep_dir: Path, record: Mapping[str, Any]) -> list[Path]:

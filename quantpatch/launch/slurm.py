@@ -1,0 +1,361 @@
+"""A sweep on Slurm: one job array of the runs that are not finished, followed through Slurm.
+
+``submit`` hands ``DIR/sweep.sbatch`` to ``sbatch`` with ``--array`` naming exactly the runs to
+do (array task *i* is the sweep's *i*-th run, in every array of the sweep) and the tasks' output
+under ``DIR/slurm/`` (never the checkout, which is the job's working directory). ``refresh``
+asks Slurm how each submitted run stands (``sacct``; where accounting is off or forgot the job,
+``squeue`` and ``scontrol show job``; last, the task's own output) and writes what it learns
+into the record as a local run's: state, exit code, start and end (Slurm's), log and the
+source commit the log names. ``cancel`` scancels the tasks still pending or running.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from quantpatch.base.errors import UserError
+
+OUTPUT_DIR = "slurm"
+LIVE = ("submitted", "pending", "running")
+"""A Slurm run in one of these states is Slurm's: never submitted again, only followed."""
+_FINISHED = ("COMPLETED",)
+_FAILED = ("FAILED", "NODE_FAIL", "OUT_OF_MEMORY", "TIMEOUT", "BOOT_FAIL", "DEADLINE")
+_INTERRUPTED = ("CANCELLED", "PREEMPTED", "REVOKED")
+_PENDING = ("PENDING", "REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD", "RESV_DEL_HOLD", "SUSPENDED")
+_RUNNING = ("RUNNING", "CONFIGURING", "COMPLETING", "RESIZING", "SIGNALING", "STAGE_OUT")
+_COMMIT = re.compile(r"\[quantpatch\] source commit ([0-9a-f]{40})")
+_EXITED = re.compile(r"\[quantpatch\] training exited with status ([0-9]+)")
+_GPU_WORDS = ("gres", "gpu", "tres")
+
+
+def state_of(slurm_state: str) -> str:
+    """quantpatch's state for Slurm's (``CANCELLED by 0`` reads as ``CANCELLED``)."""
+    word = slurm_state.split()[0].rstrip("+") if slurm_state.strip() else ""
+    if word in _FINISHED:
+        return "finished"
+    if word in _FAILED:
+        return "failed"
+    if word in _INTERRUPTED:
+        return "interrupted"
+    if word in _RUNNING:
+        return "running"
+    if word in _PENDING:
+        return "pending"
+    return "submitted"
+
+
+@dataclass
+class Task:
+    """One array task as Slurm reports it."""
+
+    state: str
+    exit_code: int | None = None
+    start: str | None = None
+    end: str | None = None
+    job_id: str | None = None
+    """The task's own job id (``JobIDRaw``): the run's log is named after it."""
+    source: str = "sacct"
+
+
+def sbatch_exe() -> str:
+    exe = shutil.which("sbatch")
+    if exe is None:
+        raise UserError(
+            "sbatch is not on PATH: a Slurm sweep is submitted from a machine with Slurm's "
+            "client commands (a login node)."
+        )
+    return exe
+
+
+def _time(text: str) -> str | None:
+    """Slurm's local time (``2026-11-27T12:03:04``) as an ISO time in UTC; None for
+    ``Unknown`` / ``None``."""
+    try:
+        moment = datetime.fromisoformat(text.strip())
+    except ValueError:
+        return None
+    return moment.astimezone(timezone.utc).isoformat(timespec="seconds")
+
+
+def _exit(text: str) -> int | None:
+    """``3:0`` (code:signal) as the script's exit code; a signal as its negative, as Python
+    reports a process a signal ended."""
+    m = re.fullmatch(r"\s*([0-9]+):([0-9]+)\s*", text)
+    if m is None:
+        return None
+    return -int(m[2]) if int(m[2]) else int(m[1])
+
+
+def _run(cmd: Sequence[str]) -> str | None:
+    exe = shutil.which(cmd[0])
+    if exe is None:
+        return None
+    try:
+        res = subprocess.run(
+            [exe, *cmd[1:]], capture_output=True, text=True, check=False, timeout=60
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return res.stdout if res.returncode == 0 else None
+
+
+def _sacct(jobs: Sequence[str]) -> dict[tuple[str, int], Task]:
+    fields = "JobID,JobIDRaw,State,ExitCode,Start,End"
+    text = _run(["sacct", "-n", "-P", "-X", "-j", ",".join(jobs), "-o", fields])
+    found: dict[tuple[str, int], Task] = {}
+    for line in (text or "").splitlines():
+        parts = line.split("|")
+        if len(parts) != 6:
+            continue
+        m = re.fullmatch(r"([0-9]+)_([0-9]+)", parts[0].strip())
+        if m is None:
+            continue
+        found[(m[1], int(m[2]))] = Task(
+            parts[2].strip(), _exit(parts[3]), _time(parts[4]), _time(parts[5]), parts[1].strip()
+        )
+    return found
+
+
+def _squeue(jobs: Sequence[str]) -> dict[tuple[str, int], Task]:
+    text = _run(["squeue", "-h", "-r", "-j", ",".join(jobs), "-o", "%i|%T|%A"])
+    found: dict[tuple[str, int], Task] = {}
+    for line in (text or "").splitlines():
+        parts = line.split("|")
+        m = re.fullmatch(r"([0-9]+)_([0-9]+)", parts[0].strip()) if len(parts) == 3 else None
+        if m is not None:
+            found[(m[1], int(m[2]))] = Task(
+                parts[1].strip(), job_id=parts[2].strip(), source="squeue"
+            )
+    return found
+
+
+def _scontrol(jobs: Sequence[str]) -> dict[tuple[str, int], Task]:
+    found: dict[tuple[str, int], Task] = {}
+    for job in jobs:
+        for line in (_run(["scontrol", "show", "job", "-o", job]) or "").splitlines():
+            kv = dict(w.split("=", 1) for w in line.split() if "=" in w)
+            array, task = kv.get("ArrayJobId"), kv.get("ArrayTaskId", "")
+            if array != job or not task.isdigit():
+                continue
+            found[(job, int(task))] = Task(
+                kv.get("JobState", ""),
+                _exit(kv.get("ExitCode", "")),
+                _time(kv.get("StartTime", "")),
+                _time(kv.get("EndTime", "")),
+                kv.get("JobId"),
+                "scontrol",
+            )
+    return found
+
+
+def output_file(sweep_dir: Path, job: str, task: int) -> Path:
+    return sweep_dir / OUTPUT_DIR / f"{job}_{task}.out"
+
+
+def _from_output(sweep_dir: Path, job: str, task: int) -> Task | None:
+    """Where Slurm no longer knows the task: its output says how training ended."""
+    path = output_file(sweep_dir, job, task)
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return None
+    m = _EXITED.search(text)
+    if m is None:
+        return None
+    code = int(m[1])
+    end = datetime.fromtimestamp(path.stat().st_mtime, timezone.utc)
+    return Task(
+        "COMPLETED" if code == 0 else "FAILED",
+        code,
+        end=end.isoformat(timespec="seconds"),
+        source="output",
+    )
+
+
+def query(sweep_dir: Path, tasks: Sequence[tuple[str, int]]) -> dict[tuple[str, int], Task]:
+    """Slurm's word on each (array job, task): sacct, then squeue and scontrol for what
+    accounting does not hold, then the task's output file."""
+    found: dict[tuple[str, int], Task] = {}
+    for ask in (_sacct, _squeue, _scontrol):
+        missing = sorted({job for job, task in tasks if (job, task) not in found})
+        if not missing:
+            break
+        for key, value in ask(missing).items():
+            found.setdefault(key, value)
+    for job, task in tasks:
+        if (job, task) not in found and (seen := _from_output(sweep_dir, job, task)):
+            found[(job, task)] = seen
+    return found
+
+
+def _log_of(sweep_dir: Path, run: Mapping[str, Any], task: Task) -> Path | None:
+    logs = sweep_dir / "runs" / str(run["name"]) / "logs"
+    if task.job_id:
+        named = sorted(logs.glob(f"*_job{task.job_id}.log"))
+        if named:
+            return named[-1]
+    return None
+
+
+def _commit_of(*paths: Path | None) -> str | None:
+    for path in paths:
+        if path is None:
+            continue
+        try:
+            text = path.read_text(encoding="utf-8", errors="replace")[:65536]
+        except OSError:
+            continue
+        if m := _COMMIT.search(text):
+            return m[1]
+    return None
+
+
+def refresh(sweep_dir: Path, record: dict[str, Any]) -> bool:
+    """Bring the record's submitted runs up to Slurm's word; True where anything changed (the
+    caller saves)."""
+    follow = [
+        r
+        for r in record["runs"]
+        if r.get("slurm_job") and isinstance(r.get("array_task"), int) and r["state"] in LIVE
+    ]
+    if not follow:
+        return False
+    seen = query(sweep_dir, [(str(r["slurm_job"]), r["array_task"]) for r in follow])
+    changed = False
+    for run in follow:
+        job, index = str(run["slurm_job"]), run["array_task"]
+        task = seen.get((job, index))
+        if task is None:
+            continue
+        before = dict(run)
+        state = state_of(task.state)
+        run["slurm_state"] = task.state
+        run["state"] = state
+        if task.start:
+            run["started"] = task.start
+        out = output_file(sweep_dir, job, index)
+        if state in ("finished", "failed", "interrupted"):
+            run["exit_code"] = task.exit_code
+            run["ended"] = task.end
+            run["reason"] = None if state == "finished" else task.state
+        log = _log_of(sweep_dir, run, task)
+        if log is not None:
+            run["log"] = str(log)
+        run["slurm_output"] = str(out) if out.is_file() else run.get("slurm_output")
+        run["commit"] = _commit_of(log, out) or run.get("commit")
+        changed = changed or run != before
+    return changed
+
+
+@dataclass
+class Submitted:
+    job: str
+    runs: list[str]
+
+
+def _gpu_hint(message: str, gpu_request: str) -> str:
+    if not any(w in message.lower() for w in _GPU_WORDS):
+        return ""
+    asked = {"gres": "--gres=gpu:N", "none": "no GPUs"}.get(gpu_request, "--gpus-per-node=N")
+    return (
+        f" (the scripts ask for {asked}: gpu_request in the [slurm] table of --config changes "
+        "that, to gpus-per-node, gres, or none for a CPU partition)"
+    )
+
+
+def submit(
+    sweep_dir: Path,
+    record: dict[str, Any],
+    *,
+    throttle: int,
+    gpu_request: str,
+    quantpatch_exe: str,
+) -> Submitted | None:
+    """One job array of the record's pending runs (None where there is none); the record is
+    updated, not saved."""
+    todo = [i for i, r in enumerate(record["runs"]) if r["state"] == "pending" and not live(r)]
+    if not todo:
+        return None
+    sbatch = sbatch_exe()
+    here = sweep_dir.resolve()
+    (here / OUTPUT_DIR).mkdir(parents=True, exist_ok=True)
+    checkout = record["checkout"]
+    env = {
+        **os.environ,
+        "OUTPUT_ROOT": str(here / "runs"),
+        "MEGATRON_ROOT": checkout,
+        "QUANTPATCH": quantpatch_exe,
+    }
+    res = subprocess.run(
+        [
+            sbatch,
+            "--parsable",
+            f"--chdir={checkout}",
+            f"--output={here / OUTPUT_DIR}/%A_%a.out",
+            f"--array={','.join(map(str, todo))}%{throttle}",
+            "--export=ALL",
+            str(here / "sweep.sbatch"),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+        env=env,
+    )
+    job = res.stdout.strip().split(";")[0]
+    if res.returncode != 0 or not re.fullmatch(r"[0-9]+", job):
+        said = " ".join((res.stderr or res.stdout).split()) or f"exit status {res.returncode}"
+        said = re.sub(r"^sbatch: error: ", "", said).rstrip(".")
+        raise UserError(f"sbatch refused the sweep: {said}{_gpu_hint(said, gpu_request)}.")
+    stamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    record["slurm_job"] = job
+    names = []
+    for i in todo:
+        run = record["runs"][i]
+        run.update(
+            state="submitted",
+            slurm_job=job,
+            array_task=i,
+            slurm_state=None,
+            submitted=stamp,
+            started=None,
+            ended=None,
+            exit_code=None,
+            reason=None,
+            log=None,
+            commit=None,
+            slurm_output=None,
+        )
+        names.append(run["name"])
+    return Submitted(job, names)
+
+
+def live(run: Mapping[str, Any]) -> bool:
+    return bool(run.get("slurm_job")) and run.get("state") in LIVE
+
+
+def cancel(sweep_dir: Path, record: dict[str, Any]) -> list[str]:
+    """scancel every task of the sweep that is pending or running; those runs recorded
+    interrupted (the record updated, not saved). The names cancelled."""
+    runs = [r for r in record["runs"] if live(r)]
+    if not runs:
+        return []
+    exe = shutil.which("scancel")
+    if exe is None:
+        raise UserError("scancel is not on PATH: cancel the sweep from a machine with Slurm.")
+    ids = [f"{r['slurm_job']}_{r['array_task']}" for r in runs]
+    res = subprocess.run([exe, *ids], capture_output=True, text=True, check=False)
+    if res.returncode != 0:
+        said = " ".join((res.stderr or res.stdout).split()) or f"exit status {res.returncode}"
+        raise UserError(f"scancel refused to cancel {', '.join(ids)}: {said}.")
+    stamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    for run in runs:
+        run.update(state="interrupted", slurm_state="CANCELLED", reason="CANCELLED", ended=stamp)
+    return [r["name"] for r in runs]
