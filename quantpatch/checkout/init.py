@@ -3,6 +3,8 @@
 ``init`` inserts fork-layout sites (value ``bf16``, so the checkout computes exactly as before)
 into the two target files, with the flash-attention route of the FA schemes at the top of
 ``DotProductAttention.forward``, and installs ``megatron/core/quantpatch_ops.py``,
+the modules it imports (``quantpatch_mx.py``, ``quantpatch_nvfp4.py``, ``quantpatch_paretoq.py``,
+``quantpatch_quantize.py``, ``quantpatch_weights.py``: one concern each),
 ``megatron/core/quantpatch_kernels.py`` and ``megatron/core/quantpatch_flash.py`` (verbatim
 copies of ``quantpatch/runtime/``: the ops, their fused Triton kernels for CUDA tensors, and
 the flash-attention kernels): a recorded install, so ``init --remove`` restores the original
@@ -26,9 +28,19 @@ from quantpatch.sites.model import read_target
 OPS_MODULE = "megatron/core/quantpatch_ops.py"
 KERNELS_MODULE = "megatron/core/quantpatch_kernels.py"
 FLASH_MODULE = "megatron/core/quantpatch_flash.py"
+# the parts quantpatch_ops.py imports, one concern each (see its docstring)
+OPS_PARTS = (
+    "quantpatch_mx",
+    "quantpatch_nvfp4",
+    "quantpatch_paretoq",
+    "quantpatch_quantize",
+    "quantpatch_weights",
+)
+OPS_MODULES = (OPS_MODULE, *(f"megatron/core/{part}.py" for part in OPS_PARTS))
+"""Every installed file ``from megatron.core import quantpatch_ops`` imports (not the kernels)."""
 # installed path -> the runtime module it copies
 RUNTIME_MODULES = {
-    OPS_MODULE: "runtime/quantpatch_ops.py",
+    **{installed: f"runtime/{Path(installed).name}" for installed in OPS_MODULES},
     KERNELS_MODULE: "runtime/quantpatch_kernels.py",
     FLASH_MODULE: "runtime/quantpatch_flash.py",
 }
