@@ -114,3 +114,42 @@ def test_upgrade_refuses_while_a_set_is_active_and_without_installs(run, make_ch
     stock = make_checkout(inject=False)
     res = run("upgrade", "--repo", stock)
     assert res.code == 2 and "nothing to upgrade" in res.err
+
+
+@pytest.fixture(scope="module")
+def origin(tmp_path_factory: pytest.TempPathFactory, trees: dict[str, Path]):
+    from .forklike import build_fork
+
+    return build_fork(tmp_path_factory.mktemp("fork") / "origin", trees["0.13.1"], full=True)
+
+
+def test_the_fork_clone_is_upgraded_and_its_own_saver_callers_keep_working(run, origin, tmp_path):
+    from .conftest import run_probe, snapshot
+    from .forklike import clone_quant
+    from .test_saver_fork import CALL_PROBE, QUIET
+
+    clone = clone_quant(origin, tmp_path / "Megatron-LM")
+    before = snapshot(clone)["files"]
+    assert run("init", "--repo", clone).code == 0
+    assert run("saver", "install", "--force", "--repo", clone).code == 0
+    make_old_release(clone)
+    assert _parts(run, clone)["ops"] == "older"
+    res = run("upgrade", "--repo", clone)
+    assert res.code == 0, res
+    assert set(_parts(run, clone).values()) == {"current"}
+    for rel in OPS_MODULES:
+        assert (clone / rel).read_text() == runtime_source(rel), rel
+
+    got, err = run_probe(  # the fork's own call sites, with the upgraded checkout
+        CALL_PROBE,
+        clone,
+        tmp_path / "calls.pt",
+        TENSOR_SAVE_ENABLED="true",
+        TENSOR_SAVE_DIR=str(tmp_path / "calls"),
+        **QUIET,
+    )
+    assert (got["report"]["files"], got["report"]["failed"]) == (8, 0) and "Traceback" not in err
+
+    assert run("saver", "remove", "--repo", clone).code == 0
+    assert run("init", "--repo", clone, "--remove").code == 0
+    assert snapshot(clone)["files"] == before  # every byte, the fork's own saver included

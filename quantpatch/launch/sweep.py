@@ -263,9 +263,15 @@ def prepare(
             if state == "finished" and before.get("commit") == commit:
                 run = {**run, **before}
             elif state == "finished":
+                upgraded = _upgrade_between(checkout.repo, before.get("commit"), commit)
                 notes.append(
                     f"{name}: running it again, its scheme branch moved from "
                     f"{str(before.get('commit'))[:10]} to {commit[:10]} since it finished"
+                    + (
+                        f" (its source changed with 'quantpatch upgrade' at {upgraded[:10]})"
+                        if upgraded
+                        else ""
+                    )
                 )
             elif state == "failed" and only_pending:
                 run = {**run, **before}
@@ -281,6 +287,27 @@ def prepare(
     }
     save(sweep_dir, record)
     return Prepared(record, notes, per_run)
+
+
+UPGRADE_MESSAGE = "quantpatch upgrade:"
+"""How ``quantpatch upgrade`` begins its commit message (``quantpatch.checkout.upgrade``)."""
+
+
+def _upgrade_between(repo: Any, old: object, new: str) -> str | None:
+    """The ``quantpatch upgrade`` commit among the base commits a scheme branch moved over
+    (from the base under ``old`` to the base under ``new``), None where there is none or the
+    old commit is gone."""
+    if repo is None or not isinstance(old, str):
+        return None
+    from git import GitCommandError
+
+    try:
+        for c in repo.iter_commits(f"{old}~1..{new}~1"):
+            if str(c.message).startswith(UPGRADE_MESSAGE):
+                return str(c.hexsha)
+    except (GitCommandError, ValueError):  # a commit git no longer has, or no parent
+        return None
+    return None
 
 
 def group_alive(pgid: object) -> bool:
