@@ -200,7 +200,7 @@ def test_resume_names_the_runs_an_upgrade_changed(sweep_env, run, make_checkout)
     said = " ".join(res.err.split())
     for scheme in ("bf16", "FA_mxfp8", "linear_mxfp4"):
         assert f"llama32-1b_wikipedia_{scheme}_smoke: running it again" in said
-    assert said.count("its source changed with 'quantpatch upgrade' at") == 3
+    assert said.count("its source changed with 'quantpatch upgrade' at") == 3, said
     assert len([c for c in calls(stub) if c[-1] == "start"]) == 6
 
 

@@ -294,15 +294,15 @@ UPGRADE_MESSAGE = "quantpatch upgrade:"
 
 
 def _upgrade_between(repo: Any, old: object, new: str) -> str | None:
-    """The ``quantpatch upgrade`` commit among the base commits a scheme branch moved over
-    (from the base under ``old`` to the base under ``new``), None where there is none or the
-    old commit is gone."""
+    """The ``quantpatch upgrade`` commit among those a run's source moved over (from ``old``,
+    a scheme branch's commit or, for a scheme whose values are the base's, the base tip, to
+    ``new``), None where there is none or the old commit is gone."""
     if repo is None or not isinstance(old, str):
         return None
     from git import GitCommandError
 
     try:
-        for c in repo.iter_commits(f"{old}~1..{new}~1"):
+        for c in repo.iter_commits(f"{old}..{new}"):
             if str(c.message).startswith(UPGRADE_MESSAGE):
                 return str(c.hexsha)
     except (GitCommandError, ValueError):  # a commit git no longer has, or no parent
