@@ -75,7 +75,7 @@ def _original(checkout: gitrepo.Checkout, name: str, rel: str, info: dict[str, A
     return text
 
 
-def _output(name: str, rel: str, text: str | None, targets: Targets, root: Path) -> str | None:
+def _output(name: str, rel: str, text: str | None, targets: Targets) -> str | None:
     """What this version's install ``name`` writes at ``rel`` given the text it finds there."""
     if name == INIT:
         if rel in RUNTIME_MODULES:
@@ -132,7 +132,7 @@ def _plan(
                 )
             text = None
         for name in order:
-            out = _output(name, rel, text, targets, root)
+            out = _output(name, rel, text, targets)
             if out != text:
                 new_files[name][rel] = {
                     "existed": text is not None,
