@@ -15,7 +15,7 @@ import pytest
 from quantpatch import cli
 from quantpatch.base.config import Targets
 from quantpatch.base.megatron_source import megatron_tree
-from quantpatch.checkout.init import OPS_MODULE, ops_source
+from quantpatch.checkout.init import OPS_MODULES, runtime_source
 from quantpatch.sites.codemods.init_sites import Layout, inject_sites
 
 
@@ -79,7 +79,8 @@ def make_checkout(tmp_path: Path, trees: dict[str, Path]) -> MakeCheckout:
             kind = "linear" if rel == LINEAR else "attention"
             dest.write_text(inject_sites(text, rel, kind, layout) if inject else text)
         if inject and ops:  # as init leaves it: the module its dispatches hand values to
-            (root / OPS_MODULE).write_text(ops_source(), encoding="utf-8")
+            for installed in OPS_MODULES:  # quantpatch_ops.py and the parts it imports
+                (root / installed).write_text(runtime_source(installed), encoding="utf-8")
         (root / "README.md").write_text("not a target\n")
         if use_git:
             repo = git.Repo.init(root, initial_branch="main")

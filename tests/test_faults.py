@@ -24,6 +24,7 @@ import pytest
 from quantpatch.base import faults
 
 from .conftest import ATTENTION, LINEAR
+from .oldrelease import make_old_release
 
 pytestmark = pytest.mark.slow
 
@@ -97,6 +98,8 @@ class Scenario:
     """Asserts the end state of a successful command."""
     undo: tuple[str, ...] | None = ("restore",)
     """The command that returns to the start afterwards (None: nothing to undo)."""
+    old_release: bool = False
+    """After ``prepare``: the installs made as the previous release made them (``upgrade``)."""
 
 
 def _roles(root: Path, run) -> dict[str, str | None]:
@@ -201,6 +204,25 @@ SCENARIOS = [
 ]
 
 
+def _upgraded(root: Path, run) -> None:
+    data = json.loads(run("--repo", root, "check", "--json").out)
+    assert {p["status"] for p in data["parts"]} == {"current"} and not data["warnings"]
+    assert git(root, "status", "--porcelain", "--untracked-files=no", "--", "megatron") == ""
+
+
+SCENARIOS.append(
+    Scenario(
+        "upgrade",
+        ("upgrade",),
+        inject=False,
+        extra=(LAYER,),
+        prepare=(("init",), ("saver", "install")),
+        old_release=True,
+        done=_upgraded,
+        undo=("saver", "remove"),
+    )
+)
+
 CTRL_C = ("set", "set-no-branch", "saver-install")
 """Scenarios also interrupted (KeyboardInterrupt after each step, as Ctrl-C)."""
 
@@ -213,6 +235,8 @@ def template(make_checkout, tmp_path: Path):
         for prep in sc.prepare:
             res = qp(root, *prep)
             assert res.returncode == 0, (prep, res.stderr)
+        if sc.old_release:
+            make_old_release(root)
         dirty_user_files(root, sc.use_git)
         return root, start
 

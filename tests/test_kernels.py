@@ -22,6 +22,7 @@ np = pytest.importorskip("numpy")
 ml_dtypes = pytest.importorskip("ml_dtypes")
 
 from quantpatch.runtime import quantpatch_ops as ops  # noqa: E402
+from quantpatch.runtime import quantpatch_quantize as qz  # noqa: E402
 
 # numpy (the interpreter) warns of overflow in lanes the kernels compute and then discard
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
@@ -62,7 +63,7 @@ def assert_same(got: torch.Tensor, ref: torch.Tensor) -> None:
 def check(kernels, x: torch.Tensor, fmt: str, dim: int = -1, backward: bool = False) -> None:
     x = x.to(DEVICE)
     got = kernels.fake_quant(x, fmt, dim, backward)
-    ref = ops._fake_quant(x, fmt, dim, backward)
+    ref = qz._fake_quant(x, fmt, dim, backward)
     assert_same(got, ref)
 
 
@@ -182,7 +183,7 @@ def test_hifp8_log_uniform_and_layouts(kernels):
 
 def test_quant_products_through_the_kernels(kernels, monkeypatch):
     monkeypatch.setenv("QUANTPATCH_KERNELS", "triton")
-    monkeypatch.setattr(ops, "_kernels_module", kernels)
+    monkeypatch.setattr(qz, "_kernels_module", kernels)
     gen = torch.Generator().manual_seed(5)
     a = torch.randn(4, 16, 64, generator=gen).to(DEVICE)
     b = torch.randn(4, 64, 24, generator=gen).to(DEVICE)
@@ -210,7 +211,7 @@ def _reference(op, *args):
 
 def test_straight_through_gradient_through_the_kernels(kernels, monkeypatch):
     monkeypatch.setenv("QUANTPATCH_KERNELS", "triton")
-    monkeypatch.setattr(ops, "_kernels_module", kernels)
+    monkeypatch.setattr(qz, "_kernels_module", kernels)
     a = torch.randn(8, 64, device=DEVICE, requires_grad=True)
     w = torch.randn(64, 8, device=DEVICE, requires_grad=True)
     ops.quant_matmul(a, w, "mxfp8").sum().backward()
@@ -228,24 +229,24 @@ def test_forced_kernels_refuse_cpu_tensors_they_cannot_read(monkeypatch):
     assert ops.kernels_in_use("cpu").startswith("none (QUANTPATCH_KERNELS=triton refuses")
     monkeypatch.setenv("QUANTPATCH_KERNELS", "auto")  # auto: CPU tensors take the reference
     x = torch.randn(4, 64)
-    assert torch.equal(ops.fake_quant(x, "mxfp8"), ops._fake_quant(x, "mxfp8", -1, False))
+    assert torch.equal(ops.fake_quant(x, "mxfp8"), qz._fake_quant(x, "mxfp8", -1, False))
 
 
 def test_kernel_mode_switch_and_fallback(monkeypatch):
     x = torch.randn(4, 64)
     monkeypatch.setenv("QUANTPATCH_KERNELS", "reference")
     assert ops.kernels_in_use() == "reference (QUANTPATCH_KERNELS=reference)"
-    assert torch.equal(ops.fake_quant(x, "mxfp8"), ops._fake_quant(x, "mxfp8", -1, False))
+    assert torch.equal(ops.fake_quant(x, "mxfp8"), qz._fake_quant(x, "mxfp8", -1, False))
     monkeypatch.setenv("QUANTPATCH_KERNELS", "fast")
     with pytest.raises(ValueError, match="QUANTPATCH_KERNELS='fast'"):
         ops.fake_quant(x, "mxfp8")
     # auto on a CPU tensor: the reference, whatever the kernels' state
     monkeypatch.setenv("QUANTPATCH_KERNELS", "auto")
-    assert torch.equal(ops.fake_quant(x, "hifp8"), ops._fake_quant(x, "hifp8", -1, False))
+    assert torch.equal(ops.fake_quant(x, "hifp8"), qz._fake_quant(x, "hifp8", -1, False))
     # no importable kernels: auto falls back and says why; triton refuses
-    monkeypatch.setattr(ops, "_kernels_module", None)
-    monkeypatch.setattr(ops, "_kernels_error", "ModuleNotFoundError: No module named 'triton'")
-    assert ops.kernels_in_use() == "reference (no Triton kernels: " + ops._kernels_error + ")"
+    monkeypatch.setattr(qz, "_kernels_module", None)
+    monkeypatch.setattr(qz, "_kernels_error", "ModuleNotFoundError: No module named 'triton'")
+    assert ops.kernels_in_use() == "reference (no Triton kernels: " + qz._kernels_error + ")"
     monkeypatch.setenv("QUANTPATCH_KERNELS", "triton")
     with pytest.raises(RuntimeError, match="No module named 'triton'"):
         ops.fake_quant(x, "mxfp8")
@@ -313,7 +314,7 @@ def check_nv(
         rand = torch.rand(x.shape, generator=torch.Generator().manual_seed(x.numel()))
     rand = rand.to(DEVICE)
     got = kernels.fake_quant(x, fmt, dim, backward, rand)
-    ref = ops._fake_quant(x, fmt, dim, backward, rand)
+    ref = qz._fake_quant(x, fmt, dim, backward, rand)
     assert_same(got, ref)
 
 
@@ -353,7 +354,7 @@ def test_nvfp4_shapes_scalars_and_zero_tensors(kernels, fmt):
 
 def test_nvfp4_through_ops_draws_the_same_bits_on_either_path(kernels, monkeypatch):
     monkeypatch.setenv("QUANTPATCH_KERNELS", "triton")
-    monkeypatch.setattr(ops, "_kernels_module", kernels)
+    monkeypatch.setattr(qz, "_kernels_module", kernels)
     x = _nv_blocks((16, 64), 8).to(DEVICE)
     weight = torch.nn.Parameter(_nv_blocks((24, 64), 9).to(DEVICE))
     for fmt in NV:

@@ -11,6 +11,7 @@ ml_dtypes = pytest.importorskip("ml_dtypes")
 np = pytest.importorskip("numpy")
 
 from quantpatch.runtime import quantpatch_ops as ops  # noqa: E402
+from quantpatch.runtime import quantpatch_quantize as qz  # noqa: E402
 
 F32 = np.float32
 E2M1_GRID = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], dtype=np.float64)
@@ -203,7 +204,7 @@ def test_stochastic_rounding_at_uniforms_equal_to_the_fraction():
     mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 0.125, 5.5, -0.75, -5.0])
     x = torch.cat([torch.tensor([6.0]), mids, torch.zeros(4)]).expand(3, 16).contiguous()
     rand = torch.tensor([[0.5], [0.0], [0.5 - 2.0**-24]]).expand(3, 16).contiguous()
-    got = ops._fake_quant(x, "nvfp4", -1, True, rand)
+    got = qz._fake_quant(x, "nvfp4", -1, True, rand)
     assert_bits(got, nvfp4_oracle(x, rand=rand))
     assert got[:, 2].tolist() == [0.5, 1.0, 1.0] and got[:, 10].tolist() == [-0.5, -1.0, -1.0]
 
@@ -380,21 +381,28 @@ def test_tensors_formats_takes_nvfp4_2d_as_a_candidate(run, tmp_path):
     assert res.code == 0, res
 
 
-def test_the_ops_module_imports_torch_and_the_standard_library_only():
+def test_the_ops_modules_import_torch_and_the_standard_library_only():
     import ast
     import sys
     from pathlib import Path
 
-    tree = ast.parse(Path(ops.__file__).read_text())
-    names = {
-        a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names
-    }
-    names |= {
-        n.module.split(".")[0]
-        for n in ast.walk(tree)
-        if isinstance(n, ast.ImportFrom) and n.module and n.level == 0
-    }
-    assert names - set(sys.stdlib_module_names) == {"torch"}
+    from quantpatch.checkout.init import OPS_MODULES
+
+    runtime = Path(ops.__file__).parent
+    for installed in OPS_MODULES:  # quantpatch_ops.py and the parts it imports
+        tree = ast.parse((runtime / Path(installed).name).read_text())
+        names = {
+            a.name.split(".")[0]
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Import)
+            for a in n.names
+        }
+        names |= {
+            n.module.split(".")[0]
+            for n in ast.walk(tree)
+            if isinstance(n, ast.ImportFrom) and n.module and n.level == 0
+        }
+        assert names - set(sys.stdlib_module_names) == {"torch"}, installed
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "nvfp4-2d"])
@@ -406,9 +414,9 @@ def test_cpu_slices_equal_the_whole_tensor(monkeypatch, fmt):
         x = _mixed(shape, len(shape) * 7 + dim)
         x.view(-1)[5] = float("nan")
         rand = torch.rand(shape, generator=torch.Generator().manual_seed(1))
-        whole = [ops._fake_quant(x, fmt, dim, bw, rand) for bw in (False, True)]
-        monkeypatch.setattr(ops, "_CHUNK", 24)
-        sliced = [ops._fake_quant(x, fmt, dim, bw, rand) for bw in (False, True)]
+        whole = [qz._fake_quant(x, fmt, dim, bw, rand) for bw in (False, True)]
+        monkeypatch.setattr(qz, "_CHUNK", 24)
+        sliced = [qz._fake_quant(x, fmt, dim, bw, rand) for bw in (False, True)]
         monkeypatch.undo()
         for a, b in zip(sliced, whole, strict=True):
             assert_bits(a, b)

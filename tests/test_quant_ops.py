@@ -326,12 +326,13 @@ def test_compiled_path_is_bit_identical(tmp_path):
     code = (
         "import torch\n"
         "from quantpatch.runtime import quantpatch_ops as ops\n"
-        "assert ops._COMPILE\n"
+        "from quantpatch.runtime import quantpatch_quantize as qz\n"
+        "assert qz._COMPILE\n"
         "torch.manual_seed(0)\n"
         "x = (torch.randn(64, 96) * torch.logspace(-8, 8, 96)).to(torch.bfloat16)\n"
         "x[0, 3] = float('nan')\n"
         "for fmt in ('mxfp8', 'hifp8'):\n"
-        "    a = ops._fake_quant(x, fmt, -1, False)\n"
+        "    a = qz._fake_quant(x, fmt, -1, False)\n"
         "    b = ops.fake_quant(x, fmt)\n"
         "    assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)), fmt\n"
         "print('EQUAL')\n"
@@ -351,13 +352,13 @@ def test_compiled_path_is_bit_identical(tmp_path):
 )
 def test_large_cpu_tensors_are_sliced_bit_identically(fmt, backward):
     """Above 2 x 2^18 elements the CPU path works slice by slice; it must equal the whole."""
-    from quantpatch.runtime import quantpatch_ops as ops
+    from quantpatch.runtime import quantpatch_quantize as qz
 
     gen = torch.Generator().manual_seed(9)
     x = (torch.randn(700, 1000, generator=gen) * 4).to(torch.bfloat16)
-    assert x.numel() > 2 * ops._CHUNK
+    assert x.numel() > 2 * qz._CHUNK
     for t, dim in ((x, -1), (x, 0), (x.reshape(-1), 0), (x.t(), -1)):
-        whole = ops._whole(t, fmt, dim, backward)
+        whole = qz._whole(t, fmt, dim, backward)
         assert torch.equal(
-            ops._fake_quant(t, fmt, dim, backward).view(torch.int16), whole.view(torch.int16)
+            qz._fake_quant(t, fmt, dim, backward).view(torch.int16), whole.view(torch.int16)
         )

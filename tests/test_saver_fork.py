@@ -13,6 +13,7 @@ from pathlib import Path
 import libcst as cst
 import pytest
 
+from quantpatch.checkout.init import OPS_MODULES
 from quantpatch.checkout.saver import SAVER_MODULE
 
 from .conftest import run_probe, snapshot
@@ -169,8 +170,10 @@ def _fork_model_saves_once_per_tensor(clone: Path, tmp_path: Path) -> None:
     """The fork's GPT on CPU: training unchanged; the fork's own linear and attention calls
     and the inserted ones save each tensor once, with layer numbers, forward and backward."""
     torch = pytest.importorskip("torch")
-    ops = clone / "megatron/core/quantpatch_ops.py"  # the fork's dispatches call it (hifp8)
-    shutil.copy(Path(__file__).parents[1] / "quantpatch/runtime/quantpatch_ops.py", ops)
+    # the fork's dispatches call quantpatch_ops (hifp8): it and the parts it imports
+    installed = [clone / rel for rel in OPS_MODULES]
+    for dest in installed:
+        shutil.copy(Path(__file__).parents[1] / "quantpatch/runtime" / dest.name, dest)
     try:
         off, _ = run_probe(MODEL_PROBE, clone, tmp_path / "m_off.pt", "2", **QUIET)
         logs = tmp_path / "model"
@@ -184,7 +187,8 @@ def _fork_model_saves_once_per_tensor(clone: Path, tmp_path: Path) -> None:
             **QUIET,
         )
     finally:
-        ops.unlink()
+        for dest in installed:
+            dest.unlink()
     assert torch.equal(off["losses"], on["losses"])
     for name, grad in off["grads"].items():
         assert torch.equal(grad, on["grads"][name]), name

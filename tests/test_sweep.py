@@ -212,6 +212,27 @@ def test_a_moved_scheme_branch_runs_again_and_only_pending_keeps_failures(
     assert len([c for c in calls(stub) if c[-1] == "start"]) == 6
 
 
+def test_resume_names_the_runs_an_upgrade_changed(sweep_env, run, make_checkout):
+    """A sweep finished on a checkout of the previous release; after ``quantpatch upgrade``
+    the resume runs every run again, naming the upgrade as why its source changed."""
+    from .oldrelease import make_old_release
+
+    _root, _env, stub, out = sweep_env
+    root = make_checkout(inject=False)
+    assert run("init", "--repo", root).code == 0
+    make_old_release(root)
+    res = run("sweep", "run", out, *SELECT, "--repo", root)
+    assert res.code == 0, res
+    assert run("upgrade", "--repo", root).code == 0
+    res = run("sweep", "run", out, "--repo", root)
+    assert res.code == 0, res
+    said = " ".join(res.err.split())
+    for scheme in ("bf16", "FA_mxfp8", "linear_mxfp4"):
+        assert f"llama32-1b_wikipedia_{scheme}_smoke: running it again" in said
+    assert said.count("its source changed with 'quantpatch upgrade' at") == 3, said
+    assert len([c for c in calls(stub) if c[-1] == "start"]) == 6
+
+
 def _wait_for(pred, timeout=60.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -20,6 +20,8 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
 from quantpatch.runtime import quantpatch_ops as ops  # noqa: E402
+from quantpatch.runtime import quantpatch_quantize as qz  # noqa: E402
+from quantpatch.runtime import quantpatch_weights as wc  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 CUDA = torch.cuda.is_available()
@@ -106,9 +108,9 @@ def _step(weights, micro_batches, fmt, seed):
 
 
 def _count_weight_quantizations(monkeypatch, weights) -> list[tuple[int, str, bool]]:
-    """Every ``fake_quant`` of a weight's storage, as (which weight, format, backward)."""
+    """Every quantization of a weight's storage, as (which weight, format, backward)."""
     seen: list[tuple[int, str, bool]] = []
-    real = ops.fake_quant
+    real = wc.quantize
 
     def spy(x, fmt, *, dim=-1, backward=False):
         for i, w in enumerate(weights):
@@ -116,7 +118,7 @@ def _count_weight_quantizations(monkeypatch, weights) -> list[tuple[int, str, bo
                 seen.append((i, fmt, backward))
         return real(x, fmt, dim=dim, backward=backward)
 
-    monkeypatch.setattr(ops, "fake_quant", spy)
+    monkeypatch.setattr(wc, "quantize", spy)  # what the weight cache quantizes with
     return seen
 
 
@@ -165,6 +167,7 @@ def test_gradient_accumulation_quantizes_each_weight_once_per_step(monkeypatch, 
 MEGATRON_PROBE = """
 import inspect, os, sys, torch
 from megatron.core import quantpatch_ops as ops
+from megatron.core import quantpatch_weights as wc
 from megatron.core.tensor_parallel.layers import (
     LinearWithGradAccumulationAndAsyncCommunication as Linear,
 )
@@ -179,14 +182,14 @@ values = {
 }
 names = list(inspect.signature(Linear.forward).parameters)[3:]
 seen = []
-real = ops.fake_quant
+real = wc.quantize  # what the weight cache quantizes with
 
 def spy(x, fmt, *, dim=-1, backward=False):
     if x.data_ptr() == w.data_ptr():
         seen.append(backward)
     return real(x, fmt, dim=dim, backward=backward)
 
-ops.fake_quant = spy
+wc.quantize = spy
 saved = {}
 w0 = w.detach().clone()
 for cache in ("1", "0"):
@@ -361,14 +364,14 @@ def test_a_reused_id_of_a_collected_weight_is_not_served(monkeypatch):
     with torch.no_grad():
         ops._cached_q(w, "hifp8", -1, False)
     wid = id(w)
-    entry = ops._WEIGHT_CACHE.entries[wid]
+    entry = wc._WEIGHT_CACHE.entries[wid]
     other = torch.nn.Parameter(torch.randn(32, 32))
     # pretend ``other`` was allocated at the collected weight's address
-    ops._WEIGHT_CACHE.entries[id(other)] = entry
+    wc._WEIGHT_CACHE.entries[id(other)] = entry
     with torch.no_grad():
         got = ops._cached_q(other, "hifp8", -1, False)
     assert same_bits(got, ops.fake_quant(other.detach(), "hifp8"))
-    assert ops._WEIGHT_CACHE.entries[id(other)][0]() is other
+    assert wc._WEIGHT_CACHE.entries[id(other)][0]() is other
 
 
 # -- the autotuned fake-quant kernels: every configuration bit for bit ---------------------------
@@ -397,7 +400,7 @@ def test_every_autotune_configuration_is_bit_exact(kernels):
                 t3, y, rows, n, sb, sr, sn, 0,
                 MBITS=mbits, EMIN=emin, VMAX=vmax, EMAX=emax, BLOCK_R=br, BLOCK_N=bn, BF16=True,
             )  # fmt: skip
-            ref = ops._fake_quant(t, "mxfp8", dim, False)
+            ref = qz._fake_quant(t, "mxfp8", dim, False)
             assert torch.equal(torch.isnan(y), torch.isnan(ref))
             assert same_bits(torch.nan_to_num(y), torch.nan_to_num(ref)), cfg
     assert ran == len(kernels._mx_kernel.configs)  # each configuration on its layout
@@ -408,7 +411,7 @@ def test_every_autotune_configuration_is_bit_exact(kernels):
         kernels._hifp8_kernel.fn[(-(-flat.numel() // size),)](
             flat, y, flat.numel(), 0, BLOCK_SIZE=size, BF16=True
         )
-        ref = ops._fake_quant(flat, "hifp8", -1, False)
+        ref = qz._fake_quant(flat, "hifp8", -1, False)
         assert same_bits(torch.nan_to_num(y), torch.nan_to_num(ref)), cfg
 
 
@@ -468,8 +471,8 @@ def test_fused_gemm_quantizes_operands_bit_for_bit_and_multiplies_within_the_bou
     GEMM times the identity gives each quantized operand exactly; the product is within the
     accumulation-order bound of torch.matmul of the reference-quantized operands."""
     a, b = _operands(64, 80, 96, dtype, seed=len(fmt) + backward)
-    qa = ops._fake_quant(a, fmt, -1, backward)
-    qb = ops._fake_quant(b, fmt, -2, backward)
+    qa = qz._fake_quant(a, fmt, -1, backward)
+    qb = qz._fake_quant(b, fmt, -2, backward)
     eye = torch.eye(80, dtype=dtype, device=DEVICE)
     # rows of A and columns of B quantize independently: one tile row / column of each (a
     # sum turns -0 into +0, so zeros are compared without their sign)
@@ -491,7 +494,7 @@ def test_fused_gemm_batches_odd_shapes_and_specials(kernels):
     a[0, 3, 5] = float("inf")
     b[1, 7, 2] = float("nan")
     got = kernels.quant_gemm(a, b, "mxfp4", "hifp8")
-    qa, qb = ops._fake_quant(a, "mxfp4", -1, False), ops._fake_quant(b, "hifp8", -2, False)
+    qa, qb = qz._fake_quant(a, "mxfp4", -1, False), qz._fake_quant(b, "hifp8", -2, False)
     want = torch.bmm(qa, qb)
     assert torch.equal(torch.isnan(got), torch.isnan(want))
     assert torch.equal(torch.isinf(got), torch.isinf(want))
@@ -516,7 +519,7 @@ def test_fused_gemm_batches_odd_shapes_and_specials(kernels):
 
 def test_every_gemm_configuration_is_correct(kernels):
     a, b = _operands(40, 70, 36, torch.bfloat16, seed=3)
-    qa, qb = ops._fake_quant(a, "mxfp8", -1, False), ops._fake_quant(b, "mxfp8", -2, False)
+    qa, qb = qz._fake_quant(a, "mxfp8", -1, False), qz._fake_quant(b, "mxfp8", -2, False)
     tol, ref = _tolerance(qa, qb, torch.bfloat16)
     for cfg in kernels._qgemm_kernel.configs[1:]:  # the first ran in the test above
         c = torch.empty(1, 40, 36, dtype=torch.bfloat16, device=DEVICE)
@@ -536,7 +539,7 @@ def test_quant_matmul_dispatch(kernels, monkeypatch):
     """auto on CPU: the separate path, bit for bit as before; fused (interpreted) through
     quant_matmul / quant_bmm / quant_baddbmm with a cached weight entering pre-quantized;
     operands that need gradients and NVFP4 stay separate; the refusals."""
-    monkeypatch.setattr(ops, "_kernels_module", kernels)
+    monkeypatch.setattr(qz, "_kernels_module", kernels)
     a, _ = _operands(24, 64, 40, torch.bfloat16, seed=5)
     w = torch.nn.Parameter(torch.randn(40, 64).to(torch.bfloat16).to(DEVICE))
     if CUDA:  # auto would measure there: the first part is the separate path's
@@ -559,7 +562,7 @@ def test_quant_matmul_dispatch(kernels, monkeypatch):
         assert calls == [("mxfp8", "bf16", False, False)]  # the weight came from the cache
         assert fused.shape == (2, 12, 40) and ops.weight_cache_stats()["hits"] == 2
         tol, _ = _tolerance(
-            ops._fake_quant(a, "mxfp8", -1, False), ops._fake_quant(w.t(), "mxfp8", -2, False),
+            qz._fake_quant(a, "mxfp8", -1, False), qz._fake_quant(w.t(), "mxfp8", -2, False),
             torch.bfloat16,
         )  # fmt: skip
         assert bool(((fused.reshape(24, 40).double() - separate.double()).abs() <= tol).all())
@@ -570,9 +573,9 @@ def test_quant_matmul_dispatch(kernels, monkeypatch):
         assert same_bits(scores, bmm * 0.5) and len(calls) == 3
         assert ops.quant_baddbmm(buffer, a3, b3, beta=0.0, fmt="hifp8").shape == (2, 12, 8)
         ops.quant_matmul(a, w.t(), "nvfp4")  # separate: a tensor-wide amax
-        assert ops._fused_product(a3, b3.float(), "mxfp8", False, False) is None  # dtypes
-        assert ops._fused_product(a3, b3[:1], "mxfp8", False, False) is None  # batches
-        assert ops._fused_product(a3, b3[:, :8], "mxfp8", False, False) is None  # K differs
+        assert wc._fused_product(a3, b3.float(), "mxfp8", False, False) is None  # dtypes
+        assert wc._fused_product(a3, b3[:1], "mxfp8", False, False) is None  # batches
+        assert wc._fused_product(a3, b3[:, :8], "mxfp8", False, False) is None  # K differs
         ops.quant_matmul(a3, b3[0], "mxfp8")  # an activation b: quantized in the loop
         assert calls[-1] == ("mxfp8", "mxfp8", False, False) and len(calls) == 5
     x = a.detach().requires_grad_()
@@ -588,13 +591,13 @@ def test_quant_matmul_dispatch(kernels, monkeypatch):
         with pytest.raises(RuntimeError, match=cuda_only), torch.no_grad():
             ops.quant_matmul(a, w.t(), "mxfp8")
         monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setattr(ops, "_kernels_module", None)
-    monkeypatch.setattr(ops, "_kernels_error", "ModuleNotFoundError: No module named 'triton'")
+    monkeypatch.setattr(qz, "_kernels_module", None)
+    monkeypatch.setattr(qz, "_kernels_error", "ModuleNotFoundError: No module named 'triton'")
     with pytest.raises(RuntimeError, match="No module named 'triton'"), torch.no_grad():
         ops.quant_matmul(a, w.t(), "mxfp8")
     monkeypatch.setenv("QUANTPATCH_GEMM", "auto")  # auto without kernels: separate, silently
-    monkeypatch.setattr(ops, "_auto_fuses", lambda t: True)
-    assert ops._fused_product(a, w.detach().t(), "mxfp8", False, False) is None
+    monkeypatch.setattr(wc, "_auto_fuses", lambda t: True)
+    assert wc._fused_product(a, w.detach().t(), "mxfp8", False, False) is None
 
 
 def test_auto_measures_each_problem_once_and_keeps_the_faster(monkeypatch):
@@ -604,8 +607,8 @@ def test_auto_measures_each_problem_once_and_keeps_the_faster(monkeypatch):
         timed.append(fn.__name__)
         return {"fused": 1.0, "separate": 2.0}[fn.__name__]
 
-    monkeypatch.setattr(ops, "_gemm_timer", timer)
-    monkeypatch.setattr(ops, "_GEMM_CHOICES", {})
+    monkeypatch.setattr(wc, "_gemm_timer", timer)
+    monkeypatch.setattr(wc, "_GEMM_CHOICES", {})
 
     def fused():
         return torch.ones(1)
@@ -613,20 +616,20 @@ def test_auto_measures_each_problem_once_and_keeps_the_faster(monkeypatch):
     def separate():
         return torch.zeros(1)
 
-    assert ops._choose_gemm(("k",), fused, separate) == "fused"
-    assert ops._choose_gemm(("k",), fused, separate) == "fused"
+    assert wc._choose_gemm(("k",), fused, separate) == "fused"
+    assert wc._choose_gemm(("k",), fused, separate) == "fused"
     assert timed == ["fused", "separate"]
-    monkeypatch.setattr(ops, "_gemm_timer", lambda fn: {"fused": 3.0, "separate": 2.0}[fn.__name__])
-    assert ops._choose_gemm(("j",), fused, separate) == "separate"
+    monkeypatch.setattr(wc, "_gemm_timer", lambda fn: {"fused": 3.0, "separate": 2.0}[fn.__name__])
+    assert wc._choose_gemm(("j",), fused, separate) == "separate"
     assert ops.gemm_choices() == {"('k',)": "fused", "('j',)": "separate"}
 
 
 def test_auto_through_the_products_uses_the_measured_path(kernels, monkeypatch):
     """auto where it measures (CUDA; here the interpreter stands in): the timer's verdict is
     kept per problem; separate gives the separate path's bits, fused calls the GEMM."""
-    monkeypatch.setattr(ops, "_kernels_module", kernels)
-    monkeypatch.setattr(ops, "_auto_fuses", lambda t: True)
-    monkeypatch.setattr(ops, "_GEMM_CHOICES", {})
+    monkeypatch.setattr(qz, "_kernels_module", kernels)
+    monkeypatch.setattr(wc, "_auto_fuses", lambda t: True)
+    monkeypatch.setattr(wc, "_GEMM_CHOICES", {})
     verdict = {"fused": 2.0, "separate": 1.0}
     timed = []
 
@@ -635,7 +638,7 @@ def test_auto_through_the_products_uses_the_measured_path(kernels, monkeypatch):
         fn()
         return verdict[fn.__name__]
 
-    monkeypatch.setattr(ops, "_gemm_timer", timer)
+    monkeypatch.setattr(wc, "_gemm_timer", timer)
     a, b = _operands(24, 64, 40, torch.float32, seed=8, transposed_b=False)
     with torch.no_grad():
         got = ops.quant_matmul(a, b, "hifp8")
@@ -646,7 +649,7 @@ def test_auto_through_the_products_uses_the_measured_path(kernels, monkeypatch):
         verdict.update(fused=0.5)
         fused = ops.quant_matmul(a, b, "mxfp4")  # another problem: measured, fused kept
         assert len(timed) == 4 and list(ops.gemm_choices().values()) == ["separate", "fused"]
-        qa, qb = ops._fake_quant(a, "mxfp4", -1, False), ops._fake_quant(b, "mxfp4", -2, False)
+        qa, qb = qz._fake_quant(a, "mxfp4", -1, False), qz._fake_quant(b, "mxfp4", -2, False)
         tol, ref = _tolerance(qa, qb, torch.float32)
         assert bool(((fused.double() - ref).abs() <= tol).all())
 

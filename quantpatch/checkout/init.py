@@ -3,6 +3,8 @@
 ``init`` inserts fork-layout sites (value ``bf16``, so the checkout computes exactly as before)
 into the two target files, with the flash-attention route of the FA schemes at the top of
 ``DotProductAttention.forward``, and installs ``megatron/core/quantpatch_ops.py``,
+the modules it imports (``quantpatch_mx.py``, ``quantpatch_nvfp4.py``, ``quantpatch_paretoq.py``,
+``quantpatch_quantize.py``, ``quantpatch_weights.py``: one concern each),
 ``megatron/core/quantpatch_kernels.py`` and ``megatron/core/quantpatch_flash.py`` (verbatim
 copies of ``quantpatch/runtime/``: the ops, their fused Triton kernels for CUDA tensors, and
 the flash-attention kernels): a recorded install, so ``init --remove`` restores the original
@@ -12,31 +14,27 @@ bytes exactly.
 from __future__ import annotations
 
 from collections.abc import Callable
-from importlib import resources
 from pathlib import Path
 
 from quantpatch.base.config import load_targets
 from quantpatch.base.edits import Edit, read_exact
 from quantpatch.base.errors import UserError
+from quantpatch.checkout.parts import (  # noqa: F401  (the names tests and set use)
+    FLASH_MODULE,
+    KERNELS_MODULE,
+    OPS_MODULE,
+    OPS_MODULES,
+    OPS_PARTS,
+    RUNTIME_MODULES,
+    record_extra,
+    runtime_source,
+)
 from quantpatch.git import repo as gitrepo
 from quantpatch.git.installs import InstallResult, record_of, run_install, run_remove
 from quantpatch.sites.codemods.init_sites import inject_sites, inject_weight_steps, teach_dispatches
 from quantpatch.sites.model import read_target
 
-OPS_MODULE = "megatron/core/quantpatch_ops.py"
-KERNELS_MODULE = "megatron/core/quantpatch_kernels.py"
-FLASH_MODULE = "megatron/core/quantpatch_flash.py"
-# installed path -> the runtime module it copies
-RUNTIME_MODULES = {
-    OPS_MODULE: "runtime/quantpatch_ops.py",
-    KERNELS_MODULE: "runtime/quantpatch_kernels.py",
-    FLASH_MODULE: "runtime/quantpatch_flash.py",
-}
 RECORD = "init"
-
-
-def runtime_source(installed: str) -> str:
-    return resources.files("quantpatch").joinpath(RUNTIME_MODULES[installed]).read_text("utf-8")
 
 
 def ops_source() -> str:
@@ -65,29 +63,37 @@ def _site_edits(root: Path, rels: tuple[str, ...], kind_of: Callable[[str], str]
     """A stock file gets sites and quantpatch's dispatches; a file that has sites already
     (a fork's) gets its explicit dispatch chains taught the quantpatch values they lack,
     its own branches untouched. Nothing to do anywhere is refused."""
-    from quantpatch.sites.discovery import discover_sites
 
     edits, forked = [], []
     for rel in rels:
         text = read_target(root, rel)
-        if not discover_sites(text, rel, kind_of(rel)):
-            new = inject_sites(text, rel, kind_of(rel), flash=True)
-            if kind_of(rel) == "linear":
-                new = inject_weight_steps(new, rel)  # ParetoQ steps: parameters of the layers
+        new, fork = init_text(text, rel, kind_of(rel))
+        if fork:
+            forked.append(rel)
+        if new is not None:
             edits.append(Edit(rel, text, new))
-            continue
-        forked.append(rel)
-        taught = teach_dispatches(text, rel)
-        if kind_of(rel) == "linear":
-            taught = _with_weight_steps(taught or text, rel) or taught
-        if taught is not None:
-            edits.append(Edit(rel, text, taught))
     if forked and len(edits) == 0:
         raise UserError(
             f"{forked[0]}: the file already has custom_quant_type sites whose dispatches "
             "quantpatch cannot teach more values; nothing to initialise."
         )
     return edits
+
+
+def init_text(text: str, rel: str, kind: str) -> tuple[str | None, bool]:
+    """What ``init`` makes of a target file's text (None: nothing to change), and whether
+    the file had sites of its own (a fork's). ``upgrade`` runs it on the recorded originals."""
+    from quantpatch.sites.discovery import discover_sites
+
+    if not discover_sites(text, rel, kind):
+        new = inject_sites(text, rel, kind, flash=True)
+        if kind == "linear":
+            new = inject_weight_steps(new, rel)  # ParetoQ steps: parameters of the layers
+        return new, False
+    taught = teach_dispatches(text, rel)
+    if kind == "linear":
+        taught = _with_weight_steps(taught or text, rel) or taught
+    return taught, True
 
 
 def _with_weight_steps(text: str, rel: str) -> str | None:
@@ -115,4 +121,5 @@ def init(path: Path | None, *, remove: bool = False) -> InstallResult:
         _files,
         "quantpatch init: fork-layout custom_quant_type sites (bf16), "
         "megatron/core/quantpatch_ops.py and its Triton kernels",
+        extra=record_extra(RECORD),
     )

@@ -11,23 +11,22 @@ serves every use of it in the checkout (``saver_callers``).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from importlib import resources
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 from quantpatch.base.config import Targets, load_targets
 from quantpatch.base.edits import Edit, read_exact
 from quantpatch.base.errors import UserError
+from quantpatch.checkout.parts import SAVER_MODULE, record_extra, runtime_source
 from quantpatch.git import repo as gitrepo
 from quantpatch.git.installs import InstallResult, record_of, run_install, run_remove
 from quantpatch.sites.model import read_target
 
-SAVER_MODULE = "megatron/core/tensor_saver.py"
 RECORD = "saver"
 
 
 def saver_source() -> str:
-    return resources.files("quantpatch").joinpath("runtime/tensor_saver.py").read_text("utf-8")
+    return runtime_source(SAVER_MODULE)
 
 
 def _layer_file(targets: Targets) -> str:
@@ -68,6 +67,7 @@ def install(path: Path | None, *, force: bool = False) -> InstallResult:
         plan,
         files,
         "quantpatch saver install: tensor saver and marked calls",
+        extra=record_extra(RECORD),
         idempotent=True,
     )
 

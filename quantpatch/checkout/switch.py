@@ -29,8 +29,10 @@ from quantpatch.base.edits import (
     write_exact,
 )
 from quantpatch.base.errors import UserError
+from quantpatch.checkout.parts import parts_status
 from quantpatch.checkout.saver import status as saver_status
 from quantpatch.git import repo as gitrepo
+from quantpatch.git.installs import upgrade_record
 from quantpatch.sites import cache as site_cache
 from quantpatch.sites.model import Site, refuse_links, role_values
 
@@ -52,6 +54,8 @@ class CheckReport:
     saver: dict[str, Any]
     warnings: list[str] = field(default_factory=list)
     """What is wrong around the sites (an unreadable record, an interrupted write)."""
+    parts: list[dict[str, Any]] = field(default_factory=list)
+    """Every installed part: current, older or edited (``quantpatch.checkout.parts``)."""
 
     def problems(self, expect: Mapping[str, str] | None = None) -> list[str]:
         """Why the check does not hold (empty when it does)."""
@@ -60,7 +64,14 @@ class CheckReport:
             where = ", ".join(f"{s.file}:{s.line}={s.value}" for s in members)
             out.append(f"the {role} sites disagree ({where}).")
         for role, want in (expect or {}).items():
-            if self.roles.get(role) != want:
+            if role == "parts":
+                out += [
+                    f"the installed part {p['part']} is {p['status']}, expected current"
+                    + (f" ({p['detail']})." if p["detail"] else ".")
+                    for p in self.parts
+                    if p["status"] != "current"
+                ]
+            elif self.roles.get(role) != want:
                 out.append(f"{role} is {self.roles.get(role)}, expected {want}.")
         if expect and not out:
             out += self._unknown_to_dispatch(expect)
@@ -105,6 +116,7 @@ class CheckReport:
             "git": self.git.as_json() if self.git else None,
             "base": self.base,
             "saver": self.saver,
+            "parts": self.parts,
             "warnings": self.warnings,
         }
 
@@ -114,9 +126,13 @@ def parse_expect(text: str) -> dict[str, str]:
     out: dict[str, str] = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
         role, sep, value = part.partition("=")
+        if role == "parts" and value == "current":  # every installed part this version's
+            out[role] = value
+            continue
         if not sep or role not in ROLES or not value:
             raise UserError(
-                f"--expect: '{part}' is not role=value with a role among {', '.join(ROLES)}."
+                f"--expect: '{part}' is not role=value with a role among {', '.join(ROLES)} "
+                "(or parts=current)."
             )
         out[role] = validate_value(value, allow_unknown=False, where=f"--expect {role}", role=role)
     return out
@@ -191,6 +207,15 @@ def _check(
         problems_found.append(
             "a quantpatch write was interrupted; the next set or restore finishes it."
         )
+    if upgrade_record(checkout).exists():
+        problems_found.append(
+            "a quantpatch upgrade was interrupted; run 'quantpatch upgrade' again to finish it."
+        )
+    try:
+        parts = [p.as_json() for p in parts_status(checkout, targets, set_active=bool(state))]
+    except UserError as exc:  # an unreadable install record
+        parts = []
+        problems_found.append(str(exc))
     base = None
     if state:
         base = {
@@ -214,6 +239,7 @@ def _check(
         base=base,
         saver=saver_status(checkout).as_json(),
         warnings=problems_found,
+        parts=parts,
     )
 
 
@@ -292,7 +318,7 @@ def _discover_text(text: str, rel: str, targets: Targets) -> FileSites:
 
 def ops_text_at(repo: Any, commit: str) -> str | None:
     """The checkout's installed ``quantpatch_ops.py`` at ``commit`` (None: not there)."""
-    from quantpatch.checkout.init import OPS_MODULE
+    from quantpatch.checkout.parts import OPS_MODULE
 
     try:
         return gitrepo.read_at(repo, commit, OPS_MODULE)
@@ -302,7 +328,7 @@ def ops_text_at(repo: Any, commit: str) -> str | None:
 
 def ops_text_in(root: Path) -> str | None:
     """The checkout's installed ``quantpatch_ops.py`` in the work tree (None: not there)."""
-    from quantpatch.checkout.init import OPS_MODULE
+    from quantpatch.checkout.parts import OPS_MODULE
 
     return read_exact(root / OPS_MODULE) if (root / OPS_MODULE).is_file() else None
 

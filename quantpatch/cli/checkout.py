@@ -1,4 +1,5 @@
-"""The checkout commands: ``check``, ``set``, ``restore``, ``saver``, ``init``, ``demo``."""
+"""The checkout commands: ``check``, ``set``, ``restore``, ``saver``, ``init``, ``upgrade``,
+``demo``."""
 
 import sys
 from pathlib import Path
@@ -224,6 +225,26 @@ def init_(
     print_notes(result.notes)
     what = "restored" if result.removed else "initialised"
     out.print(f"{what}: {', '.join(result.files)}{commit_note(result.commit)}")
+
+
+@app.command()
+def upgrade(
+    force: bool = typer.Option(
+        False, "--force", help="Overwrite installed files edited by hand (the edits are lost)."
+    ),
+    repo: Path | None = RepoOpt,
+) -> None:
+    """Bring every part an earlier quantpatch installed (runtime, codemods, saver) to this
+    version, as one commit on the current branch."""
+    from quantpatch.checkout.upgrade import upgrade as run_upgrade
+
+    result = run_upgrade(repo_root(repo), force=force)
+    print_notes(result.notes)
+    if not result.changed:
+        out.print("every installed part is this version's; nothing to upgrade.")
+        return
+    files = ", ".join(result.files) or "nothing left to write"
+    out.print(f"upgraded: {files}{commit_note(result.commit)}")
 
 
 @app.command()

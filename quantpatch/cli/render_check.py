@@ -61,6 +61,8 @@ def print_check(report: CheckReport, out: Console) -> None:
     else:
         out.print("base: none (no set active)")
     out.print(f"tensor saver: {saver_line(report.saver)}")
+    if report.parts:
+        out.print(f"installed parts: {parts_line(report.parts)}", markup=False)
     for warning in report.warnings:
         out.print(f"warning: {warning}", style="yellow", markup=False)
 
@@ -73,3 +75,12 @@ def saver_line(saver: dict[str, object]) -> str:
     if saver.get("other"):
         return "a different tensor saver is installed (the checkout's own)"
     return "not installed"
+
+
+def parts_line(parts: list[dict[str, object]]) -> str:
+    """``ops current, kernels older, ...``; the first part not current says why."""
+    line = ", ".join(f"{p['part']} {p['status']}" for p in parts)
+    stale = [p for p in parts if p["status"] != "current"]
+    if stale and stale[0].get("detail"):
+        line += f" ({stale[0]['part']}: {stale[0]['detail']})"
+    return line

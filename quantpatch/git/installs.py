@@ -99,6 +99,7 @@ def run_install(
     checkout = gitrepo.find_checkout(path, need_git=False)
     with gitrepo.locked(checkout):
         gitrepo.recover(checkout)
+        finish_upgrade(checkout)  # an interrupted upgrade's records first
         if finish_interrupted(checkout, name) == "installed":
             # the same command, killed between its record and its commit: now complete
             head = gitrepo.head_commit(checkout.repo) if checkout.repo is not None else None
@@ -109,7 +110,7 @@ def run_install(
             return done
         if idempotent and record_of(checkout, name) is not None:
             return InstallResult([], None, removed=False, changed=False)
-        _preconditions(checkout, files(checkout))
+        preconditions(checkout, files(checkout))
         edits = plan(checkout)
         record_dir = checkout.state_dir / name
         for e in edits:  # the original bytes, kept before anything is replaced
@@ -131,6 +132,7 @@ def run_remove(
     checkout = gitrepo.find_checkout(path, need_git=False)
     with gitrepo.locked(checkout):
         gitrepo.recover(checkout)
+        finish_upgrade(checkout)  # an interrupted upgrade's records first
         if finish_interrupted(checkout, name) == "removed":  # killed after its last change
             return InstallResult([], None, removed=True)
         record = record_of(checkout, name)
@@ -138,7 +140,7 @@ def run_remove(
             if missing_ok:
                 return InstallResult([], None, removed=True, changed=False)
             raise UserError(f"{checkout.root}: not initialised by quantpatch; nothing to remove.")
-        _preconditions(checkout, list(record["files"]))
+        preconditions(checkout, list(record["files"]))
         edits = []
         for rel, info in record["files"].items():
             current = read_exact(checkout.root / rel)
@@ -251,7 +253,9 @@ def _detached_note(checkout: gitrepo.Checkout, commit: str | None) -> list[str]:
     ]
 
 
-def _preconditions(checkout: gitrepo.Checkout, files: Sequence[str]) -> None:
+def preconditions(checkout: gitrepo.Checkout, files: Sequence[str]) -> None:
+    """What every install, removal and upgrade requires: no links among ``files``, no
+    git index lock, no active ``set``, and ``files`` without uncommitted changes."""
     refuse_links(checkout.root, files)
     if checkout.repo is not None:
         gitrepo.refuse_index_lock(checkout.repo)
@@ -269,3 +273,66 @@ def _commit(checkout: gitrepo.Checkout, written: Sequence[str], message: str) ->
     if checkout.repo is None or not written or gitrepo.head_commit(checkout.repo) is None:
         return None
     return gitrepo.commit_paths(checkout.repo, list(written), message)
+
+
+# -- upgrades: every install's files, records and originals replaced as one change -------------
+
+UPGRADE_RECORD = "upgrade.json"
+
+
+def upgrade_record(checkout: gitrepo.Checkout) -> Path:
+    return checkout.state_dir / UPGRADE_RECORD
+
+
+def upgrade_record_text(
+    state: dict[str, str | None], files: Sequence[str], message: str, notes: Sequence[str]
+) -> str:
+    """The upgrade's commit point: the state files it leaves (records and kept originals,
+    relative to the state directory; None: removed), the work-tree files to commit, and the
+    commit message."""
+    body = {"state": state, "files": list(files), "message": message, "notes": list(notes)}
+    return json.dumps(body, indent=2) + "\n"
+
+
+def finish_upgrade(checkout: gitrepo.Checkout) -> list[str] | None:
+    """Complete an upgrade whose files are written (its record is the commit point): write
+    the install records and kept originals it names, commit its files, drop its record.
+    Idempotent, so a kill anywhere in it is finished by the next call. Returns the upgrade's
+    notes, None where no upgrade was pending."""
+    path = upgrade_record(checkout)
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_bytes().decode("utf-8"))
+        state: dict[str, str | None] = data["state"]
+        files: list[str] = data["files"]
+        message = str(data["message"])
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+        raise UserError(
+            f"{path}: the record of an interrupted 'quantpatch upgrade' is unreadable; check "
+            "the installed files against git, then remove it."
+        ) from None
+    for rel, text in state.items():
+        target = checkout.state_dir / rel
+        if read_exact(target) == text:
+            continue
+        faults.step(f"write upgrade state {rel}", done=False)
+        if text is None:
+            target.unlink(missing_ok=True)
+        else:
+            write_exact(target, text)
+        faults.step(f"write upgrade state {rel}", done=True)
+    if checkout.repo is not None and gitrepo.head_commit(checkout.repo) is not None:
+        dirty = gitrepo.dirty_paths(checkout.repo, files, untracked=True)
+        if dirty:
+            try:
+                gitrepo.commit_paths(checkout.repo, dirty, message)
+            except UserError as exc:
+                raise UserError(
+                    f"{exc}\nThe upgrade is written but not committed; run 'quantpatch "
+                    "upgrade' again to commit it."
+                ) from None
+    faults.step("drop upgrade record", done=False)
+    path.unlink()
+    faults.step("drop upgrade record", done=True)
+    return [str(n) for n in data.get("notes", [])]

@@ -268,9 +268,15 @@ def prepare(
             if state == "finished" and before.get("commit") in (commit, None):
                 run = {**run, **before}
             elif state == "finished":
+                upgraded = _upgrade_between(checkout.repo, before.get("commit"), commit)
                 notes.append(
                     f"{name}: running it again, its scheme branch moved from "
                     f"{str(before.get('commit'))[:10]} to {commit[:10]} since it finished"
+                    + (
+                        f" (its source changed with 'quantpatch upgrade' at {upgraded[:10]})"
+                        if upgraded
+                        else ""
+                    )
                 )
             elif state == "failed" and only_pending:
                 run = {**run, **before}
@@ -302,6 +308,27 @@ def _follow_slurm(sweep_dir: Path, old: dict[str, Any], asked: Selection | None)
             f"{jobs}), so it cannot take a different selection now; wait for them, or `quantpatch "
             f"sweep cancel {sweep_dir}`, or give a new folder."
         )
+
+
+UPGRADE_MESSAGE = "quantpatch upgrade:"
+"""How ``quantpatch upgrade`` begins its commit message (``quantpatch.checkout.upgrade``)."""
+
+
+def _upgrade_between(repo: Any, old: object, new: str) -> str | None:
+    """The ``quantpatch upgrade`` commit among those a run's source moved over (from ``old``,
+    a scheme branch's commit or, for a scheme whose values are the base's, the base tip, to
+    ``new``), None where there is none or the old commit is gone."""
+    if repo is None or not isinstance(old, str):
+        return None
+    from git import GitCommandError
+
+    try:
+        for c in repo.iter_commits(f"{old}..{new}"):
+            if str(c.message).startswith(UPGRADE_MESSAGE):
+                return str(c.hexsha)
+    except (GitCommandError, ValueError):  # a commit git no longer has, or no parent
+        return None
+    return None
 
 
 def group_alive(pgid: object) -> bool:

@@ -1,0 +1,197 @@
+"""The parts quantpatch installs into a checkout, and whether each is this version's.
+
+``init`` and ``saver install`` record, besides each file's original and written hashes, the
+quantpatch version and the *form* of every part they installed. A part is a runtime module
+copied verbatim (its content hash says whether it is this version's) or a codemod (its form,
+an integer bumped whenever the codemod's output changes, says so). ``check`` reports each part
+as ``current``, ``older`` (installed by an earlier quantpatch: ``quantpatch upgrade`` brings
+it up to date) or ``edited`` (a file of it changed by hand since it was installed).
+
+Light on purpose: ``check`` reads it, so it imports neither libcst nor the codemods.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from functools import cache
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from quantpatch import __version__
+from quantpatch.base.config import Targets
+from quantpatch.base.edits import read_exact, sha256_text
+from quantpatch.git import repo as gitrepo
+from quantpatch.git.installs import record_of
+
+INIT = "init"
+SAVER = "saver"
+
+OPS_MODULE = "megatron/core/quantpatch_ops.py"
+KERNELS_MODULE = "megatron/core/quantpatch_kernels.py"
+FLASH_MODULE = "megatron/core/quantpatch_flash.py"
+SAVER_MODULE = "megatron/core/tensor_saver.py"
+# the parts quantpatch_ops.py imports, one concern each (see its docstring)
+OPS_PARTS = (
+    "quantpatch_mx",
+    "quantpatch_nvfp4",
+    "quantpatch_paretoq",
+    "quantpatch_quantize",
+    "quantpatch_weights",
+)
+OPS_MODULES = (OPS_MODULE, *(f"megatron/core/{part}.py" for part in OPS_PARTS))
+"""Every installed file ``from megatron.core import quantpatch_ops`` imports (not the kernels)."""
+# installed path -> the runtime module it copies
+RUNTIME_MODULES = {
+    **{installed: f"runtime/{Path(installed).name}" for installed in OPS_MODULES},
+    KERNELS_MODULE: "runtime/quantpatch_kernels.py",
+    FLASH_MODULE: "runtime/quantpatch_flash.py",
+}
+
+FORMS = {"sites": 1, "mla-params": 1, "paretoq-steps": 1, "saver-calls": 1}
+"""Each codemod's form: bump it when what the codemod writes changes, so that ``check`` calls
+the checkouts it rewrote older and ``upgrade`` re-applies it."""
+
+MODULE_PARTS = {
+    "ops": (INIT, OPS_MODULES),
+    "kernels": (INIT, (KERNELS_MODULE,)),
+    "flash": (INIT, (FLASH_MODULE,)),
+    "saver": (SAVER, (SAVER_MODULE,)),
+}
+"""Runtime parts: (the install that copies them, their installed files)."""
+CODEMOD_PARTS = {
+    "sites": (INIT, "targets"),
+    "mla-params": (INIT, "attention"),
+    "paretoq-steps": (INIT, "linear"),
+    "saver-calls": (SAVER, "instrumented"),
+}
+"""Codemod parts: (the install that applies them, which of its files they rewrite)."""
+
+
+@cache
+def runtime_source(installed: str) -> str:
+    """The text this version installs at ``installed`` (a runtime module or the saver)."""
+    name = "runtime/tensor_saver.py" if installed == SAVER_MODULE else RUNTIME_MODULES[installed]
+    return resources.files("quantpatch").joinpath(name).read_text("utf-8")
+
+
+def record_extra(name: str) -> dict[str, Any]:
+    """What an install records about its parts: this version and each codemod's form."""
+    forms = {p: FORMS[p] for p, (owner, _) in CODEMOD_PARTS.items() if owner == name}
+    return {"version": __version__, "forms": forms}
+
+
+@dataclass
+class PartStatus:
+    part: str
+    install: str
+    status: str
+    """current, older or edited."""
+    files: list[str]
+    version: str | None
+    """The quantpatch version that installed it (None: one before versioned installs)."""
+    detail: str = ""
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "part": self.part,
+            "install": self.install,
+            "status": self.status,
+            "files": self.files,
+            "version": self.version,
+            "detail": self.detail,
+        }
+
+
+def last_written(records: dict[str, dict[str, Any]], rel: str) -> str | None:
+    """The hash the file must have: what the last install that wrote it wrote (``saver
+    install`` instruments the files ``init`` wrote; its original is init's output)."""
+    holders = [r["files"][rel] for r in records.values() if rel in r["files"]]
+    inputs = {h.get("original_sha") for h in holders}
+    ends = [h["written"] for h in holders if h["written"] not in inputs] or [
+        h["written"] for h in holders
+    ]
+    return str(ends[0]) if ends else None
+
+
+def installed_records(checkout: gitrepo.Checkout) -> dict[str, dict[str, Any]]:
+    """The install records (init, saver) of the checkout; a linked worktree reads the main
+    checkout's (the installs are committed there)."""
+    out = {}
+    shared = gitrepo.shared_state_dir(checkout)
+    for name in (INIT, SAVER):
+        record = record_of(checkout, name)
+        if record is None and shared != checkout.state_dir:
+            record = record_of(replace(checkout, state_dir=shared), name)
+        if record is not None:
+            out[name] = record
+    return out
+
+
+def parts_status(
+    checkout: gitrepo.Checkout, targets: Targets, *, set_active: bool
+) -> list[PartStatus]:
+    """Every installed part: current, older or edited. Hashes and the records only (no
+    parsing). While a ``set`` is active, and in a scheme's worktree, the target files hold
+    the scheme's values, so hand edits are looked for in the runtime files alone."""
+    records = installed_records(checkout)
+    # a scheme's worktree holds the scheme's values in the target files: only the main
+    # checkout, with no set active, holds what the installs wrote there
+    main = gitrepo.shared_state_dir(checkout) == checkout.state_dir
+    out: list[PartStatus] = []
+    texts: dict[str, str | None] = {}
+
+    def sha(rel: str) -> str | None:
+        if rel not in texts:
+            texts[rel] = read_exact(checkout.root / rel)
+        text = texts[rel]
+        return None if text is None else sha256_text(text)
+
+    def edited(rels: list[str]) -> list[str]:
+        return [r for r in rels if sha(r) != last_written(records, r)]
+
+    for part, (owner, files) in MODULE_PARTS.items():
+        record = records.get(owner)
+        if record is None:
+            continue
+        rels = [r for r in files if r in record["files"]]
+        # a part an earlier version did not install has no files in its record: older
+        version = record.get("version")
+        hand = edited(rels)
+        if hand:
+            status, detail = "edited", f"{', '.join(hand)} changed by hand since it was installed"
+        elif len(rels) == len(files) and all(
+            record["files"][r]["written"] == sha256_text(runtime_source(r)) for r in rels
+        ):
+            status, detail = "current", ""
+        else:
+            status, detail = "older", "'quantpatch upgrade' installs this version's"
+        out.append(PartStatus(part, owner, status, list(files), version, detail))
+    for part, (owner, which) in CODEMOD_PARTS.items():
+        record = records.get(owner)
+        if record is None:
+            continue
+        rels = _codemod_files(record, which, targets)
+        if not rels:
+            continue
+        version = record.get("version")
+        hand = [] if set_active or not main else edited(rels)
+        form = (record.get("forms") or {}).get(part)
+        if hand:
+            status, detail = "edited", f"{', '.join(hand)} changed by hand since it was installed"
+        elif form == FORMS[part]:
+            status, detail = "current", ""
+        else:
+            status, detail = "older", "'quantpatch upgrade' re-applies it"
+        out.append(PartStatus(part, owner, status, rels, version, detail))
+    return out
+
+
+def _codemod_files(record: dict[str, Any], which: str, targets: Targets) -> list[str]:
+    """The recorded files a codemod part rewrites."""
+    rels = [r for r in record["files"] if r not in RUNTIME_MODULES and r != SAVER_MODULE]
+    if which in ("linear", "attention"):
+        return [r for r in rels if r in targets.all_files and targets.kind_of(r) == which]
+    if which == "targets":
+        return [r for r in rels if r in targets.all_files]
+    return rels

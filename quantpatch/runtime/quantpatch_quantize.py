@@ -1,0 +1,197 @@
+"""Which code quantizes an MX, HiF8 or NVFP4 tensor (part of ``quantpatch_ops``' dispatch):
+the fused Triton kernels of ``quantpatch_kernels.py`` (``QUANTPATCH_KERNELS``), the PyTorch
+reference through ``torch.compile`` (``QUANTPATCH_COMPILE``), or the reference itself, slice by
+slice on CPU. ``quantpatch_ops.fake_quant`` validates the value and hands every element format
+to :func:`quantize` here.
+
+Installed by ``quantpatch init`` beside ``quantpatch_ops.py``; torch and the standard library
+only.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .quantpatch_mx import BLOCK
+from .quantpatch_mx import E2M1 as _E2M1
+from .quantpatch_mx import E4M3 as _E4M3
+from .quantpatch_mx import E5M2 as _E5M2
+from .quantpatch_mx import hifp8 as _hifp8
+from .quantpatch_mx import mx as _mx
+from .quantpatch_nvfp4 import NV_BLOCK, NVFP4_FORMATS, sr_uniforms
+from .quantpatch_nvfp4 import nvfp4 as _nvfp4
+
+_KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_kernels_module: Any = None
+_kernels_error: str | None = None
+
+
+def _kernels() -> Any:
+    """The Triton kernels module beside this one, or None (the reason kept) when it cannot be
+    imported (no triton, or this file loaded outside its package)."""
+    global _kernels_module, _kernels_error
+    if _kernels_module is None and _kernels_error is None:
+        try:
+            from . import quantpatch_kernels  # megatron.core or quantpatch.runtime
+        except Exception as exc:  # no triton, no package, a broken install: the reference runs
+            _kernels_error = f"{type(exc).__name__}: {exc}"
+        else:
+            _kernels_module = quantpatch_kernels
+    return _kernels_module
+
+
+def _kernel_mode() -> str:
+    mode = os.environ.get("QUANTPATCH_KERNELS", "auto")
+    if mode not in ("auto", "reference", "triton"):
+        raise ValueError(f"QUANTPATCH_KERNELS={mode!r}; expected auto, reference or triton")
+    return mode
+
+
+def _interpreted() -> bool:
+    """Whether Triton runs its kernels in its interpreter, the only way they read CPU tensors."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def kernels_in_use(device: str = "cuda") -> str:
+    """Which path ``fake_quant`` takes for a tensor on ``device``: ``triton``,
+    ``reference (why)``, or ``none (why)`` where it refuses the tensor."""
+    mode = _kernel_mode()
+    if mode == "reference":
+        return "reference (QUANTPATCH_KERNELS=reference)"
+    if mode == "auto" and device != "cuda":
+        return "reference (CPU tensors)"
+    if device != "cuda" and not _interpreted():
+        return "none (QUANTPATCH_KERNELS=triton refuses CPU tensors without TRITON_INTERPRET=1)"
+    if _kernels() is None:
+        return f"reference (no Triton kernels: {_kernels_error})"
+    return "triton"
+
+
+def _use_kernels(x: torch.Tensor) -> bool:
+    mode = _kernel_mode()
+    if mode == "reference" or x.dtype not in _KERNEL_DTYPES:
+        return False
+    if not x.is_cuda:
+        if mode == "auto":
+            return False
+        if not _interpreted():
+            raise RuntimeError(
+                f"QUANTPATCH_KERNELS=triton, but the tensor is on {x.device.type} and compiled "
+                "Triton kernels run on CUDA tensors only; set TRITON_INTERPRET=1 to interpret "
+                "them on CPU tensors, or QUANTPATCH_KERNELS=auto."
+            )
+    if _kernels() is None:
+        if mode == "triton":
+            raise RuntimeError(f"QUANTPATCH_KERNELS=triton, but {_kernels_error}")
+        return False
+    return True
+
+
+_COMPILE = os.environ.get("QUANTPATCH_COMPILE", "0") == "1"
+_COMPILED: dict[tuple[str, bool], Callable[[torch.Tensor, int], torch.Tensor]] = {}
+
+
+def quantize(x: torch.Tensor, fmt: str, dim: int = -1, backward: bool = False) -> torch.Tensor:
+    """``x`` quantized to the element format ``fmt`` (``bf16``: ``x``) and dequantized, by the
+    kernels or the reference; ``fmt`` checked by the caller (``quantpatch_ops.fake_quant``)."""
+    if fmt == "bf16":
+        return x
+    if x.numel() == 0:
+        return x.clone()
+    rand = sr_uniforms(x) if backward and fmt in NVFP4_FORMATS else None
+    if _use_kernels(x):
+        out: torch.Tensor = _kernels_module.fake_quant(x, fmt, dim, backward, rand)
+        return out
+    if fmt in NVFP4_FORMATS:  # random draws: not compiled
+        return _fake_quant(x, fmt, dim, backward, rand)
+    if _COMPILE:
+        key = (fmt, backward)
+        if key not in _COMPILED:  # one compiled function per format and direction
+            _COMPILED[key] = torch.compile(
+                lambda t, d: _fake_quant(t, fmt, d, backward), dynamic=True
+            )
+        return _COMPILED[key](x, dim)
+    return _fake_quant(x, fmt, dim, backward)
+
+
+_CHUNK = 1 << 18  # elements per slice on CPU: the ~30 temporaries stay in cache
+
+
+def _fake_quant(
+    x: torch.Tensor, fmt: str, dim: int, backward: bool, rand: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The reference path (``rand``: the stochastic-rounding draws of ``nvfp4`` backward)."""
+    if fmt in NVFP4_FORMATS:
+        two_d, r = fmt == "nvfp4-2d", rand if backward else None
+        if x.device.type == "cpu" and x.numel() > 2 * _CHUNK and x.dim() >= 1:
+            return _nv_sliced(x, dim, two_d, r)
+        return _nvfp4(x, dim, two_d, r)
+    if x.device.type == "cpu" and x.numel() > 2 * _CHUNK and x.dim() >= 1:
+        return _sliced(x, fmt, dim, backward)
+    return _whole(x, fmt, dim, backward)
+
+
+def _sliced(x: torch.Tensor, fmt: str, dim: int, backward: bool) -> torch.Tensor:
+    """The same arithmetic slice by slice into one output: on CPU the temporaries of a slice
+    fit in cache and their memory is reused, where a whole large tensor makes every pass a
+    fresh allocation (page faults) and a trip to main memory. Slices never cut an MX block:
+    they run along another dimension, or along ``dim`` in multiples of 32."""
+    d = dim % x.dim()
+    others = [i for i in range(x.dim()) if i != d]
+    split = max(others, key=lambda i: x.shape[i]) if others else d
+    per_index = x.numel() // x.shape[split]
+    step = max(1, _CHUNK // max(1, per_index))
+    if split == d:
+        step = max(BLOCK, step - step % BLOCK)
+    out = torch.empty_like(x)
+    for start in range(0, x.shape[split], step):
+        n = min(step, x.shape[split] - start)
+        out.narrow(split, start, n).copy_(_whole(x.narrow(split, start, n), fmt, dim, backward))
+    return out
+
+
+def _nv_sliced(x: torch.Tensor, dim: int, two_d: bool, rand: torch.Tensor | None) -> torch.Tensor:
+    """NVFP4 slice by slice (as :func:`_sliced`), every slice with the whole tensor's amax.
+    Slices never cut a block: they run along a dimension the blocks do not span, or along one
+    they do in multiples of 16."""
+    v = x.to(torch.float32)
+    amax = torch.where(torch.isfinite(v), v.abs(), torch.zeros_like(v)).amax()
+    del v
+    d = dim % x.dim()
+    spanned = {x.dim() - 2, x.dim() - 1} if two_d and x.dim() >= 2 else {d}
+    others = [i for i in range(x.dim()) if i not in spanned]
+    split = max(others, key=lambda i: x.shape[i]) if others else min(spanned)
+    per_index = x.numel() // max(1, x.shape[split])
+    step = max(1, _CHUNK // max(1, per_index))
+    if split in spanned:
+        step = max(NV_BLOCK, step - step % NV_BLOCK)
+    out = torch.empty_like(x)
+    for start in range(0, x.shape[split], step):
+        n = min(step, x.shape[split] - start)
+        r = None if rand is None else rand.narrow(split, start, n)
+        out.narrow(split, start, n).copy_(_nvfp4(x.narrow(split, start, n), dim, two_d, r, amax))
+    return out
+
+
+def _whole(x: torch.Tensor, fmt: str, dim: int, backward: bool) -> torch.Tensor:
+    if fmt == "mxfp8":
+        return _mx(x, dim, _E5M2 if backward else _E4M3)
+    if fmt == "mxfp4":
+        return _mx(x, dim, _E2M1)
+    return _hifp8(x)
+
+
+# the names the other runtime modules use (nothing outside this module takes its private names)
+KERNEL_DTYPES = _KERNEL_DTYPES
+kernels = _kernels
+kernel_mode = _kernel_mode
+interpreted = _interpreted
+
+
+def kernels_error() -> str | None:
+    """Why the Triton kernels could not be imported (None: they were, or were not tried)."""
+    return _kernels_error

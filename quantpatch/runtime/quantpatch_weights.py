@@ -1,0 +1,356 @@
+"""Weights quantized once per optimizer step, and the choice between the fused and the separate
+quantized GEMM (part of ``quantpatch_ops``' products; the sections below say how each works).
+
+Installed by ``quantpatch init`` beside ``quantpatch_ops.py``; torch and the standard library
+only.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .quantpatch_nvfp4 import NVFP4_FORMATS
+from .quantpatch_quantize import KERNEL_DTYPES as _KERNEL_DTYPES
+from .quantpatch_quantize import interpreted as _interpreted
+from .quantpatch_quantize import kernel_mode as _kernel_mode
+from .quantpatch_quantize import kernels as _kernels
+from .quantpatch_quantize import kernels_error, quantize
+
+
+def _is_weight(t: torch.Tensor) -> bool:
+    """A 2-D ``torch.nn.Parameter`` or a view of one (``weight.t()``)."""
+    base = t._base if t._base is not None else t
+    return t.dim() == 2 and isinstance(base, torch.nn.Parameter)
+
+
+# -- weights quantized once per optimizer step ---------------------------------------------------
+#
+# Within an optimizer step the weights do not change, but every micro-batch quantized them again
+# (forward: E4M3 along the weight's input dimension; dgrad: E5M2 along its output dimension).
+# ``_cached_q`` keeps the fake-quantized weight per (weight, format, dimension, direction,
+# view geometry) and hands it back while the weight is provably unchanged:
+#
+# * the weight's version counter (``_version``, shared by every view of it: ``.add_()``,
+#   ``.copy_()``, ``torch.optim`` steps and ``load_state_dict`` all bump it), its ``data_ptr``
+#   (``weight.data = other`` swaps the storage), shape, strides, dtype and device;
+# * the version counter of the cached tensor itself (an in-place write into what the cache
+#   handed out is seen, never served again);
+# * a step generation: every ``torch.optim.Optimizer.step`` (a global pre- and post-hook; apex's
+#   and Transformer Engine's fused optimizers, which Megatron wraps, are ``Optimizer``
+#   subclasses) empties the cache, because Megatron copies its main parameters into the model's
+#   through ``param.data`` / multi-tensor kernels, writes that bump no version counter.
+#
+# What is left uncaught is a write through ``.data`` or a raw kernel outside any optimizer step;
+# call ``weight_cache_clear()`` after one. Memory is bounded: at most ``QUANTPATCH_WEIGHT_CACHE_MB``
+# MiB (default 8192) of quantized weights per process, entries dropped with their weight (weak
+# references); once full, new weights are quantized per call and not kept (a cyclic
+# forward/backward order would make an LRU evict every entry before its next use).
+# ``weight_cache_stats()`` reports hits, misses and the bytes held. ``QUANTPATCH_WEIGHT_CACHE=0``
+# turns the cache off. NVFP4's stochastically rounded operand (``backward=True``) is never cached:
+# its bits come from the generator's next draws, and a hit would skip them. HiF8 and ``nvfp4-2d``
+# quantize a weight alike for the forward and dgrad (elementwise; square tiles): one entry and
+# one quantization a step serve both, the transposed operand a view of it.
+
+_WEIGHT_CACHE_DEFAULT_MB = 8192
+
+
+class _WeightCache:
+    """Quantized weights keyed by the weight's identity (see the section's comment)."""
+
+    def __init__(self) -> None:
+        # id(base weight) -> (weak reference to it, {operand key: (stamp, quantized)})
+        self.entries: dict[int, tuple[Any, dict[tuple[Any, ...], tuple[Any, torch.Tensor]]]] = {}
+        self.bytes = 0
+        self.counts = {"hits": 0, "misses": 0, "stale": 0, "over_cap": 0, "bypassed": 0}
+        self.generation = 0
+        self.hooked = False
+
+    def clear(self) -> None:
+        self.entries.clear()
+        self.bytes = 0
+
+    def new_step(self, *_: Any) -> None:
+        self.generation += 1
+        self.clear()
+
+    def drop(self, key: int) -> None:
+        entry = self.entries.pop(key, None)
+        if entry is not None:
+            self.bytes -= sum(_nbytes(q) for _, q in entry[1].values())
+
+
+_WEIGHT_CACHE = _WeightCache()
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _weight_cache_cap() -> int:
+    mib = float(os.environ.get("QUANTPATCH_WEIGHT_CACHE_MB", _WEIGHT_CACHE_DEFAULT_MB))
+    return int(mib * 2**20)
+
+
+def weight_cache_enabled() -> bool:
+    """Whether weight operands are cached (``QUANTPATCH_WEIGHT_CACHE``, default 1)."""
+    value = os.environ.get("QUANTPATCH_WEIGHT_CACHE", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"QUANTPATCH_WEIGHT_CACHE={value!r}; expected 0 or 1")
+    return value == "1"
+
+
+def weight_cache_clear() -> None:
+    """Forget every cached weight (after a write that bypasses the version counter outside an
+    optimizer step, e.g. ``param.data.copy_(...)``)."""
+    _WEIGHT_CACHE.new_step()
+
+
+def weight_cache_reset_stats() -> None:
+    for k in _WEIGHT_CACHE.counts:
+        _WEIGHT_CACHE.counts[k] = 0
+
+
+def weight_cache_stats() -> dict[str, float]:
+    """Hits, misses (a quantization that was kept), stale (an entry replaced because its weight
+    changed), over_cap (quantized per call because the cache was full), bypassed (not
+    cacheable: stochastic rounding, inference mode, cache off), the hit ratio of cacheable
+    lookups, the weights and entries held and their bytes, the cap and the step generation."""
+    c = _WEIGHT_CACHE.counts
+    looked = c["hits"] + c["misses"] + c["stale"] + c["over_cap"]
+    return {
+        **c,
+        "hit_ratio": c["hits"] / looked if looked else 0.0,
+        "weights": len(_WEIGHT_CACHE.entries),
+        "entries": sum(len(e[1]) for e in _WEIGHT_CACHE.entries.values()),
+        "bytes": _WEIGHT_CACHE.bytes,
+        "cap_bytes": _weight_cache_cap(),
+        "generation": _WEIGHT_CACHE.generation,
+    }
+
+
+def _hook_optimizer_steps() -> None:
+    if not _WEIGHT_CACHE.hooked:
+        from torch.optim import optimizer
+
+        optimizer.register_optimizer_step_pre_hook(_WEIGHT_CACHE.new_step)
+        optimizer.register_optimizer_step_post_hook(_WEIGHT_CACHE.new_step)
+        _WEIGHT_CACHE.hooked = True
+
+
+def _layout_free(fmt: str, weight: torch.Tensor) -> bool:
+    """Whether ``fmt`` quantizes a weight alike along either dimension and in either direction
+    (HiF8: elementwise; ``nvfp4-2d``: 16 x 16 tiles of a matrix and its tensor-wide scale,
+    rounded to nearest even, the only rounding a cached weight takes)."""
+    return fmt == "hifp8" or (fmt == "nvfp4-2d" and weight.dim() == 2)
+
+
+def _drop_collected(wid: int, _: object) -> None:
+    _WEIGHT_CACHE.drop(wid)
+
+
+def _weight_fake_quant(x: torch.Tensor, fmt: str, dim: int, backward: bool) -> torch.Tensor:
+    """``quantize(x, ...)`` for a weight or a view of one, through the cache."""
+    cache = _WEIGHT_CACHE
+    if (
+        (backward and fmt in NVFP4_FORMATS)  # draws from the generator: never skipped
+        or torch.is_inference_mode_enabled()  # inference tensors cannot be saved for backward
+        or x.is_inference()
+        or not weight_cache_enabled()
+    ):
+        cache.counts["bypassed"] += 1
+        return quantize(x, fmt, dim=dim, backward=backward)
+    _hook_optimizer_steps()
+    base = x._base if x._base is not None else x
+    if _layout_free(fmt, base):
+        # one entry per weight: a view of it (``weight.t()``) is the same view of its quantized
+        # values, and neither the dimension nor the direction changes them
+        if x is not base and x.numel() == base.numel() and base.is_contiguous():
+            q_base = _weight_fake_quant(base, fmt, -1, False)
+            if q_base.stride() == base.stride():
+                offset = q_base.storage_offset() + x.storage_offset() - base.storage_offset()
+                return q_base.as_strided(x.shape, x.stride(), offset).detach()
+        dim, backward = -1, False
+    wid = id(base)
+    entry = cache.entries.get(wid)
+    if entry is not None and entry[0]() is not base:  # the id of a collected weight, reused
+        cache.drop(wid)
+        entry = None
+    key = (
+        fmt,
+        dim % max(1, x.dim()),
+        backward,
+        tuple(x.shape),
+        x.stride(),
+        x.storage_offset(),
+        x.dtype,
+        x.device,
+    )
+    stamp = (x._version, x.data_ptr())
+    if entry is not None and key in entry[1]:
+        (old_stamp, q_version), q = entry[1][key]
+        if old_stamp == stamp and q._version == q_version:
+            cache.counts["hits"] += 1
+            return q.detach()  # a new alias each time: autograd never touches the kept object
+        del entry[1][key]
+        cache.bytes -= _nbytes(q)
+        stale = True
+    else:
+        stale = False
+    q = quantize(x, fmt, dim=dim, backward=backward)
+    if cache.bytes + _nbytes(q) > _weight_cache_cap():
+        cache.counts["over_cap"] += 1
+        return q
+    cache.counts["stale" if stale else "misses"] += 1
+    if entry is None:
+        ref = weakref.ref(base, functools.partial(_drop_collected, wid))
+        entry = (ref, {})
+        cache.entries[wid] = entry
+    entry[1][key] = ((stamp, q._version), q)
+    cache.bytes += _nbytes(q)
+    return q.detach()
+
+
+# -- the quantized GEMM: operands quantized in the GEMM's tile loop, or separately -------------
+#
+# ``quant_matmul``, ``quant_bmm`` and ``quant_baddbmm`` (``beta == 0``) have two ways to
+# compute an MX or HiF8 product: *separate* (two fake-quant kernels, then ``torch.matmul`` of
+# the quantized operands: the path above) and *fused* (``quantpatch_kernels.quant_gemm``, one
+# Triton GEMM that quantizes each operand tile as it loads it; no quantized copy is written).
+# ``QUANTPATCH_GEMM`` chooses: ``auto`` (default: on CUDA, both are timed once per problem,
+# i.e. shapes, layouts, dtype, format and direction, on its first call, and the faster is kept
+# for the process, see ``gemm_choices()``; CPU tensors and ``QUANTPATCH_KERNELS=reference``
+# take the separate path), ``separate`` (always), ``fused`` (wherever the GEMM applies; CPU
+# tensors need ``TRITON_INTERPRET=1``). The fused GEMM applies to MX and HiF8 operands of a
+# bf16, fp16 or fp32 product outside autograd (Megatron's linear layer computes its forward,
+# dgrad and wgrad products inside its own autograd function: there it applies; a product whose
+# operands need gradients keeps the quantized operands for its backward, so it is separate).
+# NVFP4 is always separate (a tensor-wide amax and random draws). A weight operand that the
+# weight cache holds enters the fused GEMM already quantized (only the other operand is
+# quantized in the loop). Both paths quantize bit for bit alike; the product differs only in
+# the order of its float32 sums (a few units in the last place of float32 before the output's
+# rounding), so auto's choice changes results within that.
+
+_GEMM_FORMATS = ("mxfp8", "mxfp4", "hifp8")
+_GEMM_CHOICES: dict[tuple[Any, ...], str] = {}
+
+
+def _gemm_mode() -> str:
+    mode = os.environ.get("QUANTPATCH_GEMM", "auto")
+    if mode not in ("auto", "fused", "separate"):
+        raise ValueError(f"QUANTPATCH_GEMM={mode!r}; expected auto, fused or separate")
+    return mode
+
+
+def gemm_choices() -> dict[str, str]:
+    """auto's measured choice per problem so far, ``"key": "fused" | "separate"``."""
+    return {repr(k): v for k, v in _GEMM_CHOICES.items()}
+
+
+def _cuda_time(fn: Callable[[], object], reps: int = 3) -> float:
+    """Median seconds of ``fn`` on the current CUDA stream (after one warm-up call, which also
+    autotunes a Triton kernel)."""
+    fn()
+    samples = []
+    for _ in range(reps):
+        start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        samples.append(float(start.elapsed_time(end)) / 1e3)
+    return sorted(samples)[len(samples) // 2]
+
+
+_gemm_timer: Callable[[Callable[[], object]], float] = _cuda_time
+
+
+def _choose_gemm(
+    key: tuple[Any, ...], fused: Callable[[], torch.Tensor], separate: Callable[[], torch.Tensor]
+) -> str:
+    """The cached choice for ``key``, measured with ``_gemm_timer`` the first time."""
+    choice = _GEMM_CHOICES.get(key)
+    if choice is None:
+        choice = "fused" if _gemm_timer(fused) < _gemm_timer(separate) else "separate"
+        _GEMM_CHOICES[key] = choice
+    return choice
+
+
+def _auto_fuses(t: torch.Tensor) -> bool:
+    """Whether ``auto`` considers the fused GEMM for ``t``'s device: CUDA only (the
+    interpreter is a correctness tool, not a candidate for speed)."""
+    return t.is_cuda
+
+
+def _gemm_operand(t: torch.Tensor, fmt: str, dim: int, backward: bool) -> tuple[torch.Tensor, str]:
+    """The operand as the GEMM reads it: a weight the cache may hold, already quantized."""
+    if _is_weight(t) and weight_cache_enabled() and not torch.is_inference_mode_enabled():
+        return _weight_fake_quant(t, fmt, dim, backward), "bf16"
+    return t, fmt
+
+
+def _fused_product(
+    a: torch.Tensor, b: torch.Tensor, fmt: str, a_backward: bool, b_backward: bool
+) -> torch.Tensor | None:
+    """``matmul(q(a, dim=-1), q(b, dim=-2))`` through the fused GEMM, or None where the
+    separate path computes it (see the section's comment)."""
+    mode = _gemm_mode()
+    if mode == "separate" or fmt not in _GEMM_FORMATS:
+        return None
+    if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
+        return None
+    if a.dtype != b.dtype or a.dtype not in _KERNEL_DTYPES or a.dim() < 2 or b.dim() not in (2, 3):
+        return None
+    if b.dim() == 3 and (a.dim() != 3 or a.shape[0] != b.shape[0]):
+        return None
+    if a.shape[-1] != b.shape[-2] or a.device != b.device:
+        return None
+    if mode == "auto" and (not _auto_fuses(a) or _kernel_mode() == "reference"):
+        return None
+    if not a.is_cuda and not _interpreted():
+        raise RuntimeError(
+            f"QUANTPATCH_GEMM=fused, but the tensors are on {a.device.type} and compiled Triton "
+            "kernels run on CUDA tensors only; set TRITON_INTERPRET=1 to interpret them on CPU "
+            "tensors, or QUANTPATCH_GEMM=auto."
+        )
+    if _kernels() is None:
+        if mode == "fused":
+            raise RuntimeError(f"QUANTPATCH_GEMM=fused, but {kernels_error()}")
+        return None
+    lead = a.shape[:-1]
+    a2 = a.reshape(-1, a.shape[-1]) if b.dim() == 2 and a.dim() > 2 else a
+    qa, fa = _gemm_operand(a2, fmt, -1, a_backward)
+    qb, fb = _gemm_operand(b, fmt, -2, b_backward)
+
+    def fused() -> torch.Tensor:
+        out: torch.Tensor = _kernels().quant_gemm(qa, qb, fa, fb, a_backward, b_backward)
+        return out
+
+    if mode == "auto":
+
+        def separate() -> torch.Tensor:
+            return torch.matmul(
+                quantize(qa, fa, dim=-1, backward=a_backward),
+                quantize(qb, fb, dim=-2, backward=b_backward),
+            )
+
+        key = (
+            tuple(a2.shape), a2.stride(), tuple(b.shape), b.stride(), a.dtype, fmt, a_backward,
+            b_backward, fa, fb, str(a.device),
+        )  # fmt: skip
+        if _choose_gemm(key, fused, separate) == "separate":
+            return None
+    out = fused()
+    return out.reshape(*lead, b.shape[-1]) if out.dim() != len(lead) + 1 else out
+
+
+# the names quantpatch_ops uses (nothing outside this module takes its private names)
+is_weight = _is_weight
+weight_fake_quant = _weight_fake_quant
+fused_product = _fused_product

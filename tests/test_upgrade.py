@@ -1,0 +1,155 @@
+"""``quantpatch upgrade`` (issue 42): a checkout set up by the previous release is brought to
+this version in one recorded commit, scheme branches and worktrees follow, and the installs
+still come off byte for byte."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import git
+import pytest
+
+from quantpatch.checkout.parts import OPS_MODULE, OPS_MODULES, runtime_source
+
+from .conftest import ATTENTION, LINEAR
+from .oldrelease import OLD_OPS, make_old_release
+
+pytestmark = pytest.mark.slow
+
+LAYER = "megatron/core/transformer/transformer_layer.py"
+
+
+def _parts(run, root: Path) -> dict[str, str]:
+    res = run("check", "--json", "--repo", root)
+    assert res.code in (0, 1), res
+    return {p["part"]: p["status"] for p in json.loads(res.out)["parts"]}
+
+
+def _old_checkout(run, make_checkout) -> tuple[Path, dict[str, bytes]]:
+    root = make_checkout(inject=False, extra=(LAYER,))
+    upstream = {rel: (root / rel).read_bytes() for rel in (LINEAR, ATTENTION, LAYER)}
+    assert run("init", "--repo", root).code == 0
+    assert run("saver", "install", "--repo", root).code == 0
+    make_old_release(root)
+    return root, upstream
+
+
+def test_an_old_release_checkout_is_upgraded_in_one_commit(run, make_checkout):
+    root, upstream = _old_checkout(run, make_checkout)
+    repo = git.Repo(root)
+    for scheme in ("FA_mxfp8", "linear_hifp8"):  # two scheme branches on the old base
+        assert run("set", "--repo", root, "--scheme", scheme).code == 0
+        assert run("restore", "--repo", root).code == 0
+    res = run("worktree", "--repo", root, "--scheme", "FA_mxfp4", "--path-only")
+    assert res.code == 0, res
+    tree = Path(res.out.strip())
+    assert (tree / OPS_MODULE).read_text() == OLD_OPS
+
+    parts = _parts(run, root)
+    assert parts["ops"] == "older" and parts["sites"] == "older"
+    assert parts["kernels"] == parts["flash"] == parts["saver"] == "current"
+    res = run("check", "--repo", root, "--expect", "parts=current")
+    assert res.code == 1 and "ops is older" in res.err
+    assert "installed parts: ops older" in run("check", "--repo", root).out
+
+    old_head = repo.head.commit
+    res = run("upgrade", "--repo", root)
+    assert res.code == 0, res
+    assert repo.head.commit.parents == (old_head,) and not repo.is_dirty()
+    assert repo.head.commit.message.startswith("quantpatch upgrade:")
+    for rel in OPS_MODULES:
+        assert (root / rel).read_text() == runtime_source(rel), rel
+    assert set(_parts(run, root).values()) == {"current"}
+    assert run("check", "--repo", root, "--expect", "parts=current").code == 0
+    again = run("upgrade", "--repo", root)
+    assert again.code == 0 and "nothing to upgrade" in again.out
+    assert repo.head.commit.parents == (old_head,)
+
+    # the next set rebuilds its branch on the new base; the worktree gets the new runtime
+    res = run("set", "--repo", root, "--scheme", "FA_mxfp8")
+    assert res.code == 0, res
+    upgraded = repo.heads.main.commit
+    assert repo.head.commit.parents == (upgraded,) and upgraded.parents == (old_head,)
+    assert (root / OPS_MODULE).read_text() == runtime_source(OPS_MODULE)
+    assert run("restore", "--repo", root).code == 0
+    res = run("worktree", "--repo", root, "--scheme", "FA_mxfp4", "--path-only")
+    assert res.code == 0, res
+    for rel in OPS_MODULES:
+        assert (Path(res.out.strip()) / rel).read_text() == runtime_source(rel), rel
+    assert set(_parts(run, Path(res.out.strip())).values()) == {"current"}
+
+    # the installs still come off, byte for byte to upstream
+    assert run("saver", "remove", "--repo", root).code == 0
+    res = run("init", "--repo", root, "--remove")
+    assert res.code == 0, res
+    for rel, data in upstream.items():
+        assert (root / rel).read_bytes() == data, rel
+    assert not any((root / rel).exists() for rel in OPS_MODULES)
+
+
+def test_a_hand_edited_ops_module_is_refused_by_name(run, make_checkout):
+    root, _ = _old_checkout(run, make_checkout)
+    ops = root / OPS_MODULE
+    ops.write_text(OLD_OPS + "# my tweak\n")
+    repo = git.Repo(root)
+    repo.git.commit("-qam", "tweak the ops")
+    assert _parts(run, root)["ops"] == "edited"
+    head = repo.head.commit
+    res = run("upgrade", "--repo", root)
+    assert res.code == 2 and OPS_MODULE in res.err and "--force" in res.err
+    assert repo.head.commit == head and ops.read_text() == OLD_OPS + "# my tweak\n"
+    res = run("upgrade", "--repo", root, "--force")
+    assert res.code == 0, res
+    assert f"{OPS_MODULE}: its hand edits were overwritten" in res.out + res.err
+    assert ops.read_text() == runtime_source(OPS_MODULE)
+    assert set(_parts(run, root).values()) == {"current"}
+
+
+def test_upgrade_refuses_while_a_set_is_active_and_without_installs(run, make_checkout):
+    root, _ = _old_checkout(run, make_checkout)
+    assert run("set", "--repo", root, "--scheme", "FA_mxfp8").code == 0
+    res = run("upgrade", "--repo", root)
+    assert res.code == 2 and "restore" in res.err
+    stock = make_checkout(inject=False)
+    res = run("upgrade", "--repo", stock)
+    assert res.code == 2 and "nothing to upgrade" in res.err
+
+
+@pytest.fixture(scope="module")
+def origin(tmp_path_factory: pytest.TempPathFactory, trees: dict[str, Path]):
+    from .forklike import build_fork
+
+    return build_fork(tmp_path_factory.mktemp("fork") / "origin", trees["0.13.1"], full=True)
+
+
+def test_the_fork_clone_is_upgraded_and_its_own_saver_callers_keep_working(run, origin, tmp_path):
+    from .conftest import run_probe, snapshot
+    from .forklike import clone_quant
+    from .test_saver_fork import CALL_PROBE, QUIET
+
+    clone = clone_quant(origin, tmp_path / "Megatron-LM")
+    before = snapshot(clone)["files"]
+    assert run("init", "--repo", clone).code == 0
+    assert run("saver", "install", "--force", "--repo", clone).code == 0
+    make_old_release(clone)
+    assert _parts(run, clone)["ops"] == "older"
+    res = run("upgrade", "--repo", clone)
+    assert res.code == 0, res
+    assert set(_parts(run, clone).values()) == {"current"}
+    for rel in OPS_MODULES:
+        assert (clone / rel).read_text() == runtime_source(rel), rel
+
+    got, err = run_probe(  # the fork's own call sites, with the upgraded checkout
+        CALL_PROBE,
+        clone,
+        tmp_path / "calls.pt",
+        TENSOR_SAVE_ENABLED="true",
+        TENSOR_SAVE_DIR=str(tmp_path / "calls"),
+        **QUIET,
+    )
+    assert (got["report"]["files"], got["report"]["failed"]) == (8, 0) and "Traceback" not in err
+
+    assert run("saver", "remove", "--repo", clone).code == 0
+    assert run("init", "--repo", clone, "--remove").code == 0
+    assert snapshot(clone)["files"] == before  # every byte, the fork's own saver included
