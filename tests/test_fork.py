@@ -358,6 +358,11 @@ def test_before_init_every_script_is_written_and_mla_ones_stop_before_torchrun(
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip().splitlines()[-1] == f"[quantpatch] {MLA_SENTENCE}"
     assert not list(stub_dir.iterdir())  # torchrun never started
+    from .test_scripts import SHELLCHECK
+
+    if Path(SHELLCHECK).exists():
+        lint = subprocess.run([SHELLCHECK, str(script)], capture_output=True, text=True)
+        assert lint.returncode == 0, lint.stdout
     llama = out / "llama32-1b" / "pretrain_llama32-1b_wikipedia_bf16.sh"
     assert "k_channels" not in llama.read_text()  # the other models' scripts carry no check
     sweep = tmp_path / "sweep"
