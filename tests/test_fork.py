@@ -306,40 +306,93 @@ def test_scheme_branch_with_no_record_recovers_the_base(run, clone):
     assert git.Repo(clone).active_branch.name == "quant"
 
 
-def test_a_fork_without_mla_head_dims_is_told_before_any_script(run, clone, tmp_path):
+MLA_SENTENCE = (
+    "deepseek2_lite uses Multi-Latent Attention, which hands the local DotProductAttention its "
+    f"k_channels and v_channels, but {ATTENTION} does not take them; `quantpatch init` adds them."
+)
+
+
+def _stubbed(tmp_path: Path) -> tuple[dict[str, str], Path]:
+    """An environment whose ``torchrun`` is test_scripts' recording stub."""
+    from .test_scripts import QUANTPATCH, STUB
+
+    bin_dir, stub_dir = tmp_path / "bin", tmp_path / "stub"
+    bin_dir.mkdir()
+    stub_dir.mkdir()
+    (bin_dir / "torchrun").write_text(STUB)
+    (bin_dir / "torchrun").chmod(0o755)
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        "STUB_DIR": str(stub_dir),
+        "QUANTPATCH": QUANTPATCH,
+        "OUTPUT_ROOT": str(tmp_path / "runs"),
+    }
+    return env, stub_dir
+
+
+def _warnings(res) -> list[str]:
+    return [line for line in res.err.splitlines() if line.startswith("warning:")]
+
+
+def test_before_init_every_script_is_written_and_mla_ones_stop_before_torchrun(
+    run, clone, tmp_path
+):
     """The fork's local DotProductAttention does not take MLA's k_channels / v_channels (as
-    stock Megatron): DeepSeek-V2-Lite could never be built there, so its scripts are refused
-    at generation, naming the file; the other models' scripts are written."""
-    out = tmp_path / "mla"
+    stock Megatron): all 60 scripts are written with one warning line; a DeepSeek script stops
+    before torchrun naming the file and `quantpatch init` (the stub is never called), `sweep
+    run` refuses DeepSeek before it starts anything; after `init` (a commit on `quant`) the
+    same script reaches torchrun, and a new generation has no warning."""
+    out = tmp_path / "scripts"
     before = snapshot(clone)
-    res = run("gen-scripts", "--repo", clone, "--out", out, "--profile", "smoke")
-    assert res.code == 2 and not out.exists()
-    assert (
-        "deepseek2_lite uses Multi-Latent Attention, which hands the local DotProductAttention its "
-        "k_channels and v_channels, but megatron/core/transformer/dot_product_attention.py does "
-        "not take them"
-    ) in " ".join(res.err.split())
-    assert snapshot(clone) == before
-    res = run(
-        "gen-scripts", "--repo", clone, "--out", out, "--profile", "smoke",
-        "--models", "llama31-8b,llama32-1b",
-    )  # fmt: skip
+    res = run("gen-scripts", "--repo", clone, "--out", out)
     assert res.code == 0, res
+    assert len(sorted(out.rglob("*.sh"))) == 60
+    (warning,) = _warnings(res)
+    assert MLA_SENTENCE.removesuffix(".") in " ".join(warning.split())
+    assert "20 scripts stop before torchrun" in warning
+    assert snapshot(clone) == before  # gen-scripts writes scripts only
+    env, stub_dir = _stubbed(tmp_path)
+    script = out / "deepseek2_lite" / "pretrain_deepseek2_lite_wikipedia_bf16.sh"
+    done = subprocess.run([str(script)], cwd=clone, env=env, capture_output=True, text=True)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines()[-1] == f"[quantpatch] {MLA_SENTENCE}"
+    assert not list(stub_dir.iterdir())  # torchrun never started
+    from .test_scripts import SHELLCHECK
+
+    if Path(SHELLCHECK).exists():
+        lint = subprocess.run([SHELLCHECK, str(script)], capture_output=True, text=True)
+        assert lint.returncode == 0, lint.stdout
+    llama = out / "llama32-1b" / "pretrain_llama32-1b_wikipedia_bf16.sh"
+    assert "k_channels" not in llama.read_text()  # the other models' scripts carry no check
+    sweep = tmp_path / "sweep"
+    res = run("sweep", "run", sweep, "--models", "deepseek2_lite,llama32-1b", "--datasets",
+              "wikipedia", "--schemes", "bf16", "--profile", "smoke", "--repo", clone)  # fmt: skip
+    assert res.code == 2 and " ".join(res.err.split()) == f"error: {MLA_SENTENCE}", res
+    assert not sweep.exists() and not list(stub_dir.iterdir())
+    res = run("run", "--repo", clone, "--model", "deepseek2_lite", "--dataset", "wikipedia",
+              "--scheme", "bf16", "--profile", "smoke")  # fmt: skip
+    assert res.code == 2 and MLA_SENTENCE in " ".join(res.err.split()), res
+
+    res = run("init", "--repo", clone)
+    assert res.code == 0, res
+    done = subprocess.run([str(script)], cwd=clone, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr  # the same script: its worktree has them now
+    assert len(list(stub_dir.glob("argv.*"))) == 1
+    res = run("gen-scripts", "--repo", clone, "--out", out)
+    assert res.code == 0 and _warnings(res) == [], res
+    assert len(sorted(out.rglob("*.sh"))) == 60
+    assert "k_channels" not in script.read_text()
 
 
 def test_gen_scripts_for_the_clones_own_release(run, clone, tmp_path):
-    """All 60 scripts once the fork's DotProductAttention takes MLA's head dims (a commit on
-    `quant` adding the two keyword parameters, as the README says)."""
-    import libcst as cst
-
-    from quantpatch.sites.codemods.init_sites import teach_mla_head_dims
-
-    attention = clone / ATTENTION
-    attention.write_text(teach_mla_head_dims(cst.parse_module(attention.read_text())).code)
-    git_out(clone, "commit", "-qam", "attention: take MLA's k_channels / v_channels")
+    """All 60 scripts, no warning, once `init` has given the fork's DotProductAttention MLA's
+    head dims (with the rest of init, one commit on `quant`)."""
+    assert run("init", "--repo", clone).code == 0
+    assert "k_channels: int = None" in (clone / ATTENTION).read_text()
     out = tmp_path / "scripts"
     res = run("gen-scripts", "--repo", clone, "--out", out)
-    assert res.code == 0, res
+    assert res.code == 0 and _warnings(res) == [], res
     assert "0.15.0rc3" in res.out + res.err
     scripts = sorted(out.rglob("*.sh"))
     assert len(scripts) == 60
@@ -350,6 +403,39 @@ def test_gen_scripts_for_the_clones_own_release(run, clone, tmp_path):
             "--expert-model-parallel-size" not in text
             or text.count("--expert-model-parallel-size") == 1
         )
+    assert git_out(clone, "status", "--porcelain") == ""
+
+
+def test_an_earlier_init_gets_the_mla_head_dims_from_init(run, clone, monkeypatch):
+    """A fork `init`ed by an earlier quantpatch (its record, no MLA head dims: that init left a
+    fork's attention without them): `init` again adds just them as a commit of its own, a
+    third `init` has nothing to do, and `init --remove` restores the fork's original bytes."""
+    from quantpatch.checkout import init as init_module
+
+    original = {rel: (clone / rel).read_bytes() for rel in (LINEAR, ATTENTION)}
+    head = git_out(clone, "rev-parse", "HEAD").strip()
+    with monkeypatch.context() as earlier:
+        earlier.setattr(init_module, "with_mla_head_dims", lambda text, rel: None)
+        assert run("init", "--repo", clone).code == 0
+    first = (clone / ATTENTION).read_text()
+    assert "k_channels" not in first and "quantpatch_ops" in first
+    linear = (clone / LINEAR).read_bytes()
+    res = run("init", "--repo", clone)
+    assert res.code == 0, res
+    assert f"initialised: {ATTENTION}; commit" in " ".join(res.out.split())
+    log = git_out(clone, "log", "--format=%s", f"{head}..HEAD").splitlines()
+    assert len(log) == 2 and "MLA's k_channels / v_channels" in log[0]
+    assert git_out(clone, "diff", "--name-only", "HEAD~1", "HEAD").split() == [ATTENTION]
+    assert (clone / LINEAR).read_bytes() == linear
+    taught = (clone / ATTENTION).read_text()
+    assert taught == init_module.with_mla_head_dims(first, ATTENTION)
+    assert "k_channels: int = None" in taught and "v_channels: int = None" in taught
+    res = run("init", "--repo", clone)
+    assert res.code == 2 and "already initialised" in res.err
+    assert (clone / ATTENTION).read_text() == taught
+    res = run("init", "--repo", clone, "--remove")
+    assert res.code == 0, res
+    assert {rel: (clone / rel).read_bytes() for rel in original} == original
     assert git_out(clone, "status", "--porcelain") == ""
 
 

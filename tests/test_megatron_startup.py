@@ -6,7 +6,10 @@ launched through a stub ``torchrun`` that records the exact argv and environment
 recorded launch is handed to the probe: the argument namespace with core_v0.13.1's defaults,
 the validation that decides what is built, ``initialize_model_parallel`` over a fake process
 group of the run's world size, the micro-batch calculator, and the first and last pipeline
-stage's ``GPTModel`` built from the local layer spec. Every model x profile at its default
+stage's ``GPTModel`` built from the local layer spec. The same table runs on a fork-shaped
+clone (``tests/forklike.py``: its local ``DotProductAttention`` lacks MLA's head dims until
+``init``) with the scripts validated against its 0.15.0rc3 parser; that parser is a flag list
+only, so there the namespace comes from the table too. Every model x profile at its default
 layout runs, with a table of other layouts; launches the scripts refuse are checked to be ones
 Megatron refuses too.
 
@@ -114,23 +117,9 @@ def _launch(
     }
 
 
-@pytest.fixture(scope="module")
-def launched(tmp_path_factory, trees):
-    """Every launch of the table, made by the generated scripts of an ``init``ed checkout."""
-    tmp = tmp_path_factory.mktemp("startup")
-    root = tmp / "megatron-lm"
-    full = os.environ.get("QUANTPATCH_MEGATRON_LM")
-    if full:  # a Megatron-LM clone at core_v0.13.1: its own parser and validate_args are used
-        shutil.copytree(full, root, ignore=shutil.ignore_patterns(".git"))
-    else:
-        shutil.copytree(trees["0.13.1"], root / "megatron")
-    repo = git.Repo.init(root, initial_branch="main")
-    with repo.config_writer() as cw:
-        cw.set_value("user", "name", "Test")
-        cw.set_value("user", "email", "test@example.com")
-    repo.git.add("-A")
-    repo.git.commit("-qm", "megatron-core 0.13.1")
-    init(root)
+def _launch_all(root: Path, tmp: Path) -> dict[str, dict | str]:
+    """Every launch of the table, made by the bf16 scripts ``gen-scripts`` writes for the
+    ``init``ed checkout ``root`` (no warning: every model can be built there)."""
     bin_dir, stub_dir = tmp / "bin", tmp / "stub"
     bin_dir.mkdir()
     stub_dir.mkdir()
@@ -164,6 +153,7 @@ def launched(tmp_path_factory, trees):
             text=True,
         )
         assert res.returncode == 0, res.stderr
+        assert "warning:" not in res.stderr, res.stderr
 
     def script(model: str, profile: str) -> Path:
         return scripts / profile / model / f"pretrain_{model}_wikipedia_bf16.sh"
@@ -180,11 +170,44 @@ def launched(tmp_path_factory, trees):
         launches[name] = _launch(
             script(model, profile), root, {**base_env, **env}, stub_dir, vocab[model]
         )
-    return root, launches
+    return launches
 
 
-def test_every_model_profile_and_layout_starts_megatron(launched, tmp_path):
-    root, launches = launched
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory, trees):
+    """Every launch of the table, made by the generated scripts of an ``init``ed checkout."""
+    tmp = tmp_path_factory.mktemp("startup")
+    root = tmp / "megatron-lm"
+    full = os.environ.get("QUANTPATCH_MEGATRON_LM")
+    if full:  # a Megatron-LM clone at core_v0.13.1: its own parser and validate_args are used
+        shutil.copytree(full, root, ignore=shutil.ignore_patterns(".git"))
+    else:
+        shutil.copytree(trees["0.13.1"], root / "megatron")
+    repo = git.Repo.init(root, initial_branch="main")
+    with repo.config_writer() as cw:
+        cw.set_value("user", "name", "Test")
+        cw.set_value("user", "email", "test@example.com")
+    repo.git.add("-A")
+    repo.git.commit("-qm", "megatron-core 0.13.1")
+    init(root)
+    return root, _launch_all(root, tmp)
+
+
+@pytest.fixture(scope="module")
+def launched_on_the_fork(tmp_path_factory, trees):
+    """The same launches on a fork-shaped clone (``git clone -b quant``: history, label sites,
+    its own dispatch chains and saver, a 0.15.0rc3 parser, its local DotProductAttention
+    without MLA's head dims) after ``init``."""
+    from .forklike import build_fork, clone_quant
+
+    tmp = tmp_path_factory.mktemp("startup-fork")
+    fork = build_fork(tmp / "origin", trees["0.13.1"], history=2, full=True)
+    root = clone_quant(fork, tmp / "Megatron-LM")
+    init(root)
+    return root, _launch_all(root, tmp)
+
+
+def _every_launch_starts(root: Path, launches: dict[str, dict | str], tmp_path: Path) -> None:
     refused = {k: v for k, v in launches.items() if isinstance(v, str)}
     expected_refusals = {
         f"{m}/{p} " + " ".join(f"{k}={v}" for k, v in e.items()): says for m, p, e, says in REFUSED
@@ -209,6 +232,20 @@ def test_every_model_profile_and_layout_starts_megatron(launched, tmp_path):
     readme = launches["llama31-8b/full NNODES=2 MASTER_ADDR=node-0 TP=2"]
     assert isinstance(readme, dict) and readme["env"]["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
     assert "--sequence-parallel" not in readme["argv"]
+
+
+def test_every_model_profile_and_layout_starts_megatron(launched, tmp_path):
+    root, launches = launched
+    _every_launch_starts(root, launches, tmp_path)
+
+
+def test_every_model_profile_and_layout_starts_megatron_on_the_fork_clone(
+    launched_on_the_fork, tmp_path
+):
+    """The fork clone's own code builds every launch, DeepSeek-V2-Lite's MLA included (the
+    head dims ``init`` gave its DotProductAttention)."""
+    root, launches = launched_on_the_fork
+    _every_launch_starts(root, launches, tmp_path)
 
 
 def test_megatron_refuses_what_the_scripts_refuse_and_what_they_leave_out(launched, tmp_path):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from quantpatch.base.config import load_targets
 from quantpatch.base.edits import Edit, read_exact
@@ -30,8 +31,15 @@ from quantpatch.checkout.parts import (  # noqa: F401  (the names tests and set 
     runtime_source,
 )
 from quantpatch.git import repo as gitrepo
-from quantpatch.git.installs import InstallResult, record_of, run_install, run_remove
+from quantpatch.git.installs import (
+    InstallResult,
+    record_of,
+    run_amend,
+    run_install,
+    run_remove,
+)
 from quantpatch.sites.codemods.init_sites import inject_sites, inject_weight_steps, teach_dispatches
+from quantpatch.sites.codemods.set_value import keep_bom
 from quantpatch.sites.model import read_target
 
 RECORD = "init"
@@ -93,6 +101,8 @@ def init_text(text: str, rel: str, kind: str) -> tuple[str | None, bool]:
     taught = teach_dispatches(text, rel)
     if kind == "linear":
         taught = _with_weight_steps(taught or text, rel) or taught
+    else:  # a fork's local attention lacks MLA's head dims as stock Megatron does
+        taught = with_mla_head_dims(taught or text, rel) or taught
     return taught, True
 
 
@@ -111,9 +121,48 @@ def _with_weight_steps(text: str, rel: str) -> str | None:
         return None
 
 
+def with_mla_head_dims(text: str, rel: str) -> str | None:
+    """An attention file whose ``DotProductAttention.__init__`` takes MLA's ``k_channels`` /
+    ``v_channels`` (``teach_mla_head_dims``), or None where it takes them already or has no
+    shape quantpatch can add them to (then ``gen-scripts`` names the file in the MLA
+    models' scripts)."""
+    from quantpatch.sites.codemods.init_sites import teach_mla_head_dims
+    from quantpatch.sites.discovery import parse_source
+
+    module = parse_source(text, rel)
+    new = teach_mla_head_dims(module).code
+    return None if new == module.code else keep_bom(text, new)
+
+
+def _missing_parts(checkout: gitrepo.Checkout, record: dict[str, Any]) -> list[Edit]:
+    """What an earlier quantpatch's ``init`` did not do and this one does: MLA's head dims in
+    the local attention. The other parts are left as that ``init`` wrote them."""
+    root = checkout.root
+    targets = load_targets(root)
+    edits = []
+    for rel in targets.attention:
+        text = read_exact(root / rel)
+        if text is None:
+            continue
+        new = with_mla_head_dims(text, rel)
+        if new is not None:
+            edits.append(Edit(rel, text, new))
+    return edits
+
+
 def init(path: Path | None, *, remove: bool = False) -> InstallResult:
     if remove:
         return run_remove(path, RECORD, "quantpatch init --remove: restore the stock sources")
+    checkout = gitrepo.find_checkout(path, need_git=False)
+    if record_of(checkout, RECORD) is not None:
+        return run_amend(
+            path,
+            RECORD,
+            _missing_parts,
+            "quantpatch init: the local DotProductAttention takes MLA's k_channels / "
+            "v_channels (what the earlier init of this checkout did not add)",
+            f"{checkout.root}: already initialised by quantpatch ('init --remove' undoes it).",
+        )
     return run_install(
         path,
         RECORD,

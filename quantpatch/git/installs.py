@@ -101,13 +101,7 @@ def run_install(
         gitrepo.recover(checkout)
         finish_upgrade(checkout)  # an interrupted upgrade's records first
         if finish_interrupted(checkout, name) == "installed":
-            # the same command, killed between its record and its commit: now complete
-            head = gitrepo.head_commit(checkout.repo) if checkout.repo is not None else None
-            done = InstallResult([], head, removed=False)
-            done.notes = [
-                f"completed the interrupted 'quantpatch {name}' (its commit was made now)."
-            ]
-            return done
+            return _completed(checkout, name)
         if idempotent and record_of(checkout, name) is not None:
             return InstallResult([], None, removed=False, changed=False)
         preconditions(checkout, files(checkout))
@@ -120,6 +114,77 @@ def run_install(
         written, commit = _write_and_commit(
             checkout, name, edits, text, message, lambda: shutil.rmtree(record_dir)
         )
+        result = InstallResult(written, commit, removed=False)
+        result.notes = _detached_note(checkout, result.commit)
+        return result
+
+
+def _completed(checkout: gitrepo.Checkout, name: str) -> InstallResult:
+    """The same command, killed between its record and its commit: now complete."""
+    head = gitrepo.head_commit(checkout.repo) if checkout.repo is not None else None
+    done = InstallResult([], head, removed=False)
+    done.notes = [f"completed the interrupted 'quantpatch {name}' (its commit was made now)."]
+    return done
+
+
+def run_amend(
+    path: Path | None,
+    name: str,
+    plan: Callable[[gitrepo.Checkout, dict[str, Any]], list[Edit]],
+    message: str,
+    nothing_to_do: str,
+) -> InstallResult:
+    """Add edits to a recorded install (what an earlier quantpatch's install lacked), as a
+    commit of its own. A file the install already wrote must still hold what it wrote (else
+    the removal could not restore it either); its kept original stays the one from before
+    the first install, so removing the install restores the original bytes of every file.
+    A file new to the install has its current bytes kept as its original. ``plan`` gets the
+    record; no edits is refused with ``nothing_to_do``."""
+    checkout = gitrepo.find_checkout(path, need_git=False)
+    with gitrepo.locked(checkout):
+        gitrepo.recover(checkout)
+        finish_upgrade(checkout)  # an interrupted upgrade's records first
+        if finish_interrupted(checkout, name) == "installed":
+            return _completed(checkout, name)
+        record = record_of(checkout, name)
+        if record is None:
+            raise UserError(f"{checkout.root}: 'quantpatch {name}' was not run here.")
+        preconditions(checkout, list(record["files"]))
+        edits = plan(checkout, record)
+        if not edits:
+            raise UserError(nothing_to_do)
+        preconditions(checkout, [e.rel for e in edits if e.rel not in record["files"]])
+        files = dict(record["files"])
+        record_dir = checkout.state_dir / name
+        for e in edits:
+            info = files.get(e.rel)
+            if info is not None:
+                if e.old is None or sha256_text(e.old) != info["written"]:
+                    raise UserError(f"{e.rel} changed since 'quantpatch {name}'; revert it first.")
+                continue
+            if e.old is not None:
+                write_exact(record_dir / "originals" / e.rel, e.old)
+        for e in edits:
+            before = files.get(e.rel)
+            files[e.rel] = {
+                "existed": e.old is not None if before is None else before["existed"],
+                "written": sha256_text(e.new or ""),
+                "original_sha": (
+                    (None if e.old is None else sha256_text(e.old))
+                    if before is None
+                    else before.get("original_sha")
+                ),
+            }
+        text = json.dumps({**record, "files": files, "message": message}, indent=2) + "\n"
+        old_text = _record_path(checkout, name).read_text(encoding="utf-8")
+        new_rels = [e.rel for e in edits if e.rel not in record["files"]]
+
+        def undo_record() -> None:
+            _write_record_text(checkout, name, old_text)
+            for rel in new_rels:
+                (record_dir / "originals" / rel).unlink(missing_ok=True)
+
+        written, commit = _write_and_commit(checkout, name, edits, text, message, undo_record)
         result = InstallResult(written, commit, removed=False)
         result.notes = _detached_note(checkout, result.commit)
         return result

@@ -31,6 +31,9 @@ class GenRequest:
     force: bool = False
     check: bool = False
     prepare: bool = False
+    refuse_blocked: bool = False
+    """Refuse (before anything is written) a model the checkout cannot build yet, with the
+    sentence its scripts would stop with (``sweep run``); else its scripts are written."""
 
 
 @dataclass
@@ -72,6 +75,9 @@ def generate_scripts(request: GenRequest, progress: Callable[[str], None] | None
         request.parallel,
         request.swift,
     )
+    blocked = {s.model: s.blocked for s in scripts if s.blocked is not None}
+    if blocked and request.refuse_blocked:
+        raise UserError(next(iter(blocked.values())))
     validated = flags.describe()
     if launcher == "swift":
         from quantpatch.launch.swift import swift_source
@@ -80,6 +86,11 @@ def generate_scripts(request: GenRequest, progress: Callable[[str], None] | None
     warnings = sorted(
         {f"{s.model}: {w}" for s in scripts if s.layout is not None for w in s.layout.warnings}
     )
+    if blocked:  # one line for all of them: their scripts are written, and stop until fixed
+        count = sum(1 for s in scripts if s.blocked is not None)
+        why = next(iter(blocked.values())).rstrip(".")
+        others = f" ({', '.join(sorted(blocked)[1:])} likewise)" if len(blocked) > 1 else ""
+        warnings.append(f"{why}{others}; {count} scripts stop before torchrun until then.")
     prepared: list[str] = []
     if request.prepare and not request.check:
         writable(request.out)  # a write that would fail anyway prepares nothing first

@@ -162,6 +162,9 @@ class Script:
     launcher: Launcher = "torchrun"
     layout: Layout | None = None
     """The layout of the profile's values (the environment may override it at launch)."""
+    blocked: str | None = None
+    """Why the checkout cannot build the model yet and the command that fixes it (one
+    sentence): the script stops with it before ``torchrun`` while that holds."""
 
 
 _SUFFIX: dict[Launcher, tuple[str, str]] = {
@@ -288,13 +291,15 @@ def check_flags(reg: Registry, models: Sequence[str], profile: str, source: Flag
     )
 
 
-def refuse_mla_without_head_dims(
+def mla_unbuildable(
     root: Path, reg: Registry, models: Sequence[str], profile: str
-) -> None:
-    """Multi-Latent Attention builds its core attention with ``k_channels`` / ``v_channels``;
-    with the local layers that is the checkout's ``DotProductAttention``, which must take them
-    (``init`` teaches a stock checkout; a fork's own may not). Refused here, naming the file,
-    rather than in model construction on the cluster."""
+) -> dict[str, tuple[str, str]]:
+    """The models this checkout cannot build yet, each with the attention file that stops it
+    and one sentence naming that file and the command that fixes it. Multi-Latent Attention
+    builds its core attention with ``k_channels`` / ``v_channels``; with the local layers that
+    is the checkout's ``DotProductAttention``, which must take them (``init`` adds them, on a
+    stock checkout and on a fork). Found here rather than in model construction on the
+    cluster."""
     from quantpatch.base.config import load_targets
     from quantpatch.git import repo as gitrepo
 
@@ -307,21 +312,23 @@ def refuse_mla_without_head_dims(
         }
     )
     if not mla:
-        return
+        return {}
     for rel in load_targets(root).attention:
         path = root / rel
         if not path.is_file():
             continue
         cache = gitrepo.find_checkout(root, need_git=False).state_dir / "cache"
         if _takes_mla_head_dims(path.read_text(encoding="utf-8"), rel, cache) is False:
-            raise UserError(
-                f"{', '.join(mla)} {'uses' if len(mla) == 1 else 'use'} Multi-Latent Attention, "
-                "which hands the local DotProductAttention its k_channels and v_channels, but "
-                f"{rel} does not take them "
-                "(the model could not be built); `quantpatch init` adds them to a stock "
-                "checkout, a fork needs the two keyword parameters (docs/launch.md, MLA "
-                f"models), or leave {'it' if len(mla) == 1 else 'them'} out with --models."
-            )
+            return {
+                m: (
+                    rel,
+                    f"{m} uses Multi-Latent Attention, which hands the local "
+                    f"DotProductAttention its k_channels and v_channels, but {rel} does not "
+                    "take them; `quantpatch init` adds them.",
+                )
+                for m in mla
+            }
+    return {}
 
 
 def _takes_mla_head_dims(text: str, rel: str, cache: Path) -> bool | None:
@@ -404,8 +411,13 @@ def render_script(
     launcher: Launcher = "torchrun",
     layout: Layout | None = None,
     swift_path: Path | None = None,
+    blocked: tuple[str, str] | None = None,
 ) -> Script:
+    """One script; ``blocked`` (the attention file, the sentence): the checkout cannot build
+    the model yet, so the script stops with the sentence before ``torchrun`` while the
+    worktree's file is still so."""
     source = _source(release)
+    stop = None if blocked is None else {"file": blocked[0], "sentence": blocked[1]}
     args = _model_args(reg, model, profile)
     _reject_unaccepted({f"{model}/{profile}": args.flags}, source)
     if layout is None:
@@ -431,6 +443,7 @@ def render_script(
             swift_path,
             args.values,
             args.is_moe,
+            stop,
         )
     else:
         body = (
@@ -455,6 +468,7 @@ def render_script(
                     "" if source.root is not None else f"--megatron-release {source.release} "
                 ),
                 persist_off=args.values.get("no-persist-layer-norm") is True,
+                blocked=stop,
             )
         )
     header = _header(
@@ -476,6 +490,7 @@ def render_script(
         args.flags,
         launcher,
         layout,
+        None if blocked is None else blocked[1],
     )
 
 
@@ -561,15 +576,16 @@ def render_all(
         )
     source = _source(release)
     check_flags(reg, models, profile, source)  # every model at once: one sentence
-    if source.root is not None:
-        refuse_mla_without_head_dims(source.root, reg, models, profile)
+    blocked = {} if source.root is None else mla_unbuildable(source.root, reg, models, profile)
     layouts = plan_layout(reg, models, profile, parallel)
     if launcher == "swift":
         from quantpatch.launch import swift
 
         swift.check_models(reg, models, profile, swift_path)
     scripts = [
-        render_script(reg, m, d, s, profile, source, launcher, layouts[m], swift_path)
+        render_script(
+            reg, m, d, s, profile, source, launcher, layouts[m], swift_path, blocked.get(m)
+        )
         for m in models
         for d in datasets
         for s in schemes
@@ -774,8 +790,12 @@ def quantpatch_command() -> str:
 
 def launch(root: Path, script: Script, *, dry_run: bool) -> int:
     """Run one combination's script from ``root`` (its text is kept under the state directory
-    for the record); with ``dry_run`` the script prints the exact command instead."""
+    for the record); with ``dry_run`` the script prints the exact command instead. A model
+    the checkout cannot build yet is refused before anything starts, with the sentence."""
     from quantpatch.git import repo as gitrepo
+
+    if script.blocked is not None:
+        raise UserError(script.blocked)
 
     checkout = gitrepo.find_checkout(root, need_git=True)
     path = checkout.state_dir / "scripts" / script.rel

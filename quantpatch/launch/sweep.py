@@ -218,6 +218,7 @@ def prepare(
             launcher="torchrun" if selection.launcher == "local" else "slurm",
             config=Path(selection.config) if selection.config else None,
             repo=checkout.root,
+            refuse_blocked=True,
         )
     )
     scripts = done.result.scripts

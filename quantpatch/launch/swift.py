@@ -407,6 +407,7 @@ def render_body(
     path: Path | None,
     values: Mapping[str, object],
     is_moe: bool,
+    blocked: Mapping[str, str] | None = None,
 ) -> str:
     from quantpatch.launch.shell_render import master_port, template_environment
 
@@ -428,5 +429,6 @@ def render_body(
             is_moe=is_moe,
             vpp_field=VPP_FIELD if VPP_FIELD in source.fields else None,
             swift_version=source.version,
+            blocked=blocked,
         )
     )
