@@ -18,7 +18,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from quantpatch.base.config import ROLES, Targets, load_targets, validate_value
+from quantpatch.base.config import (
+    GEMMS,
+    KEYS,
+    ROLES,
+    Targets,
+    is_paretoq,
+    load_targets,
+    per_gemm,
+    validate_value,
+)
 from quantpatch.base.edits import (
     Edit,
     apply_edits,
@@ -110,15 +119,21 @@ class CheckReport:
 
 
 def parse_expect(text: str) -> dict[str, str]:
-    """``linear=X,qk=Y,pv=Z`` (any subset) into a mapping; bad keys are refused."""
+    """``linear=X,qk=Y,pv=Z`` (any subset; ``fprop``/``dgrad``/``wgrad`` for the linear
+    GEMMs one by one) into a mapping; bad keys are refused."""
     out: dict[str, str] = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
         role, sep, value = part.partition("=")
-        if not sep or role not in ROLES or not value:
+        if not sep or role not in KEYS or not value:
             raise UserError(
-                f"--expect: '{part}' is not role=value with a role among {', '.join(ROLES)}."
+                f"--expect: '{part}' is not role=value with a role among {', '.join(KEYS)}."
             )
-        out[role] = validate_value(value, allow_unknown=False, where=f"--expect {role}", role=role)
+        out[role] = validate_value(
+            value,
+            allow_unknown=False,
+            where=f"--expect {role}",
+            role="linear" if role in GEMMS else role,
+        )
     return out
 
 
@@ -245,20 +260,54 @@ class SetResult:
 
 
 def _resolve_values(requested: Mapping[str, str], sites: Sequence[Site]) -> dict[str, str]:
+    """The values the sites will hold: those named, the current ones for the rest. The
+    linear GEMMs (``--fprop``/``--dgrad``/``--wgrad``) need a site each; the result holds
+    ``linear`` where they agree and the three GEMMs where they differ (``per_gemm``)."""
     current, mismatched = role_values(sites)
     present = {r for s in sites for r in s.roles}
+    named_gemms = [g for g in GEMMS if g in requested]
+    linear_sites = [s for s in sites if s.role == "linear" and s.kind != "dynamic"]
+    tagged = bool(linear_sites) and {s.gemm for s in linear_sites} >= set(GEMMS)
     out: dict[str, str] = {}
     for role in ROLES:
         if role in requested:
             if role not in present:
                 raise UserError(f"--{role}: the checkout has no {role} site to set.")
             out[role] = requested[role]
+        elif role == "linear" and (named_gemms or "linear" not in mismatched):
+            if current["linear"] is not None:
+                out["linear"] = current["linear"]
         elif role in mismatched:
             where = ", ".join(f"{s.file}:{s.line}" for s in mismatched[role])
             raise UserError(f"the {role} sites disagree ({where}); name --{role} to set them all.")
         elif (value := current[role]) is not None:
             out[role] = value
-    return out
+    if named_gemms and not tagged:
+        where = linear_sites[0].file if linear_sites else "the checkout"
+        raise UserError(
+            f"--{named_gemms[0]}: {where} has no linear site of its own for each of the forward, "
+            "input-gradient and weight-gradient GEMMs, so they cannot differ; use --linear."
+        )
+    if tagged and "linear" not in requested and (named_gemms or current["linear"] is None):
+        for gemm in GEMMS:
+            if gemm in requested:
+                out[gemm] = requested[gemm]
+            elif gemm in mismatched:
+                where = ", ".join(f"{s.file}:{s.line}" for s in mismatched[gemm])
+                raise UserError(
+                    f"the {gemm} sites disagree ({where}); name --{gemm} to set them all."
+                )
+            elif (value := current[gemm]) is not None:
+                out[gemm] = value
+    elif named_gemms:
+        out.update({g: requested[g] for g in named_gemms})
+    resolved = per_gemm(out)
+    if any(is_paretoq(resolved[g]) for g in GEMMS if g in resolved):
+        raise UserError(
+            "--fprop/--dgrad/--wgrad: a ParetoQ value quantizes the layer's weight once for all "
+            f"three GEMMs ({', '.join(f'{g}={resolved[g]}' for g in GEMMS)}); use --linear."
+        )
+    return resolved
 
 
 def _plan(
@@ -385,7 +434,12 @@ def plan_from_base(
 
 def set_values(path: Path | None, req: SetRequest) -> SetResult:
     for role, value in req.values.items():
-        validate_value(value, allow_unknown=req.allow_unknown, where=f"--{role}", role=role)
+        validate_value(
+            value,
+            allow_unknown=req.allow_unknown,
+            where=f"--{role}",
+            role="linear" if role in GEMMS else role,
+        )
     checkout = gitrepo.find_checkout(path, need_git=req.branch, no_branch_hint=True)
     targets = load_targets(checkout.root)
     if req.dry_run:
@@ -499,9 +553,7 @@ def _set_branch(
     )
     edits = [Edit(fs.rel, fs.text, planned[fs.rel]) for fs in current_files]
     result = SetResult(values=values, edits=edits, diff=unified_diff(edits), base=base, notes=notes)
-    name = scheme_branch.branch_name(
-        {r: values.get(r, "none") for r in ROLES}, targets.branch_prefix
-    )
+    name = scheme_branch.branch_name(values, targets.branch_prefix)
     result.branch = name
     if req.dry_run:
         return result

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import git
 
-from quantpatch.base.config import ROLES, Targets, load_targets, validate_value
+from quantpatch.base.config import GEMMS, ROLES, Targets, load_targets, per_gemm, validate_value
 from quantpatch.base.errors import UserError
 from quantpatch.checkout.switch import base_tip, plan_from_base
 from quantpatch.git import repo as gitrepo
@@ -72,15 +72,26 @@ def _checked_out_here(repo: git.Repo, name: str) -> bool:
     return gitrepo.active_branch(repo) == name
 
 
+def _all_gemms(values: Mapping[str, str]) -> bool:
+    return all(g in values for g in GEMMS)
+
+
+def scheme_values(values: Mapping[str, str]) -> dict[str, str]:
+    """``values`` in their one form (``per_gemm``): a worktree's branch, its commit and its
+    check all read the linear GEMMs the same way however they were named."""
+    return per_gemm(dict(values))
+
+
 def _locate(
     path: Path | None, values: Mapping[str, str], *, allow_unknown: bool
 ) -> tuple[gitrepo.Checkout, git.Repo, Targets, str, Path]:
     """The checkout, its targets, the scheme's branch name and its worktree's path."""
-    missing = [r for r in ROLES if r not in values]
+    missing = [r for r in ROLES if r not in values and (r != "linear" or not _all_gemms(values))]
     if missing:
         raise UserError(f"worktree: give all three roles (missing: {', '.join(missing)}).")
-    for role in ROLES:
-        validate_value(values[role], allow_unknown=allow_unknown, where=f"--{role}", role=role)
+    for role, value in values.items():
+        where = "linear" if role in GEMMS else role
+        validate_value(value, allow_unknown=allow_unknown, where=f"--{role}", role=where)
     checkout = gitrepo.find_checkout(path, need_git=True)
     repo = checkout.git()
     targets = load_targets(checkout.root)
@@ -101,6 +112,7 @@ def ensure_worktree(
     Commits made in the worktree itself are put on the branch first, so they are carried
     too; a worktree with uncommitted changes, or a checkout in the middle of a rebase, merge,
     cherry-pick or bisect, is refused before anything is changed."""
+    values = scheme_values(values)
     checkout, repo, targets, name, wt_path = _locate(path, values, allow_unknown=allow_unknown)
     with gitrepo.locked(checkout, wait=wait):
         gitrepo.refuse_operation_in_progress(checkout)
@@ -276,6 +288,7 @@ def existing_worktree(path: Path | None, values: Mapping[str, str]) -> WorktreeR
     create or move a worktree. Refused unless it is exactly its branch's tip, clean, holds the
     values, and still sits on the base's current tip (a base that moved on means the job
     would train code older than the checkout's)."""
+    values = scheme_values(values)
     checkout, repo, targets, name, wt_path = _locate(path, values, allow_unknown=False)
     again = "run 'quantpatch gen-scripts --prepare' (or 'quantpatch worktree') in the checkout"
     if not (wt_path / ".git").is_file():

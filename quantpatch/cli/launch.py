@@ -61,7 +61,7 @@ def list_(config: Path | None = ConfigOpt, json_: bool = JsonOpt) -> None:
         (
             "schemes",
             ("name", "linear", "qk", "pv"),
-            [(s.name, s.linear, s.qk, s.pv) for s in reg.schemes.values()],
+            [(s.name, s.linear_text, s.qk, s.pv) for s in reg.schemes.values()],
         ),
         (
             "profiles",
@@ -323,6 +323,9 @@ def worktree(
     linear: str | None = typer.Option(
         None, "--linear", help="Linear value: bf16, mxfp8, mxfp4, hifp8, nvfp4, nvfp4-2d."
     ),
+    fprop: str | None = typer.Option(None, "--fprop", help="The linear forward GEMM's value."),
+    dgrad: str | None = typer.Option(None, "--dgrad", help="The input-gradient GEMM's value."),
+    wgrad: str | None = typer.Option(None, "--wgrad", help="The weight-gradient GEMM's value."),
     qk: str | None = typer.Option(
         None, "--qk", help="Q.K^T value: bf16, mxfp8, mxfp4, hifp8, nvfp4."
     ),
@@ -354,7 +357,10 @@ def worktree(
         if scheme not in schemes:
             raise UserError(f"--scheme: unknown scheme '{scheme}'; valid: {', '.join(schemes)}.")
         values.update(schemes[scheme].values())
-    values.update({r: v for r, v in (("linear", linear), ("qk", qk), ("pv", pv)) if v})
+    if linear:  # --linear names all three GEMMs: a scheme's own GEMMs give way
+        values = {k: v for k, v in values.items() if k not in ("fprop", "dgrad", "wgrad")}
+    named = (("linear", linear), ("fprop", fprop), ("dgrad", dgrad), ("wgrad", wgrad))
+    values.update({r: v for r, v in (*named, ("qk", qk), ("pv", pv)) if v})
     result = (existing_worktree if existing else ensure_worktree)(repo_root(repo), values)
     if path_only:
         sys.stdout.write(f"{result.path}\n")
