@@ -3,10 +3,11 @@
 ``init`` inserts fork-layout sites (value ``bf16``, so the checkout computes exactly as before)
 into the two target files, with the flash-attention route of the FA schemes at the top of
 ``DotProductAttention.forward``, and installs ``megatron/core/quantpatch_ops.py``,
-``megatron/core/quantpatch_kernels.py`` and ``megatron/core/quantpatch_flash.py`` (verbatim
-copies of ``quantpatch/runtime/``: the ops, their fused Triton kernels for CUDA tensors, and
-the flash-attention kernels): a recorded install, so ``init --remove`` restores the original
-bytes exactly.
+``megatron/core/quantpatch_kernels.py``, ``megatron/core/quantpatch_flash.py``,
+``megatron/core/quantpatch_rht.py`` and ``megatron/core/quantpatch_rht_kernels.py`` (verbatim
+copies of ``quantpatch/runtime/``: the ops, their fused Triton kernels for CUDA tensors, the
+flash-attention kernels, and the Hadamard transform of ``nvfp4-rht`` with its kernel): a
+recorded install, so ``init --remove`` restores the original bytes exactly.
 """
 
 from __future__ import annotations
@@ -26,11 +27,15 @@ from quantpatch.sites.model import read_target
 OPS_MODULE = "megatron/core/quantpatch_ops.py"
 KERNELS_MODULE = "megatron/core/quantpatch_kernels.py"
 FLASH_MODULE = "megatron/core/quantpatch_flash.py"
+RHT_MODULE = "megatron/core/quantpatch_rht.py"
+RHT_KERNELS_MODULE = "megatron/core/quantpatch_rht_kernels.py"
 # installed path -> the runtime module it copies
 RUNTIME_MODULES = {
     OPS_MODULE: "runtime/quantpatch_ops.py",
     KERNELS_MODULE: "runtime/quantpatch_kernels.py",
     FLASH_MODULE: "runtime/quantpatch_flash.py",
+    RHT_MODULE: "runtime/quantpatch_rht.py",
+    RHT_KERNELS_MODULE: "runtime/quantpatch_rht_kernels.py",
 }
 RECORD = "init"
 

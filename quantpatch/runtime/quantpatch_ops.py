@@ -33,6 +33,10 @@ Formats (OCP Microscaling v1.0; Luo et al., arXiv 2409.16626 for HiFloat8):
   linear forward and dgrad sites name it), or where none is named a 2-D
   ``torch.nn.Parameter`` or a view of one such as ``weight.t()``; every other operand is
   ``nvfp4``.
+* ``nvfp4-rht``: ``nvfp4`` after a random Hadamard transform of both operands along the
+  reduction dimension (NVIDIA's recipe for the weight-gradient GEMM): ``quantpatch_rht.py``,
+  installed beside this file. ``fake_quant`` returns the quantized values taken back through
+  the inverse transform (same shape, comparable with the input).
 * ``hifp8``: per tensor, no scale: 3/2/1 mantissa bits for |e| <= 3/7/15, powers of two
   2^-22..2^-16 below 2^-15, zero below, saturation at 2^15, ties away from zero.
 * ``bf16``: the identity.
@@ -75,7 +79,8 @@ from typing import Any
 
 import torch
 
-FORMATS = ("bf16", "mxfp8", "mxfp4", "hifp8", "nvfp4", "nvfp4-2d", "w1", "w1.58", "w2", "w3", "w4")
+NV_FORMATS = ("nvfp4", "nvfp4-2d", "nvfp4-rht")
+FORMATS = ("bf16", "mxfp8", "mxfp4", "hifp8", *NV_FORMATS, "w1", "w1.58", "w2", "w3", "w4")
 """Every base value (ParetoQ's ``w<b>`` also take a ``g<N>`` suffix: ``GROUPED_FORMATS``)."""
 NVFP4_FORMATS = ("nvfp4", "nvfp4-2d")
 BLOCK = 32
@@ -342,6 +347,10 @@ def fake_quant(x: torch.Tensor, fmt: str, *, dim: int = -1, backward: bool = Fal
         raise ValueError(f"unknown quantization format {fmt!r}; expected one of {FORMATS}")
     if x.numel() == 0:
         return x.clone()
+    if fmt == "nvfp4-rht":  # Hadamard-transformed NVFP4: quantpatch_rht.py
+        from . import quantpatch_rht
+
+        return quantpatch_rht.fake_quant_rht(x, dim, backward=backward)
     rand = sr_uniforms(x) if backward and fmt in NVFP4_FORMATS else None
     if _use_kernels(x):
         out: torch.Tensor = _kernels_module.fake_quant(x, fmt, dim, backward, rand)
@@ -493,6 +502,10 @@ def quant_matmul(
     under ``backward``, and ``nvfp4-2d`` tiles only the weight operand: the one ``weight``
     names (``"a"`` or ``"b"``: init's linear sites say which, since Megatron's autograd
     function hands the weight over as a plain tensor), else a 2-D Parameter or a view of one."""
+    if fmt == "nvfp4-rht":  # both operands Hadamard-transformed first: quantpatch_rht.py
+        from . import quantpatch_rht
+
+        return quantpatch_rht.rht_matmul(a, b, backward=backward)
     bdim = -2 if b.dim() > 1 else -1
     fused = _fused_product(a, b, fmt, backward, backward)
     if fused is not None:
