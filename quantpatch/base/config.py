@@ -90,6 +90,45 @@ def linear_text(values: Mapping[str, str | None], sep: str = ".", join: str = "+
     return join.join(f"{g}{sep}{values.get(g)}" for g in GEMMS)
 
 
+_BF16_LAYERS_ITEM = re.compile(r"(first|last):[0-9]+|[1-9][0-9]*(-[1-9][0-9]*)?|recipe")
+
+
+def validate_bf16_layers(spec: str, where: str = "--bf16-layers") -> str:
+    """A BF16 layer policy: comma-separated ``first:N``, ``last:N``, Megatron layer numbers
+    ``K`` or ranges ``A-B``, or ``recipe`` (NVIDIA's proportion, scaled per model); ``none``
+    (or empty) for no policy, returned as ''. Anything else is refused."""
+    spec = spec.replace(" ", "")
+    if spec in ("", "none"):
+        return ""
+    for part in spec.split(","):
+        if not _BF16_LAYERS_ITEM.fullmatch(part):
+            raise UserError(
+                f"{where}: '{part}' is not first:N, last:N, a layer number K, a range A-B or "
+                "recipe (e.g. first:2,last:8 or 1,2,25-32)."
+            )
+        lo, _, hi = part.partition("-")
+        if hi and lo.isdigit() and int(hi) < int(lo):
+            raise UserError(f"{where}: the range '{part}' runs backwards.")
+    return spec
+
+
+RECIPE_BF16_LAYERS = (2, 8, 62)
+"""NVIDIA's NVFP4 recipe (arXiv 2509.25149): the first 2 and the last 8 of the 12 B model's 62
+blocks stay in BF16; ``bf16_layers = recipe`` scales that to each model (the runtime's
+``quantpatch_layers.recipe_counts`` computes the same)."""
+
+
+def recipe_layers(num_layers: int) -> tuple[int, int]:
+    """(first, last) BF16 layers of the recipe for ``num_layers``: 2 / 62 and 8 / 62 of the
+    model rounded half up, at least one each, never the whole model."""
+    first_n, last_n, of = RECIPE_BF16_LAYERS
+    first = max(1, int(first_n * num_layers / of + 0.5))
+    last = max(1, int(last_n * num_layers / of + 0.5))
+    while first + last >= num_layers and last > 1:
+        last -= 1
+    return first, last
+
+
 SITE_NAME = "custom_quant_type"
 """The variable whose assignments are sites."""
 

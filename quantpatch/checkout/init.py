@@ -4,9 +4,11 @@
 into the two target files, with the flash-attention route of the FA schemes at the top of
 ``DotProductAttention.forward``, and installs ``megatron/core/quantpatch_ops.py``,
 ``megatron/core/quantpatch_kernels.py``, ``megatron/core/quantpatch_flash.py``,
-``megatron/core/quantpatch_rht.py`` and ``megatron/core/quantpatch_rht_kernels.py`` (verbatim
+``megatron/core/quantpatch_rht.py``, ``megatron/core/quantpatch_rht_kernels.py`` and
+``megatron/core/quantpatch_layers.py`` (verbatim
 copies of ``quantpatch/runtime/``: the ops, their fused Triton kernels for CUDA tensors, the
-flash-attention kernels, and the Hadamard transform of ``nvfp4-rht`` with its kernel): a
+flash-attention kernels, the Hadamard transform of ``nvfp4-rht`` with its kernel, and the
+BF16 layer policy's hooks, whose policy literal ``init`` puts in the linear file): a
 recorded install, so ``init --remove`` restores the original bytes exactly.
 """
 
@@ -23,12 +25,14 @@ from quantpatch.git import repo as gitrepo
 from quantpatch.git.installs import InstallResult, record_of, run_install, run_remove
 from quantpatch.sites.codemods.init_sites import inject_sites, inject_weight_steps, teach_dispatches
 from quantpatch.sites.model import read_target
+from quantpatch.sites.policy import insert_policy
 
 OPS_MODULE = "megatron/core/quantpatch_ops.py"
 KERNELS_MODULE = "megatron/core/quantpatch_kernels.py"
 FLASH_MODULE = "megatron/core/quantpatch_flash.py"
 RHT_MODULE = "megatron/core/quantpatch_rht.py"
 RHT_KERNELS_MODULE = "megatron/core/quantpatch_rht_kernels.py"
+LAYERS_MODULE = "megatron/core/quantpatch_layers.py"
 # installed path -> the runtime module it copies
 RUNTIME_MODULES = {
     OPS_MODULE: "runtime/quantpatch_ops.py",
@@ -36,6 +40,7 @@ RUNTIME_MODULES = {
     FLASH_MODULE: "runtime/quantpatch_flash.py",
     RHT_MODULE: "runtime/quantpatch_rht.py",
     RHT_KERNELS_MODULE: "runtime/quantpatch_rht_kernels.py",
+    LAYERS_MODULE: "runtime/quantpatch_layers.py",
 }
 RECORD = "init"
 
@@ -79,12 +84,15 @@ def _site_edits(root: Path, rels: tuple[str, ...], kind_of: Callable[[str], str]
             new = inject_sites(text, rel, kind_of(rel), flash=True)
             if kind_of(rel) == "linear":
                 new = inject_weight_steps(new, rel)  # ParetoQ steps: parameters of the layers
+                new = insert_policy(new, rel)  # the BF16 layer policy (set --bf16-layers)
             edits.append(Edit(rel, text, new))
             continue
         forked.append(rel)
         taught = teach_dispatches(text, rel)
         if kind_of(rel) == "linear":
             taught = _with_weight_steps(taught or text, rel) or taught
+            with_policy = insert_policy(taught or text, rel)
+            taught = with_policy if with_policy != text else taught
         if taught is not None:
             edits.append(Edit(rel, text, taught))
     if forked and len(edits) == 0:

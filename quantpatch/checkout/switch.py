@@ -26,6 +26,7 @@ from quantpatch.base.config import (
     is_paretoq,
     load_targets,
     per_gemm,
+    validate_bf16_layers,
     validate_value,
 )
 from quantpatch.base.edits import (
@@ -120,10 +121,20 @@ class CheckReport:
 
 def parse_expect(text: str) -> dict[str, str]:
     """``linear=X,qk=Y,pv=Z`` (any subset; ``fprop``/``dgrad``/``wgrad`` for the linear
-    GEMMs one by one) into a mapping; bad keys are refused."""
+    GEMMs one by one, ``bf16_layers=first:2,last:8`` or ``none`` for the layer policy) into a
+    mapping; bad keys are refused."""
     out: dict[str, str] = {}
+    parts: list[str] = []
     for part in filter(None, (p.strip() for p in text.split(","))):
+        if "=" not in part and parts and parts[-1].startswith("bf16_layers="):
+            parts[-1] += "," + part  # bf16_layers=first:2,last:8: the policy's own commas
+        else:
+            parts.append(part)
+    for part in parts:
         role, sep, value = part.partition("=")
+        if role == "bf16_layers" and sep:
+            out[role] = validate_bf16_layers(value, "--expect bf16_layers") or "none"
+            continue
         if not sep or role not in KEYS or not value:
             raise UserError(
                 f"--expect: '{part}' is not role=value with a role among {', '.join(KEYS)}."
@@ -184,6 +195,17 @@ def checking(path: Path | None, *, fresh: bool = False) -> Iterator[Callable[[],
         yield lambda: _check(checkout, targets, git_info, cache, ahead)
 
 
+def _policy_in(root: Path, targets: Targets) -> Any:
+    """The BF16 layer policy of the checkout's linear file (None: it has none)."""
+    from quantpatch.sites.policy import POLICY_NAME, find_policy
+
+    for rel in targets.linear:
+        text = read_exact(root / rel) if (root / rel).is_file() else None
+        if text is not None and POLICY_NAME in text:
+            return find_policy(text, rel)
+    return None
+
+
 def _check(
     checkout: gitrepo.Checkout,
     targets: Targets,
@@ -196,6 +218,9 @@ def _check(
     if not sites:
         raise _no_sites(targets)
     roles, mismatched = role_values(sites)
+    policy = _policy_in(checkout.root, targets)
+    if policy is not None:
+        roles["bf16_layers"] = policy.value or "none"
     problems_found: list[str] = []
     try:
         state = gitrepo.load_state(checkout)
@@ -243,6 +268,8 @@ class SetRequest:
     branch: bool = True
     split: bool = True
     allow_unknown: bool = False
+    bf16_layers: str | None = None
+    """The BF16 layer policy to write (None: keep the checkout's; '' or 'none': no policy)."""
 
 
 @dataclass
@@ -325,12 +352,65 @@ def _plan(
         module = plan_module(fs, values, split=split)
         new_text = fs.text if module is None else keep_bom(fs.text, module.code)
         kind = targets.kind_of(fs.rel)
+        if kind == "linear":
+            with_policy = _planned_policy(new_text, fs.rel, values.get("bf16_layers", ""))
+            if with_policy != new_text:
+                new_text, module = with_policy, None
         new = (
             verify_rewrite(fs, new_text, values, kind, module=module) if new_text != fs.text else fs
         )
         site_cache.store(cache_dir, fs.rel, kind, new_text, new.sites)
         planned[fs.rel] = new_text
     return planned
+
+
+def _planned_policy(text: str, rel: str, spec: str) -> str:
+    """``text`` with its BF16 layer policy literal holding ``spec`` (unchanged where it has
+    none: ``_with_policy`` refuses a policy there)."""
+    from quantpatch.sites.policy import find_policy, write_policy
+
+    policy = find_policy(text, rel)
+    if policy is None or policy.value == spec:
+        return text
+    return write_policy(text, rel, spec)
+
+
+def _with_policy(
+    values: dict[str, str],
+    requested: str | None,
+    files: Sequence[FileSites],
+    targets: Targets,
+) -> dict[str, str]:
+    """``values`` with the BF16 layer policy in force (``bf16_layers``: the one requested,
+    else the checkout's), refused before anything changes where no code would honour it: no
+    policy site (a checkout ``init`` has not seen), a linear dispatch whose branch for a
+    GEMM's value does not go through ``quantpatch_ops`` (a fork's own op), ParetoQ values."""
+    from quantpatch.sites.policy import POLICY_NAME, find_policy, unhonoured
+
+    linear = [f for f in files if targets.kind_of(f.rel) == "linear"]
+    policies = [p for f in linear if (p := find_policy(f.text, f.rel)) is not None]
+    current = policies[0].value if policies else None
+    spec = validate_bf16_layers(current or "" if requested is None else requested)
+    out = {k: v for k, v in values.items() if k != "bf16_layers"}
+    if not spec:
+        return out
+    if not policies:
+        where = linear[0].rel if linear else "the linear file"
+        raise UserError(
+            f"--bf16-layers: {where} has no {POLICY_NAME} policy, so nothing would keep those "
+            "layers in BF16; 'quantpatch init' adds it and routes the linear dispatches "
+            "through quantpatch_ops, which honours it."
+        )
+    for f in linear:
+        why = unhonoured(f.text, f.rel, out)
+        if why:
+            raise UserError(f"--bf16-layers: {why}.")
+    if any(is_paretoq(v) for k, v in out.items() if k in ("linear", *GEMMS)):
+        raise UserError(
+            "--bf16-layers: ParetoQ layers quantize their own weights, which the policy does "
+            "not reach; use another linear value or no policy."
+        )
+    return {**out, "bf16_layers": spec}
 
 
 def _discover_text(text: str, rel: str, targets: Targets) -> FileSites:
@@ -429,6 +509,8 @@ def plan_from_base(
         raise _no_sites(targets)
     if known:
         refuse_unknown_to_dispatch(base_files, known, ops_text_at(repo, commit))
+    if values.get("bf16_layers"):
+        _with_policy(dict(values), values["bf16_layers"], base_files, targets)
     return base_texts, _plan(base_files, values, targets, split, cache_dir)
 
 
@@ -458,6 +540,7 @@ def _set_unlocked(checkout: gitrepo.Checkout, targets: Targets, req: SetRequest)
     refuse_links(checkout.root, targets.all_files)
     current_files = _discover_checked(checkout.root, targets)
     values = _resolve_values(req.values, [s for f in current_files for s in f.sites])
+    values = _with_policy(values, req.bf16_layers, current_files, targets)
     state = gitrepo.load_state(checkout)
     if state and state["mode"] != ("branch" if req.branch else "in-place"):
         other = "--no-branch" if state["mode"] == "in-place" else "branch"

@@ -20,7 +20,15 @@ from pathlib import Path
 
 import git
 
-from quantpatch.base.config import GEMMS, ROLES, Targets, load_targets, per_gemm, validate_value
+from quantpatch.base.config import (
+    GEMMS,
+    ROLES,
+    Targets,
+    load_targets,
+    per_gemm,
+    validate_bf16_layers,
+    validate_value,
+)
 from quantpatch.base.errors import UserError
 from quantpatch.checkout.switch import base_tip, plan_from_base
 from quantpatch.git import repo as gitrepo
@@ -54,7 +62,12 @@ def _wrong_values(
     targets = load_targets(wt.root)
     sites = [s for f in site_cache.read_sites(wt.root, targets, wt.state_dir / "cache") for s in f]
     got, _ = role_values(sites)
-    return wt, targets, {r: got.get(r) for r in values if got.get(r) != values[r]}
+    from quantpatch.checkout.switch import _policy_in
+
+    policy = _policy_in(wt.root, targets)
+    got["bf16_layers"] = (policy.value or None) if policy is not None else None
+    want = {**values, "bf16_layers": values.get("bf16_layers") or None}
+    return wt, targets, {r: got.get(r) for r in want if got.get(r) != want[r]}
 
 
 def _verify(path: Path, values: Mapping[str, str], name: str) -> None:
@@ -79,7 +92,12 @@ def _all_gemms(values: Mapping[str, str]) -> bool:
 def scheme_values(values: Mapping[str, str]) -> dict[str, str]:
     """``values`` in their one form (``per_gemm``): a worktree's branch, its commit and its
     check all read the linear GEMMs the same way however they were named."""
-    return per_gemm(dict(values))
+    out = per_gemm(dict(values))
+    if "bf16_layers" in out:  # 'none' and '' are no policy: no key, as set resolves it
+        out["bf16_layers"] = validate_bf16_layers(out["bf16_layers"])
+        if not out["bf16_layers"]:
+            del out["bf16_layers"]
+    return out
 
 
 def _locate(
@@ -90,6 +108,9 @@ def _locate(
     if missing:
         raise UserError(f"worktree: give all three roles (missing: {', '.join(missing)}).")
     for role, value in values.items():
+        if role == "bf16_layers":
+            validate_bf16_layers(value)
+            continue
         where = "linear" if role in GEMMS else role
         validate_value(value, allow_unknown=allow_unknown, where=f"--{role}", role=where)
     checkout = gitrepo.find_checkout(path, need_git=True)

@@ -71,6 +71,12 @@ def set_(
     pv: str | None = typer.Option(
         None, "--pv", help="Value of the P.V site(s): bf16, mxfp8, mxfp4, hifp8, nvfp4."
     ),
+    bf16_layers: str | None = typer.Option(
+        None,
+        "--bf16-layers",
+        help="Transformer layers whose linear GEMMs stay BF16: first:N, last:N, layer numbers "
+        "K or A-B, recipe (NVIDIA's proportion), none; e.g. first:2,last:8.",
+    ),
     scheme: str | None = typer.Option(
         None,
         "--scheme",
@@ -111,12 +117,18 @@ def set_(
     for role, value in named.items():
         if value is not None:
             values[role] = value
-    if not values:
+    # the layer policy: --bf16-layers, else the scheme's (a scheme without one: none), else
+    # the checkout's own is kept
+    scheme_policy = values.pop("bf16_layers", "" if scheme is not None else None)
+    policy = bf16_layers if bf16_layers is not None else scheme_policy
+    if not values and policy is None:
         raise UserError(
-            "nothing to set: give --linear, --fprop, --dgrad, --wgrad, --qk, --pv or --scheme."
+            "nothing to set: give --linear, --fprop, --dgrad, --wgrad, --qk, --pv, "
+            "--bf16-layers or --scheme."
         )
     result = set_values(
-        repo_root(repo), SetRequest(values, dry_run, not no_branch, not no_split, allow_unknown)
+        repo_root(repo),
+        SetRequest(values, dry_run, not no_branch, not no_split, allow_unknown, policy),
     )
     if json_ or OPTS.json:
         emit_json(

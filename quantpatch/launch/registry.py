@@ -21,7 +21,14 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-from quantpatch.base.config import GEMMS, KEYS, linear_text, per_gemm, validate_value
+from quantpatch.base.config import (
+    GEMMS,
+    KEYS,
+    linear_text,
+    per_gemm,
+    validate_bf16_layers,
+    validate_value,
+)
 from quantpatch.base.errors import UserError
 
 ArgValue = bool | int | float | str | list[int | float | str]
@@ -40,12 +47,16 @@ class Scheme:
     dgrad: str | None = None
     wgrad: str | None = None
     """A linear GEMM's own value where it differs from ``linear`` (TOML keys beside it)."""
+    bf16_layers: str = ""
+    """The BF16 layer policy (``first:2,last:8``, ``recipe``; '' none): ``set --bf16-layers``."""
 
     def values(self) -> dict[str, str]:
         """Every value the scheme sets, in their one form: ``linear`` where its three GEMMs
         agree, else the three GEMMs (``per_gemm``)."""
         named = {"linear": self.linear, "qk": self.qk, "pv": self.pv}
         named.update({g: v for g, v in zip(GEMMS, self.gemms(), strict=True) if v is not None})
+        if self.bf16_layers:
+            named["bf16_layers"] = self.bf16_layers
         return per_gemm(named)
 
     def gemms(self) -> tuple[str | None, str | None, str | None]:
@@ -58,7 +69,7 @@ class Scheme:
 
     def set_options(self) -> list[str]:
         """The options of ``quantpatch set`` / ``worktree`` that hold these values."""
-        return [arg for k, v in self.values().items() for arg in (f"--{k}", v)]
+        return [arg for k, v in self.values().items() for arg in (f"--{k.replace('_', '-')}", v)]
 
     def expect(self) -> str:
         """``check --expect``'s argument for these values."""
@@ -174,12 +185,13 @@ _FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
         "fprop": str,
         "dgrad": str,
         "wgrad": str,
+        "bf16_layers": str,
     },
 }
 _OPTIONAL = {
     "models": {"profiles"},
     "profiles": {"parallel"},
-    "schemes": {"default", "fprop", "dgrad", "wgrad"},
+    "schemes": {"default", "fprop", "dgrad", "wgrad", "bf16_layers"},
 }
 SLURM_FIELDS: dict[str, type] = {
     "partition": str,
@@ -349,7 +361,10 @@ def load_registry(extra: Path | None = None) -> Registry:
             e["qk"],
             e["pv"],
             e.get("default", True),
-            *(e.get(g) for g in GEMMS),
+            fprop=e.get("fprop"),
+            dgrad=e.get("dgrad"),
+            wgrad=e.get("wgrad"),
+            bf16_layers=validate_bf16_layers(e.get("bf16_layers", ""), f"scheme '{name}'"),
         )
     models = {}
     for name, e in raw["models"].items():

@@ -73,6 +73,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import sys
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -489,6 +490,17 @@ def _q(
     return fake_quant(x, fmt, dim=dim, backward=backward)
 
 
+def _bf16_layer(backward: bool, weight: str | None) -> bool:
+    """Whether the layer policy (``quantpatch_layers``, loaded by the linear file where one is
+    set) keeps this linear GEMM in BF16: the forward, or under ``backward`` the input gradient
+    (the weight named) or the weight gradient."""
+    layers = sys.modules.get(f"{__package__}.quantpatch_layers")
+    if layers is None:
+        return False
+    gemm = ("dgrad" if weight is not None else "wgrad") if backward else "fprop"
+    return bool(layers.keeps_bf16(gemm))
+
+
 def quant_matmul(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -502,6 +514,8 @@ def quant_matmul(
     under ``backward``, and ``nvfp4-2d`` tiles only the weight operand: the one ``weight``
     names (``"a"`` or ``"b"``: init's linear sites say which, since Megatron's autograd
     function hands the weight over as a plain tensor), else a 2-D Parameter or a view of one."""
+    if _bf16_layer(backward, weight):  # the BF16 layer policy: quantpatch_layers.py
+        return torch.matmul(a, b)
     if fmt == "nvfp4-rht":  # both operands Hadamard-transformed first: quantpatch_rht.py
         from . import quantpatch_rht
 
