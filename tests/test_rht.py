@@ -5,6 +5,8 @@ Triton's interpreter; the product unchanged by the transform without quantizatio
 
 from __future__ import annotations
 
+import json
+import math
 import re
 from pathlib import Path
 
@@ -199,3 +201,40 @@ def test_rht_fake_quant_takes_the_kernel_where_chosen(interpreted_kernel):
     x = _bf16_blocks((16, 32), 1)
     t = torch.from_numpy(transform_oracle(x, -1))
     assert_bits(rht.rht_fake_quant(x, -1), nvfp4_oracle(t).to(torch.bfloat16))
+
+
+# -- `tensors formats`: the RHT candidate for the saved wgrad operands ------------------------
+
+
+def test_tensors_formats_offers_rht_for_the_wgrad_operands(run, tmp_path):
+    """The saver's linear ``input`` (forward) and ``grad_output`` (backward) are the operands
+    of the weight-gradient GEMM: ``nvfp4-rht`` is measured on them along the tokens (against
+    the tensor, after the inverse transform); the weight shows n/a."""
+    gen = torch.Generator().manual_seed(4)
+    d = tmp_path / "logs"
+    d.mkdir()
+    x = torch.randn(64, 2, 32, generator=gen)
+    x[5, 0, :] *= 40.0  # one token with outliers in every feature: the rows differ
+    tensors = {
+        "forward_nvfp4_input": x.to(torch.bfloat16),
+        "backward_nvfp4_grad_output": (torch.randn(64, 2, 32, generator=gen) * 1e-3).to(
+            torch.bfloat16
+        ),
+        "forward_nvfp4_weight": torch.randn(32, 32, generator=gen).to(torch.bfloat16),
+    }
+    for i, (tail, t) in enumerate(tensors.items()):
+        name = f"20260101_000000_{i:04d}_linear_L1_{tail}.pt"
+        torch.save({"tensor": t, "metadata": {"module_kind": "fc1"}}, d / name)
+    res = run("tensors", "formats", d, "--json", "--formats", "nvfp4,nvfp4-rht", "--by", "tensor")
+    assert res.code == 0, res
+    rows = {(r["tensor"], r["candidate"]): r for r in json.loads(res.out)["rows"]}
+    assert rows[("weight", "nvfp4-rht")]["sqnr_db"] in (None, "n/a")
+    for tensor in ("input", "grad_output"):
+        got = rows[(tensor, "nvfp4-rht")]
+        assert isinstance(got["sqnr_db"], float) and got["sqnr_db"] > 10
+    # the same measure by hand: the inverse-transformed quantization of [tokens, features]
+    x2 = tensors["forward_nvfp4_input"].reshape(-1, 32)
+    q = ops.fake_quant(x2, "nvfp4-rht", dim=0).double()
+    want = 10 * math.log10(float((x2.double() ** 2).sum() / ((x2.double() - q) ** 2).sum()))
+    assert rows[("input", "nvfp4-rht")]["sqnr_db"] == pytest.approx(want, abs=1e-6)
+    assert rows[("input", "nvfp4-rht")]["sqnr_db"] != rows[("input", "nvfp4")]["sqnr_db"]
