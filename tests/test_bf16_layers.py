@@ -42,23 +42,23 @@ def _check(run, root):
 def test_set_writes_the_policy_and_check_asserts_it(run, make_checkout):
     root = make_checkout("0.13.1", inject=False, full=True)
     assert run("init", "--repo", root).code == 0
-    assert _check(run, root)["roles"]["bf16_layers"] == "none"
+    assert _check(run, root)["bf16_layers"] == "none"
     res = run("set", "--repo", root, "--linear", "nvfp4", "--bf16-layers", "first:1,last:2")
     assert res.code == 0, res
     repo = git.Repo(root)
     assert repo.active_branch.name == "quantpatch/linear-nvfp4_qk-bf16_pv-bf16_bf16-first1.last2"
     assert "bf16_layers=first:1,last:2" in repo.head.commit.message
     assert "quantpatch_bf16_layers = 'first:1,last:2'" in (root / LINEAR).read_text()
-    assert _check(run, root)["roles"]["bf16_layers"] == "first:1,last:2"
+    assert _check(run, root)["bf16_layers"] == "first:1,last:2"
     ok = run("check", "--repo", root, "--expect", "linear=nvfp4,bf16_layers=first:1,last:2")
     assert ok.code == 0, ok
     bad = run("check", "--repo", root, "--expect", "bf16_layers=none")
     assert bad.code == 1 and "bf16_layers is first:1,last:2, expected none" in bad.out + bad.err
     # a later set keeps the policy unless told; none removes it
     assert run("set", "--repo", root, "--qk", "mxfp8").code == 0
-    assert _check(run, root)["roles"]["bf16_layers"] == "first:1,last:2"
+    assert _check(run, root)["bf16_layers"] == "first:1,last:2"
     assert run("set", "--repo", root, "--bf16-layers", "none").code == 0
-    assert _check(run, root)["roles"]["bf16_layers"] == "none"
+    assert _check(run, root)["bf16_layers"] == "none"
     before = snapshot(root)
     res = run("set", "--repo", root, "--bf16-layers", "first:2,lst:8")
     assert res.code == 2 and "'lst:8'" in res.err
@@ -83,7 +83,7 @@ def test_refused_on_the_fork_before_init_and_accepted_after(run, trees, tmp_path
     # quantpatch's values go through quantpatch_ops after init: accepted
     res = run("set", "--repo", root, "--linear", "nvfp4", "--bf16-layers", "first:1,last:2")
     assert res.code == 0, res
-    assert _check(run, root)["roles"]["bf16_layers"] == "first:1,last:2"
+    assert _check(run, root)["bf16_layers"] == "first:1,last:2"
 
 
 # -- the tiny GPT: which layers quantize ------------------------------------------------------

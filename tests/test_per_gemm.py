@@ -43,9 +43,9 @@ def test_set_per_gemm_writes_each_site_and_check_reads_them(run, make_checkout):
     res = run("set", "--repo", root, *PER_GEMM)
     assert res.code == 0, res
     report = _roles(run, root)
-    assert report["roles"]["fprop"] == "nvfp4"
-    assert report["roles"]["dgrad"] == "bf16"
-    assert report["roles"]["wgrad"] == "mxfp8"
+    assert report["gemms"]["fprop"] == "nvfp4"
+    assert report["gemms"]["dgrad"] == "bf16"
+    assert report["gemms"]["wgrad"] == "mxfp8"
     assert report["roles"]["linear"] is None and report["mismatched"] == []
     values = {s["gemm"]: s["value"] for s in report["sites"] if s["gemm"]}
     assert values == {"fprop": "nvfp4", "dgrad": "bf16", "wgrad": "mxfp8"}
@@ -62,11 +62,12 @@ def test_set_per_gemm_writes_each_site_and_check_reads_them(run, make_checkout):
     assert run("check", "--repo", root, "--expect", "linear=nvfp4").code == 1
     # one GEMM more: the others keep their values; --linear sets all three again
     assert run("set", "--repo", root, "--dgrad", "mxfp4").code == 0
-    assert _roles(run, root)["roles"]["fprop"] == "nvfp4"
-    assert _roles(run, root)["roles"]["dgrad"] == "mxfp4"
+    assert _roles(run, root)["gemms"]["fprop"] == "nvfp4"
+    assert _roles(run, root)["gemms"]["dgrad"] == "mxfp4"
     assert run("set", "--repo", root, "--linear", "hifp8").code == 0
-    roles = _roles(run, root)["roles"]
-    assert roles["linear"] == roles["fprop"] == roles["wgrad"] == "hifp8"
+    report = _roles(run, root)
+    assert report["roles"]["linear"] == report["gemms"]["fprop"] == "hifp8"
+    assert report["gemms"]["wgrad"] == "hifp8"
     assert git.Repo(root).active_branch.name == "quantpatch/linear-hifp8_qk-bf16_pv-bf16"
     assert run("restore", "--repo", root).code == 0
 

@@ -91,8 +91,8 @@ def _site_edits(root: Path, rels: tuple[str, ...], kind_of: Callable[[str], str]
         taught = teach_dispatches(text, rel)
         if kind_of(rel) == "linear":
             taught = _with_weight_steps(taught or text, rel) or taught
-            with_policy = insert_policy(taught or text, rel)
-            taught = with_policy if with_policy != text else taught
+            if taught is not None:  # the policy goes where the dispatches learn quantpatch_ops
+                taught = insert_policy(taught, rel)
         if taught is not None:
             edits.append(Edit(rel, text, taught))
     if forked and len(edits) == 0:

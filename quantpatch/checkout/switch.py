@@ -110,7 +110,9 @@ class CheckReport:
         return {
             "root": str(self.root),
             "sites": [s.as_json() for s in self.sites],
-            "roles": self.roles,
+            "roles": {r: self.roles.get(r) for r in ROLES},
+            "gemms": {g: self.roles.get(g) for g in GEMMS},
+            "bf16_layers": self.roles.get("bf16_layers"),
             "mismatched": sorted(self.mismatched),
             "git": self.git.as_json() if self.git else None,
             "base": self.base,
