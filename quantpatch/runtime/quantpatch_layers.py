@@ -109,10 +109,17 @@ class _State:
 _STATE = _State()
 
 
+_LAYER_TYPES: dict[type, bool] = {}
+
+
 def _is_transformer_layer(module: torch.nn.Module) -> bool:
-    return isinstance(getattr(module, "layer_number", None), int) and any(
-        c.__name__ == "TransformerLayer" for c in type(module).__mro__
-    )
+    """A Megatron ``TransformerLayer`` (or a subclass) with its global layer number; the
+    class test is cached per type, since the hooks see every module's every call."""
+    kind = type(module)
+    found = _LAYER_TYPES.get(kind)
+    if found is None:
+        found = _LAYER_TYPES[kind] = any(c.__name__ == "TransformerLayer" for c in kind.__mro__)
+    return found and isinstance(getattr(module, "layer_number", None), int)
 
 
 def _pre(module: torch.nn.Module, args: Any) -> None:
