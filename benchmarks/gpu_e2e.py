@@ -84,6 +84,7 @@ SCHEMES = (
     "FA_linear_hifp8",
     "FA_linear_mxfp8",
     "FA_linear_nvfp4",
+    "nvfp4_recipe",
     "paretoq_w1.58",
     "paretoq_w2",
 )
@@ -152,11 +153,12 @@ def main() -> None:
             kernels.add(res["kernels"])
             finite = all(map(_finite, res["losses"]))
             print(
-                f"{name:18s} {s.linear:>7s} {s.qk:>6s} {s.pv:>6s} {res['losses'][0]:11.4f} "
+                f"{name:18s} {s.linear_text:>7s} {s.qk:>6s} {s.pv:>6s} "
+                f"{res['losses'][0]:11.4f} "
                 f"{res['losses'][-1]:11.4f} {res['step'] * 1e3:9.1f}"
                 f"{'' if finite else '  NON-FINITE LOSS'}"
             )
-        for name in ("FA_linear_mxfp8", "FA_linear_nvfp4"):
+        for name in ("FA_linear_mxfp8", "FA_linear_nvfp4", "nvfp4_recipe"):
             if name in steps:
                 print(f"step time {name} / bf16: {steps[name] / steps['bf16']:.2f}")
         print(f"fake quant on {args.device} tensors: {', '.join(sorted(kernels))}")

@@ -409,6 +409,38 @@ def bench_weight_cache(
     return result
 
 
+def bench_rht(device: str, rows: int, cols: int, iters: int) -> dict[str, Any]:
+    """Issue 40: the fused RHT + NVFP4 kernel (``nvfp4-rht``, the wgrad operands) against the
+    NVFP4 kernel alone on a [rows, cols] bf16 tensor, round to nearest and stochastic, in ms
+    (the kernels: on CPU in Triton's interpreter)."""
+    from quantpatch.runtime import quantpatch_ops as ops
+    from quantpatch.runtime import quantpatch_rht as rht
+
+    saved = os.environ.get("QUANTPATCH_KERNELS")
+    os.environ["QUANTPATCH_KERNELS"] = "triton"
+    try:
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(rows, cols, generator=gen).to(device, torch.bfloat16)
+        out = []
+        for backward in (False, True):
+            nv_s = timed(lambda b=backward: ops.fake_quant(x, "nvfp4", backward=b), device, iters)
+            rht_s = timed(lambda b=backward: rht.rht_fake_quant(x, -1, backward=b), device, iters)
+            out.append(
+                {
+                    "rounding": "stochastic" if backward else "nearest",
+                    "nvfp4_ms": nv_s * 1e3,
+                    "rht_nvfp4_ms": rht_s * 1e3,
+                    "rht_vs_nvfp4": rht_s / nv_s,
+                }
+            )
+    finally:
+        if saved is None:
+            os.environ.pop("QUANTPATCH_KERNELS", None)
+        else:
+            os.environ["QUANTPATCH_KERNELS"] = saved
+    return {"shape": [rows, cols], "rows": out}
+
+
 PARETOQ = ("w1.58", "w2", "w4g128")
 
 
@@ -452,6 +484,21 @@ def _script(name: str, args: list[str], out: Path) -> dict[str, Any] | None:
 def markdown(r: dict[str, Any]) -> str:
     gpu = r["device"] == "cuda"
     lines = [f"# quantpatch GPU suite: {r['device_name']}", ""]
+    rh = r.get("rht")
+    if rh:
+        lines += [
+            f"RHT (issue 40): the fused Hadamard transform + NVFP4 kernel against the NVFP4 "
+            f"kernel alone, {rh['shape'][0]}x{rh['shape'][1]} bf16.",
+            "",
+            "| rounding | nvfp4 ms | nvfp4-rht ms | rht / nvfp4 |",
+            "| --- | ---: | ---: | ---: |",
+            *(
+                f"| {e['rounding']} | {e['nvfp4_ms']:.3f} | {e['rht_nvfp4_ms']:.3f} | "
+                f"{e['rht_vs_nvfp4']:.2f} |"
+                for e in rh["rows"]
+            ),
+            "",
+        ]
     o = r.get("ops")
     if o:
         lines += [
@@ -720,7 +767,7 @@ def main() -> None:
     ap.add_argument(
         "--skip",
         default="",
-        help="comma list of: ops, paretoq, shapes, gemm, cache, flash, saver, e2e, pretrain",
+        help="comma list of: ops, rht, paretoq, shapes, gemm, cache, flash, saver, e2e, pretrain",
     )
     ap.add_argument("--e2e-schemes", default=None, help="gpu_e2e.py's --schemes (default: all)")
     ap.add_argument("--e2e-steps", type=int, default=None, help="Adam steps per e2e scheme")
@@ -757,6 +804,10 @@ def main() -> None:
     if "cache" not in skip:
         sizes = (4096, 14336, 8192, 4) if gpu else (64, 128, 32, 4)
         r["weight_cache"] = bench_weight_cache(args.device, *sizes, steps=5 if gpu else 2)
+    if "rht" not in skip:
+        shape = (8192, 4096) if gpu else (64, 128)
+        r["rht"] = bench_rht(args.device, *shape, 20 if gpu else 1)
+        print(json.dumps(r["rht"], indent=1), flush=True)
     if "paretoq" not in skip:
         sizes = (4096, 8192) if gpu else (256, 512)
         r["paretoq"] = bench_paretoq(args.device, *sizes, 20 if gpu else 3)

@@ -32,7 +32,7 @@ def test_check_json_schema(run, make_checkout):
     data = json.loads(res.out)
     assert data["roles"] == {"linear": "bf16", "qk": "bf16", "pv": "bf16"}
     assert {tuple(sorted(s)) for s in data["sites"]} == {
-        ("file", "form", "function", "line", "role", "source", "value")
+        ("file", "form", "function", "gemm", "line", "role", "source", "value")
     }
     first = data["sites"][0]
     assert first["file"] == LINEAR and first["function"].endswith(".forward")
@@ -58,7 +58,9 @@ def test_check_table_and_expect(run, make_checkout):
 
 
 def test_check_flags_disagreeing_sites(run, make_checkout):
-    root = make_checkout()
+    # two sites of the same GEMM (one in each branch of an if): one edited by hand disagrees
+    # (sites of different GEMMs may differ: set --fprop/--dgrad/--wgrad)
+    root = make_checkout(layout=Layout(nested=True))
     p = root / LINEAR
     p.write_text(
         p.read_text().replace("custom_quant_type = 'bf16'", "custom_quant_type = 'hifp8'", 1)

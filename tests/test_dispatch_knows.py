@@ -12,6 +12,7 @@ from quantpatch.checkout.init import OPS_MODULE, ops_source
 from quantpatch.sites.codemods.init_sites import teach_dispatches
 from quantpatch.sites.discovery import discover_source, read_ops_values
 from quantpatch.sites.model import OPS_VALUES, OpsValues, dispatch_knows
+from quantpatch.sites.policy import POLICY_BLOCK
 
 from .conftest import ATTENTION, LINEAR, snapshot
 
@@ -229,9 +230,9 @@ def test_init_teaches_the_chains_and_remove_restores_every_byte(run, tmp_path):
             "            output = quantpatch_ops.quant_matmul(total_input, weight.t(), "
             'fmt=custom_quant_type, weight="b")\n'
             "        else:\n            output = torch.matmul",
-        )
+        ).replace("import torch\n", "import torch\n\n" + POLICY_BLOCK, 1)
         == text
-    )  # the fork's own branches untouched
+    )  # the fork's own branches untouched; the layer policy after the imports
     attention = (root / ATTENTION).read_text()
     assert attention.count('elif custom_quant_type != "bf16":') == 1  # the chain's quotes
     assert attention.count("elif custom_quant_type != 'bf16':") == 1

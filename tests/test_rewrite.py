@@ -67,7 +67,9 @@ def test_only_the_literal_changes(trees, version, layout):
             )
         values, _ = role_values(discover_source(new, rel, kind).sites)
         assert {k: v for k, v in values.items() if v} == (
-            {"linear": "mxfp4"} if rel == LINEAR else {"qk": "hifp8", "pv": "mxfp8"}
+            {"linear": "mxfp4", "fprop": "mxfp4", "dgrad": "mxfp4", "wgrad": "mxfp4"}
+            if rel == LINEAR
+            else {"qk": "hifp8", "pv": "mxfp8"}
         )
 
 

@@ -869,12 +869,18 @@ def test_nvfp4_schemes_are_listed_chosen_by_name_and_by_all_but_not_by_default(r
     default = reg.pick("schemes", None)
     assert len(default) == 10 and not set(nv) & set(default)
     paretoq = ["paretoq_w1.58", "paretoq_w2", "paretoq_w4g128"]
-    assert reg.pick("schemes", ["all"]) == [*default, *nv, *paretoq]
+    recipe = [  # NVIDIA's NVFP4 recipe and its ablations (issue 40)
+        "nvfp4_recipe",
+        "nvfp4_recipe_no_rht",
+        "nvfp4_recipe_no_bf16_layers",
+        "nvfp4_recipe_no_2d",
+    ]
+    assert reg.pick("schemes", ["all"]) == [*default, *nv, *paretoq, *recipe]
     res = run("list")
     assert res.code == 0 and all(n in res.out for n in nv)
     res = run("gen-scripts", "--out", tmp_path / "all", "--schemes", "all")
     assert res.code == 0, res
-    assert len(list((tmp_path / "all").rglob("*.sh"))) == 96  # 16 schemes x 3 models x 2 sets
+    assert len(list((tmp_path / "all").rglob("*.sh"))) == 120  # 20 schemes x 3 models x 2 sets
     res = run("gen-scripts", "--out", tmp_path / "one", "--schemes", "linear_nvfp4")
     assert res.code == 0, res
     paths = sorted((tmp_path / "one").rglob("*.sh"))

@@ -229,11 +229,19 @@ def test_syntax_error_names_the_real_line(trees):
 
 
 def test_role_values_flag_disagreement(trees):
+    # the forward GEMM's one site differing from the gradients' is a value per GEMM (issue 40)
     text = _inject(trees, "0.13.1", LINEAR, Layout())
     text = text.replace("custom_quant_type = 'bf16'", "custom_quant_type = 'mxfp8'", 1)
     values, mismatched = role_values(discover_source(text, LINEAR, "linear").sites)
-    assert values["linear"] is None
-    assert [s.value for s in mismatched["linear"]] == ["mxfp8", "bf16", "bf16"]
+    assert values["linear"] is None and mismatched == {}
+    assert (values["fprop"], values["dgrad"], values["wgrad"]) == ("mxfp8", "bf16", "bf16")
+    # two sites of one GEMM (one in each branch of an if) that differ disagree
+    text = _inject(trees, "0.13.1", LINEAR, Layout(nested=True))
+    text = text.replace("custom_quant_type = 'bf16'", "custom_quant_type = 'mxfp8'", 1)
+    values, mismatched = role_values(discover_source(text, LINEAR, "linear").sites)
+    assert values["linear"] is None and values["fprop"] is None
+    assert [s.value for s in mismatched["linear"]] == ["mxfp8", *["bf16"] * 5]
+    assert [s.value for s in mismatched["fprop"]] == ["mxfp8", "bf16"]
 
 
 def test_file_without_token_is_not_classified(trees):

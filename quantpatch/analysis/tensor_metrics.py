@@ -430,6 +430,56 @@ def _add_weight_formats(
         )
 
 
+RHT = "nvfp4-rht"
+"""The Hadamard-transformed NVFP4 candidate: for the weight-gradient GEMM's operands only."""
+
+
+def is_wgrad_operand(tensor: str | None, operation: str | None, kind: str | None) -> bool:
+    """Whether a saved tensor is an operand of a linear layer's weight-gradient GEMM (grad_W =
+    grad_output^T . input, reduced along the tokens): the saver's ``input`` of a forward and
+    ``grad_output`` of a backward, of a linear module (not attention)."""
+    if kind == "core_attention":
+        return False
+    return (tensor, operation) in (("input", "forward"), ("grad_output", "backward"))
+
+
+def rht_sums(t: torch.Tensor, wgrad_operand: bool) -> FormatSums:
+    """What ``nvfp4-rht`` does to a wgrad operand ``t`` (``[..., features]``): its tokens
+    (every leading dimension, flattened) are the reduction dimension, transformed in blocks
+    of 16 and quantized (nearest even), then taken back through the inverse transform, so
+    the error is the one the product sees; overflows and saturated blocks are counted on the
+    transformed tensor. Any other tensor: not applicable."""
+    out = FormatSums()
+    if not wgrad_operand or t.dim() < 2:
+        out.not_applicable = 1
+        return out
+    from quantpatch.runtime import quantpatch_rht as rht
+
+    x2 = t.detach().reshape(-1, t.shape[-1])
+    x = x2.to(torch.float64)
+    finite = torch.isfinite(x)
+    x0 = torch.where(finite, x, torch.zeros_like(x))
+    q = ops.fake_quant(x2, RHT, dim=0).to(torch.float64)
+    q0 = torch.where(finite, q, torch.zeros_like(q))
+    err = x0 - q0
+    transformed = rht.rht(x2, 0)
+    out.merge(
+        FormatSums(
+            finite=int(finite.sum()),
+            nonzero=int((x0 != 0).sum()),
+            underflows=int(((x0 != 0) & (q0 == 0)).sum()),
+            signal=float((x0 * x0).sum()),
+            noise=float((err * err).sum()),
+            dot=float((x0 * q0).sum()),
+            quant_sq=float((q0 * q0).sum()),
+        )
+    )
+    over, blocks, saturated, clipped = _nv_blocks(transformed, 0, nv_amax(transformed))
+    out.overflows, out.blocks = over, blocks
+    out.blocks_saturated, out.blocks_scale_clipped = saturated, clipped
+    return out
+
+
 def format_sums(
     t: torch.Tensor, fmt: str, dim: int = -1, backward: bool = False, tiled: bool = False
 ) -> FormatSums:

@@ -28,9 +28,22 @@ from quantpatch.analysis.tensor_files import (
 )
 from quantpatch.base.errors import UserError
 
-FORMATS = ("mxfp8", "mxfp4", "hifp8", "nvfp4", "nvfp4-2d", "w1", "w1.58", "w2", "w3", "w4")
+FORMATS = (
+    "mxfp8",
+    "mxfp4",
+    "hifp8",
+    "nvfp4",
+    "nvfp4-2d",
+    "nvfp4-rht",
+    "w1",
+    "w1.58",
+    "w2",
+    "w3",
+    "w4",
+)
 """The candidates ``--formats`` takes; ParetoQ's weight values (``w<b>``, grouped ``w<b>g<N>``
-too) apply to weights only (other tensors show n/a)."""
+too) apply to weights only, ``nvfp4-rht`` (the Hadamard-transformed NVFP4 of NVIDIA's recipe)
+to the weight-gradient GEMM's operands only (other tensors show n/a)."""
 DEFAULT_FORMATS = ("mxfp8", "mxfp4", "hifp8")
 """The candidates when none are named (nvfp4 and nvfp4-2d are taken when named; nvfp4-2d
 tiles a linear weight 16 x 16 and gives every other tensor nvfp4's 1-D blocks)."""
@@ -133,10 +146,13 @@ def _formats_file(
     args: tuple[str, str, tuple[str, ...], int | None],
 ) -> tuple[TensorMeta, dict[str, Any], int] | Skipped:
     from quantpatch.analysis.tensor_metrics import (
+        RHT,
         formats_sums,
         is_tiled_weight,
+        is_wgrad_operand,
         nv_amax,
         reduction_of,
+        rht_sums,
         sample_row_groups,
         sample_rows,
     )
@@ -153,12 +169,20 @@ def _formats_file(
             dim = -1
         # the whole tensor's amax, not the sample's
         amax = nv_amax(t) if set(fmts) & set(NVFP4_FORMATS) else None
+        rht = None
+        if RHT in fmts:  # along the tokens: sampled as whole groups of consecutive tokens
+            wgrad = is_wgrad_operand(meta.tensor, meta.operation, meta.kind) and t.dim() >= 2
+            rows = sample_row_groups(t.reshape(-1, t.shape[-1]), sample) if wgrad else t
+            rht = rht_sums(rows, wgrad)
+            fmts = tuple(f for f in fmts if f != RHT)
         tiled = "nvfp4-2d" in fmts and is_tiled_weight(meta.tensor, t)
         if tiled:  # a sample of whole tiles
             t = sample_row_groups(t, sample)
         else:
             t, dim = sample_rows(t, dim if t.dim() else 0, sample)
         sums = formats_sums(t, fmts, dim, backward, amax, tiled, weight=meta.tensor == "weight")
+        if rht is not None:
+            sums = {**sums, RHT: rht}
         return meta, sums, path.stat().st_size
     except Exception as exc:  # one file never stops the others: skipped, with why
         return Skipped(str(path.relative_to(root)), skip_reason(exc))

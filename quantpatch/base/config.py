@@ -6,6 +6,7 @@ Standard library only, so that every other module (and CLI start-up) can import 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,11 +25,14 @@ QUANT_TYPES: tuple[str, ...] = (
     "hifp8",
     "nvfp4",
     "nvfp4-2d",
+    "nvfp4-rht",
     *PARETOQ_TYPES,
 )
 """Values a site may hold: bf16 is the unquantized PyTorch path. ``nvfp4-2d`` is ``nvfp4``
-with 16 x 16 weight tiles: it differs from ``nvfp4`` at the linear role only. Besides these,
-the grouped ParetoQ values ``w<b>g<N>`` (:func:`is_known_value`)."""
+with 16 x 16 weight tiles: it differs from ``nvfp4`` at the linear role only. ``nvfp4-rht``
+is ``nvfp4`` after a random Hadamard transform of both operands along the reduction dimension
+(NVIDIA's recipe puts it on the weight-gradient GEMM: ``--wgrad nvfp4-rht``); linear only.
+Besides these, the grouped ParetoQ values ``w<b>g<N>`` (:func:`is_known_value`)."""
 
 _GROUPED_RE = re.compile(r"(w1|w1\.58|w2|w3|w4)g[1-9][0-9]{0,6}")
 
@@ -44,6 +48,86 @@ def is_known_value(value: str) -> bool:
 
 ROLES: tuple[str, ...] = ("linear", "qk", "pv")
 """The three GEMM families a checkout's sites govern."""
+
+GEMMS: tuple[str, ...] = ("fprop", "dgrad", "wgrad")
+"""The three GEMMs of a linear layer (forward, input gradient, weight gradient): each may take
+its own value (``set --fprop X --dgrad Y --wgrad Z``); ``linear`` names all three."""
+
+KEYS: tuple[str, ...] = (*ROLES, *GEMMS)
+"""Everything a value can be given for: the roles and the linear role's GEMMs."""
+
+
+def per_gemm(values: dict[str, str]) -> dict[str, str]:
+    """``values`` (roles and GEMMs) in their one form: ``linear`` where the three GEMMs agree,
+    else the three GEMMs (each filled from ``linear`` where it is not named), never both."""
+    if not any(g in values for g in GEMMS):
+        return dict(values)
+    out = {k: v for k, v in values.items() if k not in GEMMS and k != "linear"}
+    linear = values.get("linear")
+    gemms = {g: values.get(g, linear) for g in GEMMS}
+    if None in gemms.values():
+        missing = [g for g, v in gemms.items() if v is None]
+        raise UserError(
+            f"--{missing[0]}: give the value of every linear GEMM (or --linear for the "
+            "ones not named), since the checkout's linear sites disagree or are missing."
+        )
+    if len(set(gemms.values())) == 1:
+        out["linear"] = next(iter(gemms.values()))  # type: ignore[assignment]
+    else:
+        out.update(gemms)  # type: ignore[arg-type]
+    order = ("linear", *GEMMS, "qk", "pv")
+    return dict(sorted(out.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else 9))
+
+
+def linear_text(values: Mapping[str, str | None], sep: str = ".", join: str = "+") -> str:
+    """The linear value for a name or a message: ``linear``'s where the GEMMs agree, else
+    ``fprop.X+dgrad.Y+wgrad.Z`` (each GEMM and its value)."""
+    if all(values.get(g) is None for g in GEMMS) or (
+        values.get("linear") is not None
+        and all(values.get(g) in (None, values["linear"]) for g in GEMMS)
+    ):
+        return str(values.get("linear"))
+    return join.join(f"{g}{sep}{values.get(g)}" for g in GEMMS)
+
+
+_BF16_LAYERS_ITEM = re.compile(r"(first|last):[0-9]+|[1-9][0-9]*(-[1-9][0-9]*)?|recipe")
+
+
+def validate_bf16_layers(spec: str, where: str = "--bf16-layers") -> str:
+    """A BF16 layer policy: comma-separated ``first:N``, ``last:N``, Megatron layer numbers
+    ``K`` or ranges ``A-B``, or ``recipe`` (NVIDIA's proportion, scaled per model); ``none``
+    (or empty) for no policy, returned as ''. Anything else is refused."""
+    spec = spec.replace(" ", "")
+    if spec in ("", "none"):
+        return ""
+    for part in spec.split(","):
+        if not _BF16_LAYERS_ITEM.fullmatch(part):
+            raise UserError(
+                f"{where}: '{part}' is not first:N, last:N, a layer number K, a range A-B or "
+                "recipe (e.g. first:2,last:8 or 1,2,25-32)."
+            )
+        lo, _, hi = part.partition("-")
+        if hi and lo.isdigit() and int(hi) < int(lo):
+            raise UserError(f"{where}: the range '{part}' runs backwards.")
+    return spec
+
+
+RECIPE_BF16_LAYERS = (2, 8, 62)
+"""NVIDIA's NVFP4 recipe (arXiv 2509.25149): the first 2 and the last 8 of the 12 B model's 62
+blocks stay in BF16; ``bf16_layers = recipe`` scales that to each model (the runtime's
+``quantpatch_layers.recipe_counts`` computes the same)."""
+
+
+def recipe_layers(num_layers: int) -> tuple[int, int]:
+    """(first, last) BF16 layers of the recipe for ``num_layers``: 2 / 62 and 8 / 62 of the
+    model rounded half up, at least one each, never the whole model."""
+    first_n, last_n, of = RECIPE_BF16_LAYERS
+    first = max(1, int(first_n * num_layers / of + 0.5))
+    last = max(1, int(last_n * num_layers / of + 0.5))
+    while first + last >= num_layers and last > 1:
+        last -= 1
+    return first, last
+
 
 SITE_NAME = "custom_quant_type"
 """The variable whose assignments are sites."""
@@ -179,6 +263,11 @@ def validate_value(
         raise UserError(
             f"{where}: '{value}' is a ParetoQ weight format, and only the linear role has "
             f"weights; {role} takes the other values."
+        )
+    if role is not None and role != "linear" and value == "nvfp4-rht":
+        raise UserError(
+            f"{where}: 'nvfp4-rht' transforms the operands of the linear GEMMs (the weight "
+            f"gradient's in NVIDIA's recipe); use 'nvfp4' for {role}."
         )
     if role is not None and role != "linear" and value in LINEAR_ONLY:
         raise UserError(

@@ -4,11 +4,13 @@
 into the two target files, with the flash-attention route of the FA schemes at the top of
 ``DotProductAttention.forward``, and installs ``megatron/core/quantpatch_ops.py``,
 the modules it imports (``quantpatch_mx.py``, ``quantpatch_nvfp4.py``, ``quantpatch_paretoq.py``,
-``quantpatch_quantize.py``, ``quantpatch_weights.py``: one concern each),
-``megatron/core/quantpatch_kernels.py`` and ``megatron/core/quantpatch_flash.py`` (verbatim
-copies of ``quantpatch/runtime/``: the ops, their fused Triton kernels for CUDA tensors, and
-the flash-attention kernels): a recorded install, so ``init --remove`` restores the original
-bytes exactly.
+``quantpatch_quantize.py``, ``quantpatch_weights.py``, ``quantpatch_rht.py`` (the Hadamard
+transform of ``nvfp4-rht``), ``quantpatch_layers.py`` (the BF16 layer policy's hooks, whose
+policy literal ``init`` puts in the linear file): one concern each),
+``megatron/core/quantpatch_kernels.py``, ``quantpatch_rht_kernels.py`` and
+``megatron/core/quantpatch_flash.py`` (verbatim copies of ``quantpatch/runtime/``: the ops,
+their fused Triton kernels for CUDA tensors, and the flash-attention kernels): a recorded
+install, so ``init --remove`` restores the original bytes exactly.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from quantpatch.git.installs import (
 from quantpatch.sites.codemods.init_sites import inject_sites, inject_weight_steps, teach_dispatches
 from quantpatch.sites.codemods.set_value import keep_bom
 from quantpatch.sites.model import read_target
+from quantpatch.sites.policy import insert_policy
 
 RECORD = "init"
 
@@ -97,10 +100,13 @@ def init_text(text: str, rel: str, kind: str) -> tuple[str | None, bool]:
         new = inject_sites(text, rel, kind, flash=True)
         if kind == "linear":
             new = inject_weight_steps(new, rel)  # ParetoQ steps: parameters of the layers
+            new = insert_policy(new, rel)  # the BF16 layer policy (set --bf16-layers)
         return new, False
     taught = teach_dispatches(text, rel)
     if kind == "linear":
         taught = _with_weight_steps(taught or text, rel) or taught
+        if taught is not None:  # the policy goes where the dispatches learn quantpatch_ops
+            taught = insert_policy(taught, rel)
     else:  # a fork's local attention lacks MLA's head dims as stock Megatron does
         taught = with_mla_head_dims(taught or text, rel) or taught
     return taught, True

@@ -30,6 +30,7 @@ SAVER = "saver"
 OPS_MODULE = "megatron/core/quantpatch_ops.py"
 KERNELS_MODULE = "megatron/core/quantpatch_kernels.py"
 FLASH_MODULE = "megatron/core/quantpatch_flash.py"
+RHT_KERNELS_MODULE = "megatron/core/quantpatch_rht_kernels.py"
 SAVER_MODULE = "megatron/core/tensor_saver.py"
 # the parts quantpatch_ops.py imports, one concern each (see its docstring)
 OPS_PARTS = (
@@ -38,6 +39,8 @@ OPS_PARTS = (
     "quantpatch_paretoq",
     "quantpatch_quantize",
     "quantpatch_weights",
+    "quantpatch_rht",  # nvfp4-rht's Hadamard transform (imported when the value is used)
+    "quantpatch_layers",  # the BF16 layer policy's hooks (imported by the linear file)
 )
 OPS_MODULES = (OPS_MODULE, *(f"megatron/core/{part}.py" for part in OPS_PARTS))
 """Every installed file ``from megatron.core import quantpatch_ops`` imports (not the kernels)."""
@@ -45,6 +48,7 @@ OPS_MODULES = (OPS_MODULE, *(f"megatron/core/{part}.py" for part in OPS_PARTS))
 RUNTIME_MODULES = {
     **{installed: f"runtime/{Path(installed).name}" for installed in OPS_MODULES},
     KERNELS_MODULE: "runtime/quantpatch_kernels.py",
+    RHT_KERNELS_MODULE: "runtime/quantpatch_rht_kernels.py",
     FLASH_MODULE: "runtime/quantpatch_flash.py",
 }
 
@@ -54,7 +58,7 @@ the checkouts it rewrote older and ``upgrade`` re-applies it."""
 
 MODULE_PARTS = {
     "ops": (INIT, OPS_MODULES),
-    "kernels": (INIT, (KERNELS_MODULE,)),
+    "kernels": (INIT, (KERNELS_MODULE, RHT_KERNELS_MODULE)),
     "flash": (INIT, (FLASH_MODULE,)),
     "saver": (SAVER, (SAVER_MODULE,)),
 }

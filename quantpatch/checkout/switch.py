@@ -18,7 +18,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from quantpatch.base.config import ROLES, Targets, load_targets, validate_value
+from quantpatch.base.config import (
+    GEMMS,
+    KEYS,
+    ROLES,
+    Targets,
+    is_paretoq,
+    load_targets,
+    per_gemm,
+    validate_bf16_layers,
+    validate_value,
+)
 from quantpatch.base.edits import (
     Edit,
     apply_edits,
@@ -111,7 +121,9 @@ class CheckReport:
         return {
             "root": str(self.root),
             "sites": [s.as_json() for s in self.sites],
-            "roles": self.roles,
+            "roles": {r: self.roles.get(r) for r in ROLES},
+            "gemms": {g: self.roles.get(g) for g in GEMMS},
+            "bf16_layers": self.roles.get("bf16_layers"),
             "mismatched": sorted(self.mismatched),
             "git": self.git.as_json() if self.git else None,
             "base": self.base,
@@ -122,19 +134,35 @@ class CheckReport:
 
 
 def parse_expect(text: str) -> dict[str, str]:
-    """``linear=X,qk=Y,pv=Z`` (any subset) into a mapping; bad keys are refused."""
+    """``linear=X,qk=Y,pv=Z`` (any subset; ``fprop``/``dgrad``/``wgrad`` for the linear
+    GEMMs one by one, ``bf16_layers=first:2,last:8`` or ``none`` for the layer policy) into a
+    mapping; bad keys are refused."""
     out: dict[str, str] = {}
+    parts: list[str] = []
     for part in filter(None, (p.strip() for p in text.split(","))):
+        if "=" not in part and parts and parts[-1].startswith("bf16_layers="):
+            parts[-1] += "," + part  # bf16_layers=first:2,last:8: the policy's own commas
+        else:
+            parts.append(part)
+    for part in parts:
         role, sep, value = part.partition("=")
         if role == "parts" and value == "current":  # every installed part this version's
             out[role] = value
             continue
-        if not sep or role not in ROLES or not value:
+        if role == "bf16_layers" and sep:
+            out[role] = validate_bf16_layers(value, "--expect bf16_layers") or "none"
+            continue
+        if not sep or role not in KEYS or not value:
             raise UserError(
-                f"--expect: '{part}' is not role=value with a role among {', '.join(ROLES)} "
+                f"--expect: '{part}' is not role=value with a role among {', '.join(KEYS)} "
                 "(or parts=current)."
             )
-        out[role] = validate_value(value, allow_unknown=False, where=f"--expect {role}", role=role)
+        out[role] = validate_value(
+            value,
+            allow_unknown=False,
+            where=f"--expect {role}",
+            role="linear" if role in GEMMS else role,
+        )
     return out
 
 
@@ -185,6 +213,17 @@ def checking(path: Path | None, *, fresh: bool = False) -> Iterator[Callable[[],
         yield lambda: _check(checkout, targets, git_info, cache, ahead)
 
 
+def _policy_in(root: Path, targets: Targets) -> Any:
+    """The BF16 layer policy of the checkout's linear file (None: it has none)."""
+    from quantpatch.sites.policy import POLICY_NAME, find_policy
+
+    for rel in targets.linear:
+        text = read_exact(root / rel) if (root / rel).is_file() else None
+        if text is not None and POLICY_NAME in text:
+            return find_policy(text, rel)
+    return None
+
+
 def _check(
     checkout: gitrepo.Checkout,
     targets: Targets,
@@ -197,6 +236,9 @@ def _check(
     if not sites:
         raise _no_sites(targets)
     roles, mismatched = role_values(sites)
+    policy = _policy_in(checkout.root, targets)
+    if policy is not None:
+        roles["bf16_layers"] = policy.value or "none"
     problems_found: list[str] = []
     try:
         state = gitrepo.load_state(checkout)
@@ -254,6 +296,8 @@ class SetRequest:
     branch: bool = True
     split: bool = True
     allow_unknown: bool = False
+    bf16_layers: str | None = None
+    """The BF16 layer policy to write (None: keep the checkout's; '' or 'none': no policy)."""
 
 
 @dataclass
@@ -271,20 +315,54 @@ class SetResult:
 
 
 def _resolve_values(requested: Mapping[str, str], sites: Sequence[Site]) -> dict[str, str]:
+    """The values the sites will hold: those named, the current ones for the rest. The
+    linear GEMMs (``--fprop``/``--dgrad``/``--wgrad``) need a site each; the result holds
+    ``linear`` where they agree and the three GEMMs where they differ (``per_gemm``)."""
     current, mismatched = role_values(sites)
     present = {r for s in sites for r in s.roles}
+    named_gemms = [g for g in GEMMS if g in requested]
+    linear_sites = [s for s in sites if s.role == "linear" and s.kind != "dynamic"]
+    tagged = bool(linear_sites) and {s.gemm for s in linear_sites} >= set(GEMMS)
     out: dict[str, str] = {}
     for role in ROLES:
         if role in requested:
             if role not in present:
                 raise UserError(f"--{role}: the checkout has no {role} site to set.")
             out[role] = requested[role]
+        elif role == "linear" and (named_gemms or "linear" not in mismatched):
+            if current["linear"] is not None:
+                out["linear"] = current["linear"]
         elif role in mismatched:
             where = ", ".join(f"{s.file}:{s.line}" for s in mismatched[role])
             raise UserError(f"the {role} sites disagree ({where}); name --{role} to set them all.")
         elif (value := current[role]) is not None:
             out[role] = value
-    return out
+    if named_gemms and not tagged:
+        where = linear_sites[0].file if linear_sites else "the checkout"
+        raise UserError(
+            f"--{named_gemms[0]}: {where} has no linear site of its own for each of the forward, "
+            "input-gradient and weight-gradient GEMMs, so they cannot differ; use --linear."
+        )
+    if tagged and "linear" not in requested and (named_gemms or current["linear"] is None):
+        for gemm in GEMMS:
+            if gemm in requested:
+                out[gemm] = requested[gemm]
+            elif gemm in mismatched:
+                where = ", ".join(f"{s.file}:{s.line}" for s in mismatched[gemm])
+                raise UserError(
+                    f"the {gemm} sites disagree ({where}); name --{gemm} to set them all."
+                )
+            elif (value := current[gemm]) is not None:
+                out[gemm] = value
+    elif named_gemms:
+        out.update({g: requested[g] for g in named_gemms})
+    resolved = per_gemm(out)
+    if any(is_paretoq(resolved[g]) for g in GEMMS if g in resolved):
+        raise UserError(
+            "--fprop/--dgrad/--wgrad: a ParetoQ value quantizes the layer's weight once for all "
+            f"three GEMMs ({', '.join(f'{g}={resolved[g]}' for g in GEMMS)}); use --linear."
+        )
+    return resolved
 
 
 def _plan(
@@ -302,12 +380,65 @@ def _plan(
         module = plan_module(fs, values, split=split)
         new_text = fs.text if module is None else keep_bom(fs.text, module.code)
         kind = targets.kind_of(fs.rel)
+        if kind == "linear":
+            with_policy = _planned_policy(new_text, fs.rel, values.get("bf16_layers", ""))
+            if with_policy != new_text:
+                new_text, module = with_policy, None
         new = (
             verify_rewrite(fs, new_text, values, kind, module=module) if new_text != fs.text else fs
         )
         site_cache.store(cache_dir, fs.rel, kind, new_text, new.sites)
         planned[fs.rel] = new_text
     return planned
+
+
+def _planned_policy(text: str, rel: str, spec: str) -> str:
+    """``text`` with its BF16 layer policy literal holding ``spec`` (unchanged where it has
+    none: ``_with_policy`` refuses a policy there)."""
+    from quantpatch.sites.policy import find_policy, write_policy
+
+    policy = find_policy(text, rel)
+    if policy is None or policy.value == spec:
+        return text
+    return write_policy(text, rel, spec)
+
+
+def _with_policy(
+    values: dict[str, str],
+    requested: str | None,
+    files: Sequence[FileSites],
+    targets: Targets,
+) -> dict[str, str]:
+    """``values`` with the BF16 layer policy in force (``bf16_layers``: the one requested,
+    else the checkout's), refused before anything changes where no code would honour it: no
+    policy site (a checkout ``init`` has not seen), a linear dispatch whose branch for a
+    GEMM's value does not go through ``quantpatch_ops`` (a fork's own op), ParetoQ values."""
+    from quantpatch.sites.policy import POLICY_NAME, find_policy, unhonoured
+
+    linear = [f for f in files if targets.kind_of(f.rel) == "linear"]
+    policies = [p for f in linear if (p := find_policy(f.text, f.rel)) is not None]
+    current = policies[0].value if policies else None
+    spec = validate_bf16_layers(current or "" if requested is None else requested)
+    out = {k: v for k, v in values.items() if k != "bf16_layers"}
+    if not spec:
+        return out
+    if not policies:
+        where = linear[0].rel if linear else "the linear file"
+        raise UserError(
+            f"--bf16-layers: {where} has no {POLICY_NAME} policy, so nothing would keep those "
+            "layers in BF16; 'quantpatch init' adds it and routes the linear dispatches "
+            "through quantpatch_ops, which honours it."
+        )
+    for f in linear:
+        why = unhonoured(f.text, f.rel, out)
+        if why:
+            raise UserError(f"--bf16-layers: {why}.")
+    if any(is_paretoq(v) for k, v in out.items() if k in ("linear", *GEMMS)):
+        raise UserError(
+            "--bf16-layers: ParetoQ layers quantize their own weights, which the policy does "
+            "not reach; use another linear value or no policy."
+        )
+    return {**out, "bf16_layers": spec}
 
 
 def _discover_text(text: str, rel: str, targets: Targets) -> FileSites:
@@ -406,12 +537,19 @@ def plan_from_base(
         raise _no_sites(targets)
     if known:
         refuse_unknown_to_dispatch(base_files, known, ops_text_at(repo, commit))
+    if values.get("bf16_layers"):
+        _with_policy(dict(values), values["bf16_layers"], base_files, targets)
     return base_texts, _plan(base_files, values, targets, split, cache_dir)
 
 
 def set_values(path: Path | None, req: SetRequest) -> SetResult:
     for role, value in req.values.items():
-        validate_value(value, allow_unknown=req.allow_unknown, where=f"--{role}", role=role)
+        validate_value(
+            value,
+            allow_unknown=req.allow_unknown,
+            where=f"--{role}",
+            role="linear" if role in GEMMS else role,
+        )
     checkout = gitrepo.find_checkout(path, need_git=req.branch, no_branch_hint=True)
     targets = load_targets(checkout.root)
     if req.dry_run:
@@ -430,6 +568,7 @@ def _set_unlocked(checkout: gitrepo.Checkout, targets: Targets, req: SetRequest)
     refuse_links(checkout.root, targets.all_files)
     current_files = _discover_checked(checkout.root, targets)
     values = _resolve_values(req.values, [s for f in current_files for s in f.sites])
+    values = _with_policy(values, req.bf16_layers, current_files, targets)
     state = gitrepo.load_state(checkout)
     if state and state["mode"] != ("branch" if req.branch else "in-place"):
         other = "--no-branch" if state["mode"] == "in-place" else "branch"
@@ -525,9 +664,7 @@ def _set_branch(
     )
     edits = [Edit(fs.rel, fs.text, planned[fs.rel]) for fs in current_files]
     result = SetResult(values=values, edits=edits, diff=unified_diff(edits), base=base, notes=notes)
-    name = scheme_branch.branch_name(
-        {r: values.get(r, "none") for r in ROLES}, targets.branch_prefix
-    )
+    name = scheme_branch.branch_name(values, targets.branch_prefix)
     result.branch = name
     if req.dry_run:
         return result

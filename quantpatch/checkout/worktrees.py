@@ -20,7 +20,15 @@ from pathlib import Path
 
 import git
 
-from quantpatch.base.config import ROLES, Targets, load_targets, validate_value
+from quantpatch.base.config import (
+    GEMMS,
+    ROLES,
+    Targets,
+    load_targets,
+    per_gemm,
+    validate_bf16_layers,
+    validate_value,
+)
 from quantpatch.base.errors import UserError
 from quantpatch.checkout.switch import base_tip, plan_from_base
 from quantpatch.git import repo as gitrepo
@@ -54,7 +62,12 @@ def _wrong_values(
     targets = load_targets(wt.root)
     sites = [s for f in site_cache.read_sites(wt.root, targets, wt.state_dir / "cache") for s in f]
     got, _ = role_values(sites)
-    return wt, targets, {r: got.get(r) for r in values if got.get(r) != values[r]}
+    from quantpatch.checkout.switch import _policy_in
+
+    policy = _policy_in(wt.root, targets)
+    got["bf16_layers"] = (policy.value or None) if policy is not None else None
+    want = {**values, "bf16_layers": values.get("bf16_layers") or None}
+    return wt, targets, {r: got.get(r) for r in want if got.get(r) != want[r]}
 
 
 def _verify(path: Path, values: Mapping[str, str], name: str) -> None:
@@ -72,15 +85,34 @@ def _checked_out_here(repo: git.Repo, name: str) -> bool:
     return gitrepo.active_branch(repo) == name
 
 
+def _all_gemms(values: Mapping[str, str]) -> bool:
+    return all(g in values for g in GEMMS)
+
+
+def scheme_values(values: Mapping[str, str]) -> dict[str, str]:
+    """``values`` in their one form (``per_gemm``): a worktree's branch, its commit and its
+    check all read the linear GEMMs the same way however they were named."""
+    out = per_gemm(dict(values))
+    if "bf16_layers" in out:  # 'none' and '' are no policy: no key, as set resolves it
+        out["bf16_layers"] = validate_bf16_layers(out["bf16_layers"])
+        if not out["bf16_layers"]:
+            del out["bf16_layers"]
+    return out
+
+
 def _locate(
     path: Path | None, values: Mapping[str, str], *, allow_unknown: bool
 ) -> tuple[gitrepo.Checkout, git.Repo, Targets, str, Path]:
     """The checkout, its targets, the scheme's branch name and its worktree's path."""
-    missing = [r for r in ROLES if r not in values]
+    missing = [r for r in ROLES if r not in values and (r != "linear" or not _all_gemms(values))]
     if missing:
         raise UserError(f"worktree: give all three roles (missing: {', '.join(missing)}).")
-    for role in ROLES:
-        validate_value(values[role], allow_unknown=allow_unknown, where=f"--{role}", role=role)
+    for role, value in values.items():
+        if role == "bf16_layers":
+            validate_bf16_layers(value)
+            continue
+        where = "linear" if role in GEMMS else role
+        validate_value(value, allow_unknown=allow_unknown, where=f"--{role}", role=where)
     checkout = gitrepo.find_checkout(path, need_git=True)
     repo = checkout.git()
     targets = load_targets(checkout.root)
@@ -101,6 +133,7 @@ def ensure_worktree(
     Commits made in the worktree itself are put on the branch first, so they are carried
     too; a worktree with uncommitted changes, or a checkout in the middle of a rebase, merge,
     cherry-pick or bisect, is refused before anything is changed."""
+    values = scheme_values(values)
     checkout, repo, targets, name, wt_path = _locate(path, values, allow_unknown=allow_unknown)
     with gitrepo.locked(checkout, wait=wait):
         gitrepo.refuse_operation_in_progress(checkout)
@@ -276,6 +309,7 @@ def existing_worktree(path: Path | None, values: Mapping[str, str]) -> WorktreeR
     create or move a worktree. Refused unless it is exactly its branch's tip, clean, holds the
     values, and still sits on the base's current tip (a base that moved on means the job
     would train code older than the checkout's)."""
+    values = scheme_values(values)
     checkout, repo, targets, name, wt_path = _locate(path, values, allow_unknown=False)
     again = "run 'quantpatch gen-scripts --prepare' (or 'quantpatch worktree') in the checkout"
     if not (wt_path / ".git").is_file():

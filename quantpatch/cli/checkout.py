@@ -28,7 +28,8 @@ def check(
         None,
         "--expect",
         metavar="linear=X,qk=Y,pv=Z",
-        help="Exit 1 unless the roles hold these values.",
+        help="Exit 1 unless the roles hold these values (fprop=, dgrad=, wgrad= for the linear "
+        "GEMMs one by one).",
     ),
     repo: Path | None = RepoOpt,
     json_: bool = JsonOpt,
@@ -56,11 +57,26 @@ def set_(
     linear: str | None = typer.Option(
         None, "--linear", help=f"Value of the linear sites: {VALUES}."
     ),
+    fprop: str | None = typer.Option(
+        None, "--fprop", help="Value of the linear forward GEMM's site(s) (overrides --linear)."
+    ),
+    dgrad: str | None = typer.Option(
+        None, "--dgrad", help="Value of the linear input-gradient GEMM's site(s)."
+    ),
+    wgrad: str | None = typer.Option(
+        None, "--wgrad", help="Value of the linear weight-gradient GEMM's site(s)."
+    ),
     qk: str | None = typer.Option(
         None, "--qk", help="Value of the Q.K^T site(s): bf16, mxfp8, mxfp4, hifp8, nvfp4."
     ),
     pv: str | None = typer.Option(
         None, "--pv", help="Value of the P.V site(s): bf16, mxfp8, mxfp4, hifp8, nvfp4."
+    ),
+    bf16_layers: str | None = typer.Option(
+        None,
+        "--bf16-layers",
+        help="Transformer layers whose linear GEMMs stay BF16: first:N, last:N, layer numbers "
+        "K or A-B, recipe (NVIDIA's proportion), none; e.g. first:2,last:8.",
     ),
     scheme: str | None = typer.Option(
         None,
@@ -95,13 +111,25 @@ def set_(
         if scheme not in schemes:
             raise UserError(f"--scheme: unknown scheme '{scheme}'; valid: {', '.join(schemes)}.")
         values.update(schemes[scheme].values())
-    for role, value in (("linear", linear), ("qk", qk), ("pv", pv)):
+    named = {"linear": linear, "fprop": fprop, "dgrad": dgrad, "wgrad": wgrad, "qk": qk, "pv": pv}
+    if linear is not None:  # --linear names all three GEMMs: a scheme's own GEMMs give way
+        for gemm in ("fprop", "dgrad", "wgrad"):
+            values.pop(gemm, None)
+    for role, value in named.items():
         if value is not None:
             values[role] = value
-    if not values:
-        raise UserError("nothing to set: give --linear, --qk, --pv or --scheme.")
+    # the layer policy: --bf16-layers, else the scheme's (a scheme without one: none), else
+    # the checkout's own is kept
+    scheme_policy = values.pop("bf16_layers", "" if scheme is not None else None)
+    policy = bf16_layers if bf16_layers is not None else scheme_policy
+    if not values and policy is None:
+        raise UserError(
+            "nothing to set: give --linear, --fprop, --dgrad, --wgrad, --qk, --pv, "
+            "--bf16-layers or --scheme."
+        )
     result = set_values(
-        repo_root(repo), SetRequest(values, dry_run, not no_branch, not no_split, allow_unknown)
+        repo_root(repo),
+        SetRequest(values, dry_run, not no_branch, not no_split, allow_unknown, policy),
     )
     if json_ or OPTS.json:
         emit_json(

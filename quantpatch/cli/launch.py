@@ -50,8 +50,11 @@ def list_(config: Path | None = ConfigOpt, json_: bool = JsonOpt) -> None:
     for title, cols, rows in (
         (
             "models",
-            ("name", "description", "tokenizer"),
-            [(m.name, m.description, m.tokenizer_model) for m in reg.models.values()],
+            ("name", "description", "tokenizer", "recipe BF16 layers"),
+            [
+                (m.name, m.description, m.tokenizer_model, recipe_bf16_layers(m))
+                for m in reg.models.values()
+            ],
         ),
         (
             "datasets",
@@ -60,8 +63,11 @@ def list_(config: Path | None = ConfigOpt, json_: bool = JsonOpt) -> None:
         ),
         (
             "schemes",
-            ("name", "linear", "qk", "pv"),
-            [(s.name, s.linear, s.qk, s.pv) for s in reg.schemes.values()],
+            ("name", "linear", "qk", "pv", "BF16 layers"),
+            [
+                (s.name, s.linear_text, s.qk, s.pv, s.bf16_layers or "-")
+                for s in reg.schemes.values()
+            ],
         ),
         (
             "profiles",
@@ -78,6 +84,19 @@ def list_(config: Path | None = ConfigOpt, json_: bool = JsonOpt) -> None:
         for row in rows:
             table.add_row(*row)
         out.print(table)
+
+
+def recipe_bf16_layers(model: Any) -> str:
+    """The layers NVIDIA's recipe keeps in BF16 in ``model`` (``bf16_layers = recipe``): the
+    paper's first 2 and last 8 of 62 blocks, rounded to the model's ``num-layers``."""
+    from quantpatch.base.config import recipe_layers
+
+    total = model.args.get("num-layers")
+    if not isinstance(total, int) or isinstance(total, bool):
+        return "?"
+    first, last = recipe_layers(total)
+    share = 100 * (first + last) / total
+    return f"1-{first}, {total - last + 1}-{total} of {total} ({share:.0f} %)".replace("1-1,", "1,")
 
 
 # sizes of a parallel layout: `layout` takes them as text (a script passes its environment),
@@ -323,6 +342,12 @@ def worktree(
     linear: str | None = typer.Option(
         None, "--linear", help="Linear value: bf16, mxfp8, mxfp4, hifp8, nvfp4, nvfp4-2d."
     ),
+    fprop: str | None = typer.Option(None, "--fprop", help="The linear forward GEMM's value."),
+    dgrad: str | None = typer.Option(None, "--dgrad", help="The input-gradient GEMM's value."),
+    wgrad: str | None = typer.Option(None, "--wgrad", help="The weight-gradient GEMM's value."),
+    bf16_layers: str | None = typer.Option(
+        None, "--bf16-layers", help="The BF16 layer policy (first:2,last:8, recipe, none)."
+    ),
     qk: str | None = typer.Option(
         None, "--qk", help="Q.K^T value: bf16, mxfp8, mxfp4, hifp8, nvfp4."
     ),
@@ -354,7 +379,12 @@ def worktree(
         if scheme not in schemes:
             raise UserError(f"--scheme: unknown scheme '{scheme}'; valid: {', '.join(schemes)}.")
         values.update(schemes[scheme].values())
-    values.update({r: v for r, v in (("linear", linear), ("qk", qk), ("pv", pv)) if v})
+    if linear:  # --linear names all three GEMMs: a scheme's own GEMMs give way
+        values = {k: v for k, v in values.items() if k not in ("fprop", "dgrad", "wgrad")}
+    named = (("linear", linear), ("fprop", fprop), ("dgrad", dgrad), ("wgrad", wgrad))
+    values.update({r: v for r, v in (*named, ("qk", qk), ("pv", pv)) if v})
+    if bf16_layers is not None:
+        values["bf16_layers"] = bf16_layers
     result = (existing_worktree if existing else ensure_worktree)(repo_root(repo), values)
     if path_only:
         sys.stdout.write(f"{result.path}\n")

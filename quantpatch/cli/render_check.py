@@ -6,9 +6,15 @@ from rich.console import Console
 from rich.table import Table
 
 from quantpatch.checkout.switch import CheckReport
+from quantpatch.sites.model import Site
 
 NARROW = 120
 """Below this many columns the sites are listed, not tabled, so ``file:line`` stays whole."""
+
+
+def _role(site: Site) -> str:
+    """The role, with the GEMM of a linear site (``linear/wgrad``)."""
+    return f"{site.role}/{site.gemm}" if site.gemm else site.role
 
 
 def print_check(report: CheckReport, out: Console) -> None:
@@ -19,7 +25,7 @@ def print_check(report: CheckReport, out: Console) -> None:
         out.print(f"custom_quant_type sites in {report.root}", markup=False)
         for s in report.sites:
             out.print(
-                f"{s.role:<6} {s.file}:{s.line}  {s.value or s.source} ({s.form})", markup=False
+                f"{_role(s):<6} {s.file}:{s.line}  {s.value or s.source} ({s.form})", markup=False
             )
             out.print(f"       in {s.function}", style="dim", markup=False)
     else:
@@ -27,7 +33,7 @@ def print_check(report: CheckReport, out: Console) -> None:
         for col in ("role", "file:line", "function", "value", "form"):
             table.add_column(col, no_wrap=col != "function")
         for s in report.sites:
-            table.add_row(s.role, f"{s.file}:{s.line}", s.function, s.value or s.source, s.form)
+            table.add_row(_role(s), f"{s.file}:{s.line}", s.function, s.value or s.source, s.form)
         out.print(table)
     roles = "  ".join(f"{r}={v if v is not None else '?'}" for r, v in report.roles.items())
     out.print(f"roles: {roles}")

@@ -30,17 +30,36 @@ from typing import Any
 import git
 from gitdb import IStream  # type: ignore[import-untyped]
 
-from quantpatch.base.config import LEGACY_BRANCH_PREFIX, ROLES, Targets
+from quantpatch.base.config import (
+    GEMMS,
+    KEYS,
+    LEGACY_BRANCH_PREFIX,
+    Targets,
+    linear_text,
+    per_gemm,
+)
 from quantpatch.base.errors import UserError
 from quantpatch.git import repo as gitrepo
 
 SUBJECT_PREFIX = "quantpatch: linear="
 _TRAILER_RE = re.compile(r"^Quantpatch-Base-(Branch|Commit): (\S+)$", re.MULTILINE)
-_SCHEME_TAIL = re.compile(r"linear-[A-Za-z0-9_.+-]+_qk-[A-Za-z0-9_.+-]+_pv-[A-Za-z0-9_.+-]+")
+_SCHEME_TAIL = re.compile(
+    r"linear-[A-Za-z0-9_.+-]+_qk-[A-Za-z0-9_.+-]+_pv-[A-Za-z0-9_.+-]+"  # _bf16-... included
+)
 
 
 def branch_name(values: Mapping[str, str], prefix: str) -> str:
-    tail = f"linear-{values['linear']}_qk-{values['qk']}_pv-{values['pv']}"
+    """``<prefix>/linear-X_qk-Y_pv-Z``; where the linear GEMMs differ, X is
+    ``fprop.A+dgrad.B+wgrad.C`` (a role without a value reads ``none``); a BF16 layer policy
+    adds ``_bf16-first2.last8``."""
+    full: dict[str, str | None] = {k: v for k, v in values.items() if k in KEYS}
+    if any(g in full for g in GEMMS):
+        full = dict(per_gemm({k: v for k, v in full.items() if v is not None}))
+    full = {k: full.get(k) for k in KEYS}
+    linear = linear_text(full) if full["linear"] or any(full[g] for g in GEMMS) else "none"
+    tail = f"linear-{linear}_qk-{values.get('qk', 'none')}_pv-{values.get('pv', 'none')}"
+    if values.get("bf16_layers"):  # the BF16 layer policy: first:2,last:8 -> bf16-first2.last8
+        tail += "_bf16-" + values["bf16_layers"].replace(":", "").replace(",", ".")
     return f"{prefix}/{tail}"
 
 
@@ -71,7 +90,10 @@ def check_prefix(repo: git.Repo, targets: Targets) -> None:
 def commit_message(values: Mapping[str, str], base: Mapping[str, Any], files: list[str]) -> str:
     base_name = base.get("branch") or "detached HEAD"
     return (
-        f"{SUBJECT_PREFIX}{values.get('linear')} qk={values.get('qk')} pv={values.get('pv')}\n\n"
+        f"{SUBJECT_PREFIX}{linear_text(values, ':', ',')} qk={values.get('qk')} "
+        f"pv={values.get('pv')}"
+        + (f" bf16_layers={values['bf16_layers']}" if values.get("bf16_layers") else "")
+        + "\n\n"
         f"Base: {base_name} @ {base['commit']}\n"
         f"Files: {', '.join(files)}\n\n"
         f"Quantpatch-Base-Branch: {base.get('branch') or '-'}\n"
@@ -341,7 +363,7 @@ def values_at(repo: git.Repo, commit: str, targets: Targets) -> dict[str, str | 
         text = gitrepo.read_at(repo, commit, rel)
         sites += discover_sites(text, rel, targets.kind_of(rel))
     got, _ = role_values(sites)
-    return {r: got.get(r) for r in ROLES}
+    return {r: got.get(r) for r in KEYS}
 
 
 __all__ = [

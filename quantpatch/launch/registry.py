@@ -21,7 +21,14 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-from quantpatch.base.config import ROLES, validate_value
+from quantpatch.base.config import (
+    GEMMS,
+    KEYS,
+    linear_text,
+    per_gemm,
+    validate_bf16_layers,
+    validate_value,
+)
 from quantpatch.base.errors import UserError
 
 ArgValue = bool | int | float | str | list[int | float | str]
@@ -36,9 +43,37 @@ class Scheme:
     pv: str
     default: bool = True
     """Whether a run with no ``--schemes`` takes it (``all`` takes every scheme)."""
+    fprop: str | None = None
+    dgrad: str | None = None
+    wgrad: str | None = None
+    """A linear GEMM's own value where it differs from ``linear`` (TOML keys beside it)."""
+    bf16_layers: str = ""
+    """The BF16 layer policy (``first:2,last:8``, ``recipe``; '' none): ``set --bf16-layers``."""
 
     def values(self) -> dict[str, str]:
-        return {"linear": self.linear, "qk": self.qk, "pv": self.pv}
+        """Every value the scheme sets, in their one form: ``linear`` where its three GEMMs
+        agree, else the three GEMMs (``per_gemm``)."""
+        named = {"linear": self.linear, "qk": self.qk, "pv": self.pv}
+        named.update({g: v for g, v in zip(GEMMS, self.gemms(), strict=True) if v is not None})
+        if self.bf16_layers:
+            named["bf16_layers"] = self.bf16_layers
+        return per_gemm(named)
+
+    def gemms(self) -> tuple[str | None, str | None, str | None]:
+        return self.fprop, self.dgrad, self.wgrad
+
+    @property
+    def linear_text(self) -> str:
+        """The linear value for a person: ``linear``'s, or ``fprop:X,dgrad:Y,wgrad:Z``."""
+        return linear_text(self.values(), ":", ",")
+
+    def set_options(self) -> list[str]:
+        """The options of ``quantpatch set`` / ``worktree`` that hold these values."""
+        return [arg for k, v in self.values().items() for arg in (f"--{k.replace('_', '-')}", v)]
+
+    def expect(self) -> str:
+        """``check --expect``'s argument for these values."""
+        return ",".join(f"{k}={v}" for k, v in self.values().items())
 
 
 @dataclass(frozen=True)
@@ -146,9 +181,22 @@ _FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
         "args": dict,
         "parallel": dict,
     },
-    "schemes": {"linear": str, "qk": str, "pv": str, "default": bool},
+    "schemes": {
+        "linear": str,
+        "qk": str,
+        "pv": str,
+        "default": bool,
+        "fprop": str,
+        "dgrad": str,
+        "wgrad": str,
+        "bf16_layers": str,
+    },
 }
-_OPTIONAL = {"models": {"profiles"}, "profiles": {"parallel"}, "schemes": {"default"}}
+_OPTIONAL = {
+    "models": {"profiles"},
+    "profiles": {"parallel"},
+    "schemes": {"default", "fprop", "dgrad", "wgrad", "bf16_layers"},
+}
 SLURM_FIELDS: dict[str, type] = {
     "partition": str,
     "account": str,
@@ -314,9 +362,21 @@ def load_registry(extra: Path | None = None) -> Registry:
                 raw[top][name] = _merge(top, name, raw[top].get(name), entry, where)
     schemes = {}
     for name, e in raw["schemes"].items():
-        for role in ROLES:
-            validate_value(e[role], allow_unknown=False, where=f"scheme '{name}'", role=role)
-        schemes[name] = Scheme(name, e["linear"], e["qk"], e["pv"], e.get("default", True))
+        for role in KEYS:
+            if role in e:
+                kind = "linear" if role in GEMMS else role
+                validate_value(e[role], allow_unknown=False, where=f"scheme '{name}'", role=kind)
+        schemes[name] = Scheme(
+            name,
+            e["linear"],
+            e["qk"],
+            e["pv"],
+            e.get("default", True),
+            fprop=e.get("fprop"),
+            dgrad=e.get("dgrad"),
+            wgrad=e.get("wgrad"),
+            bf16_layers=validate_bf16_layers(e.get("bf16_layers", ""), f"scheme '{name}'"),
+        )
     models = {}
     for name, e in raw["models"].items():
         prof = {

@@ -26,20 +26,29 @@ class _NoFork:
         return contextlib.nullcontext()
 
 
-def init_single_process(device: str = "cpu", seed: int = 1234) -> None:
-    """One rank, tensor and pipeline parallel size 1, on ``device`` (cpu or cuda)."""
+def init_single_process(
+    device: str = "cpu",
+    seed: int = 1234,
+    *,
+    rank: int = 0,
+    pipeline: int = 1,
+    init_method: str = "tcp://127.0.0.1:0",
+) -> None:
+    """One rank, tensor and pipeline parallel size 1, on ``device`` (cpu or cuda); or, with
+    ``pipeline`` > 1, rank ``rank`` of that many pipeline stages (one process each, gloo on
+    CPU, meeting at ``init_method``)."""
     if device == "cuda":
         torch.cuda.set_device(0)
     dist.init_process_group(
         "nccl" if device == "cuda" else "gloo",
-        init_method="tcp://127.0.0.1:0",
-        rank=0,
-        world_size=1,
+        init_method=init_method,
+        rank=rank,
+        world_size=pipeline,
     )
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.transformer import dot_product_attention
 
-    parallel_state.initialize_model_parallel(1, 1)
+    parallel_state.initialize_model_parallel(1, pipeline)
     if device == "cuda":
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
         return

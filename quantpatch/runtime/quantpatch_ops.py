@@ -37,6 +37,10 @@ Formats (OCP Microscaling v1.0; Luo et al., arXiv 2409.16626 for HiFloat8):
   linear forward and dgrad sites name it), or where none is named a 2-D
   ``torch.nn.Parameter`` or a view of one such as ``weight.t()``; every other operand is
   ``nvfp4``.
+* ``nvfp4-rht``: ``nvfp4`` after a random Hadamard transform of both operands along the
+  reduction dimension (NVIDIA's recipe for the weight-gradient GEMM): ``quantpatch_rht.py``,
+  installed beside this file. ``fake_quant`` returns the quantized values taken back through
+  the inverse transform (same shape, comparable with the input).
 * ``hifp8``: per tensor, no scale: 3/2/1 mantissa bits for |e| <= 3/7/15, powers of two
   2^-22..2^-16 below 2^-15, zero below, saturation at 2^15, ties away from zero.
 * ``bf16``: the identity.
@@ -71,6 +75,7 @@ format instead of ~30 elementwise passes; bit-identical results, tested).
 from __future__ import annotations
 
 import os
+import sys
 import weakref
 from typing import Any
 
@@ -118,7 +123,11 @@ from .quantpatch_weights import (
 from .quantpatch_weights import is_weight as _is_weight
 from .quantpatch_weights import weight_fake_quant as _weight_fake_quant
 
-FORMATS = ("bf16", "mxfp8", "mxfp4", "hifp8", "nvfp4", "nvfp4-2d", "w1", "w1.58", "w2", "w3", "w4")
+NV_FORMATS = ("nvfp4", "nvfp4-2d", "nvfp4-rht")
+FORMATS = (
+    "bf16", "mxfp8", "mxfp4", "hifp8", "nvfp4", "nvfp4-2d", "nvfp4-rht",
+    "w1", "w1.58", "w2", "w3", "w4",
+)  # fmt: skip
 """Every base value (ParetoQ's ``w<b>`` also take a ``g<N>`` suffix: ``GROUPED_FORMATS``)."""
 GROUPED_FORMATS = ("w1", "w1.58", "w2", "w3", "w4")
 """The ParetoQ values that accept a ``g<N>`` group suffix (all of them)."""
@@ -182,6 +191,10 @@ def fake_quant(x: torch.Tensor, fmt: str, *, dim: int = -1, backward: bool = Fal
         return paretoq_fake_quant(x, fmt)
     if fmt not in FORMATS:
         raise ValueError(f"unknown quantization format {fmt!r}; expected one of {FORMATS}")
+    if fmt == "nvfp4-rht" and x.numel():  # Hadamard-transformed NVFP4: quantpatch_rht.py
+        from . import quantpatch_rht
+
+        return quantpatch_rht.fake_quant_rht(x, dim, backward=backward)
     return quantize(x, fmt, dim, backward)
 
 
@@ -245,6 +258,17 @@ def _cached_q(x: torch.Tensor, fmt: str, dim: int, backward: bool) -> torch.Tens
     return _weight_fake_quant(x, fmt, dim, backward)
 
 
+def _bf16_layer(backward: bool, weight: str | None) -> bool:
+    """Whether the layer policy (``quantpatch_layers``, loaded by the linear file where one is
+    set) keeps this linear GEMM in BF16: the forward, or under ``backward`` the input gradient
+    (the weight named) or the weight gradient."""
+    layers = sys.modules.get(f"{__package__}.quantpatch_layers")
+    if layers is None:
+        return False
+    gemm = ("dgrad" if weight is not None else "wgrad") if backward else "fprop"
+    return bool(layers.keeps_bf16(gemm))
+
+
 def quant_matmul(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -258,6 +282,12 @@ def quant_matmul(
     under ``backward``, and ``nvfp4-2d`` tiles only the weight operand: the one ``weight``
     names (``"a"`` or ``"b"``: init's linear sites say which, since Megatron's autograd
     function hands the weight over as a plain tensor), else a 2-D Parameter or a view of one."""
+    if _bf16_layer(backward, weight):  # the BF16 layer policy: quantpatch_layers.py
+        return torch.matmul(a, b)
+    if fmt == "nvfp4-rht":  # both operands Hadamard-transformed first: quantpatch_rht.py
+        from . import quantpatch_rht
+
+        return quantpatch_rht.rht_matmul(a, b, backward=backward)
     bdim = -2 if b.dim() > 1 else -1
     fused = _fused_product(a, b, fmt, backward, backward)
     if fused is not None:

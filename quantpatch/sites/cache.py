@@ -26,7 +26,7 @@ from quantpatch.base.config import SITE_NAME, Targets
 from quantpatch.base.errors import UserError
 from quantpatch.sites.model import Site, read_target
 
-CACHE_FORMAT = 5
+CACHE_FORMAT = 6
 KEEP = 64
 
 

@@ -73,6 +73,8 @@ class _Dispatch:
     products: frozenset[str]
     knows: tuple[str, ...] | None
     """The values the chain's branches are written for (``chain_knows``)."""
+    gemm: str
+    """In the linear file: ``fprop``, ``dgrad`` or ``wgrad`` (``linear_gemm``), else empty."""
     kills: tuple[int, ...]
     """Positions (visit order) of the statements before the dispatch, in its enclosing blocks, that
     definitely assign the variable (a site line, or an ``if`` whose every branch assigns)."""
@@ -181,6 +183,25 @@ def classify_product(call: cst.Call) -> str | None:
     if any(_is_probs(n) for n in names) and any(_is_value(n) for n in names):
         return "pv"
     return None
+
+
+def linear_gemm(dispatch: cst.If, function: str) -> str:
+    """Which GEMM of the linear autograd function a dispatch computes: ``fprop`` in a
+    ``forward``; in a ``backward``, ``dgrad`` where its branches assign ``grad_input`` and
+    ``wgrad`` where they assign ``grad_weight`` (Megatron's names for the two products); empty
+    where neither or both (a constructor's ParetoQ steps, say)."""
+    if function == "forward":
+        return "fprop"
+    if function != "backward":
+        return ""
+    names = {
+        t.target.value
+        for a in find_all(dispatch, cst.Assign)
+        for t in a.targets
+        if isinstance(t.target, cst.Name)
+    }
+    found = [g for g, n in (("dgrad", "grad_input"), ("wgrad", "grad_weight")) if n in names]
+    return found[0] if len(found) == 1 else ""
 
 
 def _override(line: cst.CSTNode | None) -> str | None:
@@ -337,6 +358,9 @@ class _Collector(ScopedVisitor):
                 ancestors=ancestors,
                 products=frozenset(products),
                 knows=chain_knows(node),
+                gemm=linear_gemm(node, self.scope[-1] if self.scope else "")
+                if self.file_kind == "linear"
+                else "",
                 kills=self._kills(node, ancestors),
             )
         )
@@ -808,9 +832,11 @@ def _discover(
         pv_nodes: list[list[cst.If]] = [[] for _ in raw_sites]
         knows: list[list[tuple[str, ...] | None]] = [[] for _ in raw_sites]
         knows_for: list[list[str]] = [[] for _ in raw_sites]
+        gemms: list[set[str]] = [set() for _ in raw_sites]
         for d in dispatches:
             for i in _governs(raw_sites, d):
                 governs[i] |= d.products
+                gemms[i].add(d.gemm)
                 knows[i].append(d.knows)
                 knows_for[i].append("+".join(sorted(d.products)))
                 if "pv" in d.products and "qk" not in d.products:
@@ -823,6 +849,14 @@ def _discover(
                 roles.append(_role_from_products(products, file_kind))
             else:
                 roles.append(None)
+        # a site's GEMM: the one of every dispatch it governs; a label site takes the next
+        # governed site's, as it takes its role
+        gemm_of = [next(iter(g)) if len(g) == 1 else "" for g in gemms]
+        for i in range(len(raw_sites)):
+            if not governs[i]:
+                gemm_of[i] = next(
+                    (gemm_of[j] for j in range(i + 1, len(raw_sites)) if governs[j]), ""
+                )
         for i, raw in enumerate(raw_sites):
             role = roles[i]
             form = raw.kind
@@ -843,6 +877,7 @@ def _discover(
                 source=raw.source,
                 knows=_site_knows(knows[i]),
                 knows_for=tuple(knows_for[i]) if _site_knows(knows[i]) is not None else (),
+                gemm=gemm_of[i] if (role or "") == "linear" else "",
             )
             found.append((raw, site, pv_nodes[i]))
     found.sort(key=lambda t: t[0].pos)

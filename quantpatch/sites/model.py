@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from quantpatch.base.config import ROLES
+from quantpatch.base.config import GEMMS, ROLES
 from quantpatch.base.edits import read_exact
 from quantpatch.base.errors import UserError
 
@@ -45,6 +45,9 @@ class Site:
     """The products of each dispatch in ``knows`` (``linear``, ``qk``, ``pv``, joined by ``+``
     where one dispatch holds several): a value is checked against the dispatches of its own
     role only."""
+    gemm: str = ""
+    """A linear site's GEMM: ``fprop``, ``dgrad`` or ``wgrad`` (empty: none, such as the
+    constructor sites of ParetoQ's steps, which follow ``fprop``)."""
 
     @property
     def roles(self) -> tuple[str, ...]:
@@ -53,9 +56,20 @@ class Site:
             return ("qk", "pv")
         return (self.role,) if self.role in ROLES else ()
 
+    def wanted(self, values: Mapping[str, str]) -> str | None:
+        """The value ``values`` (keys: roles and GEMMs) gives this site, or None: a linear
+        site takes its GEMM's value where one is given (a site of no GEMM the forward's),
+        else the linear value."""
+        if self.role == "linear":
+            gemm = self.gemm or "fprop"
+            return values.get(gemm, values.get("linear"))
+        found = [values[r] for r in self.roles if r in values]
+        return found[0] if found else None
+
     def as_json(self) -> dict[str, object]:
         return {
             "role": self.role,
+            "gemm": self.gemm,
             "file": self.file,
             "line": self.line,
             "function": self.function,
@@ -79,8 +93,11 @@ class Site:
 
 
 def role_values(sites: Sequence[Site]) -> tuple[dict[str, str | None], dict[str, list[Site]]]:
-    """The value of each role (``None`` when it has no site or its sites disagree), and the
-    sites of every role whose sites disagree."""
+    """The value of each role and of each linear GEMM (``None`` when it has no site or its
+    sites disagree), and the sites of every role or GEMM whose sites disagree. The linear
+    sites may differ from one GEMM to another (``set --fprop X --dgrad Y``): ``linear`` is
+    then None but not a disagreement, as long as the sites of each GEMM agree (a site of no
+    GEMM goes with ``fprop``)."""
     values: dict[str, str | None] = {}
     mismatched: dict[str, list[Site]] = {}
     for role in ROLES:
@@ -92,6 +109,16 @@ def role_values(sites: Sequence[Site]) -> tuple[dict[str, str | None], dict[str,
             values[role] = None
             if len(distinct) > 1:
                 mismatched[role] = members
+    linear = [s for s in sites if s.role == "linear" and s.kind != "dynamic"]
+    tagged = {s.gemm for s in linear} >= set(GEMMS)
+    for gemm in GEMMS:
+        members = [s for s in linear if (s.gemm or "fprop") == gemm] if tagged else []
+        distinct = {s.value for s in members}
+        values[gemm] = distinct.pop() if len(distinct) == 1 else values["linear"]
+        if len(distinct) > 1:
+            mismatched[gemm] = members
+    if "linear" in mismatched and tagged and not any(g in mismatched for g in GEMMS):
+        del mismatched["linear"]
     return values, mismatched
 
 
@@ -187,8 +214,14 @@ def unknown_to_dispatch(
     sites: Sequence[Site], values: Mapping[str, str], ops: OpsValues
 ) -> tuple[Site, str] | None:
     """The first site of a role in ``values`` whose dispatch (of that role's products) does
-    not know that role's value: the site and the role, or None."""
+    not know that role's value: the site and the role (for a linear site the GEMM where
+    ``values`` gives one), or None."""
     for site in sites:
+        if site.role == "linear":
+            key = next((k for k in (site.gemm or "fprop", "linear") if k in values), None)
+            if key is not None and dispatch_knows(site, values[key], ops, "linear") is False:
+                return site, key
+            continue
         for role in site.roles:
             if role in values and dispatch_knows(site, values[role], ops, role) is False:
                 return site, role

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 
 import libcst as cst
 
-from quantpatch.base.config import SITE_NAME
+from quantpatch.base.config import GEMMS, SITE_NAME
 from quantpatch.base.errors import UserError
 from quantpatch.sites.discovery import FileSites, discover_source, role_values
 
@@ -124,8 +124,8 @@ def plan_module(
     by_node: dict[int, str] = {}
     inserts: dict[int, list[cst.BaseStatement]] = {}
     for site, literal, pv_nodes in zip(fs.sites, fs.literals, fs.pv_dispatches, strict=False):
-        wanted = [values[r] for r in site.roles if r in values]
-        if not wanted:
+        wanted = site.wanted(values)
+        if wanted is None:
             continue
         if literal is None:
             raise UserError(
@@ -155,7 +155,7 @@ def plan_module(
                     _site_statement(site.source, literal.value, values["pv"], "pv")
                 )
             continue
-        by_node[id(literal)] = wanted[0]
+        by_node[id(literal)] = wanted
     if not by_node and not inserts:
         return None
     # transform only the top-level statements that mention the site name (where every site
@@ -191,7 +191,10 @@ def verify_rewrite(
     new = discover_source(new_text, old.rel, file_kind, module=module)
     got, _ = role_values(new.sites)
     for role, value in values.items():
-        if any(role in s.roles for s in new.sites) and got.get(role) != value:
+        present = any(role in s.roles for s in new.sites) or (
+            role in GEMMS and any(s.gemm == role for s in new.sites)
+        )
+        if present and got.get(role) != value:
             raise RuntimeError(
                 f"{old.rel}: after rewriting, role {role} reads {got.get(role)!r}, not {value!r}"
             )

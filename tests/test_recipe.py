@@ -1,0 +1,112 @@
+"""NVIDIA's NVFP4 recipe as schemes (issue 40): ``nvfp4_recipe`` trains the tiny megatron-core
+GPT on CPU with finite, falling loss and computes something else than bf16, and one ``sweep``
+over the recipe and its ablations (stub ``torchrun``) reports one row each."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+
+import pytest
+
+from quantpatch.launch.registry import load_registry
+
+from .conftest import LINEAR, git_out, tiny_gpt
+
+RECIPE = (
+    "nvfp4_recipe",
+    "nvfp4_recipe_no_rht",
+    "nvfp4_recipe_no_bf16_layers",
+    "nvfp4_recipe_no_2d",
+)
+
+
+def test_the_recipe_and_its_ablations_differ_in_one_part_each():
+    schemes = load_registry().schemes
+    full = schemes["nvfp4_recipe"].values()
+    assert full == {
+        "fprop": "nvfp4-2d",
+        "dgrad": "nvfp4-2d",
+        "wgrad": "nvfp4-rht",
+        "qk": "bf16",
+        "pv": "bf16",
+        "bf16_layers": "recipe",
+    }
+    for name, part in (
+        ("nvfp4_recipe_no_rht", {"wgrad": "nvfp4"}),
+        ("nvfp4_recipe_no_2d", {"fprop": "nvfp4", "dgrad": "nvfp4"}),
+    ):
+        assert schemes[name].values() == {**full, **part}
+    without = dict(full)
+    del without["bf16_layers"]
+    assert schemes["nvfp4_recipe_no_bf16_layers"].values() == without
+    assert not any(schemes[n].default for n in RECIPE)  # outside the default ten
+
+
+@pytest.mark.slow
+def test_the_recipe_trains_the_tiny_gpt_on_cpu(run, make_checkout):
+    pytest.importorskip("torch")
+    root = make_checkout("0.13.1", inject=False, full=True)
+    assert run("init", "--repo", root).code == 0
+    cfg = {"device": "cpu", "steps": 10, "vocab": 256, "layers": 6, "hidden": 64, "heads": 4}
+    cfg |= {"seq": 32, "batch": 2}
+    assert run("set", "--repo", root, "--scheme", "bf16", "--no-branch").code == 0
+    plain = tiny_gpt(root, cfg)["losses"]
+    assert run("restore", "--repo", root).code == 0
+    res = run("set", "--repo", root, "--scheme", "nvfp4_recipe", "--no-branch")
+    assert res.code == 0, res
+    expect = "fprop=nvfp4-2d,dgrad=nvfp4-2d,wgrad=nvfp4-rht,qk=bf16,bf16_layers=recipe"
+    assert run("check", "--repo", root, "--expect", expect).code == 0
+    losses = tiny_gpt(root, cfg)["losses"]
+    assert isinstance(losses, list) and isinstance(plain, list)
+    assert len(losses) == 10 and all(math.isfinite(v) for v in losses), losses
+    assert losses[-1] < losses[0] - 0.05, losses
+    assert losses != plain  # the recipe quantized layers 2-5 of 6 (1 and 6 stay bf16)
+
+
+@pytest.mark.slow
+def test_one_sweep_reports_the_recipe_and_each_ablation(tmp_path, make_checkout, monkeypatch, run):
+    from .test_scripts import QUANTPATCH
+    from .test_sweep import SBATCH, SQUEUE, TORCHRUN
+
+    root = make_checkout("0.13.1", inject=False)
+    assert run("init", "--repo", root).code == 0
+    bin_dir, stub = tmp_path / "bin", tmp_path / "stub"
+    bin_dir.mkdir()
+    stub.mkdir()
+    for name, text in (("torchrun", TORCHRUN), ("sbatch", SBATCH), ("squeue", SQUEUE)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("STUB_DIR", str(stub))
+    monkeypatch.setenv("QUANTPATCH", QUANTPATCH)
+    out = tmp_path / "sweep"
+    res = run(
+        "sweep", "run", out, "--models", "llama32-1b", "--datasets", "wikipedia",
+        "--profile", "smoke", "--schemes", ",".join(RECIPE), "--repo", root,
+    )  # fmt: skip
+    assert res.code == 0, res
+    assert "4 of 4 finished, 0 failed" in res.out
+    rec = json.loads((out / "sweep.json").read_text())
+    assert sorted(r["scheme"] for r in rec["runs"]) == sorted(RECIPE)
+    parsed = json.loads(
+        subprocess.run(
+            [QUANTPATCH, "runs", "--json", str(out / "runs")], capture_output=True, text=True
+        ).stdout
+    )["runs"]
+    assert sorted((r["scheme"], r["iterations"]) for r in parsed) == [
+        (s, 4) for s in sorted(RECIPE)
+    ]
+    html = (out / "report.html").read_text()
+    for name in RECIPE:
+        assert html.count(name) >= 1
+    # each run trained its own commit, whose sources hold the scheme's values and policy
+    commits = {r["scheme"]: r["commit"] for r in rec["runs"]}
+    assert len(set(commits.values())) == 4
+    for name, commit in commits.items():
+        linear = git_out(root, "show", f"{commit}:{LINEAR}")
+        policy = "''" if name == "nvfp4_recipe_no_bf16_layers" else "'recipe'"
+        assert f"quantpatch_bf16_layers = {policy}" in linear
+        assert ("'nvfp4-rht'" in linear) == (name != "nvfp4_recipe_no_rht")
