@@ -192,7 +192,7 @@ def test_the_fused_kernel_equals_the_reference(interpreted_kernel, dtype, shape,
     rand = None
     if backward:
         rand = torch.rand(rht.padded_shape(x, dim), generator=gen)
-    got = interpreted_kernel.rht_nvfp4(x, dim, rand)
+    got = interpreted_kernel.rht_nvfp4(x, dim, rand, rht.signs(x.device))
     want = rht.reference_rht_fake_quant(x, dim, rand)
     assert_bits(got, want)
 

@@ -213,7 +213,7 @@ def checking(path: Path | None, *, fresh: bool = False) -> Iterator[Callable[[],
         yield lambda: _check(checkout, targets, git_info, cache, ahead)
 
 
-def _policy_in(root: Path, targets: Targets) -> Any:
+def policy_in(root: Path, targets: Targets) -> Any:
     """The BF16 layer policy of the checkout's linear file (None: it has none)."""
     from quantpatch.sites.policy import POLICY_NAME, find_policy
 
@@ -236,7 +236,7 @@ def _check(
     if not sites:
         raise _no_sites(targets)
     roles, mismatched = role_values(sites)
-    policy = _policy_in(checkout.root, targets)
+    policy = policy_in(checkout.root, targets)
     if policy is not None:
         roles["bf16_layers"] = policy.value or "none"
     problems_found: list[str] = []

@@ -62,9 +62,9 @@ def _wrong_values(
     targets = load_targets(wt.root)
     sites = [s for f in site_cache.read_sites(wt.root, targets, wt.state_dir / "cache") for s in f]
     got, _ = role_values(sites)
-    from quantpatch.checkout.switch import _policy_in
+    from quantpatch.checkout.switch import policy_in
 
-    policy = _policy_in(wt.root, targets)
+    policy = policy_in(wt.root, targets)
     got["bf16_layers"] = (policy.value or None) if policy is not None else None
     want = {**values, "bf16_layers": values.get("bf16_layers") or None}
     return wt, targets, {r: got.get(r) for r in want if got.get(r) != want[r]}

@@ -112,7 +112,7 @@ def _prune_by_layout(configs: list[Any], named_args: dict[str, Any], **kwargs: A
 
 
 @triton.jit
-def _floor_log2(a):
+def floor_log2(a):
     """floor(log2(a)) for finite a > 0 (float32), as int32, subnormals included."""
     bits = a.to(tl.int32, bitcast=True)
     biased = (bits >> 23) & 0xFF
@@ -122,7 +122,7 @@ def _floor_log2(a):
 
 
 @triton.jit
-def _pow2(e):
+def pow2(e):
     """2^e as float32 for int32 e in [-149, 127], built from its bits (subnormals too)."""
     normal = ((e + 127) << 23).to(tl.float32, bitcast=True)
     shift = tl.minimum(tl.maximum(e + 149, 0), 22)
@@ -131,7 +131,7 @@ def _pow2(e):
 
 
 @triton.jit
-def _load_f32(x, BF16: tl.constexpr):
+def load_f32(x, BF16: tl.constexpr):
     """``x`` as float32; bf16 widened through its bits (exact for subnormals too, where the
     interpreter's own conversion is not)."""
     if BF16:
@@ -141,7 +141,7 @@ def _load_f32(x, BF16: tl.constexpr):
 
 
 @triton.jit
-def _store_as(v, dtype: tl.constexpr, BF16: tl.constexpr):
+def store_as(v, dtype: tl.constexpr, BF16: tl.constexpr):
     """Finite float32 ``v`` rounded to the output dtype (nearest even); bf16 through its bits."""
     if BF16:
         u = v.to(tl.int32, bitcast=True)
@@ -192,29 +192,29 @@ def _mx_kernel(
     offs = pid_b * sb + r[:, None].to(tl.int64) * sr + c[None, :].to(tl.int64) * sn
     inside = (r[:, None] < rows) & (c[None, :] < n)
     x = tl.load(x_ptr + offs, mask=inside, other=0.0)
-    v = _load_f32(x, BF16)
+    v = load_f32(x, BF16)
     a = tl.abs(v)
     finite = a < float("inf")  # False for +-Inf and NaN
     mags = tl.where(finite, a, 0.0)
     blocks = tl.reshape(mags, (BLOCK_R, BLOCK_N // 32, 32))
     amax = tl.max(blocks, axis=2)  # [BLOCK_R, BLOCK_N // 32]
     nonzero = amax > 0
-    shared = tl.where(nonzero, _floor_log2(tl.where(nonzero, amax, 1.0)) - EMAX, -127)
+    shared = tl.where(nonzero, floor_log2(tl.where(nonzero, amax, 1.0)) - EMAX, -127)
     shared = tl.minimum(tl.maximum(shared, -127), 127)
     shared = tl.reshape(
         tl.broadcast_to(shared[:, :, None], (BLOCK_R, BLOCK_N // 32, 32)), (BLOCK_R, BLOCK_N)
     )
-    scale = _pow2(shared)
-    inv_scale = _pow2(-shared)  # exact: -shared in [-127, 127]
+    scale = pow2(shared)
+    inv_scale = pow2(-shared)  # exact: -shared in [-127, 127]
     p = tl.abs(tl.where(finite, v, 0.0) * inv_scale)  # == |v / scale|, correctly rounded
-    tiny = p < _pow2(tl.full(p.shape, EMIN, tl.int32))
-    e = tl.where(tiny, EMIN, _floor_log2(tl.where(tiny, 1.0, p)))
-    y = p * _pow2(MBITS - e)  # exact: p / quantum
-    q = tl.minimum(_round_half_even(y) * _pow2(e - MBITS), VMAX)
+    tiny = p < pow2(tl.full(p.shape, EMIN, tl.int32))
+    e = tl.where(tiny, EMIN, floor_log2(tl.where(tiny, 1.0, p)))
+    y = p * pow2(MBITS - e)  # exact: p / quantum
+    q = tl.minimum(_round_half_even(y) * pow2(e - MBITS), VMAX)
     sign = v.to(tl.int32, bitcast=True) & -2147483648  # copysign(q, v): -0 stays -0
     qs = (q.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
     # +-Inf and NaN are stored as they were loaded (never converted: the payload is kept)
-    out = tl.where(finite, _store_as(qs * scale, y_ptr.dtype.element_ty, BF16), x)
+    out = tl.where(finite, store_as(qs * scale, y_ptr.dtype.element_ty, BF16), x)
     tl.store(y_ptr + offs, out, mask=inside)
 
 
@@ -228,29 +228,29 @@ def _hifp8_kernel(x_ptr, y_ptr, numel, shape_class, BLOCK_SIZE: tl.constexpr, BF
     offs = tl.program_id(0).to(tl.int64) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     inside = offs < numel
     x = tl.load(x_ptr + offs, mask=inside, other=0.0)
-    v = _load_f32(x, BF16)
+    v = load_f32(x, BF16)
     a = tl.abs(v)
     positive = (a < float("inf")) & (a > 0)
-    e = _floor_log2(tl.where(positive, a, 1.0))
+    e = floor_log2(tl.where(positive, a, 1.0))
     ae = tl.abs(e)
     mbits = tl.where(ae <= 3, 3, tl.where(ae <= 7, 2, tl.where(ae <= 15, 1, 0)))
     k = tl.minimum(mbits - e, 127)  # lanes with e < -22 overflow here and are replaced below
-    q = tl.floor(a * _pow2(k) + 0.5) * _pow2(tl.maximum(e - mbits, -149))  # ties away
+    q = tl.floor(a * pow2(k) + 0.5) * pow2(tl.maximum(e - mbits, -149))  # ties away
     q = tl.where(e < -22, tl.where(a >= 1.1920928955078125e-07, 2.384185791015625e-07, 0.0), q)
     q = tl.minimum(q, 32768.0)  # saturate: the code above 2^15 is infinity
     sign = v.to(tl.int32, bitcast=True) & -2147483648
     qs = (q.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
-    out = tl.where(positive, _store_as(qs, y_ptr.dtype.element_ty, BF16), x)  # 0, Inf, NaN as is
+    out = tl.where(positive, store_as(qs, y_ptr.dtype.element_ty, BF16), x)  # 0, Inf, NaN as is
     tl.store(y_ptr + offs, out, mask=inside)
 
 
 @triton.jit
-def _round_nonneg(p, MBITS: tl.constexpr, EMIN: tl.constexpr, VMAX: tl.constexpr):
+def round_nonneg(p, MBITS: tl.constexpr, EMIN: tl.constexpr, VMAX: tl.constexpr):
     """Finite ``p`` >= 0 rounded to the element type (nearest even), saturating at VMAX."""
-    tiny = p < _pow2(tl.full(p.shape, EMIN, tl.int32))
-    e = tl.where(tiny, EMIN, _floor_log2(tl.where(tiny, 1.0, p)))
-    y = p * _pow2(MBITS - e)  # exact: p / quantum
-    return tl.minimum(_round_half_even(y) * _pow2(e - MBITS), VMAX)
+    tiny = p < pow2(tl.full(p.shape, EMIN, tl.int32))
+    e = tl.where(tiny, EMIN, floor_log2(tl.where(tiny, 1.0, p)))
+    y = p * pow2(MBITS - e)  # exact: p / quantum
+    return tl.minimum(_round_half_even(y) * pow2(e - MBITS), VMAX)
 
 
 @triton.jit
@@ -278,7 +278,7 @@ def _nvfp4_kernel(
     offs = pid_b * sb + r[:, None].to(tl.int64) * sr + c[None, :].to(tl.int64) * sn
     inside = (r[:, None] < rows) & (c[None, :] < n)
     x = tl.load(x_ptr + offs, mask=inside, other=0.0)
-    v = _load_f32(x, BF16)
+    v = load_f32(x, BF16)
     a = tl.abs(v)
     finite = a < float("inf")  # False for +-Inf and NaN
     mags = tl.where(finite, a, 0.0)
@@ -297,22 +297,22 @@ def _nvfp4_kernel(
         bmax = tl.broadcast_to(bmax[:, :, None], (BLOCK_R, BLOCK_N // 16, 16))
     bmax = tl.reshape(bmax, (BLOCK_R, BLOCK_N))
     six = tl.full((BLOCK_R, BLOCK_N), 6.0, tl.float32)
-    s = _round_nonneg(tl.math.div_rn(bmax, six) * g, 3, -6, 448.0)  # the block's E4M3 scale
+    s = round_nonneg(tl.math.div_rn(bmax, six) * g, 3, -6, 448.0)  # the block's E4M3 scale
     usable = finite & (s > 0)
     p = tl.where(usable, tl.math.div_rn(mags * g, tl.where(usable, s, 1.0)), 0.0)
     if SR:
         u = tl.load(u_ptr + offs, mask=inside, other=0.0)
         pa = tl.minimum(p, 6.0)
-        e = tl.where(pa < 1.0, 0, _floor_log2(tl.where(pa < 1.0, 1.0, pa)))
-        y = pa * _pow2(1 - e)  # exact: pa / quantum
+        e = tl.where(pa < 1.0, 0, floor_log2(tl.where(pa < 1.0, 1.0, pa)))
+        y = pa * pow2(1 - e)  # exact: pa / quantum
         low = tl.floor(y)
-        q = tl.minimum(tl.where(u < y - low, low + 1.0, low) * _pow2(e - 1), 6.0)
+        q = tl.minimum(tl.where(u < y - low, low + 1.0, low) * pow2(e - 1), 6.0)
     else:
-        q = _round_nonneg(p, 1, 0, 6.0)
+        q = round_nonneg(p, 1, 0, 6.0)
     sign = v.to(tl.int32, bitcast=True) & -2147483648  # copysign(q, v): -0 stays -0
     qs = (q.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
     res = tl.math.div_rn(qs * s, g)
-    out = tl.where(finite, _store_as(res, y_ptr.dtype.element_ty, BF16), x)
+    out = tl.where(finite, store_as(res, y_ptr.dtype.element_ty, BF16), x)
     tl.store(y_ptr + offs, out, mask=inside)
 
 
@@ -496,7 +496,7 @@ def _mx_quant_tile(
 ):
     """A loaded ``[R, C]`` tile MX-fake-quantized in registers, blocks of 32 along C (or R),
     as ``_mx_kernel`` does it: the result in the tile's dtype."""
-    v = _load_f32(x, BF16)
+    v = load_f32(x, BF16)
     a = tl.abs(v)
     finite = a < float("inf")
     mags = tl.where(finite, a, 0.0)
@@ -505,36 +505,36 @@ def _mx_quant_tile(
     else:
         amax = tl.max(tl.reshape(mags, (R // 32, 32, C)), axis=1)
     nonzero = amax > 0
-    shared = tl.where(nonzero, _floor_log2(tl.where(nonzero, amax, 1.0)) - EMAX, -127)
+    shared = tl.where(nonzero, floor_log2(tl.where(nonzero, amax, 1.0)) - EMAX, -127)
     shared = tl.minimum(tl.maximum(shared, -127), 127)
     if BLOCKS_ALONG_C:
         shared = tl.reshape(tl.broadcast_to(shared[:, :, None], (R, C // 32, 32)), (R, C))
     else:
         shared = tl.reshape(tl.broadcast_to(shared[:, None, :], (R // 32, 32, C)), (R, C))
-    scale = _pow2(shared)
-    p = tl.abs(tl.where(finite, v, 0.0) * _pow2(-shared))
-    q = _round_nonneg(p, MBITS, EMIN, VMAX)
+    scale = pow2(shared)
+    p = tl.abs(tl.where(finite, v, 0.0) * pow2(-shared))
+    q = round_nonneg(p, MBITS, EMIN, VMAX)
     sign = v.to(tl.int32, bitcast=True) & -2147483648
     qs = (q.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
-    return tl.where(finite, _store_as(qs * scale, OUT, BF16), x)
+    return tl.where(finite, store_as(qs * scale, OUT, BF16), x)
 
 
 @triton.jit
 def _hifp8_quant_tile(x, OUT: tl.constexpr, BF16: tl.constexpr):
     """A loaded tile HiF8-fake-quantized in registers, as ``_hifp8_kernel`` does it."""
-    v = _load_f32(x, BF16)
+    v = load_f32(x, BF16)
     a = tl.abs(v)
     positive = (a < float("inf")) & (a > 0)
-    e = _floor_log2(tl.where(positive, a, 1.0))
+    e = floor_log2(tl.where(positive, a, 1.0))
     ae = tl.abs(e)
     mbits = tl.where(ae <= 3, 3, tl.where(ae <= 7, 2, tl.where(ae <= 15, 1, 0)))
     k = tl.minimum(mbits - e, 127)
-    q = tl.floor(a * _pow2(k) + 0.5) * _pow2(tl.maximum(e - mbits, -149))
+    q = tl.floor(a * pow2(k) + 0.5) * pow2(tl.maximum(e - mbits, -149))
     q = tl.where(e < -22, tl.where(a >= 1.1920928955078125e-07, 2.384185791015625e-07, 0.0), q)
     q = tl.minimum(q, 32768.0)
     sign = v.to(tl.int32, bitcast=True) & -2147483648
     qs = (q.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
-    return tl.where(positive, _store_as(qs, OUT, BF16), x)
+    return tl.where(positive, store_as(qs, OUT, BF16), x)
 
 
 @triton.autotune(
@@ -620,12 +620,12 @@ def _qgemm_kernel(
         elif B_KIND == 2:
             b = _hifp8_quant_tile(b, b_ptr.dtype.element_ty, BF16)
         if UPCAST:  # the interpreter multiplies bf16 as its raw bits: exact float32 instead
-            acc = tl.dot(_load_f32(a, BF16), _load_f32(b, BF16), acc, input_precision="ieee")
+            acc = tl.dot(load_f32(a, BF16), load_f32(b, BF16), acc, input_precision="ieee")
         elif IEEE:
             acc = tl.dot(a, b, acc, input_precision="ieee")
         else:
             acc = tl.dot(a, b, acc)
-    c = _store_as(acc, c_ptr.dtype.element_ty, BF16)
+    c = store_as(acc, c_ptr.dtype.element_ty, BF16)
     c_offs = batch * scb + rm[:, None].to(tl.int64) * scm + rn[None, :].to(tl.int64) * scn
     tl.store(c_ptr + c_offs, c, mask=(rm[:, None] < M) & (rn[None, :] < N))
 

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from . import quantpatch_ops as ops
+from .quantpatch_nvfp4 import nvfp4, sr_uniforms
 
 RHT_BLOCK = 16
 SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, 1, 1, -1, 1, -1, 1, 1)
@@ -149,11 +149,11 @@ def rht_fake_quant(
         return rht(x, dim)
     if x.dim() == 0:
         raise ValueError("the Hadamard transform needs a dimension to run along")
-    rand = ops.sr_uniforms(torch.empty(padded_shape(x, dim), device=x.device)) if backward else None
+    rand = sr_uniforms(torch.empty(padded_shape(x, dim), device=x.device)) if backward else None
     if x.numel() == 0:
         return torch.empty(padded_shape(x, dim), dtype=x.dtype, device=x.device)
     if _use_kernels(x):
-        out: torch.Tensor = _kernels_module.rht_nvfp4(x, dim, rand)
+        out: torch.Tensor = _kernels_module.rht_nvfp4(x, dim, rand, signs(x.device))
         return out
     return reference_rht_fake_quant(x, dim, rand)
 
@@ -162,7 +162,7 @@ def reference_rht_fake_quant(x: torch.Tensor, dim: int, rand: torch.Tensor | Non
     """The PyTorch reference of ``rht_fake_quant`` (``rand``: the draws, or None for nearest
     even)."""
     t = rht(x, dim)
-    return ops.nvfp4(t, dim, False, rand).to(x.dtype)
+    return nvfp4(t, dim, False, rand).to(x.dtype)
 
 
 class _StraightThrough(torch.autograd.Function):

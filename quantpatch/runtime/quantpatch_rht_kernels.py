@@ -23,8 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import quantpatch_rht as rht_ref
-from .quantpatch_kernels import _floor_log2, _load_f32, _pow2, _round_nonneg, _store_as
+from .quantpatch_kernels import floor_log2, load_f32, pow2, round_nonneg, store_as
 
 BLOCK_R, BLOCK_N = 16, 64
 
@@ -54,7 +53,7 @@ def _load_tile(x_ptr, s_ptr, rows, n, sr, sn, BLOCK_R: tl.constexpr, BLOCK_N: tl
     offs = r[:, None].to(tl.int64) * sr + c[None, :].to(tl.int64) * sn
     x = tl.load(x_ptr + offs, mask=inside, other=0.0)
     s = tl.load(s_ptr + tl.arange(0, 16))
-    return _transform(_load_f32(x, BF16), s, BLOCK_R, BLOCK_N), r, c
+    return _transform(load_f32(x, BF16), s, BLOCK_R, BLOCK_N), r, c
 
 
 @triton.jit
@@ -84,7 +83,7 @@ def _rht_nvfp4_kernel(x_ptr, s_ptr, y_ptr, u_ptr, amax_ptr, rows, n, npad, sr, s
     bmax = tl.reshape(tl.broadcast_to(bmax[:, :, None], (BLOCK_R, BLOCK_N // 16, 16)),
                       (BLOCK_R, BLOCK_N))  # fmt: skip
     six = tl.full((BLOCK_R, BLOCK_N), 6.0, tl.float32)
-    s = _round_nonneg(tl.math.div_rn(bmax, six) * g, 3, -6, 448.0)
+    s = round_nonneg(tl.math.div_rn(bmax, six) * g, 3, -6, 448.0)
     usable = finite & (s > 0)
     p = tl.where(usable, tl.math.div_rn(mags * g, tl.where(usable, s, 1.0)), 0.0)
     out_offs = r[:, None].to(tl.int64) * npad + c[None, :].to(tl.int64)
@@ -92,28 +91,30 @@ def _rht_nvfp4_kernel(x_ptr, s_ptr, y_ptr, u_ptr, amax_ptr, rows, n, npad, sr, s
     if SR:
         u = tl.load(u_ptr + out_offs, mask=inside, other=0.0)
         pa = tl.minimum(p, 6.0)
-        e = tl.where(pa < 1.0, 0, _floor_log2(tl.where(pa < 1.0, 1.0, pa)))
-        y = pa * _pow2(1 - e)
+        e = tl.where(pa < 1.0, 0, floor_log2(tl.where(pa < 1.0, 1.0, pa)))
+        y = pa * pow2(1 - e)
         low = tl.floor(y)
-        q = tl.minimum(tl.where(u < y - low, low + 1.0, low) * _pow2(e - 1), 6.0)
+        q = tl.minimum(tl.where(u < y - low, low + 1.0, low) * pow2(e - 1), 6.0)
     else:
-        q = _round_nonneg(p, 1, 0, 6.0)
+        q = round_nonneg(p, 1, 0, 6.0)
     sign = v.to(tl.int32, bitcast=True) & -2147483648
     qs = (q.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
     res = tl.where(finite, tl.math.div_rn(qs * s, g), v)
-    tl.store(y_ptr + out_offs, _store_as(res, y_ptr.dtype.element_ty, OUT_BF16), mask=inside)
+    tl.store(y_ptr + out_offs, store_as(res, y_ptr.dtype.element_ty, OUT_BF16), mask=inside)
 
 
-def rht_nvfp4(x: torch.Tensor, dim: int, rand: torch.Tensor | None) -> torch.Tensor:
+def rht_nvfp4(
+    x: torch.Tensor, dim: int, rand: torch.Tensor | None, signs: torch.Tensor
+) -> torch.Tensor:
     """``quantpatch_rht.rht_fake_quant`` of ``x`` (``rand``: the draws, shaped as the result,
-    or None for nearest even)."""
+    or None for nearest even; ``signs``: the transform's sign vector, on ``x``'s device)."""
     t = x.movedim(dim, -1)
     n = t.shape[-1]
     t2 = t.reshape(-1, n)  # a view where the leading dimensions collapse, else a copy
     rows = t2.shape[0]
     npad = n + (-n) % 16
     bf16 = x.dtype == torch.bfloat16
-    s = rht_ref.signs(x.device) * 0.25
+    s = signs.to(torch.float32) * 0.25
     grid = (triton.cdiv(rows, BLOCK_R), triton.cdiv(npad, BLOCK_N))
     parts = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=x.device)
     sr, sn = t2.stride()

@@ -129,7 +129,7 @@ def _names_in(node: cst.CSTNode) -> set[str]:
     return {n.value for n in find_all(node, cst.Name)}
 
 
-def _reads_site(node: cst.CSTNode) -> bool:
+def reads_site(node: cst.CSTNode) -> bool:
     return SITE_NAME in _names_in(node)
 
 
@@ -333,7 +333,7 @@ class _Collector(ScopedVisitor):
 
     # -- dispatches ---------------------------------------------------------------------
     def visit_If(self, node: cst.If) -> None:
-        if id(node) in self.elif_nodes or not _reads_site(node.test):
+        if id(node) in self.elif_nodes or not reads_site(node.test):
             return
         # an elif chain is one dispatch: its branches are products of the same decision
         cur: cst.If | cst.Else | None = node.orelse
@@ -444,7 +444,7 @@ def _literal_strings(node: cst.BaseExpression) -> list[str] | None:
     return None
 
 
-def _branch_test(test: cst.BaseExpression) -> tuple[bool, list[str]] | None:
+def branch_test(test: cst.BaseExpression) -> tuple[bool, list[str]] | None:
     """``(True, values)`` for a test that holds for exactly those values of the site
     (``== 'x'``, ``in ('x', 'y')``), ``(False, values)`` for one that holds for every other
     value (``!=``, ``not in``); None for any other test."""
@@ -500,7 +500,7 @@ def chain_knows(node: cst.If) -> tuple[str, ...] | None:
     values: set[str] = set()
     cur: cst.If | cst.Else | None = node
     while isinstance(cur, cst.If):
-        test = _branch_test(cur.test)
+        test = branch_test(cur.test)
         if test is None:
             return None
         only, strings = test

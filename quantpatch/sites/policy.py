@@ -27,11 +27,11 @@ from quantpatch.base.errors import UserError
 from quantpatch.sites.codemods.set_value import keep_bom, requote
 from quantpatch.sites.discovery import (
     ScopedVisitor,
-    _branch_test,
-    _reads_site,
+    branch_test,
     calls_quantpatch_ops,
     linear_gemm,
     parse_source,
+    reads_site,
 )
 
 POLICY_NAME = "quantpatch_bf16_layers"
@@ -132,7 +132,7 @@ class _Chains(ScopedVisitor):
         self.elifs: set[int] = set()
 
     def visit_If(self, node: cst.If) -> None:
-        if id(node) in self.elifs or not _reads_site(node.test):
+        if id(node) in self.elifs or not reads_site(node.test):
             return
         cur: cst.If | cst.Else | None = node.orelse
         while isinstance(cur, cst.If):
@@ -147,7 +147,7 @@ def _routes_to_ops(node: cst.If, value: str) -> bool | None:
     that cannot be read)."""
     cur: cst.If | cst.Else | None = node
     while isinstance(cur, cst.If):
-        test = _branch_test(cur.test)
+        test = branch_test(cur.test)
         if test is None:
             return None
         only, strings = test
