@@ -20,10 +20,11 @@ in its own process group under its own time budget, and rewrites ``summary.md`` 
 1. ``setup``: the Megatron-LM tree unpacked and committed as the user's clone (its
    ``.gitignore`` too, so the helpers Megatron builds at its first start stay untracked),
    ``quantpatch init`` and ``saver install``;
-2. ``smoke``: ``quantpatch sweep run`` (one per model, the two at once) with the smoke profile
-   through ``torchrun pretrain_gpt.py`` exactly as generated (llama32-1b and deepseek2_lite x bf16,
-   FA_linear_mxfp8, FA_linear_nvfp4, and nvfp4_recipe where the registry has it), then
-   ``runs`` and ``sweep report``: exit status, finite and falling loss, step time against bf16;
+2. ``smoke``: ``quantpatch sweep run`` (one per model and scheme, four at once) with the
+   smoke profile through ``torchrun pretrain_gpt.py`` exactly as generated (llama32-1b and
+   deepseek2_lite x bf16, FA_linear_mxfp8, FA_linear_nvfp4, and nvfp4_recipe where the
+   registry has it), then ``runs`` and ``report`` over all of them: exit status, finite and
+   falling loss, step time against bf16;
 3. ``fast``: llama32-1b's ``fast`` script on one GPU with mock data at sequence 4096 (bf16,
    FA_mxfp8 on the flash route, FA_linear_mxfp8), a few iterations: step time and the peak
    memory Megatron's ``report_memory`` prints;
@@ -392,21 +393,31 @@ def step_setup(kit: Path, work: Path, stub: bool) -> dict[str, Any]:
     }
 
 
+def _gather(work: Path) -> Path:
+    """Every smoke run's folder (``runs/<name>``, each from its own sweep) copied into one
+    folder, so that ``runs`` compares each scheme with its model's bf16 run."""
+    gathered = work / "smoke" / "all"
+    runs = gathered / "sweep" / "runs"
+    if runs.exists():
+        shutil.rmtree(runs)
+    runs.mkdir(parents=True)
+    for run in sorted((work / "smoke").glob("*/sweep/runs/*")):
+        if run.is_dir() and not run.is_relative_to(gathered):
+            shutil.copytree(run, runs / run.name, ignore=shutil.ignore_patterns("*.pt"))
+    return gathered
+
+
 def step_salvage(work: Path) -> dict[str, Any]:
     """The smoke sweeps' finished runs, read back after the step was cut off."""
     pr = _pretrain_runs()
     env = {**os.environ, "QUANTPATCH": pr.QUANTPATCH}
-    runs: list[dict[str, Any]] = []
-    for model in MODELS:
-        model_work = work / "smoke" / model
-        if not (model_work / "sweep" / "sweep.json").exists():
-            continue
-        rows = pr.sweep_rows(work / "Megatron-LM", model_work / "sweep", env)
-        rows = [d for d in rows if d["log"]]
-        if rows:
-            runs += pr.analyse(model_work, rows)["runs"]
-    _tails(runs)
-    result = {"runs": runs}
+    rows: list[dict[str, Any]] = []
+    for record in sorted((work / "smoke").glob("*/sweep/sweep.json")):
+        rows += [d for d in pr.sweep_rows(work / "Megatron-LM", record.parent, env) if d["log"]]
+    if not rows:
+        return {"runs": [], "markdown": "(the sweeps recorded nothing)\n"}
+    result = pr.analyse(_gather(work), rows, sweep_report=False)
+    _tails(result["runs"])
     return {**result, "markdown": pr.markdown(result)}
 
 
@@ -416,10 +427,14 @@ def _schemes_here() -> tuple[str, ...]:
     return (*SMOKE_SCHEMES, *([RECIPE] if RECIPE in load_registry().schemes else []))
 
 
+SMOKE_AT_ONCE = 4
+"""Smoke runs at once on the one GPU: a smoke run is mostly Megatron's start (imports, the
+dataset helpers' build, Triton's compiles), on the machine's 16 cores."""
+
+
 def step_smoke(kit: Path, work: Path, stub: bool, steps: int) -> dict[str, Any]:
-    """One ``sweep run`` per model, the two at once on the one GPU (a smoke run is mostly
-    Megatron's start: imports, the dataset helpers' build, Triton's compiles), over scheme
-    worktrees made first, one at a time; the step times of the two compare within a model."""
+    """One ``sweep run`` per model and scheme, ``SMOKE_AT_ONCE`` at a time, over scheme
+    worktrees made first, one at a time; then ``runs`` and ``report`` over all of them."""
     from concurrent.futures import ThreadPoolExecutor
 
     pr = _pretrain_runs()
@@ -431,17 +446,20 @@ def step_smoke(kit: Path, work: Path, stub: bool, steps: int) -> dict[str, Any]:
     for scheme in schemes:
         pr.quantpatch("--repo", root, "worktree", "--scheme", scheme, "--path-only")
 
-    def sweep(model: str) -> dict[str, Any]:
-        model_work = work / "smoke" / model
-        done = pr.run_sweeps(root, model_work, steps, torchrun, schemes, (model,), saver=False)
-        return pr.analyse(model_work, done)
+    def sweep(unit: tuple[str, str]) -> list[dict[str, Any]]:
+        model, scheme = unit
+        unit_work = work / "smoke" / f"{model}__{scheme}"
+        rows: list[dict[str, Any]] = pr.run_sweeps(
+            root, unit_work, steps, torchrun, (scheme,), (model,), saver=False
+        )
+        return rows
 
-    with ThreadPoolExecutor(len(MODELS)) as pool:
-        results = list(pool.map(sweep, MODELS))
-    runs = [d for r in results for d in r["runs"]]
-    _tails(runs)
-    result = {"runs": runs, "reports": [r["report"] for r in results]}
-    return {**partial, **result, "markdown": pr.markdown(result)}
+    units = [(m, s) for m in MODELS for s in schemes]
+    with ThreadPoolExecutor(SMOKE_AT_ONCE) as pool:
+        done = [d for rows in pool.map(sweep, units) for d in rows]
+    result = pr.analyse(_gather(work), done, sweep_report=False)
+    _tails(result["runs"])
+    return {**partial, **result, "at_once": SMOKE_AT_ONCE, "markdown": pr.markdown(result)}
 
 
 def failure(text: str) -> str:
@@ -644,10 +662,9 @@ def run(
         if only and name not in only:
             continue
         r.step(name, [])
-    for model in MODELS:
-        report = work / "smoke" / model / "sweep" / "report.html"
-        if report.exists() and report.stat().st_size < 16 * 1024 * 1024:
-            shutil.copyfile(report, out / f"report-{model}.html")
+    report = work / "smoke" / "all" / "sweep" / "report.html"
+    if report.exists() and report.stat().st_size < 16 * 1024 * 1024:
+        shutil.copyfile(report, out / "report.html")
     text = summary(r.results)
     print(text)
     return 0 if all(e["state"] == "ok" for e in r.results["steps"].values()) else 1

@@ -198,7 +198,10 @@ def sweep_rows(
     return done
 
 
-def analyse(work: Path, done: list[dict[str, Any]]) -> dict[str, Any]:
+def analyse(work: Path, done: list[dict[str, Any]], sweep_report: bool = True) -> dict[str, Any]:
+    """``runs`` over ``work/sweep/runs`` joined to ``done``, and the report: ``sweep report``
+    of the sweep there, or (``sweep_report`` False: run folders gathered from several sweeps)
+    ``report --runs`` over those folders."""
     rows = json.loads(quantpatch("runs", "--json", work / "sweep" / "runs"))["runs"]
     by = {(r["model"], r["scheme"]): r for r in rows}
     for d in done:
@@ -219,7 +222,10 @@ def analyse(work: Path, done: list[dict[str, Any]]) -> dict[str, Any]:
         d["loss_last"] = losses[-1] if losses else None
         d["loss_falls"] = len(losses) > 1 and losses[-1] < losses[0]
     report = work / "sweep" / "report.html"
-    quantpatch("sweep", "report", work / "sweep", "--out", report)
+    if sweep_report:
+        quantpatch("sweep", "report", work / "sweep", "--out", report)
+    else:
+        quantpatch("report", "--runs", work / "sweep" / "runs", "--out", report)
     tensors = sorted((work / "saver" / "runs").glob("*/tensor_logs"))
     with_tensors = work / "report-with-tensors.html"
     if any(any(t.rglob("*.pt")) for t in tensors):
