@@ -206,6 +206,7 @@ def prepare(
             f"{sweep_dir} was submitted as Slurm job {old['slurm_job']}; `quantpatch sweep "
             "status` follows it (a new sweep needs a new folder)."
         )
+    _refuse_missing_data(selection)
     done = generate_scripts(
         GenRequest(
             out=sweep_dir,
@@ -281,6 +282,20 @@ def prepare(
     }
     save(sweep_dir, record)
     return Prepared(record, notes, per_run)
+
+
+def _refuse_missing_data(selection: Selection) -> None:
+    """Every combination's dataset (and its manifest's tokenizer) checked before a script is
+    written or a worktree made: a sweep over missing data starts and submits nothing."""
+    from quantpatch.launch.data_check import refuse_missing
+
+    refuse_missing(
+        Path(selection.config) if selection.config else None,
+        selection.models,
+        selection.datasets,
+        selection.profile,
+        os.environ,
+    )
 
 
 def group_alive(pgid: object) -> bool:
