@@ -64,10 +64,15 @@ def corpus(n: int = 300) -> list[str | list[str]]:
     ]
     docs: list[str | list[str]] = [f"{base[i % len(base)]} #{i}" if i % 7 else base[i % len(base)]
                                    for i in range(n)]  # fmt: skip
-    docs[5] = ""
-    docs[17] = "long " * 20_000 + "end"
-    docs[23] = ["first sentence.", "", "second sentence."]  # Megatron's list form
-    docs[24] = ["", ""]
+    special: dict[int, str | list[str]] = {
+        5: "",
+        17: "long " * 20_000 + "end",
+        23: ["first sentence.", "", "second sentence."],  # Megatron's list form
+        24: ["", ""],
+    }
+    for i, doc in special.items():
+        if i < n:
+            docs[i] = doc
     return docs
 
 
