@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from quantpatch.data_prep.prepare import BATCH_DOCS
+
 from .test_scripts import QUANTPATCH
 
 tokenizers = pytest.importorskip("tokenizers")
@@ -233,8 +235,10 @@ def test_sigkill_leaves_no_dataset_under_the_final_name_and_the_rerun_completes(
     root = tmp_path / "data"
     args = ("prepare", "wikipedia", "--input", src, "--models", "llama32-1b",
             "--tokenizer", f"llama32-1b={tok}", "--data-root", root)  # fmt: skip
-    # step 2: after the second batch is written; step 4: right after the .bin is renamed
-    fault = {"QUANTPATCH_FAULT_AT": "2" if at == "batch" else "4"}
+    # step 1: after the first batch is written; then one step a batch, the .bin's rename next
+    batches = -(-3000 // BATCH_DOCS)
+    assert batches > 1
+    fault = {"QUANTPATCH_FAULT_AT": "1" if at == "batch" else str(batches + 1)}
     res = run_cli(*args, env=fault)
     assert res.returncode == -9, res
     prefix = root / "wikipedia" / "llama32-1b_text_document"

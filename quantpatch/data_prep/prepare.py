@@ -31,7 +31,7 @@ from quantpatch.data_prep.inputs import Text, check_readable, content_hash, docu
 from quantpatch.data_prep.layout import files_hash, is_local, manifest_path, read_manifest
 
 FORMAT = "megatron-indexed-dataset/1"
-BATCH_DOCS = 1024
+BATCH_DOCS = 2048
 Progress = Callable[[int, int, int], None]
 """Called with documents, tokens and input bytes done so far."""
 
@@ -162,6 +162,30 @@ def _batches(inputs: Sequence[Path], key: str) -> Iterator[tuple[list[Text], int
         yield texts, size
 
 
+def _read_ahead(batches: Iterator[tuple[list[Text], int]]) -> Iterator[tuple[list[Text], int]]:
+    """The batches read and parsed on a thread of their own, a few ahead, while the tokenizer
+    (which lets go of the GIL in ``encode_batch``) encodes the one before; a reading error
+    is raised here, in order."""
+    import queue
+    import threading
+
+    ahead: queue.Queue[tuple[list[Text], int] | BaseException | None] = queue.Queue(maxsize=4)
+
+    def read() -> None:
+        try:
+            for batch in batches:
+                ahead.put(batch)
+            ahead.put(None)
+        except BaseException as exc:  # handed to the consumer, which raises it
+            ahead.put(exc)
+
+    threading.Thread(target=read, name="quantpatch-data-reader", daemon=True).start()
+    while (item := ahead.get()) is not None:
+        if isinstance(item, BaseException):
+            raise item
+        yield item
+
+
 def tokenize(
     inputs: Sequence[Path],
     key: str,
@@ -178,7 +202,7 @@ def tokenize(
     eod = tok.eod
     docs = tokens = done_bytes = 0
     try:
-        for texts, size in _batches(inputs, key):
+        for texts, size in _read_ahead(_batches(inputs, key)):
             flat: list[int] = []
             lengths: list[int] = []
             ends: list[int] = []
