@@ -133,11 +133,13 @@ LAYERS = {
     "quantpatch.sites": {"quantpatch.base"},
     "quantpatch.git": {"quantpatch.base", "quantpatch.sites"},
     "quantpatch.checkout": {"quantpatch.base", "quantpatch.sites", "quantpatch.git"},
+    "quantpatch.data_prep": {"quantpatch.base"},
     "quantpatch.launch": {
         "quantpatch.base",
         "quantpatch.sites",
         "quantpatch.git",
         "quantpatch.checkout",
+        "quantpatch.data_prep",
     },
     "quantpatch.analysis": {"quantpatch.base", "quantpatch.runtime"},
 }

@@ -131,7 +131,12 @@ def _launch_all(root: Path, tmp: Path) -> dict[str, dict | str]:
         "STUB_DIR": str(stub_dir),
         "QUANTPATCH": QUANTPATCH,
         "OUTPUT_ROOT": str(tmp / "runs"),
+        "DATA_ROOT": str(tmp / "data"),  # the scripts check the dataset exists (issue 37)
     }
+    (tmp / "data" / "wikipedia").mkdir(parents=True)
+    for model in MODELS:
+        for suffix in (".bin", ".idx"):
+            (tmp / "data" / "wikipedia" / f"{model}_text_document{suffix}").write_bytes(b"")
     scripts = tmp / "scripts"
     for profile in PROFILES:
         res = subprocess.run(

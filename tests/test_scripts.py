@@ -505,6 +505,59 @@ def test_smoke_script_end_to_end_with_stub_torchrun(make_checkout, tmp_path, stu
     assert res.code == 0
 
 
+def test_real_data_is_checked_before_torchrun(make_checkout, tmp_path, stub_env, run):
+    """Issue 37: with MOCK_DATA=0 a missing or unreadable .bin / .idx, or a TOKENIZER_MODEL
+    path that does not exist, stops the script before torchrun, exit 2, naming the path and
+    the command that makes the dataset; gen-scripts warns in one line."""
+    env, stub_dir = stub_env
+    root = make_checkout()
+    out = tmp_path / "scripts"
+    data = tmp_path / "data"
+    env["DATA_ROOT"] = str(data)
+    res = run("gen-scripts", "--out", out, "--profile", "fast", "--models", "llama32-1b",
+              "--datasets", "wikipedia", "--schemes", "bf16")  # fmt: skip
+    assert res.code == 0
+    warnings = [line for line in res.err.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "quantpatch data prepare wikipedia" in warnings[0]
+    script = out / "llama32-1b" / "pretrain_llama32-1b_wikipedia_bf16.sh"
+    prefix = data / "wikipedia" / "llama32-1b_text_document"
+
+    def start(**more: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [str(script)], cwd=root, env={**env, **more}, capture_output=True, text=True
+        )
+
+    res = start()
+    assert res.returncode == 2 and not list(stub_dir.iterdir())
+    said = " ".join(res.stderr.split())
+    assert f"{prefix}.bin is missing or unreadable" in said
+    assert "quantpatch data prepare wikipedia --input CORPUS --models llama32-1b" in said
+    prefix.parent.mkdir(parents=True)
+    Path(f"{prefix}.bin").write_bytes(b"")
+    res = start()
+    assert res.returncode == 2 and f"{prefix}.idx is missing" in res.stderr
+    assert not list(stub_dir.iterdir())
+    Path(f"{prefix}.idx").write_bytes(b"")
+    for bad in (str(tmp_path / "no-such-tokenizer"), "./tok", "a/b/c"):
+        res = start(TOKENIZER_MODEL=bad)
+        assert res.returncode == 2 and f"TOKENIZER_MODEL={bad} does not exist" in res.stderr
+        assert not list(stub_dir.iterdir())
+    # a folder or a hub name starts; so does MOCK_DATA=1 with no data at all
+    (tmp_path / "tok").mkdir()
+    for tok in (str(tmp_path / "tok"), "meta-llama/Llama-3.2-1B"):
+        res = start(TOKENIZER_MODEL=tok)
+        assert res.returncode == 0, res.stderr
+        ((argv, _, _),) = _records(stub_dir)
+        assert argv[argv.index("--data-path") + 1] == str(prefix)
+        assert argv[argv.index("--tokenizer-model") + 1] == tok
+        for f in stub_dir.iterdir():
+            f.unlink()
+    res = start(DATA_ROOT=str(tmp_path / "elsewhere"), MOCK_DATA="1")
+    assert res.returncode == 0, res.stderr
+    ((argv, _, _),) = _records(stub_dir)
+    assert "--mock-data" in argv
+
+
 def test_extra_arguments_fusion_probe_and_device_connections(
     make_checkout, tmp_path, stub_env, run
 ):

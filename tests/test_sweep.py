@@ -410,7 +410,7 @@ def test_slurm_refusals_say_what_to_change(sweep_env, run, monkeypatch, tmp_path
     assert not (tmp_path / "third").exists()
 
 
-def test_refusals_change_nothing(sweep_env, tmp_path, run):
+def test_refusals_change_nothing(sweep_env, tmp_path, run, monkeypatch):
     root, _env, _stub, out = sweep_env
     for args, says in (
         (("--gpus", "0,x"), "--gpus must be GPU indices"),
@@ -435,8 +435,10 @@ def test_refusals_change_nothing(sweep_env, tmp_path, run):
     (out / "sweep.json").unlink()
     res = run("sweep", "run", out, *SELECT, "--gpus", "0", "--repo", root)
     assert res.code == 0, res  # the smoke profile: one GPU a run
+    monkeypatch.setenv("MOCK_DATA", "1")  # the fast profile's data is checked first
     res = run("sweep", "run", out, "--profile", "fast", "--gpus", "0,1", "--repo", root)
     assert res.code == 2 and "each run needs 8 GPUs" in " ".join(res.err.split())
+    monkeypatch.delenv("MOCK_DATA")
     # a report before any run wrote a log
     fresh = tmp_path / "fresh"
     res = run("sweep", "run", fresh, *SELECT, "--launcher", "slurm", "--repo", root)
@@ -482,3 +484,44 @@ def test_slurm_states_map_to_quantpatch_states_and_the_output_speaks_last(tmp_pa
     assert (failed["state"], failed["exit_code"], failed["reason"]) == ("failed", 3, "FAILED")
     assert failed["commit"] == "a" * 40 and failed["ended"]
     assert not slurm.refresh(tmp_path, rec)  # nothing new
+
+
+def test_a_sweep_over_missing_data_starts_and_submits_nothing(
+    sweep_env, tmp_path, run, monkeypatch
+):
+    """Issue 37: every combination's dataset, resolved as the scripts resolve it (DATA_ROOT,
+    DATA_PREFIX, TOKENIZER_MODEL, MOCK_DATA), is checked before anything is written, started
+    or submitted; the refusal names every missing dataset."""
+    root, _env, stub, out = sweep_env
+    data = tmp_path / "data"
+    monkeypatch.setenv("DATA_ROOT", str(data))
+    select = ("--models", "llama32-1b,llama31-8b", "--datasets", "wikipedia,dolma",
+              "--profile", "fast", "--schemes", "bf16")  # fmt: skip
+    made = data / "dolma" / "llama31-8b_text_document"
+    made.parent.mkdir(parents=True)
+    for suffix in (".bin", ".idx"):
+        Path(f"{made}{suffix}").write_bytes(b"")
+    for launcher in ("local", "slurm"):
+        res = run("sweep", "run", out, *select, "--launcher", launcher, "--repo", root)
+        said = " ".join(res.err.split())
+        assert res.code == 2 and "the sweep's data is not ready" in said, res
+        for model in ("llama32-1b", "llama31-8b"):
+            for dataset in ("wikipedia", "dolma"):
+                prefix = data / dataset / f"{model}_text_document"
+                assert (f"{prefix}.bin" in said) == (prefix != made), (prefix, said)
+        assert "quantpatch data prepare wikipedia --input CORPUS --models llama31-8b" in said
+        assert not out.exists() and not calls(stub) and not (stub / "sbatch.args").exists()
+    # DATA_PREFIX names one dataset for every run, as in the scripts; a TOKENIZER_MODEL path
+    # that does not exist is refused too
+    monkeypatch.setenv("DATA_PREFIX", str(made))
+    monkeypatch.setenv("TOKENIZER_MODEL", str(tmp_path / "no-tokenizer"))
+    res = run("sweep", "run", out, *select, "--repo", root)
+    assert res.code == 2 and "is neither a folder nor a Hugging Face model name" in res.err
+    assert not out.exists()
+    # a manifest that names another tokenizer than the one the scripts pass
+    monkeypatch.delenv("TOKENIZER_MODEL")
+    (made.parent / f"{made.name}.json").write_text(json.dumps({"tokenizer": {"name": "gpt2"}}))
+    res = run("sweep", "run", out, *select, "--launcher", "slurm", "--repo", root)
+    said = " ".join(res.err.split())
+    assert res.code == 2 and "was tokenized with gpt2, not with meta-llama/Llama-3.2-1B" in said
+    assert not out.exists()

@@ -3,7 +3,7 @@
 Heavy modules (libcst, GitPython, the codemods) are imported inside the commands so that
 ``quantpatch --help`` stays fast; torch is never imported by the CLI.
 
-Each command group is a module (``checkout``, ``launch``, ``analysis``, ``sweep``)
+Each command group is a module (``checkout``, ``launch``, ``analysis``, ``sweep``, ``data``)
 registering on ``app.app``; importing them here, in this order, is what orders ``--help``.
 Renderers sit beside them (``render_check``, ``render_layout``, ``render_analysis``).
 """
@@ -23,6 +23,7 @@ from quantpatch.cli import checkout  # noqa: F401
 from quantpatch.cli import launch  # noqa: F401
 from quantpatch.cli import analysis  # noqa: F401
 from quantpatch.cli import sweep  # noqa: F401
+from quantpatch.cli import data  # noqa: F401
 
 # isort: on
 from quantpatch.cli.app import OPTS, app, err

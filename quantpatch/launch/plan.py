@@ -3,7 +3,7 @@ layouts, the launcher's scripts, and the worktrees that Slurm jobs need before t
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -12,7 +12,8 @@ from quantpatch.base.errors import UserError
 from quantpatch.launch.layout import Layout, LayoutError, check_rendezvous, derive, plan_from_text
 
 if TYPE_CHECKING:  # jinja2 and the registry load only for the commands that render
-    from quantpatch.launch.scripts import FlagSource, GenResult, Launcher
+    from quantpatch.launch.registry import Registry
+    from quantpatch.launch.scripts import FlagSource, GenResult, Launcher, Script
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,9 @@ def generate_scripts(request: GenRequest, progress: Callable[[str], None] | None
         why = next(iter(blocked.values())).rstrip(".")
         others = f" ({', '.join(sorted(blocked)[1:])} likewise)" if len(blocked) > 1 else ""
         warnings.append(f"{why}{others}; {count} scripts stop before torchrun until then.")
+    data = _data_warning(reg, scripts, request.profile, launcher)
+    if data is not None:
+        warnings.append(data)
     prepared: list[str] = []
     if request.prepare and not request.check:
         writable(request.out)  # a write that would fail anyway prepares nothing first
@@ -105,6 +109,17 @@ def generate_scripts(request: GenRequest, progress: Callable[[str], None] | None
         slurm=reg.slurm,
     )
     return GenDone(result, flags, validated, warnings, prepared)
+
+
+def _data_warning(
+    reg: Registry, scripts: Sequence[Script], profile: str, launcher: str
+) -> str | None:
+    """One line when the datasets the scripts read are missing here (issue 39)."""
+    from quantpatch.launch.data_check import gen_warning
+
+    models = list(dict.fromkeys(s.model for s in scripts))
+    datasets = list(dict.fromkeys(s.dataset for s in scripts))
+    return gen_warning(reg, models, datasets, profile, launcher)
 
 
 def prepare_worktrees(

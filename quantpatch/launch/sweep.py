@@ -208,6 +208,7 @@ def prepare(
         slurm.sbatch_exe()
     if old is not None:
         _follow_slurm(sweep_dir, old, selection if given is not None else None)
+    _refuse_missing_data(selection)
     done = generate_scripts(
         GenRequest(
             out=sweep_dir,
@@ -330,6 +331,20 @@ def _upgrade_between(repo: Any, old: object, new: str) -> str | None:
     except (GitCommandError, ValueError):  # a commit git no longer has, or no parent
         return None
     return None
+
+
+def _refuse_missing_data(selection: Selection) -> None:
+    """Every combination's dataset (and its manifest's tokenizer) checked before a script is
+    written or a worktree made: a sweep over missing data starts and submits nothing."""
+    from quantpatch.launch.data_check import refuse_missing
+
+    refuse_missing(
+        Path(selection.config) if selection.config else None,
+        selection.models,
+        selection.datasets,
+        selection.profile,
+        os.environ,
+    )
 
 
 def group_alive(pgid: object) -> bool:

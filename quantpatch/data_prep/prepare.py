@@ -1,0 +1,414 @@
+"""``quantpatch data prepare`` and ``data status`` as plain functions.
+
+Each distinct tokenizer tokenizes the inputs once: documents are read in order, encoded in
+batches by the tokenizer's Rust core on ``workers`` threads (``encode_batch``, the same
+backend and settings that ``transformers``' fast tokenizer, and so Megatron's
+``HuggingFaceTokenizer.tokenize``, calls for one text), and written as Megatron's
+``tools/preprocess_data.py --json-keys text --tokenizer-type HuggingFaceTokenizer
+--append-eod`` writes them (``indexed``). Each prefix is written under a temporary name in its
+own folder and renamed into place, the old ``.idx`` removed first and the new one last, so a
+kill never leaves a dataset under the final name that is not whole; the next run removes what
+a killed one left."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from quantpatch import __version__
+from quantpatch.base import faults
+from quantpatch.base.errors import UserError
+from quantpatch.data_prep.indexed import Writer, optimal_dtype
+from quantpatch.data_prep.inputs import Text, check_readable, content_hash, documents
+from quantpatch.data_prep.layout import files_hash, is_local, manifest_path, read_manifest
+
+FORMAT = "megatron-indexed-dataset/1"
+BATCH_DOCS = 2048
+Progress = Callable[[int, int, int], None]
+"""Called with documents, tokens and input bytes done so far."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """One model's dataset: where it goes and the tokenizer it is made with."""
+
+    model: str
+    prefix: Path
+    tokenizer: str
+
+
+@dataclass
+class Outcome:
+    model: str
+    prefix: Path
+    state: str  # "written" or "up to date"
+    documents: int
+    tokens: int
+    seconds: float = 0.0
+    shared_with: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "prefix": str(self.prefix),
+            "state": self.state,
+            "documents": self.documents,
+            "tokens": self.tokens,
+            "seconds": round(self.seconds, 3),
+            "tokenized_with": self.shared_with,
+        }
+
+
+@dataclass
+class Tokenizer:
+    name: str
+    backend: Any  # tokenizers.Tokenizer, as transformers configured it
+    vocab_size: int
+    eod: int
+    hash: str
+
+
+def load_tokenizer(name: str, workers: int) -> Tokenizer:
+    """The tokenizer Megatron's ``HuggingFaceTokenizer`` loads
+    (``AutoTokenizer.from_pretrained``), its vocabulary size (``len``) and EOD (EOS) id."""
+    os.environ.setdefault("RAYON_NUM_THREADS", str(workers))  # before tokenizers' first batch
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
+    try:
+        import transformers
+    except ImportError:
+        raise UserError(
+            "data prepare needs transformers and tokenizers (pip install 'quantpatch[data]')."
+        ) from None
+    transformers.logging.set_verbosity_error()  # type: ignore[no-untyped-call]
+    try:
+        tok = transformers.AutoTokenizer.from_pretrained(name)
+    except Exception as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UserError(f"the tokenizer {name} cannot be loaded ({first}).") from None
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is None:
+        raise UserError(
+            f"the tokenizer {name} has no fast (Rust) tokenizer: data prepare needs its "
+            "tokenizer.json."
+        )
+    if tok.eos_token_id is None:
+        raise UserError(
+            f"the tokenizer {name} has no EOS token: Megatron's --append-eod ends every "
+            "document with it."
+        )
+    backend.no_truncation()  # as transformers encodes one text without truncation or padding
+    backend.no_padding()
+    if is_local(name):
+        digest = files_hash(Path(name))
+    else:
+        digest = "sha256:" + hashlib.sha256(backend.to_str().encode()).hexdigest()
+    return Tokenizer(name, backend, len(tok), int(tok.eos_token_id), digest)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _partials(prefix: Path) -> list[Path]:
+    return sorted(prefix.parent.glob(f".{prefix.name}.partial-*"))
+
+
+def remove_leftovers(prefix: Path) -> None:
+    """What a killed run left beside ``prefix`` (its process gone)."""
+    for path in _partials(prefix):
+        pid = path.name.rsplit("-", 1)[-1].split(".", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            path.unlink(missing_ok=True)
+
+
+def _temp(prefix: Path) -> Path:
+    return prefix.with_name(f".{prefix.name}.partial-{os.getpid()}")
+
+
+def _writable(folder: Path) -> None:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"{folder} is not writable ({exc.strerror}): choose --data-root.") from None
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise UserError(f"{folder} is not writable (permission denied): choose --data-root.")
+
+
+def _batches(inputs: Sequence[Path], key: str) -> Iterator[tuple[list[Text], int]]:
+    texts: list[Text] = []
+    size = 0
+    for path in inputs:
+        for text, n in documents(path, key):
+            texts.append(text)
+            size += n
+            if len(texts) >= BATCH_DOCS:
+                yield texts, size
+                texts, size = [], 0
+    if texts:
+        yield texts, size
+
+
+def _read_ahead(batches: Iterator[tuple[list[Text], int]]) -> Iterator[tuple[list[Text], int]]:
+    """The batches read and parsed on a thread of their own, a few ahead, while the tokenizer
+    (which lets go of the GIL in ``encode_batch``) encodes the one before; a reading error
+    is raised here, in order."""
+    import queue
+    import threading
+
+    ahead: queue.Queue[tuple[list[Text], int] | BaseException | None] = queue.Queue(maxsize=4)
+
+    def read() -> None:
+        try:
+            for batch in batches:
+                ahead.put(batch)
+            ahead.put(None)
+        except BaseException as exc:  # handed to the consumer, which raises it
+            ahead.put(exc)
+
+    threading.Thread(target=read, name="quantpatch-data-reader", daemon=True).start()
+    while (item := ahead.get()) is not None:
+        if isinstance(item, BaseException):
+            raise item
+        yield item
+
+
+def tokenize(
+    inputs: Sequence[Path],
+    key: str,
+    tok: Tokenizer,
+    dest: Path,
+    progress: Progress | None = None,
+) -> Writer:
+    """Every document of ``inputs`` into ``dest.bin`` / ``dest.idx``, as Megatron's tool
+    records it: a document's sentences (one, unless the text is a list) each encoded, the
+    empty ones dropped, EOD appended to the last; a document with no tokens is an empty
+    document (no sequence)."""
+    writer = Writer(dest, tok.vocab_size)
+    encode = tok.backend.encode_batch
+    eod = tok.eod
+    docs = tokens = done_bytes = 0
+    try:
+        for texts, size in _read_ahead(_batches(inputs, key)):
+            flat: list[int] = []
+            lengths: list[int] = []
+            ends: list[int] = []
+            if all(isinstance(t, str) for t in texts):
+                for enc in encode(texts, add_special_tokens=True):
+                    ids = enc.ids
+                    if ids:
+                        flat.extend(ids)
+                        flat.append(eod)
+                        lengths.append(len(ids) + 1)
+                    ends.append(len(lengths))
+            else:
+                for text in texts:
+                    sentences = [text] if isinstance(text, str) else text
+                    found = False
+                    for enc in encode(sentences, add_special_tokens=True) if sentences else []:
+                        if enc.ids:
+                            flat.extend(enc.ids)
+                            lengths.append(len(enc.ids))
+                            found = True
+                    if found:
+                        flat.append(eod)
+                        lengths[-1] += 1
+                    ends.append(len(lengths))
+            faults.step(f"write {dest}.bin", done=False)
+            writer.add(flat, lengths, ends)
+            faults.step(f"write {dest}.bin", done=True)
+            docs += len(texts)
+            tokens += len(flat)
+            done_bytes += size
+            if progress is not None:
+                progress(docs, tokens, done_bytes)
+        writer.finish()
+    except BaseException:
+        writer.abandon()
+        raise
+    return writer
+
+
+def _expected(
+    dataset: str, target: Target, tok: Tokenizer, inputs: list[dict[str, Any]], key: str
+) -> dict[str, Any]:
+    return {
+        "format": FORMAT,
+        "dataset": dataset,
+        "model": target.model,
+        "inputs": inputs,
+        "text_key": key,
+        "tokenizer": {
+            "name": tok.name,
+            "hash": tok.hash,
+            "vocab_size": tok.vocab_size,
+            "eod": tok.eod,
+        },
+        "dtype": optimal_dtype(tok.vocab_size).__name__,
+        "options": "--json-keys text --tokenizer-type HuggingFaceTokenizer --append-eod",
+    }
+
+
+SAME = ("format", "inputs", "text_key", "tokenizer", "dtype", "options")
+
+
+def up_to_date(prefix: Path, expected: dict[str, Any]) -> dict[str, Any] | None:
+    """The manifest where the dataset at ``prefix`` is whole and made from the same inputs with
+    the same tokenizer; None where it must be (re)made."""
+    manifest = read_manifest(prefix)
+    if manifest is None or any(manifest.get(k) != expected[k] for k in SAME):
+        return None
+    for suffix in ("bin", "idx"):
+        path = Path(f"{prefix}.{suffix}")
+        if not path.is_file() or path.stat().st_size != manifest.get("files", {}).get(suffix):
+            return None
+    return manifest
+
+
+def _install(temp: Path, prefix: Path, manifest: dict[str, Any]) -> None:
+    """The temporary dataset renamed into place: the old ``.idx`` removed first (the old
+    dataset is then no dataset), the ``.bin`` and the manifest, the ``.idx`` last."""
+    manifest["files"] = {s: Path(f"{temp}.{s}").stat().st_size for s in ("bin", "idx")}
+    Path(f"{temp}.json").write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+    Path(f"{prefix}.idx").unlink(missing_ok=True)
+    for suffix in ("bin", "json", "idx"):
+        faults.step(f"rename {prefix}.{suffix}", done=False)
+        final = manifest_path(prefix) if suffix == "json" else Path(f"{prefix}.{suffix}")
+        os.replace(f"{temp}.{suffix}", final)
+        faults.step(f"rename {prefix}.{suffix}", done=True)
+
+
+def prepare(
+    dataset: str,
+    inputs: Sequence[Path],
+    targets: Sequence[Target],
+    *,
+    text_key: str = "text",
+    workers: int = 1,
+    progress: Callable[[str], Progress | None] | None = None,
+) -> list[Outcome]:
+    """Each target's dataset made (or found up to date); all inputs, folders and tokenizers
+    are checked before anything is written."""
+    if not inputs:
+        raise UserError("data prepare needs at least one --input.")
+    if workers < 1:
+        raise UserError(f"--workers must be at least 1 (got {workers}).")
+    paths = [Path(p).resolve() for p in inputs]
+    for path in paths:
+        check_readable(path)
+    toks: dict[str, Tokenizer] = {}
+    for target in targets:
+        if target.tokenizer not in toks:
+            toks[target.tokenizer] = load_tokenizer(target.tokenizer, workers)
+    for target in targets:
+        _writable(target.prefix.parent)
+    described = []
+    for path in paths:
+        size, digest = content_hash(path)
+        described.append({"path": str(path), "size": size, "hash": digest})
+    # models whose tokenizers are the same files share one tokenization
+    groups: dict[str, list[Target]] = {}
+    for target in targets:
+        groups.setdefault(toks[target.tokenizer].hash, []).append(target)
+    outcomes: list[Outcome] = []
+    for group in groups.values():
+        tok = toks[group[0].tokenizer]
+        pending: list[tuple[Target, dict[str, Any]]] = []
+        for target in group:
+            remove_leftovers(target.prefix)
+            expected = _expected(dataset, target, tok, described, text_key)
+            found = up_to_date(target.prefix, expected)
+            if found is None:
+                pending.append((target, expected))
+            else:
+                outcomes.append(
+                    Outcome(
+                        target.model,
+                        target.prefix,
+                        "up to date",
+                        found["documents"],
+                        found["tokens"],
+                    )
+                )
+        if not pending:
+            continue
+        start = time.monotonic()
+        first = _temp(pending[0][0].prefix)
+        temps = [_temp(t.prefix) for t, _ in pending]
+        try:
+            label = ", ".join(t.model for t, _ in pending)
+            writer = tokenize(
+                paths, text_key, tok, first, progress(label) if progress is not None else None
+            )
+            for temp in temps[1:]:
+                for suffix in ("bin", "idx"):
+                    shutil.copyfile(f"{first}.{suffix}", f"{temp}.{suffix}")
+            seconds = time.monotonic() - start
+            for (target, manifest), temp in zip(pending, temps, strict=True):
+                manifest.update(
+                    documents=writer.documents,
+                    tokens=writer.tokens,
+                    quantpatch=__version__,
+                    seconds=round(seconds, 3),
+                )
+                _install(temp, target.prefix, manifest)
+                outcomes.append(
+                    Outcome(
+                        target.model,
+                        target.prefix,
+                        "written",
+                        writer.documents,
+                        writer.tokens,
+                        seconds,
+                        [t.model for t, _ in pending],
+                    )
+                )
+        finally:
+            for temp in temps:
+                for suffix in ("bin", "idx", "json"):
+                    with contextlib.suppress(OSError):
+                        Path(f"{temp}.{suffix}").unlink()
+    order = {t.model: i for i, t in enumerate(targets)}
+    return sorted(outcomes, key=lambda o: order[o.model])
+
+
+def status(needs: Sequence[tuple[str, str, Path, str]]) -> list[dict[str, Any]]:
+    """For each (model, dataset, prefix, tokenizer): whether the dataset is there, its
+    documents and tokens (from its manifest), and whether its tokenizer is the model's."""
+    from quantpatch.data_prep.layout import tokenizer_matches
+
+    rows = []
+    for model, dataset, prefix, tokenizer in needs:
+        present = all(Path(f"{prefix}.{s}").is_file() for s in ("bin", "idx"))
+        manifest = read_manifest(prefix)
+        made = (manifest or {}).get("tokenizer") or {}
+        rows.append(
+            {
+                "model": model,
+                "dataset": dataset,
+                "prefix": str(prefix),
+                "exists": present,
+                "documents": (manifest or {}).get("documents"),
+                "tokens": (manifest or {}).get("tokens"),
+                "manifest": manifest is not None,
+                "tokenizer": tokenizer,
+                "made_with": made.get("name") if isinstance(made, dict) else None,
+                "tokenizer_matches": (
+                    None if manifest is None else tokenizer_matches(manifest, tokenizer)
+                ),
+            }
+        )
+    return rows

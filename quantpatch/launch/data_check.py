@@ -1,0 +1,88 @@
+"""The data a selection of runs reads, checked before any GPU time: ``gen-scripts`` warns and
+``sweep run`` refuses (before it starts or submits anything) when a run's dataset is missing,
+unreadable, or was tokenized with another tokenizer than the one its script passes. The same
+resolution as the scripts' (``MOCK_DATA``, ``DATA_PREFIX``, ``DATA_ROOT``,
+``TOKENIZER_MODEL`` from the environment first); the scripts check existence themselves too."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from quantpatch.base.errors import UserError
+from quantpatch.data_prep.layout import Need, data_prefix, tokenizer_for
+from quantpatch.launch.registry import Registry, load_registry
+
+
+def needs(
+    reg: Registry,
+    models: Sequence[str],
+    datasets: Sequence[str],
+    profile: str,
+    env: Mapping[str, str],
+) -> list[Need]:
+    """Every distinct dataset the runs read; none where they train on mock data."""
+    mock = env.get("MOCK_DATA") or ("1" if reg.profiles[profile].mock_data else "0")
+    if mock == "1":
+        return []
+    out: dict[tuple[str, str], Need] = {}
+    for model in models:
+        m = reg.models[model]
+        for dataset in datasets:
+            prefix = data_prefix(reg.datasets[dataset].prefix, model, env)
+            tokenizer = tokenizer_for(m.tokenizer_model, env)
+            out.setdefault((str(prefix), tokenizer), Need(model, dataset, prefix, tokenizer))
+    return list(out.values())
+
+
+def problems(found: Sequence[Need]) -> list[str]:
+    return [p for p in (n.problem() for n in found) if p is not None]
+
+
+def _advice(found: Sequence[Need]) -> str:
+    commands = sorted({n.command() for n in found if n.problem() is not None})
+    return (
+        f"make them with `{'`, `'.join(commands)}` (quantpatch data prepare --help), point "
+        "DATA_ROOT / DATA_PREFIX at them, or set MOCK_DATA=1"
+    )
+
+
+def gen_warning(
+    reg: Registry, models: Sequence[str], datasets: Sequence[str], profile: str, launcher: str
+) -> str | None:
+    """One warning line for ``gen-scripts`` where the scripts' data is not ready here."""
+    import os
+
+    if launcher == "swift":  # ms-swift reads its own datasets
+        return None
+    found = needs(reg, models, datasets, profile, os.environ)
+    bad = problems(found)
+    if not bad:
+        return None
+    return (
+        f"the scripts' data is not ready on this machine: {'; '.join(bad)}; "
+        f"{_advice(found)} before running them."
+    )
+
+
+def refuse_missing(
+    config: Path | None,
+    models: Sequence[str] | None,
+    datasets: Sequence[str] | None,
+    profile: str,
+    env: Mapping[str, str],
+) -> None:
+    """``sweep run``'s check of every combination, before anything starts or is submitted."""
+    reg = load_registry(config)
+    if profile not in reg.profiles:
+        return  # the script generation refuses it with its own sentence
+    found = needs(
+        reg,
+        reg.pick("models", list(models) if models else None),
+        reg.pick("datasets", list(datasets) if datasets else None),
+        profile,
+        env,
+    )
+    bad = problems(found)
+    if bad:
+        raise UserError(f"the sweep's data is not ready: {'; '.join(bad)}; {_advice(found)}.")
