@@ -331,12 +331,32 @@ def _stubbed(tmp_path: Path) -> tuple[dict[str, str], Path]:
     return env, stub_dir
 
 
+@pytest.fixture
+def data_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A ``DATA_ROOT`` (in the environment) holding every model's dataset files, empty: what a
+    user has before launching; the scripts, ``gen-scripts`` and ``sweep run`` check it."""
+    from quantpatch.data_prep.layout import data_prefix
+    from quantpatch.launch.registry import load_registry
+
+    root = tmp_path / "data"
+    reg = load_registry(None)
+    for model in reg.models:
+        for dataset in reg.datasets.values():
+            prefix = data_prefix(dataset.prefix, model, {}, data_root=str(root))
+            prefix.parent.mkdir(parents=True, exist_ok=True)
+            for suffix in (".bin", ".idx"):
+                Path(f"{prefix}{suffix}").write_bytes(b"")
+    monkeypatch.setenv("DATA_ROOT", str(root))
+    monkeypatch.delenv("DATA_PREFIX", raising=False)
+    return root
+
+
 def _warnings(res) -> list[str]:
     return [line for line in res.err.splitlines() if line.startswith("warning:")]
 
 
 def test_before_init_every_script_is_written_and_mla_ones_stop_before_torchrun(
-    run, clone, tmp_path
+    run, clone, tmp_path, data_root
 ):
     """The fork's local DotProductAttention does not take MLA's k_channels / v_channels (as
     stock Megatron): all 60 scripts are written with one warning line; a DeepSeek script stops
@@ -385,7 +405,7 @@ def test_before_init_every_script_is_written_and_mla_ones_stop_before_torchrun(
     assert "k_channels" not in script.read_text()
 
 
-def test_gen_scripts_for_the_clones_own_release(run, clone, tmp_path):
+def test_gen_scripts_for_the_clones_own_release(run, clone, tmp_path, data_root):
     """All 60 scripts, no warning, once `init` has given the fork's DotProductAttention MLA's
     head dims (with the rest of init, one commit on `quant`)."""
     assert run("init", "--repo", clone).code == 0
@@ -439,7 +459,7 @@ def test_an_earlier_init_gets_the_mla_head_dims_from_init(run, clone, monkeypatc
     assert git_out(clone, "status", "--porcelain") == ""
 
 
-def test_a_slurm_sweep_on_the_clone(run, clone, tmp_path, monkeypatch):
+def test_a_slurm_sweep_on_the_clone(run, clone, tmp_path, monkeypatch, data_root):
     """The launchers on the fork as its user has it (a `quant` clone with history, label
     sites, its own saver and a 0.15.0rc3 parser): worktrees prepared, an array task run by
     stub sbatch/srun/torchrun in the scheme's worktree, and a job refused once `quant` moves."""

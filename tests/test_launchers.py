@@ -408,6 +408,8 @@ def stubs(tmp_path):
         "STUB_DIR": str(record),
         "QUANTPATCH": QUANTPATCH,
         "OUTPUT_ROOT": str(tmp_path / "runs"),
+        # these launches are not about data: the scripts' dataset check (issue 37) stays quiet
+        "MOCK_DATA": "1",
     }
     return env, record
 

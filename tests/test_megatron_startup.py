@@ -154,6 +154,8 @@ def _launch_all(root: Path, tmp: Path) -> dict[str, dict | str]:
                 "--schemes",
                 "bf16",
             ],
+            # the data the scripts read is there, so gen-scripts has no data warning either
+            env={**os.environ, "DATA_ROOT": base_env["DATA_ROOT"]},
             capture_output=True,
             text=True,
         )
