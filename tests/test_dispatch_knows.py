@@ -5,6 +5,8 @@ changes. Small hand-written checkouts: the real fork-shaped ones are in test_ini
 
 from __future__ import annotations
 
+import ast
+
 import git
 import pytest
 
@@ -193,10 +195,19 @@ def test_quantpatch_dispatch_knows_what_its_ops_module_declares(run, tmp_path):
     res = run("set", "--repo", root, "--qk", "mxfp8")
     assert res.code == 2 and "knows bf16, not 'mxfp8'" in res.err, res.err
     assert snapshot(root) == before
+    # the shipped FORMATS spans several lines: replace each declaration's whole statement
     lines = ops_source().splitlines(keepends=True)
-    declared = {"FORMATS = ": 'FORMATS = ("bf16", "mxfp8")\n', "GROUPED_FORMATS = ": ""}
-    lines = [next((v for k, v in declared.items() if x.startswith(k)), x) for x in lines]
+    declared = {"FORMATS": 'FORMATS = ("bf16", "mxfp8")\n', "GROUPED_FORMATS": ""}
+    spans = {
+        stmt.targets[0].id: (stmt.lineno - 1, stmt.end_lineno or stmt.lineno)
+        for stmt in ast.parse("".join(lines)).body
+        if isinstance(stmt, ast.Assign) and isinstance(stmt.targets[0], ast.Name)
+    }
+    for name in sorted(declared, key=lambda n: -spans[n][0]):  # bottom up: spans stay valid
+        start, end = spans[name]
+        lines[start:end] = [declared[name]]
     (root / OPS_MODULE).write_text("".join(lines))
+    assert read_ops_values("".join(lines)) == OpsValues(frozenset({"bf16", "mxfp8"}))
     git.Repo(root).git.add("-A")
     git.Repo(root).git.commit("-qm", "an ops module without mxfp4")
     assert run("set", "--repo", root, "--qk", "mxfp8").code == 0
