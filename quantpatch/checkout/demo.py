@@ -98,10 +98,17 @@ def walk(dest: Path, console: Console, print_check: Callable[[CheckReport, Conso
     print_linear_errors(dest, console)
 
 
-DEMO_FORMATS = (*(f for f in QUANT_TYPES if f != "nvfp4-2d" and not is_paretoq(f)), "w1.58", "w2")
-"""The demo's linear formats: nvfp4-2d tiles a weight Parameter, which the probe's plain
-weight tensor is not, so its row would repeat nvfp4's; of ParetoQ's weight values, those of
-the schemes ``paretoq_w1.58`` and ``paretoq_w2`` (ternary and 2-bit weights)."""
+_NOT_DEMOED = ("nvfp4-2d", "nvfp4-rht")
+DEMO_FORMATS = (
+    *(f for f in QUANT_TYPES if f not in _NOT_DEMOED and not is_paretoq(f)),
+    "w1.58",
+    "w2",
+)
+"""The demo's linear formats, each one the whole layer's: nvfp4-2d tiles a weight Parameter,
+which the probe's plain weight tensor is not, so its row would repeat nvfp4's; nvfp4-rht is
+meant for the weight-gradient GEMM alone (``--wgrad nvfp4-rht``), not a whole layer's format;
+of ParetoQ's weight values, those of the schemes ``paretoq_w1.58`` and ``paretoq_w2`` (ternary
+and 2-bit weights)."""
 
 
 def linear_errors(
