@@ -231,12 +231,12 @@ def _check(
     cache: Path | None,
     ahead: site_cache.Ahead | None,
 ) -> CheckReport:
-    per_file = site_cache.read_sites(checkout.root, targets, cache, ahead)
-    sites = [s for file_sites in per_file for s in file_sites]
+    found = site_cache.read_found(checkout.root, targets, cache, ahead)
+    sites = [s for file_found in found for s in file_found.sites]
     if not sites:
         raise _no_sites(targets)
     roles, mismatched = role_values(sites)
-    policy = policy_in(checkout.root, targets)
+    policy = site_cache.policy_of(targets, found)  # cached with the sites: no libcst here
     if policy is not None:
         roles["bf16_layers"] = policy.value or "none"
     problems_found: list[str] = []
@@ -374,6 +374,7 @@ def _plan(
 ) -> dict[str, str]:
     """New text per file, each proven by re-discovery (whose result primes the cache)."""
     from quantpatch.sites.codemods.set_value import keep_bom, plan_module, verify_rewrite
+    from quantpatch.sites.policy import find_policy
 
     planned = {}
     for fs in files:
@@ -387,7 +388,8 @@ def _plan(
         new = (
             verify_rewrite(fs, new_text, values, kind, module=module) if new_text != fs.text else fs
         )
-        site_cache.store(cache_dir, fs.rel, kind, new_text, new.sites)
+        policy = find_policy(new_text, fs.rel, new.module) if kind == "linear" else None
+        site_cache.store(cache_dir, fs.rel, kind, new_text, new.sites, policy)
         planned[fs.rel] = new_text
     return planned
 

@@ -6,6 +6,9 @@ change to the file, its role family or the tool gives a new key, so an entry can
 stale. Entries are small JSON files under ``<state dir>/cache``; the newest 64 are kept.
 A file that does not mention ``custom_quant_type`` has no sites and is never parsed.
 
+An entry holds a linear file's BF16 layer policy beside its sites (``Found``): ``check``
+reports the policy too, and reading it from the file would import libcst on every check.
+
 A cold cache is filled ahead (``discover_ahead``): a forked child imports libcst and parses
 while the command goes on, and ``read_sites`` then finds the entries it stored.
 """
@@ -13,6 +16,7 @@ while the command goes on, and ``read_sites`` then finds the entries it stored.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
@@ -24,9 +28,9 @@ from typing import NamedTuple
 from quantpatch import __version__
 from quantpatch.base.config import SITE_NAME, Targets
 from quantpatch.base.errors import UserError
-from quantpatch.sites.model import Site, read_target
+from quantpatch.sites.model import POLICY_NAME, Policy, Site, read_target
 
-CACHE_FORMAT = 6
+CACHE_FORMAT = 7  # 7: the entry holds the linear file's BF16 layer policy
 KEEP = 64
 
 
@@ -39,23 +43,50 @@ def _entry(cache_dir: Path, rel: str, kind: str, text: str) -> Path:
     return cache_dir / f"sites-{cache_key(rel, kind, text)[:40]}.json"
 
 
-def load(cache_dir: Path | None, rel: str, kind: str, text: str) -> list[Site] | None:
-    """The cached sites of ``text``, or ``None`` on a miss or on any doubt: an entry is
-    trusted only when it names this very text (its full key) and every site it lists
-    stands in the text as recorded (the line holds the site name and the value as written,
-    and the value is the one in that expression). ``check --expect``, which every launch
-    script relies on, must never report a value the file does not hold."""
+class Found(NamedTuple):
+    """What discovery finds in one file: its sites, and (a linear file) its BF16 layer
+    policy, None where it has none."""
+
+    sites: list[Site]
+    policy: Policy | None = None
+
+
+def discover(text: str, rel: str, kind: str) -> Found:
+    """Parse ``text`` (imports libcst): its sites, and a linear file's policy."""
+    from quantpatch.sites.discovery import discover_sites
+    from quantpatch.sites.policy import find_policy
+
+    policy = find_policy(text, rel) if kind == "linear" else None
+    return Found(discover_sites(text, rel, kind), policy)
+
+
+def _needs_parse(text: str, kind: str) -> bool:
+    """Whether ``text`` can hold anything discovery finds (else: ``Found([])``, unparsed)."""
+    return SITE_NAME in text or (kind == "linear" and POLICY_NAME in text)
+
+
+def load(cache_dir: Path | None, rel: str, kind: str, text: str) -> Found | None:
+    """The cached sites and policy of ``text``, or ``None`` on a miss or on any doubt: an
+    entry is trusted only when it names this very text (its full key) and every site it
+    lists stands in the text as recorded (the line holds the site name and the value as
+    written, and the value is the one in that expression), its policy likewise. ``check
+    --expect``, which every launch script relies on, must never report a value the file
+    does not hold."""
     if cache_dir is None:
         return None
     try:
         data = json.loads(_entry(cache_dir, rel, kind, text).read_text(encoding="utf-8"))
         key = cache_key(rel, kind, text)
-        if data.get("key") != key or data.get("digest") != _digest(key, data["sites"]):
+        raw_policy = data["policy"]
+        if data.get("key") != key or data.get("digest") != _digest(key, data["sites"], raw_policy):
             return None  # not this text, or an entry changed since quantpatch wrote it
         sites = [Site.from_dict(d) for d in data["sites"]]
+        policy = None if raw_policy is None else Policy(**raw_policy)
     except (OSError, ValueError, TypeError, KeyError, AttributeError):
         return None
     lines = text.splitlines()
+    if policy is not None and not _policy_stands(policy, rel, lines):
+        return None
     for site in sites:
         if not _well_formed(site) or not 0 < site.line <= len(lines) or site.file != rel:
             return None
@@ -65,12 +96,26 @@ def load(cache_dir: Path | None, rel: str, kind: str, text: str) -> list[Site] |
             return None
         if site.value is not None and site.value not in site.source:
             return None
-    return sites
+    return Found(sites, policy)
 
 
-def _digest(key: str, sites: object) -> str:
+def _policy_stands(policy: Policy, rel: str, lines: list[str]) -> bool:
+    """The policy as recorded stands in the text: its line names the policy and holds the
+    value as written (a value written otherwise, escaped or on a later line, is a miss)."""
+    line = policy.line
+    if not isinstance(line, int) or isinstance(line, bool) or not 0 < line <= len(lines):
+        return False
+    if policy.file != rel or POLICY_NAME not in lines[line - 1]:
+        return False
+    return policy.value is None or (
+        isinstance(policy.value, str) and policy.value in lines[line - 1]
+    )
+
+
+def _digest(key: str, sites: object, policy: object = None) -> str:
     """A checksum over an entry's content, so a corrupted or hand-edited entry is a miss."""
-    body = json.dumps(sites, sort_keys=True, separators=(",", ":"))
+    content = sites if policy is None else [sites, policy]
+    body = json.dumps(content, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(f"{key}\0{body}".encode()).hexdigest()
 
 
@@ -85,7 +130,14 @@ def _well_formed(site: Site) -> bool:
     )
 
 
-def store(cache_dir: Path | None, rel: str, kind: str, text: str, sites: Sequence[Site]) -> None:
+def store(
+    cache_dir: Path | None,
+    rel: str,
+    kind: str,
+    text: str,
+    sites: Sequence[Site],
+    policy: Policy | None = None,
+) -> None:
     """Best effort: a cache that cannot be written only costs time."""
     if cache_dir is None:
         return
@@ -95,7 +147,9 @@ def store(cache_dir: Path | None, rel: str, kind: str, text: str, sites: Sequenc
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         key = cache_key(rel, kind, text)
         dicts = [s.to_dict() for s in sites]
-        entry = {"key": key, "digest": _digest(key, dicts), "sites": dicts}
+        raw_policy = None if policy is None else dataclasses.asdict(policy)
+        digest = _digest(key, dicts, raw_policy)
+        entry = {"key": key, "digest": digest, "sites": dicts, "policy": raw_policy}
         tmp.write_text(json.dumps(entry), encoding="utf-8")
         os.replace(tmp, path)
         entries = sorted(cache_dir.glob("sites-*.json"), key=lambda p: p.stat().st_mtime)
@@ -110,13 +164,13 @@ def store(cache_dir: Path | None, rel: str, kind: str, text: str, sites: Sequenc
 
 
 class _Read(NamedTuple):
-    """A target file as read once: its sites from the cache, ``[]`` where the file cannot
-    hold any, ``None`` where it must be parsed."""
+    """A target file as read once: what discovery finds in it from the cache, ``Found([])``
+    where the file cannot hold anything, ``None`` where it must be parsed."""
 
     rel: str
     kind: str
     text: str
-    sites: list[Site] | None
+    found: Found | None
 
 
 def _scan(root: Path, targets: Targets, cache_dir: Path | None) -> list[_Read]:
@@ -124,31 +178,43 @@ def _scan(root: Path, targets: Targets, cache_dir: Path | None) -> list[_Read]:
     for rel in targets.all_files:
         text = read_target(root, rel)
         kind = targets.kind_of(rel)
-        sites = load(cache_dir, rel, kind, text) if SITE_NAME in text else []
-        out.append(_Read(rel, kind, text, sites))
+        found = load(cache_dir, rel, kind, text) if _needs_parse(text, kind) else Found([])
+        out.append(_Read(rel, kind, text, found))
+    return out
+
+
+def read_found(
+    root: Path, targets: Targets, cache_dir: Path | None, ahead: Ahead | None = None
+) -> list[Found]:
+    """What discovery finds in every target file (in ``targets.all_files`` order), from the
+    cache where possible (parsing the others); ``ahead`` holds the files as already read,
+    and the child filling the cache, which is waited for first."""
+    if ahead is not None:
+        ahead.wait()
+    files = ahead.files if ahead is not None else _scan(root, targets, cache_dir)
+    out: list[Found] = []
+    for rel, kind, text, found in files:
+        if found is None and ahead is not None and ahead.forked:
+            found = load(cache_dir, rel, kind, text)  # what the child stored
+        if found is None:
+            found = discover(text, rel, kind)  # imports libcst: only on a miss
+            store(cache_dir, rel, kind, text, found.sites, found.policy)
+        out.append(found)
     return out
 
 
 def read_sites(
     root: Path, targets: Targets, cache_dir: Path | None, ahead: Ahead | None = None
 ) -> list[list[Site]]:
-    """The sites of every target file, from the cache where possible (parsing the others);
-    ``ahead`` holds the files as already read, and the child filling the cache, which is
-    waited for first."""
-    if ahead is not None:
-        ahead.wait()
-    files = ahead.files if ahead is not None else _scan(root, targets, cache_dir)
-    out: list[list[Site]] = []
-    for rel, kind, text, sites in files:
-        if sites is None and ahead is not None and ahead.forked:
-            sites = load(cache_dir, rel, kind, text)  # what the child stored
-        if sites is None:
-            from quantpatch.sites.discovery import discover_sites  # imports libcst: only on a miss
+    """The sites of every target file, as ``read_found`` finds them."""
+    return [found.sites for found in read_found(root, targets, cache_dir, ahead)]
 
-            sites = discover_sites(text, rel, kind)
-            store(cache_dir, rel, kind, text, sites)
-        out.append(sites)
-    return out
+
+def policy_of(targets: Targets, files: Sequence[Found]) -> Policy | None:
+    """The BF16 layer policy of the checkout's linear files as ``read_found`` found them (the
+    first linear file's that has one), or None."""
+    policies = {f.policy.file: f.policy for f in files if f.policy is not None}
+    return next((policies[rel] for rel in targets.linear if rel in policies), None)
 
 
 # -- discovery ahead: a cold cache filled by a forked child ------------------------------------
@@ -218,7 +284,7 @@ def discover_ahead(root: Path, targets: Targets, cache_dir: Path | None) -> Ahea
         files = _scan(root, targets, cache_dir)
     except UserError:  # a missing target: read_sites says so
         return None
-    misses = [(f.rel, f.kind, f.text) for f in files if f.sites is None]
+    misses = [(f.rel, f.kind, f.text) for f in files if f.found is None]
     if not misses:
         return Ahead(files, 0)
     for stream in (sys.stdout, sys.stderr):  # nothing buffered is left to be written twice
@@ -236,7 +302,7 @@ def discover_ahead(root: Path, targets: Targets, cache_dir: Path | None) -> Ahea
         import gc
 
         gc.disable()  # a process that lives a few hundred ms: libcst's import is 11 ms faster
-        from quantpatch.sites.discovery import discover_sites
+        from quantpatch.sites import discovery, policy  # noqa: F401  (libcst, before the helpers)
 
         # the files are shared out between this child and its own children, the largest
         # first, one process per core: each parse runs on libcst as imported once, here
@@ -251,7 +317,8 @@ def discover_ahead(root: Path, targets: Targets, cache_dir: Path | None) -> Ahea
             helpers.append(helper)
         for rel, kind, text in mine:
             with contextlib.suppress(Exception):  # parsed again, and reported, by the parent
-                store(cache_dir, rel, kind, text, discover_sites(text, rel, kind))
+                found = discover(text, rel, kind)
+                store(cache_dir, rel, kind, text, found.sites, found.policy)
         for helper in helpers:
             os.waitpid(helper, 0)
         code = 0

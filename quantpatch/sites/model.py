@@ -92,6 +92,21 @@ class Site:
         return asdict(self)
 
 
+POLICY_NAME = "quantpatch_bf16_layers"
+"""The module-level name whose string literal is the BF16 layer policy (``sites.policy``)."""
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The BF16 layer policy assignment of a linear file, as ``sites.policy.find_policy``
+    finds it (here, free of libcst, so that the discovery cache can hold it)."""
+
+    file: str
+    line: int
+    value: str | None
+    """The literal's content; None where the assignment is not a string literal."""
+
+
 def role_values(sites: Sequence[Site]) -> tuple[dict[str, str | None], dict[str, list[Site]]]:
     """The value of each role and of each linear GEMM (``None`` when it has no site or its
     sites disagree), and the sites of every role or GEMM whose sites disagree. The linear

@@ -18,7 +18,7 @@ that does not hand the value to ``quantpatch_ops`` (a fork's own op) cannot hono
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from typing import Literal
 
 import libcst as cst
 
@@ -33,9 +33,7 @@ from quantpatch.sites.discovery import (
     parse_source,
     reads_site,
 )
-
-POLICY_NAME = "quantpatch_bf16_layers"
-"""The module-level name whose string literal is the policy."""
+from quantpatch.sites.model import POLICY_NAME, Policy
 
 POLICY_BLOCK = f"""\
 {POLICY_NAME} = ''  # linear layers kept in BF16 (quantpatch set --bf16-layers)
@@ -44,14 +42,6 @@ if {POLICY_NAME}:
 
     quantpatch_layers.install({POLICY_NAME})
 """
-
-
-@dataclass(frozen=True)
-class Policy:
-    file: str
-    line: int
-    value: str | None
-    """The literal's content; None where the assignment is not a string literal."""
 
 
 def _policy_node(module: cst.Module) -> tuple[int, cst.SimpleStatementLine] | None:
@@ -69,11 +59,16 @@ def _policy_node(module: cst.Module) -> tuple[int, cst.SimpleStatementLine] | No
     return None
 
 
-def find_policy(text: str, rel: str) -> Policy | None:
-    """The policy assignment of a linear file, or None (no ``init`` of this version)."""
+def find_policy(text: str, rel: str, module: cst.Module | None = None) -> Policy | None:
+    """The policy assignment of a linear file, or None (no ``init`` of this version).
+    ``module``: ``text`` already parsed (parsed again unless its code is ``text``)."""
     if POLICY_NAME not in text:
         return None
-    module = parse_source(text, rel)
+    if module is None or module.code != text:
+        quick = _find_quickly(text, rel)
+        if quick is not False:
+            return quick
+        module = parse_source(text, rel)
     found = _policy_node(module)
     if found is None:
         return None
@@ -84,6 +79,41 @@ def find_policy(text: str, rel: str) -> Policy | None:
     value = assign.value
     literal = value.evaluated_value if isinstance(value, cst.SimpleString) else None
     return Policy(rel, line, literal if isinstance(literal, str) else None)
+
+
+def _find_quickly(text: str, rel: str) -> Policy | Literal[False] | None:
+    """``find_policy`` without parsing the whole file with libcst (a quarter second on a
+    linear file, most of a cold ``check``): CPython's parser finds the top-level statements
+    that assign the name, and libcst parses only their lines. False where that cannot
+    decide (a file CPython refuses, lines that do not parse alone): the whole file then."""
+    import ast
+
+    try:
+        tree = ast.parse(text)
+    except (SyntaxError, ValueError):
+        return False
+    lines = text.splitlines(keepends=True)
+    for stmt in tree.body:
+        if not (
+            isinstance(stmt, ast.Assign)
+            and len(stmt.targets) == 1
+            and isinstance(stmt.targets[0], ast.Name)
+            and stmt.targets[0].id == POLICY_NAME
+        ):
+            continue
+        first, last = stmt.lineno, stmt.end_lineno or stmt.lineno
+        try:
+            module = cst.parse_module("".join(lines[first - 1 : last]))
+        except cst.ParserSyntaxError:
+            return False
+        found = _policy_node(module)
+        if found is None or found[0] != 0 or len(module.body) != 1:
+            return False
+        value = found[1].body[0]
+        assert isinstance(value, cst.Assign)
+        literal = value.value.evaluated_value if isinstance(value.value, cst.SimpleString) else None
+        return Policy(rel, first, literal if isinstance(literal, str) else None)
+    return None
 
 
 def write_policy(text: str, rel: str, spec: str) -> str:
