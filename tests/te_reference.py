@@ -1,0 +1,180 @@
+"""TransformerEngine's own reference quantizers, imported on CPU from its pure-Python wheel.
+
+The wheel (``pip download --no-deps transformer-engine==2.20.2``, 1.2 MB) is fetched once into
+the tests' cache beside the megatron-core wheels (``quantpatch.base.megatron_source.cache_dir``)
+and only ``transformer_engine/pytorch/custom_recipes/`` is unpacked from it. Nothing of TE is
+installed or committed: its ``transformer_engine`` and ``transformer_engine.pytorch`` packages
+are stood in for by empty namespace modules (their ``__init__`` loads the CUDA library), and
+the two compiled-side modules the references import (``quantized_tensor`` for the
+``Quantizer``/``QuantizedTensorStorage`` base classes, ``tensor.utils`` for ``is_custom``) by
+the few lines below. The reference arithmetic itself runs as TE ships it.
+
+Public helpers::
+
+    te_modules() -> SimpleNamespace(reference_nvfp4, reference_current_scaling, reference_utils)
+    te_nvfp4(x, tile=(1, 16), rht=False) -> (codes, scales, global_amax)   # rowwise, or the
+                                                                         # columnwise RHT path
+    te_nvfp4_dequant(codes, scales, global_amax, tile) -> float32 values as TE's GEMM reads them
+    te_current_scaling(x, dtype) -> (q as float32, scale_inv)
+"""
+
+from __future__ import annotations
+
+import fcntl
+import importlib
+import subprocess
+import sys
+import types
+import zipfile
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from quantpatch.base.megatron_source import cache_dir, make_private_dirs
+
+TE_VERSION = "2.20.2"
+_RECIPES = "transformer_engine/pytorch/custom_recipes/"
+
+
+def _fetch_wheel(dest: Path) -> Path:
+    make_private_dirs(dest)
+    found = sorted(dest.glob(f"transformer_engine-{TE_VERSION}-*.whl"))
+    if found:
+        return found[0]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--disable-pip-version-check",
+        "-q",
+        "-d",
+        str(dest),
+        f"transformer-engine=={TE_VERSION}",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    found = sorted(dest.glob(f"transformer_engine-{TE_VERSION}-*.whl"))
+    if proc.returncode != 0 or not found:
+        raise RuntimeError(f"cannot fetch transformer-engine {TE_VERSION}: {proc.stderr[-400:]}")
+    return found[0]
+
+
+def te_tree() -> Path:
+    """The unpacked ``custom_recipes`` folder's root (the folder holding ``transformer_engine``),
+    fetched and unpacked once per machine under a lock (xdist workers share it)."""
+    base = cache_dir() / "te"
+    make_private_dirs(base)
+    root = base / f"transformer_engine-{TE_VERSION}"
+    with (base / ".lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (root / ".done").exists():
+            wheel = _fetch_wheel(base / "wheels")
+            with zipfile.ZipFile(wheel) as zf:
+                for name in zf.namelist():
+                    if name.startswith(_RECIPES) and name.endswith(".py"):
+                        zf.extract(name, root)
+            (root / ".done").write_text(TE_VERSION)
+    return root
+
+
+class _Quantizer:
+    """Stand-in for ``transformer_engine.pytorch.quantized_tensor.Quantizer`` (its usage flags
+    are all the references read of it)."""
+
+    def __init__(self, *, rowwise: bool = True, columnwise: bool = True) -> None:
+        self.rowwise_usage = rowwise
+        self.columnwise_usage = columnwise
+        self.internal = False
+
+
+class _QuantizedTensorStorage:
+    """Stand-in for ``transformer_engine.pytorch.quantized_tensor.QuantizedTensorStorage``."""
+
+
+def _is_custom(x: Any) -> bool:
+    return bool(getattr(x, "custom", False))
+
+
+def _package(name: str, path: Path | None) -> types.ModuleType:
+    mod = types.ModuleType(name)
+    mod.__path__ = [str(path)] if path is not None else []
+    return mod
+
+
+@cache
+def te_modules() -> types.SimpleNamespace:
+    """TE's ``reference_nvfp4``, ``reference_current_scaling`` and ``reference_utils``."""
+    pytest.importorskip("torch")
+    root = te_tree()
+    te = root / "transformer_engine"
+    stand_ins = {
+        "transformer_engine": _package("transformer_engine", te),
+        "transformer_engine.pytorch": _package("transformer_engine.pytorch", te / "pytorch"),
+        "transformer_engine.pytorch.tensor": _package("transformer_engine.pytorch.tensor", None),
+    }
+    qt = types.ModuleType("transformer_engine.pytorch.quantized_tensor")
+    qt.Quantizer = _Quantizer  # type: ignore[attr-defined]
+    qt.QuantizedTensorStorage = _QuantizedTensorStorage  # type: ignore[attr-defined]
+    utils = types.ModuleType("transformer_engine.pytorch.tensor.utils")
+    utils.is_custom = _is_custom  # type: ignore[attr-defined]
+    stand_ins[qt.__name__] = qt
+    stand_ins[utils.__name__] = utils
+    for name, mod in stand_ins.items():
+        sys.modules.setdefault(name, mod)
+    prefix = "transformer_engine.pytorch.custom_recipes."
+    return types.SimpleNamespace(
+        reference_nvfp4=importlib.import_module(prefix + "reference_nvfp4"),
+        reference_current_scaling=importlib.import_module(prefix + "reference_current_scaling"),
+        reference_utils=importlib.import_module(prefix + "reference_utils"),
+    )
+
+
+def te_nvfp4(x: Any, tile: tuple[int, int] = (1, 16), rht: bool = False) -> tuple[Any, Any, Any]:
+    """TE's ``NVFP4QuantizerRef`` on the 2-D tensor ``x``: ``(codes, scales, global_amax)``.
+
+    Without ``rht`` the rowwise result: ``codes`` the E2M1 values (float32, ``x``'s shape,
+    signed), ``scales`` the E4M3 block scales as float32 (one per block), ``global_amax`` the
+    tensor's amax. With ``rht`` TE transforms only its columnwise operand (``x.t()``, the
+    weight-gradient GEMM's), so the result is that of ``x.t()`` after the transform."""
+    mods = te_modules()
+    ref = mods.reference_nvfp4
+    q = ref.NVFP4QuantizerRef(
+        dtype=mods.reference_utils.Fp4Formats.E2M1,
+        rowwise=not rht,
+        columnwise=rht,
+        quant_tile_shape=tile,
+        with_rht=rht,
+    )
+    qx, sx, qx_t, sx_t, amax_row, amax_col = q._quantize(x)
+    codes_packed, scales, amax = (qx_t, sx_t, amax_col) if rht else (qx, sx, amax_row)
+    import torch
+
+    codes = ref.cast_from_fp4x2(codes_packed, torch.float32)
+    return codes, scales.to(torch.float32), amax
+
+
+def te_nvfp4_dequant(codes: Any, scales: Any, global_amax: Any, tile: tuple[int, int]) -> Any:
+    """The values TE's reference GEMM multiplies (``high_precision_gemm_ref``'s dequantization:
+    ``code * (scale * (amax / (6 * 448)))``; see reference_nvfp4.py), float32."""
+    import torch
+
+    m, n = codes.shape
+    s = scales[:m, : (n + tile[1] - 1) // tile[1]]
+    s = s.repeat_interleave(tile[1], dim=1)[:, :n]
+    global_decode = global_amax.to(torch.float32) / torch.tensor(6.0 * 448.0)
+    return codes * (s * global_decode)
+
+
+def te_current_scaling(x: Any, dtype: Any) -> tuple[Any, Any]:
+    """TE's ``CurrentScalingQuantizerRef`` (per-tensor current scaling, no pow2 scales, eps 0)
+    on ``x``: the FP8 values as float32 and the dequantization scale ``scale_inv``."""
+    import torch
+
+    ref = te_modules().reference_current_scaling
+    q = ref.CurrentScalingQuantizerRef(dtype=dtype, rowwise=True, columnwise=False)
+    qx, sx, _, _ = q._quantize(x if x.dim() == 2 else x.reshape(-1, x.shape[-1]))
+    return qx.to(torch.float32).reshape(x.shape), sx
