@@ -26,12 +26,21 @@ QUANT_TYPES: tuple[str, ...] = (
     "nvfp4",
     "nvfp4-2d",
     "nvfp4-rht",
+    "mxfp8-rceil",
+    "mxfp8-rceil-hybrid",
+    "mxfp4-rceil",
+    "fp8-tensor",
+    "fp8-block",
     *PARETOQ_TYPES,
 )
 """Values a site may hold: bf16 is the unquantized PyTorch path. ``nvfp4-2d`` is ``nvfp4``
 with 16 x 16 weight tiles: it differs from ``nvfp4`` at the linear role only. ``nvfp4-rht``
 is ``nvfp4`` after a random Hadamard transform of both operands along the reduction dimension
 (NVIDIA's recipe puts it on the weight-gradient GEMM: ``--wgrad nvfp4-rht``); linear only.
+``mxfp8-rceil`` / ``mxfp4-rceil`` are MXFP8 / MXFP4 with NVIDIA's RCEIL scale rule (E4M3 for
+gradients too: TE's MXFP8 default); ``mxfp8-rceil-hybrid`` keeps E5M2 gradients. ``fp8-tensor``
+(per-tensor current scaling) and ``fp8-block`` (DeepSeek-V3's 1 x 128 / 128 x 128 blocks) are
+TransformerEngine's FP8 recipes. The table of every value: :mod:`quantpatch.base.values`.
 Besides these, the grouped ParetoQ values ``w<b>g<N>`` (:func:`is_known_value`)."""
 
 _GROUPED_RE = re.compile(r"(w1|w1\.58|w2|w3|w4)g[1-9][0-9]{0,6}")

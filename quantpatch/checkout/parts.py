@@ -31,10 +31,12 @@ OPS_MODULE = "megatron/core/quantpatch_ops.py"
 KERNELS_MODULE = "megatron/core/quantpatch_kernels.py"
 FLASH_MODULE = "megatron/core/quantpatch_flash.py"
 RHT_KERNELS_MODULE = "megatron/core/quantpatch_rht_kernels.py"
+FP8_KERNELS_MODULE = "megatron/core/quantpatch_fp8_kernels.py"
 SAVER_MODULE = "megatron/core/tensor_saver.py"
 # the parts quantpatch_ops.py imports, one concern each (see its docstring)
 OPS_PARTS = (
     "quantpatch_mx",
+    "quantpatch_fp8",  # fp8-tensor and fp8-block (TE's FP8 recipes)
     "quantpatch_nvfp4",
     "quantpatch_paretoq",
     "quantpatch_quantize",
@@ -49,6 +51,7 @@ RUNTIME_MODULES = {
     **{installed: f"runtime/{Path(installed).name}" for installed in OPS_MODULES},
     KERNELS_MODULE: "runtime/quantpatch_kernels.py",
     RHT_KERNELS_MODULE: "runtime/quantpatch_rht_kernels.py",
+    FP8_KERNELS_MODULE: "runtime/quantpatch_fp8_kernels.py",
     FLASH_MODULE: "runtime/quantpatch_flash.py",
 }
 
@@ -58,7 +61,7 @@ the checkouts it rewrote older and ``upgrade`` re-applies it."""
 
 MODULE_PARTS = {
     "ops": (INIT, OPS_MODULES),
-    "kernels": (INIT, (KERNELS_MODULE, RHT_KERNELS_MODULE)),
+    "kernels": (INIT, (KERNELS_MODULE, RHT_KERNELS_MODULE, FP8_KERNELS_MODULE)),
     "flash": (INIT, (FLASH_MODULE,)),
     "saver": (SAVER, (SAVER_MODULE,)),
 }

@@ -7,13 +7,14 @@ builds of torch. With ``TRITON_INTERPRET=1`` set before import the same kernels 
 tensors (Triton's interpreter), which is how they are tested bit for bit against the
 PyTorch reference without a GPU.
 
-* MX (``mxfp8`` E4M3 forward / E5M2 backward, ``mxfp4`` E2M1): one kernel. Each program loads
+* MX (``mxfp8`` E4M3 forward / E5M2 backward, ``mxfp4`` E2M1, and their RCEIL forms
+  ``mxfp8-rceil``, ``mxfp8-rceil-hybrid``, ``mxfp4-rceil``): one kernel. Each program loads
   a tile of rows x (a multiple of 32) elements along the reduction dimension, takes each
-  block's amax, derives the E8M0 scale, rounds (nearest even) and saturates each element and
-  multiplies the scale back, all in registers, and stores once. The tensor is addressed
-  through its own strides as ``[batch, rows, reduction]``, so a transposed operand (Megatron's
-  ``key.transpose(0, 1).transpose(1, 2)``) is read in place, never copied; the output has the
-  input's strides.
+  block's amax, derives the E8M0 scale (floor or RCEIL), rounds (nearest even) and saturates
+  each element and multiplies the scale back, all in registers, and stores once. The tensor
+  is addressed through its own strides as ``[batch, rows, reduction]``, so a transposed
+  operand (Megatron's ``key.transpose(0, 1).transpose(1, 2)``) is read in place, never
+  copied; the output has the input's strides.
 * ``hifp8``: per tensor with no scale, so one elementwise kernel over the storage.
 * NVFP4 (``nvfp4``, ``nvfp4-2d``): one kernel like the MX one, blocks of 16 along the
   reduction dimension (or 16 x 16 tiles of the last two dimensions of the contiguous tensor),
@@ -45,6 +46,14 @@ import triton.language as tl
 # quantpatch_ops
 _ELEMENTS = {"e4m3": (3, -6, 448.0, 8), "e5m2": (2, -14, 57344.0, 15), "e2m1": (1, 0, 6.0, 2)}
 BLOCK = 32
+# MX value: (forward element, gradient element, RCEIL scale rule), as quantpatch_quantize's
+MX_VALUES = {
+    "mxfp8": ("e4m3", "e5m2", False),
+    "mxfp4": ("e2m1", "e2m1", False),
+    "mxfp8-rceil": ("e4m3", "e4m3", True),
+    "mxfp8-rceil-hybrid": ("e4m3", "e5m2", True),
+    "mxfp4-rceil": ("e2m1", "e2m1", True),
+}
 
 
 # -- the configurations the fake-quant kernels are tuned over (issue 30) -----------------------
@@ -183,6 +192,7 @@ def _mx_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BF16: tl.constexpr,
+    RCEIL: tl.constexpr = False,
 ):
     pid_r = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -198,15 +208,26 @@ def _mx_kernel(
     mags = tl.where(finite, a, 0.0)
     blocks = tl.reshape(mags, (BLOCK_R, BLOCK_N // 32, 32))
     amax = tl.max(blocks, axis=2)  # [BLOCK_R, BLOCK_N // 32]
-    nonzero = amax > 0
-    shared = tl.where(nonzero, floor_log2(tl.where(nonzero, amax, 1.0)) - EMAX, -127)
+    if RCEIL:  # ceil(log2(amax / VMAX)) on the float32 quotient's bits
+        descale = tl.math.div_rn(amax, tl.full(amax.shape, VMAX, tl.float32))
+        nonzero = descale > 0
+        d = tl.where(nonzero, descale, 1.0)
+        f = floor_log2(d)
+        shared = tl.where(nonzero, f + (d != pow2(f)).to(tl.int32), -127)
+    else:
+        nonzero = amax > 0
+        shared = tl.where(nonzero, floor_log2(tl.where(nonzero, amax, 1.0)) - EMAX, -127)
     shared = tl.minimum(tl.maximum(shared, -127), 127)
     shared = tl.reshape(
         tl.broadcast_to(shared[:, :, None], (BLOCK_R, BLOCK_N // 32, 32)), (BLOCK_R, BLOCK_N)
     )
     scale = pow2(shared)
     inv_scale = pow2(-shared)  # exact: -shared in [-127, 127]
-    p = tl.abs(tl.where(finite, v, 0.0) * inv_scale)  # == |v / scale|, correctly rounded
+    if RCEIL:  # the smallest scale multiplies by 1 (TE's exp2f_rcp), the elements clamped
+        inv_scale = tl.where(shared == -127, 1.0, inv_scale)
+        p = tl.minimum(tl.abs(tl.where(finite, v, 0.0) * inv_scale), VMAX)
+    else:
+        p = tl.abs(tl.where(finite, v, 0.0) * inv_scale)  # == |v / scale|, correctly rounded
     tiny = p < pow2(tl.full(p.shape, EMIN, tl.int32))
     e = tl.where(tiny, EMIN, floor_log2(tl.where(tiny, 1.0, p)))
     y = p * pow2(MBITS - e)  # exact: p / quantum
@@ -407,7 +428,8 @@ def fake_quant(
     if fmt in ("nvfp4", "nvfp4-2d"):
         two_d = fmt == "nvfp4-2d" and x.dim() >= 2
         return _nvfp4(x, two_d, dim, y, rand if backward else None)
-    elem = _ELEMENTS["e2m1" if fmt == "mxfp4" else "e5m2" if backward else "e4m3"]
+    forward_elem, gradient_elem, rceil = MX_VALUES[fmt]
+    elem = _ELEMENTS[gradient_elem if backward else forward_elem]
     x, (b, rows, n), (sb, sr, sn) = _as_3d(x, dim)
     if y.stride() != x.stride():
         y = torch.empty_like(x)
@@ -418,7 +440,7 @@ def fake_quant(
     mbits, emin, vmax, emax = elem
     _mx_kernel[grid](
         x, y, rows, n, sb, sr, sn, shape_class(b * rows, n, sn),
-        MBITS=mbits, EMIN=emin, VMAX=vmax, EMAX=emax, BF16=bf16,
+        MBITS=mbits, EMIN=emin, VMAX=vmax, EMAX=emax, BF16=bf16, RCEIL=rceil,
     )  # fmt: skip
     return y
 
@@ -436,6 +458,12 @@ def _non_overlapping_and_dense(x: torch.Tensor) -> bool:
 def _storage_view(x: torch.Tensor) -> Any:
     """The dense storage of ``x`` as a flat tensor in memory order (no copy)."""
     return x.as_strided((x.numel(),), (1,), x.storage_offset())
+
+
+# the names quantpatch_fp8_kernels.py uses (nothing outside this module takes its private names)
+as_3d = _as_3d
+non_overlapping_and_dense = _non_overlapping_and_dense
+storage_view = _storage_view
 
 
 # -- a GEMM that quantizes its operands inside the tile loop (issue 30) ----------------------

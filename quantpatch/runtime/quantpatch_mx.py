@@ -1,6 +1,18 @@
 """MX and HiF8 fake quantization, the PyTorch reference (part of ``quantpatch_ops``; see its
 docstring for the formats): elements rounded to E4M3 / E5M2 / E2M1 under a shared E8M0 scale
-per block of 32 (OCP Microscaling v1.0), and HiFloat8's per-element tapered precision.
+per block of 32, and HiFloat8's per-element tapered precision.
+
+Two rules derive a block's E8M0 scale exponent from its amax (``rule``):
+
+* ``floor`` (OCP Microscaling v1.0; ``mxfp8``, ``mxfp4``): ``floor(log2 amax) - emax_elem``,
+  so the largest elements may saturate; torchao's ``ScaleCalculationMode.FLOOR``.
+* ``rceil`` (NVIDIA's: TransformerEngine's ``MXFP8BlockScaling``, cuBLAS, Blackwell's
+  ``cvt.rp.satfinite.ue8m0x2.f32``; ``mxfp8-rceil``, ``mxfp8-rceil-hybrid``, ``mxfp4-rceil``):
+  ``ceil(log2(amax / max_elem))`` with ``amax / max_elem`` one float32 division, the ceiling
+  taken exactly on its bits, clamped to [-127, 127]. The elements are ``x * 2^-e`` clamped to
+  +-max_elem and rounded; where ``e`` is -127 (a zero block, or amax <= max_elem * 2^-127) the
+  elements are multiplied by 1 instead, as TE's ``exp2f_rcp`` and torchao's
+  ``_to_mx_rceil`` do (such a block dequantizes to +-0). torchao's ``ScaleCalculationMode.RCEIL``.
 
 Installed by ``quantpatch init`` beside ``quantpatch_ops.py``; torch and the standard library
 only. Exact float32 work on powers of two: the same on CPU and CUDA.
@@ -55,9 +67,22 @@ def _round_element(p: torch.Tensor, elem: tuple[int, int, float, int]) -> torch.
     return torch.copysign(torch.clamp(q, max=vmax), p)
 
 
-def _mx(x: torch.Tensor, dim: int, elem: tuple[int, int, float, int]) -> torch.Tensor:
+RULES = ("floor", "rceil")
+
+
+def _ceil_log2(a: torch.Tensor) -> torch.Tensor:
+    """ceil(log2(a)) exactly, for finite a > 0 (float32, subnormals too), as int32."""
+    f = _floor_log2(a)
+    return f + (a != _pow2(f.clamp(-149, 127))).to(torch.int32)
+
+
+def _mx(
+    x: torch.Tensor, dim: int, elem: tuple[int, int, float, int], rule: str = "floor"
+) -> torch.Tensor:
+    if rule not in RULES:
+        raise ValueError(f"MX scale rule {rule!r}; expected one of {RULES}")
     if x.dim() == 0:  # a scalar is a block of one
-        return _mx(x.reshape(1), 0, elem).reshape(())
+        return _mx(x.reshape(1), 0, elem, rule).reshape(())
     v = x.to(torch.float32).movedim(dim, -1)
     n = v.shape[-1]
     pad = (-n) % BLOCK
@@ -67,11 +92,23 @@ def _mx(x: torch.Tensor, dim: int, elem: tuple[int, int, float, int]) -> torch.T
     finite = torch.isfinite(blocks)
     mags = torch.where(finite, blocks.abs(), torch.zeros_like(blocks))
     amax = mags.amax(dim=-1, keepdim=True)
-    nonzero = amax > 0
-    shared = _floor_log2(torch.where(nonzero, amax, torch.ones_like(amax))) - elem[3]
-    shared = torch.where(nonzero, shared, torch.full_like(shared, _SCALE_MIN))
-    scale = _pow2(torch.clamp(shared, _SCALE_MIN, _SCALE_MAX))
-    q = _round_element(torch.where(finite, blocks, torch.zeros_like(blocks)) / scale, elem)
+    if rule == "rceil":
+        descale = amax / elem[2]  # one float32 division, as torchao and the hardware take it
+        nonzero = descale > 0
+        shared = _ceil_log2(torch.where(nonzero, descale, torch.ones_like(descale)))
+        shared = torch.where(nonzero, shared, torch.full_like(shared, _SCALE_MIN))
+        shared = torch.clamp(shared, _SCALE_MIN, _SCALE_MAX)
+        scale = _pow2(shared)
+        # the reciprocal 2^-e, except 1 for the smallest scale (TE's exp2f_rcp)
+        rcp = torch.where(shared == _SCALE_MIN, torch.ones_like(scale), _pow2(-shared))
+        p = torch.where(finite, blocks, torch.zeros_like(blocks)) * rcp
+        q = _round_element(torch.clamp(p, -elem[2], elem[2]), elem)
+    else:
+        nonzero = amax > 0
+        shared = _floor_log2(torch.where(nonzero, amax, torch.ones_like(amax))) - elem[3]
+        shared = torch.where(nonzero, shared, torch.full_like(shared, _SCALE_MIN))
+        scale = _pow2(torch.clamp(shared, _SCALE_MIN, _SCALE_MAX))
+        q = _round_element(torch.where(finite, blocks, torch.zeros_like(blocks)) / scale, elem)
     out = torch.where(finite, q * scale, blocks)
     out = out.reshape(*v.shape)[..., :n].movedim(-1, dim)
     return out.to(x.dtype)
@@ -103,4 +140,5 @@ SCALE_MIN, SCALE_MAX = _SCALE_MIN, _SCALE_MAX
 quantum = _quantum
 round_element = _round_element
 mx = _mx
+ceil_log2 = _ceil_log2
 hifp8 = _hifp8

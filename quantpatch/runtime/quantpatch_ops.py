@@ -82,6 +82,7 @@ from typing import Any
 import torch
 
 # the parts, one concern each (the names below are the public API, unchanged for the sites)
+from .quantpatch_fp8 import FP8_BLOCK
 from .quantpatch_mx import BLOCK, E2M1, E4M3, E5M2, SCALE_MAX, SCALE_MIN, round_element
 from .quantpatch_nvfp4 import (
     NV_BLOCK,
@@ -126,11 +127,17 @@ from .quantpatch_weights import weight_fake_quant as _weight_fake_quant
 NV_FORMATS = ("nvfp4", "nvfp4-2d", "nvfp4-rht")
 FORMATS = (
     "bf16", "mxfp8", "mxfp4", "hifp8", "nvfp4", "nvfp4-2d", "nvfp4-rht",
+    "mxfp8-rceil", "mxfp8-rceil-hybrid", "mxfp4-rceil", "fp8-tensor", "fp8-block",
     "w1", "w1.58", "w2", "w3", "w4",
 )  # fmt: skip
 """Every base value (ParetoQ's ``w<b>`` also take a ``g<N>`` suffix: ``GROUPED_FORMATS``)."""
 GROUPED_FORMATS = ("w1", "w1.58", "w2", "w3", "w4")
 """The ParetoQ values that accept a ``g<N>`` group suffix (all of them)."""
+GRADIENT_OPERAND_ONLY = (*NVFP4_FORMATS, "mxfp8-rceil-hybrid", "fp8-tensor")
+"""Values whose ``backward=True`` treatment (stochastic rounding, E5M2) the products give
+their first operand alone (at Megatron's dgrad and wgrad sites: the output gradient); the
+second (the weight, or the saved input) keeps the forward's element, as TE's HYBRID recipes
+do. ``mxfp8`` keeps its E5M2 for both operands of a backward GEMM, as it always has."""
 
 __all__ = [
     "ALPHA_MIN",
@@ -140,6 +147,8 @@ __all__ = [
     "E5M2",
     "FLASH_MODES",
     "FORMATS",
+    "FP8_BLOCK",
+    "GRADIENT_OPERAND_ONLY",
     "GROUPED_FORMATS",
     "NVFP4_FORMATS",
     "NV_BLOCK",
@@ -217,10 +226,15 @@ class _StraightThrough(torch.autograd.Function):
 
 def _operand_fmt(t: torch.Tensor, fmt: str, weight: bool | None = None) -> str:
     """``nvfp4-2d`` tiles weights only; every other operand takes 1-D ``nvfp4`` blocks.
-    ``weight``: whether the caller named ``t`` the weight (``None``: it did not say, and a
-    2-D Parameter or a view of one is taken for the weight)."""
+    ``fp8-block`` gives a weight 128 x 128 tiles (the operand format ``fp8-block-2d``), every
+    other operand 1 x 128 blocks. ``weight``: whether the caller named ``t`` the weight
+    (``None``: it did not say, and a 2-D Parameter or a view of one is taken for the weight)."""
+    if fmt not in ("nvfp4-2d", "fp8-block"):
+        return fmt
     is_weight = _is_weight(t) if weight is None else weight
-    return "nvfp4" if fmt == "nvfp4-2d" and not is_weight else fmt
+    if fmt == "fp8-block":
+        return "fp8-block-2d" if is_weight else fmt
+    return fmt if is_weight else "nvfp4"
 
 
 def _named_weight(weight: str | None, operand: str) -> bool | None:
@@ -295,7 +309,7 @@ def quant_matmul(
     wa, wb = _named_weight(weight, "a"), _named_weight(weight, "b")
     return torch.matmul(
         _q(a, _operand_fmt(a, fmt, wa), -1, backward, wa),
-        _q(b, _operand_fmt(b, fmt, wb), bdim, backward and fmt not in NVFP4_FORMATS, wb),
+        _q(b, _operand_fmt(b, fmt, wb), bdim, backward and fmt not in GRADIENT_OPERAND_ONLY, wb),
     )
 
 
@@ -304,7 +318,7 @@ def quant_bmm(
 ) -> torch.Tensor:
     """``torch.bmm(a, b)`` with both operands quantized along the reduction dimension (NVFP4:
     ``a`` alone stochastically under ``backward``)."""
-    nv = fmt in NVFP4_FORMATS
+    nv = fmt in GRADIENT_OPERAND_ONLY
     fused = _fused_product(a, b, fmt, backward, backward) if a.dim() == b.dim() == 3 else None
     if fused is not None:
         return fused
@@ -327,7 +341,7 @@ def quant_baddbmm(
     """``torch.baddbmm`` with ``batch1`` and ``batch2`` quantized along the reduction
     dimension. With ``beta == 0`` the ``input`` buffer is never read, so uninitialised memory
     (Megatron passes a preallocated buffer) cannot leak NaN into the scores."""
-    nv = fmt in NVFP4_FORMATS
+    nv = fmt in GRADIENT_OPERAND_ONLY
     if beta == 0 and batch1.dim() == batch2.dim() == 3:
         fused = _fused_product(batch1, batch2, fmt, backward, backward)
         if fused is not None:

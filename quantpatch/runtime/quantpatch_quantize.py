@@ -1,5 +1,6 @@
-"""Which code quantizes an MX, HiF8 or NVFP4 tensor (part of ``quantpatch_ops``' dispatch):
-the fused Triton kernels of ``quantpatch_kernels.py`` (``QUANTPATCH_KERNELS``), the PyTorch
+"""Which code quantizes an MX, HiF8, NVFP4 or FP8 tensor (part of ``quantpatch_ops``' dispatch):
+the fused Triton kernels of ``quantpatch_kernels.py`` and ``quantpatch_fp8_kernels.py``
+(``QUANTPATCH_KERNELS``), the PyTorch
 reference through ``torch.compile`` (``QUANTPATCH_COMPILE``), or the reference itself, slice by
 slice on CPU. ``quantpatch_ops.fake_quant`` validates the value and hands every element format
 to :func:`quantize` here.
@@ -16,6 +17,7 @@ from typing import Any
 
 import torch
 
+from .quantpatch_fp8 import FP8_BLOCK, FP8_FORMATS, finite_amax, fp8_quantize
 from .quantpatch_mx import BLOCK
 from .quantpatch_mx import E2M1 as _E2M1
 from .quantpatch_mx import E4M3 as _E4M3
@@ -26,6 +28,15 @@ from .quantpatch_nvfp4 import NV_BLOCK, NVFP4_FORMATS, sr_uniforms
 from .quantpatch_nvfp4 import nvfp4 as _nvfp4
 
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+MX_ELEMENTS = {  # value: (forward element, gradient element, scale rule)
+    "mxfp8": (_E4M3, _E5M2, "floor"),
+    "mxfp4": (_E2M1, _E2M1, "floor"),
+    "mxfp8-rceil": (_E4M3, _E4M3, "rceil"),
+    "mxfp8-rceil-hybrid": (_E4M3, _E5M2, "rceil"),
+    "mxfp4-rceil": (_E2M1, _E2M1, "rceil"),
+}
+"""The MX values: their elements (forward, ``backward=True``) and E8M0 scale rule."""
 _kernels_module: Any = None
 _kernels_error: str | None = None
 
@@ -42,6 +53,27 @@ def _kernels() -> Any:
         else:
             _kernels_module = quantpatch_kernels
     return _kernels_module
+
+
+_fp8_kernels_module: Any = None
+_fp8_kernels_error: str | None = None
+
+
+def _fp8_kernels() -> Any:
+    """The FP8 kernels module beside this one (``quantpatch_fp8_kernels.py``), or None where it
+    cannot be imported (an older checkout without it: the reference runs, unless
+    ``QUANTPATCH_KERNELS=triton`` asked for kernels)."""
+    global _fp8_kernels_module, _fp8_kernels_error
+    if _fp8_kernels_module is None and _fp8_kernels_error is None:
+        try:
+            from . import quantpatch_fp8_kernels
+        except Exception as exc:
+            _fp8_kernels_error = f"{type(exc).__name__}: {exc}"
+        else:
+            _fp8_kernels_module = quantpatch_fp8_kernels
+    if _fp8_kernels_module is None and _kernel_mode() == "triton":
+        raise RuntimeError(f"QUANTPATCH_KERNELS=triton, but {_fp8_kernels_error}")
+    return _fp8_kernels_module
 
 
 def _kernel_mode() -> str:
@@ -104,8 +136,14 @@ def quantize(x: torch.Tensor, fmt: str, dim: int = -1, backward: bool = False) -
         return x.clone()
     rand = sr_uniforms(x) if backward and fmt in NVFP4_FORMATS else None
     if _use_kernels(x):
-        out: torch.Tensor = _kernels_module.fake_quant(x, fmt, dim, backward, rand)
-        return out
+        if fmt in FP8_FORMATS:
+            fp8_kernels = _fp8_kernels()
+            if fp8_kernels is not None:
+                done: torch.Tensor = fp8_kernels.fake_quant(x, fmt, dim, backward)
+                return done
+        else:
+            out: torch.Tensor = _kernels_module.fake_quant(x, fmt, dim, backward, rand)
+            return out
     if fmt in NVFP4_FORMATS:  # random draws: not compiled
         return _fake_quant(x, fmt, dim, backward, rand)
     if _COMPILE:
@@ -125,6 +163,10 @@ def _fake_quant(
     x: torch.Tensor, fmt: str, dim: int, backward: bool, rand: torch.Tensor | None = None
 ) -> torch.Tensor:
     """The reference path (``rand``: the stochastic-rounding draws of ``nvfp4`` backward)."""
+    if fmt in FP8_FORMATS:
+        if x.device.type == "cpu" and x.numel() > 2 * _CHUNK and x.dim() >= 1:
+            return _fp8_sliced(x, fmt, dim, backward)
+        return fp8_quantize(x, fmt, dim, backward)
     if fmt in NVFP4_FORMATS:
         two_d, r = fmt == "nvfp4-2d", rand if backward else None
         if x.device.type == "cpu" and x.numel() > 2 * _CHUNK and x.dim() >= 1:
@@ -177,11 +219,35 @@ def _nv_sliced(x: torch.Tensor, dim: int, two_d: bool, rand: torch.Tensor | None
     return out
 
 
+def _fp8_sliced(x: torch.Tensor, fmt: str, dim: int, backward: bool) -> torch.Tensor:
+    """FP8 slice by slice (as :func:`_sliced`): ``fp8-tensor`` with the whole tensor's amax;
+    slices never cut an ``fp8-block`` block or tile (along a dimension it spans, multiples of
+    128)."""
+    amax = finite_amax(x) if fmt == "fp8-tensor" else None
+    d = dim % x.dim()
+    spanned = {d} if fmt == "fp8-block" else set()
+    if fmt == "fp8-block-2d":
+        spanned = {x.dim() - 2, x.dim() - 1} if x.dim() >= 2 else {d}
+    others = [i for i in range(x.dim()) if i not in spanned]
+    split = max(others, key=lambda i: x.shape[i]) if others else min(spanned)
+    per_index = x.numel() // max(1, x.shape[split])
+    step = max(1, _CHUNK // max(1, per_index))
+    if split in spanned:
+        step = max(FP8_BLOCK, step - step % FP8_BLOCK)
+    out = torch.empty_like(x)
+    for start in range(0, x.shape[split], step):
+        n = min(step, x.shape[split] - start)
+        part = fp8_quantize(x.narrow(split, start, n), fmt, dim, backward, amax)
+        out.narrow(split, start, n).copy_(part)
+    return out
+
+
 def _whole(x: torch.Tensor, fmt: str, dim: int, backward: bool) -> torch.Tensor:
-    if fmt == "mxfp8":
-        return _mx(x, dim, _E5M2 if backward else _E4M3)
-    if fmt == "mxfp4":
-        return _mx(x, dim, _E2M1)
+    if fmt in MX_ELEMENTS:
+        forward_elem, gradient_elem, rule = MX_ELEMENTS[fmt]
+        return _mx(x, dim, gradient_elem if backward else forward_elem, rule)
+    if fmt in FP8_FORMATS:
+        return fp8_quantize(x, fmt, dim, backward)
     return _hifp8(x)
 
 

@@ -147,7 +147,7 @@ def _layout_free(fmt: str, weight: torch.Tensor) -> bool:
     """Whether ``fmt`` quantizes a weight alike along either dimension and in either direction
     (HiF8: elementwise; ``nvfp4-2d``: 16 x 16 tiles of a matrix and its tensor-wide scale,
     rounded to nearest even, the only rounding a cached weight takes)."""
-    return fmt == "hifp8" or (fmt == "nvfp4-2d" and weight.dim() == 2)
+    return fmt == "hifp8" or (fmt in ("nvfp4-2d", "fp8-block-2d") and weight.dim() == 2)
 
 
 def _drop_collected(wid: int, _: object) -> None:
