@@ -401,3 +401,84 @@ def test_fp8_block_weight_kernel(triton_kernels: None) -> None:
 
     for w in (_rows(256, 384, seed=8), _rows(200, 300, seed=9).float()):
         assert _mismatches(qq.quantize(w, "fp8-block-2d"), qf.fp8_block_2d(w)) == 0
+
+
+# -- the declared table (quantpatch.base.values) held against the references -------------------
+
+
+def test_value_table_declares_every_value_and_its_roles() -> None:
+    from quantpatch.base.config import QUANT_TYPES, validate_value
+    from quantpatch.base.errors import UserError
+    from quantpatch.base.values import VALUES
+
+    assert sorted(v["name"] for v in VALUES) == sorted(QUANT_TYPES)
+    assert set(QUANT_TYPES) <= set(ops.FORMATS)
+    for v in VALUES:
+        for role in ("linear", "qk", "pv"):
+            try:
+                validate_value(v["name"], allow_unknown=False, role=role)
+            except UserError:
+                assert role not in v["roles"], v["name"]
+            else:
+                assert role in v["roles"], v["name"]
+
+
+def test_every_mx_and_fp8_declaration_is_its_reference() -> None:
+    """``fake_quant`` driven from the declared fields: an MX value's element (forward,
+    gradient), block and scale rule are torchao's to_mx with that element, block size and
+    mode; fp8-tensor's elements are TE's dtypes; fp8-block's block and weight block are the
+    oracle's tiles."""
+    from quantpatch.base.values import VALUES
+
+    x = _rows(128, 512, seed=10)
+    checked = set()
+    for v in VALUES:
+        for backward in (False, True):
+            elem = v["element_gradient" if backward else "element_forward"]
+            got = ops.fake_quant(x, v["name"], backward=backward)
+            if v["family"] == "mx":
+                assert v["block"] == [1, 32]
+                rule = {"e8m0-floor": "floor", "e8m0-rceil": "rceil"}[v["scale"]]
+                want = _torchao_mx(x, elem, rule, -1)
+            elif v["family"] == "fp8-tensor":
+                assert v["scale"] == "fp32" and v["block"] is None
+                fp8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}[elem]
+                want = _te_dequant(x, fp8)
+            elif v["family"] == "fp8-block":
+                assert (v["scale"], elem) == ("pow2", "e4m3")
+                want = _oracle_block(x, tuple(v["block"]))
+                from quantpatch.runtime.quantpatch_quantize import quantize
+
+                weight = quantize(x, "fp8-block-2d", backward=backward)
+                assert _mismatches(weight, _oracle_block(x, tuple(v["weight_block"]))) == 0
+            else:
+                continue
+            assert _mismatches(got, want) == 0, (v["name"], backward)
+            checked.add(v["name"])
+    assert checked == {
+        "mxfp8", "mxfp4", "mxfp8-rceil", "mxfp8-rceil-hybrid", "mxfp4-rceil", "fp8-tensor",
+        "fp8-block",
+    }  # fmt: skip
+
+
+def test_docs_show_the_declared_table() -> None:
+    from pathlib import Path
+
+    from quantpatch.base.values import markdown_table
+
+    docs = (Path(__file__).parents[1] / "docs/formats.md").read_text(encoding="utf-8")
+    assert markdown_table() in docs
+
+
+def test_products_give_the_gradient_element_to_the_gradient_operand_only() -> None:
+    """mxfp8-rceil-hybrid and fp8-tensor: under backward=True the first operand (the output
+    gradient at Megatron's backward sites) is E5M2, the second keeps E4M3 (TE's HYBRID);
+    mxfp8 keeps E5M2 for both, as it always has."""
+    g = _rows(16, 256, seed=11).float()
+    w = _rows(256, 64, seed=12).float()
+    for value in ("mxfp8-rceil-hybrid", "fp8-tensor", "mxfp8"):
+        got = ops.quant_matmul(g, w, value, backward=True)
+        b_backward = value == "mxfp8"
+        qa = ops.fake_quant(g, value, backward=True)
+        qb = ops.fake_quant(w, value, dim=-2, backward=b_backward)
+        assert torch.equal(got, qa @ qb), value

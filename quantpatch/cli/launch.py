@@ -37,9 +37,11 @@ def csv_list(value: str | None) -> list[str]:
 
 @app.command("list")
 def list_(config: Path | None = ConfigOpt, json_: bool = JsonOpt) -> None:
-    """Models, datasets, schemes (with their role values) and run profiles."""
+    """Models, datasets, schemes (with their role values), run profiles, and every value a
+    site may hold (its element, block, scale and reference: docs/formats.md)."""
     from rich.table import Table
 
+    from quantpatch.base.values import TEXT_COLUMNS, text_rows
     from quantpatch.launch.registry import load_registry
     from quantpatch.launch.scripts import describe
 
@@ -77,6 +79,7 @@ def list_(config: Path | None = ConfigOpt, json_: bool = JsonOpt) -> None:
                 for p in reg.profiles.values()
             ],
         ),
+        ("values (references: list --json, docs/formats.md)", TEXT_COLUMNS, text_rows()),
     ):
         table = Table(title=title, title_justify="left")
         for col in cols:

@@ -743,7 +743,10 @@ def _others(out: Path, files: Sequence[tuple[str, str, int]]) -> list[str]:
 
 
 def describe(reg: Registry) -> dict[str, Any]:
-    """The registry as plain data (``list --json``)."""
+    """The registry as plain data (``list --json``), with the table of every value
+    (``quantpatch.base.values``)."""
+    from quantpatch.base.values import VALUES
+
     return {
         "models": {
             n: {
@@ -759,6 +762,7 @@ def describe(reg: Registry) -> dict[str, Any]:
             for n, d in reg.datasets.items()
         },
         "schemes": {n: s.values() for n, s in reg.schemes.items()},
+        "values": [dict(v) for v in VALUES],
         "profiles": {
             n: {
                 "description": p.description,

@@ -2,7 +2,8 @@
 dtype), and the quantized products that fork-layout sites dispatch to.
 
 Installed by ``quantpatch init`` as ``megatron/core/quantpatch_ops.py``, with the modules it
-imports beside it, one concern each: ``quantpatch_mx.py`` (MX and HiF8), ``quantpatch_nvfp4.py``
+imports beside it, one concern each: ``quantpatch_mx.py`` (MX and HiF8), ``quantpatch_fp8.py``
+(fp8-tensor, fp8-block), ``quantpatch_nvfp4.py``
 (NVFP4 and its stochastic rounding), ``quantpatch_paretoq.py`` (ParetoQ), ``quantpatch_quantize.py``
 (which code quantizes a tensor: the Triton kernels or the reference) and ``quantpatch_weights.py``
 (the weight cache and the GEMM choice); this module holds the dispatch, the products and flash
@@ -18,6 +19,21 @@ Formats (OCP Microscaling v1.0; Luo et al., arXiv 2409.16626 for HiFloat8):
 * ``mxfp8``: blocks of 32 along ``dim`` share an E8M0 scale 2^(floor(log2 amax) - emax);
   elements are E4M3 (E5M2 with ``backward=True``), rounded to nearest even and saturated.
 * ``mxfp4``: the same with E2M1 elements (also for backward).
+* ``mxfp8-rceil``, ``mxfp8-rceil-hybrid``, ``mxfp4-rceil``: the same blocks with NVIDIA's RCEIL
+  scale rule (TransformerEngine's ``MXFP8BlockScaling``, cuBLAS, Blackwell's
+  ``cvt.rp.satfinite.ue8m0x2``): exponent ``ceil(log2(amax / max_elem))`` of the float32
+  quotient, elements ``x * 2^-e`` clamped and rounded to nearest even (``x * 1`` where ``e`` is
+  -127); ``quantpatch_mx.py``. ``mxfp8-rceil`` is E4M3 for gradients too (TE's default recipe,
+  Megatron's ``--fp8-recipe mxfp8``); ``mxfp8-rceil-hybrid`` E5M2 for the gradient operand.
+* ``fp8-tensor``: TE's ``Float8CurrentScaling`` (``Format.HYBRID``): one float32 scale
+  ``448 / amax`` per tensor (``57344 / amax`` with ``backward=True``, E5M2), ``q =
+  fp8(x * scale)``, result ``q * (1 / scale)``; ``quantpatch_fp8.py``.
+* ``fp8-block``: DeepSeek-V3's blockwise FP8 (TE's ``Float8BlockScaling`` defaults): E4M3,
+  one power-of-two scale ``2^floor(log2(448 / amax))`` per 1 x 128 block along ``dim``; in the
+  products a weight (as ``nvfp4-2d`` decides) takes 128 x 128 tiles; ``quantpatch_fp8.py``.
+* The products give ``backward=True``'s treatment to their first operand alone (the output
+  gradient at Megatron's backward sites) for NVFP4, ``mxfp8-rceil-hybrid`` and ``fp8-tensor``
+  (``GRADIENT_OPERAND_ONLY``); ``mxfp8`` quantizes both operands of a backward GEMM as E5M2.
 * ``nvfp4`` (NVIDIA's Blackwell FP4): E2M1 elements in blocks of 16 along ``dim``, each with
   an E4M3 scale, and one float32 scale per tensor: ``g = 448 * 6 / amax|x|`` (1 for an
   all-zero tensor; at most the float32 maximum), ``s = E4M3(amax_block / 6 * g)`` (nearest
