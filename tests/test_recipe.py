@@ -110,3 +110,49 @@ def test_one_sweep_reports_the_recipe_and_each_ablation(tmp_path, make_checkout,
         policy = "''" if name == "nvfp4_recipe_no_bf16_layers" else "'recipe'"
         assert f"quantpatch_bf16_layers = {policy}" in linear
         assert ("'nvfp4-rht'" in linear) == (name != "nvfp4_recipe_no_rht")
+
+
+TE_RECIPES = {  # issue 45: NVIDIA's MXFP8 recipe and TransformerEngine's two FP8 recipes
+    "mxfp8_recipe": "fprop=mxfp8-rceil,dgrad=mxfp8-rceil,wgrad=mxfp8-rceil,qk=bf16,pv=bf16",
+    "linear_fp8-tensor": "linear=fp8-tensor,qk=bf16,pv=bf16",
+    "linear_fp8-block": "linear=fp8-block,qk=bf16,pv=bf16",
+}
+
+
+def test_the_fp8_and_rceil_schemes_are_declared_outside_the_default_set():
+    schemes = load_registry().schemes
+    assert schemes["mxfp8_recipe"].values() == {"linear": "mxfp8-rceil", "qk": "bf16", "pv": "bf16"}
+    for name, linear, qk in (
+        ("linear_mxfp8-rceil", "mxfp8-rceil", "bf16"),
+        ("FA_linear_mxfp8-rceil", "mxfp8-rceil", "mxfp8-rceil"),
+        ("linear_mxfp4-rceil", "mxfp4-rceil", "bf16"),
+        ("linear_fp8-tensor", "fp8-tensor", "bf16"),
+        ("linear_fp8-block", "fp8-block", "bf16"),
+    ):
+        assert schemes[name].values() == {"linear": linear, "qk": qk, "pv": "bf16"}
+        assert not schemes[name].default
+    assert not schemes["mxfp8_recipe"].default
+
+
+@pytest.mark.slow
+def test_the_fp8_recipes_train_the_tiny_gpt_on_cpu(run, make_checkout):
+    """mxfp8_recipe, linear_fp8-tensor and linear_fp8-block: set, checked, and the tiny GPT
+    trains with finite, falling loss that differs from bf16's."""
+    pytest.importorskip("torch")
+    root = make_checkout("0.13.1", inject=False, full=True)
+    assert run("init", "--repo", root).code == 0
+    cfg = {"device": "cpu", "steps": 8, "vocab": 256, "layers": 2, "hidden": 64, "heads": 4}
+    cfg |= {"seq": 32, "batch": 2}
+    assert run("set", "--repo", root, "--scheme", "bf16", "--no-branch").code == 0
+    plain = tiny_gpt(root, cfg)["losses"]
+    assert run("restore", "--repo", root).code == 0
+    for scheme, expect in TE_RECIPES.items():
+        res = run("set", "--repo", root, "--scheme", scheme, "--no-branch")
+        assert res.code == 0, res
+        assert run("check", "--repo", root, "--expect", expect).code == 0, scheme
+        losses = tiny_gpt(root, cfg)["losses"]
+        assert isinstance(losses, list) and len(losses) == 8, (scheme, losses)
+        assert all(math.isfinite(v) for v in losses), (scheme, losses)
+        assert losses[-1] < losses[0] - 0.05, (scheme, losses)
+        assert losses != plain, scheme
+        assert run("restore", "--repo", root).code == 0

@@ -370,6 +370,8 @@ def _add_slice(
         if fmt in ops.NVFP4_FORMATS:
             assert tensor_amax is not None
             q = ops.nvfp4(t, dim, fmt == "nvfp4-2d" and tiled, None, tensor_amax).to(f64)
+        elif fmt == "fp8-tensor" and tensor_amax is not None:  # the whole tensor's scale
+            q = ops.fp8_tensor(t, backward, tensor_amax).to(f64)
         else:
             q = ops.fake_quant(t, fmt, dim=dim, backward=backward).to(f64)
         q0 = q if all_finite else torch.where(finite, q, zero)

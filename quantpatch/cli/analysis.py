@@ -68,7 +68,8 @@ def tensors_formats(
     formats: str = typer.Option(
         "mxfp8,mxfp4,hifp8",
         "--formats",
-        help="Candidate formats, comma-separated (of mxfp8, mxfp4, hifp8, nvfp4, nvfp4-2d; for "
+        help="Candidate formats, comma-separated (of mxfp8, mxfp4, hifp8, nvfp4, nvfp4-2d, "
+        "mxfp8-rceil, mxfp8-rceil-hybrid, mxfp4-rceil, fp8-tensor, fp8-block; for "
         "weights only: w1, w1.58, w2, w3, w4 and grouped w<b>g<N>).",
     ),
     by: str = typer.Option(
@@ -104,7 +105,10 @@ def tensors_plot(
     directory: Path = DirArg,
     out_dir: Path = typer.Option(..., "--out", help="Directory for the PNG files."),
     formats: str = typer.Option(
-        "mxfp8,mxfp4,hifp8", "--formats", help="Candidate formats (of mxfp8, mxfp4, hifp8, nvfp4)."
+        "mxfp8,mxfp4,hifp8",
+        "--formats",
+        help="Candidate formats (of mxfp8, mxfp4, hifp8, nvfp4, mxfp8-rceil, mxfp4-rceil, "
+        "fp8-tensor, fp8-block, ...: as tensors formats).",
     ),
     sample: int | None = SampleOpt,
     jobs: int = JobsOpt,

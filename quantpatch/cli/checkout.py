@@ -67,10 +67,16 @@ def set_(
         None, "--wgrad", help="Value of the linear weight-gradient GEMM's site(s)."
     ),
     qk: str | None = typer.Option(
-        None, "--qk", help="Value of the Q.K^T site(s): bf16, mxfp8, mxfp4, hifp8, nvfp4."
+        None,
+        "--qk",
+        help="Value of the Q.K^T site(s): bf16, mxfp8, mxfp4, hifp8, nvfp4, "
+        "mxfp8-rceil, fp8-tensor, fp8-block, ... (every value: quantpatch list).",
     ),
     pv: str | None = typer.Option(
-        None, "--pv", help="Value of the P.V site(s): bf16, mxfp8, mxfp4, hifp8, nvfp4."
+        None,
+        "--pv",
+        help="Value of the P.V site(s): bf16, mxfp8, mxfp4, hifp8, nvfp4, "
+        "mxfp8-rceil, fp8-tensor, fp8-block, ... (every value: quantpatch list).",
     ),
     bf16_layers: str | None = typer.Option(
         None,

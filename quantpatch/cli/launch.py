@@ -343,7 +343,10 @@ def layout_(
 @app.command()
 def worktree(
     linear: str | None = typer.Option(
-        None, "--linear", help="Linear value: bf16, mxfp8, mxfp4, hifp8, nvfp4, nvfp4-2d."
+        None,
+        "--linear",
+        help="Linear value: bf16, mxfp8, mxfp4, hifp8, nvfp4, nvfp4-2d, "
+        "mxfp8-rceil, fp8-tensor, fp8-block, ... (every value: quantpatch list).",
     ),
     fprop: str | None = typer.Option(None, "--fprop", help="The linear forward GEMM's value."),
     dgrad: str | None = typer.Option(None, "--dgrad", help="The input-gradient GEMM's value."),
@@ -352,10 +355,16 @@ def worktree(
         None, "--bf16-layers", help="The BF16 layer policy (first:2,last:8, recipe, none)."
     ),
     qk: str | None = typer.Option(
-        None, "--qk", help="Q.K^T value: bf16, mxfp8, mxfp4, hifp8, nvfp4."
+        None,
+        "--qk",
+        help="Q.K^T value: bf16, mxfp8, mxfp4, hifp8, nvfp4, "
+        "mxfp8-rceil, fp8-tensor, fp8-block, ... (every value: quantpatch list).",
     ),
     pv: str | None = typer.Option(
-        None, "--pv", help="P.V value: bf16, mxfp8, mxfp4, hifp8, nvfp4."
+        None,
+        "--pv",
+        help="P.V value: bf16, mxfp8, mxfp4, hifp8, nvfp4, "
+        "mxfp8-rceil, fp8-tensor, fp8-block, ... (every value: quantpatch list).",
     ),
     scheme: str | None = typer.Option(
         None, "--scheme", help="A named scheme (see `list`); --linear/--qk/--pv override it."

@@ -98,7 +98,7 @@ from typing import Any
 import torch
 
 # the parts, one concern each (the names below are the public API, unchanged for the sites)
-from .quantpatch_fp8 import FP8_BLOCK
+from .quantpatch_fp8 import FP8_BLOCK, fp8_tensor
 from .quantpatch_mx import BLOCK, E2M1, E4M3, E5M2, SCALE_MAX, SCALE_MIN, round_element
 from .quantpatch_nvfp4 import (
     NV_BLOCK,
@@ -177,6 +177,7 @@ __all__ = [
     "flash_dot_product_attention",
     "flash_eligible",
     "flash_refusal",
+    "fp8_tensor",
     "gemm_choices",
     "grad_scale",
     "is_paretoq",
