@@ -928,14 +928,54 @@ def test_nvfp4_schemes_are_listed_chosen_by_name_and_by_all_but_not_by_default(r
         "nvfp4_recipe_no_bf16_layers",
         "nvfp4_recipe_no_2d",
     ]
-    assert reg.pick("schemes", ["all"]) == [*default, *nv, *paretoq, *recipe]
+    fp8 = [  # NVIDIA's MXFP8 recipe, the RCEIL values, TE's FP8 recipes (issue 45)
+        "mxfp8_recipe",
+        "linear_mxfp8-rceil",
+        "FA_linear_mxfp8-rceil",
+        "linear_mxfp4-rceil",
+        "linear_fp8-tensor",
+        "linear_fp8-block",
+    ]
+    assert reg.pick("schemes", ["all"]) == [*default, *nv, *paretoq, *recipe, *fp8]
     res = run("list")
-    assert res.code == 0 and all(n in res.out for n in nv)
+    assert res.code == 0 and all(n in res.out for n in nv + fp8)
     res = run("gen-scripts", "--out", tmp_path / "all", "--schemes", "all")
     assert res.code == 0, res
-    assert len(list((tmp_path / "all").rglob("*.sh"))) == 120  # 20 schemes x 3 models x 2 sets
+    assert len(list((tmp_path / "all").rglob("*.sh"))) == 156  # 26 schemes x 3 models x 2 sets
+    names = {p.name for p in (tmp_path / "all").rglob("*.sh")}
+    assert "pretrain_llama32-1b_dolma_linear_fp8-block.sh" in names
     res = run("gen-scripts", "--out", tmp_path / "one", "--schemes", "linear_nvfp4")
     assert res.code == 0, res
     paths = sorted((tmp_path / "one").rglob("*.sh"))
     assert len(paths) == 6 and all(p.name.endswith("_linear_nvfp4.sh") for p in paths)
     assert "readonly QUANT_LINEAR=nvfp4" in paths[0].read_text()
+
+
+def test_list_states_every_value_with_its_reference(run):
+    """``list --json`` carries the table of values (quantpatch.base.values); the text table
+    shows each value with its family, elements, block and scale rule."""
+    from quantpatch.base.config import QUANT_TYPES
+
+    res = run("list", "--json")
+    assert res.code == 0
+    values = {v["name"]: v for v in json.loads(res.out)["values"]}
+    assert set(values) == set(QUANT_TYPES)
+    assert values["mxfp8-rceil"] == {
+        "name": "mxfp8-rceil",
+        "roles": ["linear", "qk", "pv"],
+        "family": "mx",
+        "element_forward": "e4m3",
+        "element_gradient": "e4m3",
+        "block": [1, 32],
+        "weight_block": None,
+        "scale": "e8m0-rceil",
+        "rht": False,
+        "gradient_rounding": "nearest",
+        "reference": values["mxfp8-rceil"]["reference"],
+    }
+    assert "ScaleCalculationMode.RCEIL" in values["mxfp8-rceil"]["reference"]
+    assert values["fp8-block"]["weight_block"] == [128, 128]
+    assert values["nvfp4-2d"]["weight_block"] == [16, 16] and values["nvfp4-rht"]["rht"]
+    assert "NVFP4QuantizerRef" in values["nvfp4"]["reference"]
+    text = run("list").out
+    assert "e8m0-rceil" in text and "fp8-block" in text and "128 x 128" in text
