@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 import os
 import warnings
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -482,3 +483,49 @@ def test_products_give_the_gradient_element_to_the_gradient_operand_only() -> No
         qa = ops.fake_quant(g, value, backward=True)
         qb = ops.fake_quant(w, value, dim=-2, backward=b_backward)
         assert torch.equal(got, qa @ qb), value
+
+
+def test_fp8_block_weight_is_cached_once_for_forward_and_dgrad(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A weight's 128 x 128 tiles are the same for W and W^T and for both directions: the
+    weight cache quantizes it once per step for the forward and the dgrad product, and the
+    results equal those without the cache."""
+    from quantpatch.runtime import quantpatch_weights as wc
+
+    w = torch.nn.Parameter(_rows(256, 384, seed=13).float())
+    x = _rows(8, 384, seed=14).float()
+    g = _rows(8, 256, seed=15).float()
+    results = {}
+    for cache in ("1", "0"):
+        monkeypatch.setenv("QUANTPATCH_WEIGHT_CACHE", cache)
+        ops.weight_cache_clear()
+        seen: list[tuple[str, bool]] = []
+        real = wc.quantize
+
+        def spy(
+            t: torch.Tensor,
+            fmt: str,
+            *,
+            dim: int = -1,
+            backward: bool = False,
+            seen: list[tuple[str, bool]] = seen,
+            real: Callable[..., torch.Tensor] = real,
+        ) -> torch.Tensor:
+            if t.data_ptr() == w.data_ptr():
+                seen.append((fmt, backward))
+            return real(t, fmt, dim=dim, backward=backward)
+
+        with monkeypatch.context() as m:
+            m.setattr(wc, "quantize", spy)
+            with torch.no_grad():
+                y = ops.quant_matmul(x, w.t(), "fp8-block", weight="b")
+                dx = ops.quant_matmul(g, w, "fp8-block", backward=True, weight="b")
+        results[cache] = (y, dx)
+        if cache == "1":
+            assert seen == [("fp8-block-2d", False)]
+        else:
+            assert [f for f, _ in seen] == ["fp8-block-2d", "fp8-block-2d"]
+    assert all(torch.equal(a, b) for a, b in zip(results["1"], results["0"], strict=True))
+    want = _oracle_block(w.detach(), (128, 128))
+    assert torch.equal(results["1"][0], _oracle_block(x, (1, 128)) @ want.t())
