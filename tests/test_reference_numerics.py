@@ -529,3 +529,19 @@ def test_fp8_block_weight_is_cached_once_for_forward_and_dgrad(
     assert all(torch.equal(a, b) for a, b in zip(results["1"], results["0"], strict=True))
     want = _oracle_block(w.detach(), (128, 128))
     assert torch.equal(results["1"][0], _oracle_block(x, (1, 128)) @ want.t())
+
+
+def test_tensors_formats_measures_the_new_candidates_as_fake_quant_does() -> None:
+    """``tensors formats``' sums for the RCEIL and FP8 candidates are those of ``fake_quant``
+    on the whole tensor (fp8-tensor: one scale from the whole tensor's amax, though the sums
+    are taken slice by slice)."""
+    from quantpatch.analysis.tensor_metrics import formats_sums
+
+    x = _rows(1200, 1024, seed=16).float()
+    x[1100, 3] = 3e3  # the tensor's amax, outside the first slices
+    fmts = ("mxfp8-rceil", "mxfp4-rceil", "fp8-tensor", "fp8-block")
+    sums = formats_sums(x, fmts, -1, False)
+    for fmt in fmts:
+        q = ops.fake_quant(x, fmt).double()
+        noise = float(((x.double() - q) ** 2).sum())
+        assert sums[fmt].noise == pytest.approx(noise, rel=1e-9), fmt

@@ -268,8 +268,8 @@ def formats_sums(
     if t.dim() == 0:
         t, dim = t.reshape(1), 0
     t = t.detach()
-    if amax is None and any(f in ops.NVFP4_FORMATS for f in fmts):
-        amax = nv_amax(t)
+    if amax is None and any(f in (*ops.NVFP4_FORMATS, "fp8-tensor") for f in fmts):
+        amax = nv_amax(t)  # NVFP4's and fp8-tensor's scale: the whole tensor's
     out = {f: FormatSums() for f in fmts}
     weights_only = tuple(f for f in fmts if ops.is_paretoq(f))
     if weights_only:
