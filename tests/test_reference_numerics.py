@@ -485,12 +485,16 @@ def test_products_give_the_gradient_element_to_the_gradient_operand_only() -> No
         assert torch.equal(got, qa @ qb), value
 
 
-def test_fp8_block_weight_is_cached_once_for_forward_and_dgrad(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize(
+    ("value", "weight_fmt"), [("fp8-block", "fp8-block-2d"), ("fp8-tensor", "fp8-tensor")]
+)
+def test_fp8_weight_is_cached_once_for_forward_and_dgrad(
+    monkeypatch: pytest.MonkeyPatch, value: str, weight_fmt: str
 ) -> None:
-    """A weight's 128 x 128 tiles are the same for W and W^T and for both directions: the
-    weight cache quantizes it once per step for the forward and the dgrad product, and the
-    results equal those without the cache."""
+    """fp8-block's 128 x 128 weight tiles and fp8-tensor's one scale are the same for W and
+    W^T and for both directions (a weight is E4M3 in the dgrad product too): the weight cache
+    quantizes it once per step for the forward and the dgrad product, and the results equal
+    those without the cache and the plain arithmetic."""
     from quantpatch.runtime import quantpatch_weights as wc
 
     w = torch.nn.Parameter(_rows(256, 384, seed=13).float())
@@ -519,16 +523,22 @@ def test_fp8_block_weight_is_cached_once_for_forward_and_dgrad(
         with monkeypatch.context() as m:
             m.setattr(wc, "quantize", spy)
             with torch.no_grad():
-                y = ops.quant_matmul(x, w.t(), "fp8-block", weight="b")
-                dx = ops.quant_matmul(g, w, "fp8-block", backward=True, weight="b")
+                y = ops.quant_matmul(x, w.t(), value, weight="b")
+                dx = ops.quant_matmul(g, w, value, backward=True, weight="b")
         results[cache] = (y, dx)
         if cache == "1":
-            assert seen == [("fp8-block-2d", False)]
+            assert seen == [(weight_fmt, False)]
         else:
-            assert [f for f, _ in seen] == ["fp8-block-2d", "fp8-block-2d"]
+            assert [f for f, _ in seen] == [weight_fmt, weight_fmt]  # E4M3 either way
     assert all(torch.equal(a, b) for a, b in zip(results["1"], results["0"], strict=True))
-    want = _oracle_block(w.detach(), (128, 128))
-    assert torch.equal(results["1"][0], _oracle_block(x, (1, 128)) @ want.t())
+    if value == "fp8-block":
+        qw = _oracle_block(w.detach(), (128, 128))
+        qx, qg = _oracle_block(x, (1, 128)), _oracle_block(g, (1, 128))
+    else:
+        qw = _te_dequant(w.detach(), torch.float8_e4m3fn)
+        qx, qg = _te_dequant(x, torch.float8_e4m3fn), _te_dequant(g, torch.float8_e5m2)
+    assert torch.equal(results["1"][0], qx @ qw.t())
+    assert torch.equal(results["1"][1], qg @ qw)
 
 
 def test_tensors_formats_measures_the_new_candidates_as_fake_quant_does() -> None:

@@ -53,8 +53,9 @@ def _is_weight(t: torch.Tensor) -> bool:
 # forward/backward order would make an LRU evict every entry before its next use).
 # ``weight_cache_stats()`` reports hits, misses and the bytes held. ``QUANTPATCH_WEIGHT_CACHE=0``
 # turns the cache off. NVFP4's stochastically rounded operand (``backward=True``) is never cached:
-# its bits come from the generator's next draws, and a hit would skip them. HiF8 and ``nvfp4-2d``
-# quantize a weight alike for the forward and dgrad (elementwise; square tiles): one entry and
+# its bits come from the generator's next draws, and a hit would skip them. HiF8, ``nvfp4-2d``,
+# ``fp8-block`` (128 x 128 weight tiles) and ``fp8-tensor`` quantize a weight alike for the
+# forward and dgrad (elementwise; square tiles): one entry and
 # one quantization a step serve both, the transposed operand a view of it.
 
 _WEIGHT_CACHE_DEFAULT_MB = 8192
@@ -143,10 +144,14 @@ def _hook_optimizer_steps() -> None:
         _WEIGHT_CACHE.hooked = True
 
 
-def _layout_free(fmt: str, weight: torch.Tensor) -> bool:
+def _layout_free(fmt: str, weight: torch.Tensor, backward: bool) -> bool:
     """Whether ``fmt`` quantizes a weight alike along either dimension and in either direction
     (HiF8: elementwise; ``nvfp4-2d``: 16 x 16 tiles of a matrix and its tensor-wide scale,
-    rounded to nearest even, the only rounding a cached weight takes)."""
+    rounded to nearest even, the only rounding a cached weight takes; ``fp8-block``'s weight
+    tiles, 128 x 128, E4M3 both ways; ``fp8-tensor``: one scale, elementwise, E4M3 wherever a
+    product quantizes a weight, i.e. without ``backward``)."""
+    if fmt == "fp8-tensor":
+        return not backward
     return fmt == "hifp8" or (fmt in ("nvfp4-2d", "fp8-block-2d") and weight.dim() == 2)
 
 
@@ -167,7 +172,7 @@ def _weight_fake_quant(x: torch.Tensor, fmt: str, dim: int, backward: bool) -> t
         return quantize(x, fmt, dim=dim, backward=backward)
     _hook_optimizer_steps()
     base = x._base if x._base is not None else x
-    if _layout_free(fmt, base):
+    if _layout_free(fmt, base, backward):
         # one entry per weight: a view of it (``weight.t()``) is the same view of its quantized
         # values, and neither the dimension nor the direction changes them
         if x is not base and x.numel() == base.numel() and base.is_contiguous():
