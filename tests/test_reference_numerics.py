@@ -555,3 +555,20 @@ def test_tensors_formats_measures_the_new_candidates_as_fake_quant_does() -> Non
         q = ops.fake_quant(x, fmt).double()
         noise = float(((x.double() - q) ** 2).sum())
         assert sums[fmt].noise == pytest.approx(noise, rel=1e-9), fmt
+
+
+@pytest.mark.parametrize("value", ["mxfp8-rceil", "fp8-tensor", "fp8-block"])
+def test_kernels_pass_non_finite_through(triton_kernels: None, value: str) -> None:
+    """NaN and +-Inf through the kernels: kept where they are, left out of the scales, every
+    other element as the reference's; 0-d and empty tensors too."""
+    from quantpatch.runtime import quantpatch_quantize as qq
+
+    x = _rows(8, 256, seed=17)
+    x[1, 5], x[2, 130], x[3, 0] = float("nan"), float("inf"), -float("inf")
+    got, want = ops.fake_quant(x, value), qq._fake_quant(x, value, -1, False)
+    keep = torch.isfinite(x)
+    assert _mismatches(got[keep], want[keep]) == 0
+    assert torch.isnan(got[1, 5]) and got[2, 130] == float("inf") and got[3, 0] == -float("inf")
+    scalar = torch.tensor(3.3, dtype=torch.bfloat16)
+    assert _mismatches(ops.fake_quant(scalar, value), qq._fake_quant(scalar, value, -1, False)) == 0
+    assert ops.fake_quant(torch.empty(0, 4), value).shape == (0, 4)
