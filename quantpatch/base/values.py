@@ -57,7 +57,8 @@ def _value(
 
 _PARETOQ = (
     "ParetoQ's weight quantizers (Liu et al., arXiv 2502.02631), a learnable float32 step per "
-    "output row (w<b>g<N>: per row and group of N input columns); not a library's bit pattern"
+    "output row (the grouped values: per row and group of N input columns); not a library's "
+    "bit pattern"
 )
 
 VALUES: tuple[dict[str, Any], ...] = (
