@@ -10,6 +10,9 @@ from quantpatch.base.errors import UserError
 from quantpatch.checkout.demo import build_checkout
 from quantpatch.sites.discovery import discover
 
+NEW = ("mxfp8-rceil", "mxfp8-rceil-hybrid", "mxfp4-rceil", "fp8-tensor", "fp8-block")
+"""Issue 45's values, each with its row in the demo's table."""
+
 
 def test_demo_walks_and_restores_byte_identical(run, tmp_path):
     dest = tmp_path / "demo"
@@ -26,7 +29,7 @@ def test_demo_walks_and_restores_byte_identical(run, tmp_path):
     }
     per_format = {
         f"quantpatch/linear-{f}_qk-bf16_pv-bf16"
-        for f in ("bf16", "mxfp8", "mxfp4", "hifp8", "nvfp4", "w1.58", "w2")
+        for f in ("bf16", "mxfp8", "mxfp4", "hifp8", "nvfp4", "w1.58", "w2", *NEW)
     }
     assert {h.name for h in repo.heads} == {"main"} | walked | per_format
     # the whole package tree is there, not only the two target files
@@ -48,11 +51,16 @@ def test_demo_walks_and_restores_byte_identical(run, tmp_path):
             "nvfp4",
             "w1.58",
             "w2",
+            *NEW,
         ):
             rows[cells[0]] = [float(c) for c in cells[1:]]
     assert rows["bf16"] == [0.0, 0.0, 0.0]
-    for fmt in ("mxfp8", "mxfp4", "hifp8", "nvfp4"):
+    for fmt in ("mxfp8", "mxfp4", "hifp8", "nvfp4", *NEW):
         assert all(0.001 < e < 0.5 for e in rows[fmt]), (fmt, rows[fmt])
+    # RCEIL never saturates a block's largest element: E4M3 forward no worse than the floor
+    # rule's; E4M3 gradients (mxfp8-rceil) err less than E5M2 ones (the hybrid's)
+    assert rows["mxfp8-rceil"][0] == rows["mxfp8-rceil-hybrid"][0]
+    assert rows["mxfp8-rceil"][1] < rows["mxfp8-rceil-hybrid"][1]
     assert rows["mxfp4"][0] > rows["mxfp8"][0]  # 2 mantissa bits less than E4M3
     assert rows["nvfp4"][0] < rows["mxfp4"][0]  # E4M3 scales of 16, not powers of two of 32
     # ParetoQ: the weight quantized (ternary, 2-bit) with the first forward's step, activations
