@@ -83,7 +83,9 @@ VALUES: tuple[dict[str, Any], ...] = (
            "Format.HYBRID) and its dequantize"),
     _value("fp8-block", "fp8-block", "e4m3", "e4m3", [1, 128], "pow2",
            "DeepSeek-V3 blockwise FP8 (TransformerEngine Float8BlockScaling defaults: "
-           "pow_2_scales, eps 0); quantpatch's own oracle in tests/test_reference_numerics.py",
+           "pow_2_scales, eps 0): the formulas of TE's BlockwiseQuantizerReference "
+           "(tests/pytorch/references), proven against quantpatch's own oracle in "
+           "tests/test_reference_numerics.py",
            weight_block=[128, 128]),
     _value("hifp8", "hifp8", "hif8", "hif8", None, None,
            "HiFloat8 (Luo et al., arXiv 2409.16626) as docs/formats.md specifies it; no library "
