@@ -58,7 +58,8 @@ _MX_VALUES = {
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view({torch.bfloat16: torch.int16, torch.float32: torch.int32}[t.dtype])
+    ints = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+    return t.view(ints[t.dtype])
 
 
 def _mismatches(a: torch.Tensor, b: torch.Tensor) -> int:
@@ -373,7 +374,8 @@ _KERNEL_VALUES = [
 def test_kernels_bit_identical_to_reference(
     triton_kernels: None, value: str, backward: bool
 ) -> None:
-    """64 K values per case (bf16 and fp32, dims -1 and 0, an odd length) and the edge rows."""
+    """64 K values per case (bf16, fp16 and fp32, dims -1 and 0, an odd length) and the edge
+    rows."""
     from quantpatch.runtime import quantpatch_quantize as qq
 
     module = qq._fp8_kernels() if value.startswith("fp8") else qq.kernels()
@@ -386,7 +388,7 @@ def test_kernels_bit_identical_to_reference(
         return out
 
     x = _rows(64, 1024, seed=7)
-    cases = [(x, -1), (x.float(), -1), (x[:, :1000], -1), (x[:, :256], 0)]
+    cases = [(x, -1), (x.float(), -1), (x[:, :1000], -1), (x[:, :256], 0), (x.half(), -1)]
     cases += [(_edges(256, torch.bfloat16), -1), (_edges(256, torch.float32), -1)]
     with pytest.MonkeyPatch.context() as mp, np.errstate(over="ignore"):
         mp.setattr(module, "fake_quant", spy)
