@@ -324,7 +324,7 @@ def _nvfp4_kernel(
         bmax = tl.max(tl.reshape(mags, (BLOCK_R, BLOCK_N // 16, 16)), axis=2)
         bmax = tl.broadcast_to(bmax[:, :, None], (BLOCK_R, BLOCK_N // 16, 16))
     bmax = tl.reshape(bmax, (BLOCK_R, BLOCK_N))
-    u = 0.0
+    u = tl.zeros((BLOCK_R, BLOCK_N), tl.float32)  # unread without stochastic rounding
     if SR:
         u = tl.load(u_ptr + offs, mask=inside, other=0).to(tl.float32)
     res = nv_fake_quant(v, finite, bmax, amax, u, SR)

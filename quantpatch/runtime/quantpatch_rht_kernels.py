@@ -92,7 +92,7 @@ def _rht_nvfp4_kernel(x_ptr, m_ptr, y_ptr, u_ptr, amax_ptr, rows, n, sr, sn,
                       (BLOCK_R, BLOCK_N))  # fmt: skip
     out_offs = r[:, None].to(tl.int64) * n + c[None, :].to(tl.int64)
     inside = (r[:, None] < rows) & (c[None, :] < n)
-    u = 0.0
+    u = tl.zeros((BLOCK_R, BLOCK_N), tl.float32)  # unread without stochastic rounding
     if SR:
         u = tl.load(u_ptr + out_offs, mask=inside, other=0).to(tl.float32)
     res = nv_fake_quant(v, finite, bmax, amax, u, SR)
