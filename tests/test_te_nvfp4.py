@@ -10,6 +10,9 @@ shapes."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -179,3 +182,36 @@ def test_the_kernels_equal_te(kernels, dtype):
     want = te_nvfp4_dequant(codes, scales, amax, (1, 16)).to(dtype)
     got = rk.rht_nvfp4(x, -1, None, rht.transform_matrix())
     assert torch.equal(got.view(it), want.view(it))
+
+
+# -- tensor parallelism: the tensor each per-tensor amax is taken over ------------------------
+
+TP_WORKER = Path(__file__).with_name("nvfp4_tp_worker.py")
+
+
+@pytest.mark.slow
+def test_tensor_parallel_amax_follows_tes_reduction_rule(run, make_checkout, tmp_path):
+    """TP = 2 with sequence parallelism (two processes, gloo, CPU), ``--linear nvfp4``: the
+    column-parallel layer's input is quantized with the amax of the whole all-gathered input
+    (TE reduces that amax over the group), the row-parallel layer's input and each weight shard
+    with their own rank's (TE reduces neither); the other rule gives other outputs."""
+    root = make_checkout("0.13.1", inject=False, full=True)
+    assert run("init", "--repo", root).code == 0
+    assert run("set", "--repo", root, "--linear", "nvfp4").code == 0
+    out = tmp_path / "tp.pt"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TENSOR_SAVE")}
+    env.pop("CUSTOM_QUANT_TYPE", None)
+    env["PYTHONPATH"] = str(root)
+    res = subprocess.run(
+        [sys.executable, str(TP_WORKER), str(out)],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    for rank, got in enumerate(torch.load(out)):
+        assert got["x_amax_shard_differs"] or rank == 1, got  # rank 0's shard is the small one
+        assert got["col_is_te"] and got["row_is_te"], (rank, got)
+        assert not got["col_is_other"] and not got["row_is_other"], (rank, got)
