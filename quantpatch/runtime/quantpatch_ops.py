@@ -39,9 +39,11 @@ Formats (OCP Microscaling v1.0; Luo et al., arXiv 2409.16626 for HiFloat8):
   ``torch.nn.Parameter`` or a view of one such as ``weight.t()``; every other operand is
   ``nvfp4``.
 * ``nvfp4-rht``: ``nvfp4`` after a random Hadamard transform of both operands along the
-  reduction dimension (NVIDIA's recipe for the weight-gradient GEMM): ``quantpatch_rht.py``,
-  installed beside this file. ``fake_quant`` returns the quantized values taken back through
-  the inverse transform (same shape, comparable with the input).
+  reduction dimension (NVIDIA's recipe for the weight-gradient GEMM), TE 2.20.2's transform
+  bit for bit: ``quantpatch_rht.py``, installed beside this file. The reduction length must be
+  a multiple of 16 (a ``ValueError`` names the shape otherwise, as TE refuses it).
+  ``fake_quant`` returns the quantized values taken back through the inverse transform (same
+  shape, comparable with the input).
 * ``hifp8``: per tensor, no scale: 3/2/1 mantissa bits for |e| <= 3/7/15, powers of two
   2^-22..2^-16 below 2^-15, zero below, saturation at 2^15, ties away from zero.
 * ``bf16``: the identity.
