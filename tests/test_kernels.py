@@ -308,10 +308,12 @@ def check_nv(
     backward: bool = False,
     rand: torch.Tensor | None = None,
 ) -> None:
-    """The kernel against the reference, given the same uniforms when rounding stochastically."""
+    """The kernel against the reference, given the same random bits (8 per element) when
+    rounding stochastically."""
     x = x.to(DEVICE)
     if rand is None:
-        rand = torch.rand(x.shape, generator=torch.Generator().manual_seed(x.numel()))
+        gen = torch.Generator().manual_seed(x.numel())
+        rand = torch.randint(0, 256, x.shape, generator=gen, dtype=torch.uint8)
     rand = rand.to(DEVICE)
     got = kernels.fake_quant(x, fmt, dim, backward, rand)
     ref = qz._fake_quant(x, fmt, dim, backward, rand)
@@ -368,14 +370,16 @@ def test_nvfp4_through_ops_draws_the_same_bits_on_either_path(kernels, monkeypat
             assert_same(prod, _reference(ops.quant_matmul, x, weight.t(), fmt))
 
 
-def test_nvfp4_stochastic_rounding_at_uniforms_equal_to_the_fraction(kernels):
-    """Rows [6, every E2M1 midpoint]: p = x, the fraction 1/2; uniforms of exactly 1/2 (not
-    below it: rounded down), 0 (rounded up) and just below 1/2 (up)."""
+def test_nvfp4_stochastic_rounding_at_bits_equal_to_the_threshold(kernels):
+    """Rows [6, every E2M1 midpoint, a fraction 2^-9]: p = x, the fraction 1/2 (threshold
+    floor(256 / 2) = 128); bits 128 (not below it: rounded down), 0 (up) and 127 (up); the
+    fraction 2^-9 < 1/256 never goes up."""
     mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 0.125, 5.5])
-    row = torch.cat([torch.tensor([6.0]), mids, -mids[:6]])
+    row = torch.cat([torch.tensor([6.0]), mids, -mids[:5], torch.tensor([1.0 + 2.0**-10])])
     x = row.expand(3, 16).contiguous()
-    rand = torch.tensor([[0.5], [0.0], [0.5 - 2.0**-24]]).expand(3, 16)
+    rand = torch.tensor([[128], [0], [127]], dtype=torch.uint8).expand(3, 16)
     for fmt in NV:
         check_nv(kernels, x, fmt, backward=True, rand=rand)
         got = kernels.fake_quant(x.to(DEVICE), fmt, -1, True, rand.to(DEVICE)).cpu()
         assert got[0, 2].item() == 0.5 and got[1, 2].item() == 1.0 and got[2, 2].item() == 1.0
+        assert got[:, 15].tolist() == [1.0, 1.0, 1.0]

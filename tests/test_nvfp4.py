@@ -18,51 +18,52 @@ E2M1_GRID = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], dtype=np.float64)
 
 
 def _block_oracle(
-    block: np.ndarray, g: np.float32, rand: np.ndarray | None
+    block: np.ndarray, g: np.float32, dec: np.float32, bits: np.ndarray | None
 ) -> tuple[np.ndarray, np.float32]:
-    """One block (float32, any shape) quantized and dequantized, and its E4M3 scale."""
+    """One block (float32, any shape) quantized and dequantized, and its E4M3 scale, in
+    TransformerEngine 2.20.2's order of float32 operations (``NVFP4QuantizerRef``)."""
     finite = np.isfinite(block)
     mags = np.where(finite, np.abs(block), F32(0)).astype(F32)
     bmax = F32(mags.max())
-    s = F32(F32(bmax / F32(6)) * g)
-    s = F32(np.minimum(s, F32(448)).astype(ml_dtypes.float8_e4m3fn).astype(F32))
+    m = F32(g * F32(F32(1) / F32(6)))
+    s = F32(np.minimum(F32(bmax * m), F32(448)).astype(ml_dtypes.float8_e4m3fn).astype(F32))
+    with np.errstate(divide="ignore", over="ignore"):
+        enc = F32(min(F32(F32(1) / F32(s * F32(F32(1) / g))), np.finfo(F32).max))
     out = np.empty_like(block)
     for i in np.ndindex(*block.shape):
         x = block[i]
         if not np.isfinite(x):
             out[i] = x
             continue
-        if s == 0:
-            out[i] = np.copysign(F32(0), x)
-            continue
-        p = F32(F32(x * g) / s)
-        if rand is None:
-            q = F32(np.clip(p, -6, 6).astype(ml_dtypes.float4_e2m1fn).astype(F32))
+        with np.errstate(over="ignore"):
+            scaled = F32(x * enc)
+        p = min(abs(float(scaled)), 6.0)
+        if bits is None:
+            q = float(F32(p).astype(ml_dtypes.float4_e2m1fn).astype(F32))
         else:
-            a = min(abs(float(p)), 6.0)
-            lo = max(v for v in E2M1_GRID if v <= a)
-            hi = min(v for v in E2M1_GRID if v >= a)
-            frac = 0.0 if hi == lo else (a - lo) / (hi - lo)
-            q = F32(np.copysign(hi if float(rand[i]) < frac else lo, float(x)))
-        out[i] = F32(F32(q * s) / g)
+            lo = max(v for v in E2M1_GRID if v <= p)
+            hi = min(v for v in E2M1_GRID if v >= p)
+            frac = 0.0 if hi == lo else (p - lo) / (hi - lo)
+            q = hi if int(bits[i]) < int(np.floor(256 * frac)) else lo
+        q = F32(-q if scaled < 0 else q)
+        out[i] = F32(q * F32(s * dec))
     return out, s
 
 
 def nvfp4_oracle(
     x: torch.Tensor, dim: int = -1, two_d: bool = False, rand: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """NVFP4 as specified: g = 448 * 6 / amax (1 for amax 0), per block s = E4M3(amax_b / 6 *
-    g), q = E2M1(x * g / s), x^ = q * s / g, all in float32; blocks of 16 along ``dim`` or
-    16 x 16 tiles of the last two dimensions."""
+    """NVFP4 as TE 2.20.2 computes it, in float32: g = min(2688 / amax, FLT_MAX), per block
+    s = E4M3(amax_b * (g * (1/6))), q = E2M1(x * (1 / (s * (1/g)))) (negative iff x times that
+    is), x^ = q * (s * (amax / 2688)); blocks of 16 along ``dim`` or 16 x 16 tiles of the last
+    two dimensions; ``rand``: 8 random bits per element (uint8), up iff r < floor(256 f)."""
     v = x.detach().float().cpu().numpy().astype(F32)
     r = None if rand is None else rand.cpu().numpy()
     finite = np.isfinite(v)
     amax = F32(np.where(finite, np.abs(v), F32(0)).max()) if v.size else F32(0)
-    if amax == 0:
-        g = F32(1)
-    else:
-        with np.errstate(over="ignore"):
-            g = F32(min(F32(F32(2688) / amax), np.finfo(F32).max))
+    with np.errstate(divide="ignore", over="ignore"):
+        g = F32(min(F32(F32(2688) / amax), np.finfo(F32).max))
+    dec = F32(amax / F32(2688))
     out = np.empty_like(v)
     if two_d and v.ndim >= 2:
         rows, cols = v.shape[-2:]
@@ -70,14 +71,14 @@ def nvfp4_oracle(
             for r0 in range(0, rows, 16):
                 for c0 in range(0, cols, 16):
                     idx = (*lead, slice(r0, r0 + 16), slice(c0, c0 + 16))
-                    out[idx] = _block_oracle(v[idx], g, None if r is None else r[idx])[0]
+                    out[idx] = _block_oracle(v[idx], g, dec, None if r is None else r[idx])[0]
     else:
         vm, om = np.moveaxis(v, dim, -1), np.moveaxis(out, dim, -1)
         rm = None if r is None else np.moveaxis(r, dim, -1)
         for lead in np.ndindex(*vm.shape[:-1]):
             for c0 in range(0, vm.shape[-1], 16):
                 idx = (*lead, slice(c0, c0 + 16))
-                om[idx] = _block_oracle(vm[idx], g, None if rm is None else rm[idx])[0]
+                om[idx] = _block_oracle(vm[idx], g, dec, None if rm is None else rm[idx])[0]
     result = torch.from_numpy(out)
     if x.dtype == torch.bfloat16:  # the float32 result rounded to bf16 by ml_dtypes
         return torch.from_numpy(out.astype(ml_dtypes.bfloat16).view(np.int16)).view(x.dtype)
@@ -155,7 +156,8 @@ def test_tiny_and_huge_tensor_scales():
 def test_zero_tensor_nan_and_inf():
     z = torch.zeros(3, 32)
     z[1, 4] = -0.0
-    assert_bits(ops.fake_quant(z, "nvfp4"), z)
+    # TE's code for -0 is +0 (x * enc < 0 is false): every element comes back +0
+    assert_bits(ops.fake_quant(z, "nvfp4"), torch.zeros(3, 32))
     x = _mixed((4, 32), 5)
     x[0, 3], x[1, 20], x[2, 7] = float("nan"), float("inf"), -float("inf")
     x[3, :16] = float("nan")
@@ -186,7 +188,8 @@ def test_backward_stochastic_rounding_matches_the_oracle_with_the_same_bits(
     x = _mixed((32, 48), 13).to(dtype)
     got1, got2 = ops.fake_quant(x, fmt, backward=True), ops.fake_quant(x, fmt, backward=True)
     gen = torch.Generator().manual_seed(20)  # 17 + rank 3
-    u1, u2 = torch.rand(x.shape, generator=gen), torch.rand(x.shape, generator=gen)
+    u1 = torch.randint(0, 256, x.shape, generator=gen, dtype=torch.uint8)
+    u2 = torch.randint(0, 256, x.shape, generator=gen, dtype=torch.uint8)
     two_d = fmt == "nvfp4-2d"
     assert_bits(got1, nvfp4_oracle(x, two_d=two_d, rand=u1))
     assert_bits(got2, nvfp4_oracle(x, two_d=two_d, rand=u2))
@@ -199,32 +202,49 @@ def test_backward_stochastic_rounding_matches_the_oracle_with_the_same_bits(
     assert not torch.equal(ops.fake_quant(x, fmt, backward=True), got1)  # another rank's bits
 
 
-def test_stochastic_rounding_at_uniforms_equal_to_the_fraction():
-    """p = x (amax 6): a midpoint goes down for a uniform of exactly 1/2, up just below it."""
+def test_stochastic_rounding_at_bits_equal_to_the_threshold():
+    """p = x (amax 6): a midpoint (f = 1/2, threshold floor(256 f) = 128) goes up for the bits
+    0 and 127 and down for 128 and 255; f = 2^-9 (< 1/256) never goes up."""
     mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 0.125, 5.5, -0.75, -5.0])
-    x = torch.cat([torch.tensor([6.0]), mids, torch.zeros(4)]).expand(3, 16).contiguous()
-    rand = torch.tensor([[0.5], [0.0], [0.5 - 2.0**-24]]).expand(3, 16).contiguous()
+    tiny = torch.tensor([1.0 + 2.0**-10, 4.0 + 2.0**-8])  # fractions 2^-9 of 0.5 and of 2
+    x = torch.cat([torch.tensor([6.0]), mids, tiny, torch.zeros(2)]).expand(4, 16).contiguous()
+    rand = torch.tensor([[0], [127], [128], [255]], dtype=torch.uint8).expand(4, 16).contiguous()
     got = qz._fake_quant(x, "nvfp4", -1, True, rand)
     assert_bits(got, nvfp4_oracle(x, rand=rand))
-    assert got[:, 2].tolist() == [0.5, 1.0, 1.0] and got[:, 10].tolist() == [-0.5, -1.0, -1.0]
-
-
-def test_stochastic_rounding_is_unbiased_and_nearest_even_is_not():
-    """Rows of one block [6, values]: amax 6, so g = 448, s = 448 and x * g / s = x. Over many
-    rows the mean error of each value is within 3 standard errors of 0."""
-    ops.reset_sr_generators()
-    vals = torch.tensor(
-        [0.1, 0.3, 0.6, 0.8, 1.1, 1.3, 1.7, 2.2, 2.9, 3.3, 3.8, 4.4, 5.1, 5.9, 0.05]
+    assert (
+        got[:, 2].tolist() == [1.0, 1.0, 0.5, 0.5]
+        and got[:, 10].tolist() == [-1.0] * 2 + [-0.5] * 2
     )
-    n = 20000
-    x = torch.cat([torch.full((n, 1), 6.0), vals.expand(n, 15)], dim=1)
-    q = ops.fake_quant(x, "nvfp4", backward=True).double()
-    err = q[:, 1:] - x[:, 1:].double()
-    mean, se = err.mean(dim=0), err.std(dim=0) / n**0.5
-    assert bool((se > 0).all())  # both neighbours were drawn for every value
-    assert bool((mean.abs() < 3 * se).all()), (mean, se)
-    rne = ops.fake_quant(x, "nvfp4").double()[:, 1:] - x[:, 1:].double()
-    assert bool((rne.mean(dim=0).abs() > 3 * se).any())  # the test can tell bias apart
+    assert got[:, 12].tolist() == [1.0] * 4 and got[:, 13].tolist() == [4.0] * 4
+
+
+def test_stochastic_rounding_goes_up_with_probability_floor_256f_over_256():
+    """The hardware's granularity (8 random bits, ``cvt.rs``): P(up) = floor(256 f) / 256.
+    One block [2688] makes g = 1, so the rows [6, values] have s = 1 and x * enc = x exactly.
+    Fixed seed; each count within 6 binomial standard deviations of n P (about 1e-9 to fail by
+    chance), a fraction below 1/256 never up, and one just below 2/256 (P = 1/256) apart from
+    a uniform draw's P = f by more than 10 of them."""
+    ops.reset_sr_generators()
+    fracs = [2.0**-9, 2 / 256 - 2.0**-20, 0.3, 0.5, 0.75 + 2.0**-12, 255.5 / 256, 1 - 2.0**-20]
+    lows = [1.0, 4.0, 0.5, 2.0, 3.0]  # spacings 0.5, 2, 0.5, 1, 1
+    steps = [0.5, 2.0, 0.5, 1.0, 1.0]
+    vals = [lo + st * f for lo, st in zip(lows, steps, strict=True) for f in fracs][:15]
+    n = 40000
+    row = torch.tensor([6.0, *vals])
+    x = torch.cat([torch.tensor([[2688.0] + [0.0] * 15]), row.expand(n, 16)])
+    q = ops.fake_quant(x, "nvfp4", backward=True)[1:, 1:].double()
+    for j, v in enumerate(vals):
+        lo, st = lows[j // len(fracs)], steps[j // len(fracs)]
+        f = (float(torch.tensor(v)) - lo) / st  # the float32 value's own fraction
+        p = np.floor(256 * f) / 256
+        ups = int((q[:, j] > v).sum())
+        assert int(((q[:, j] != lo) & (q[:, j] != lo + st)).sum()) == 0
+        sd = (n * p * (1 - p)) ** 0.5
+        assert abs(ups - n * p) <= 6 * sd, (v, f, ups, n * p)
+        if f < 1 / 256:
+            assert ups == 0
+        if abs(f - (2 / 256 - 2.0**-20)) < 1e-12:
+            assert abs(ups - n * f) > 10 * sd  # the uniform rule's P = f is told apart
 
 
 def test_products_round_the_gradient_stochastically_and_tile_the_weight_only():
@@ -234,7 +254,8 @@ def test_products_round_the_gradient_stochastically_and_tile_the_weight_only():
     assert_bits(ops.quant_matmul(a, b, "nvfp4"), want)
     assert_bits(ops.quant_matmul(a, b, "nvfp4-2d"), want)  # no Parameter: 1-D blocks
     got = ops.quant_matmul(a, b, "nvfp4", backward=True)
-    u = torch.rand(a.shape, generator=torch.Generator().manual_seed(ops.sr_seed()))
+    gen = torch.Generator().manual_seed(ops.sr_seed())
+    u = torch.randint(0, 256, a.shape, generator=gen, dtype=torch.uint8)
     assert_bits(got, torch.matmul(nvfp4_oracle(a, rand=u), nvfp4_oracle(b, dim=0)))
     weight = torch.nn.Parameter(_mixed((16, 32), 23))
     with torch.no_grad():
@@ -277,19 +298,22 @@ def test_straight_through_gradient():
 
 
 def _metrics_oracle(x: torch.Tensor, amax: float) -> dict[str, float | int]:
-    """Counts and SQNR from the definition: an element overflows where |x| * g / s > 6, a
-    block's E4M3 scale saturated (amax_b / 6 * g > 448) or flushed (nonzero block, s = 0)."""
-    g = F32(1) if amax == 0 else F32(min(F32(F32(2688) / F32(amax)), np.finfo(F32).max))
+    """Counts and SQNR from the definition (TE's order): an element overflows where
+    |x| * (1 / (s * (1/g))) > 6, a block's E4M3 scale saturated (amax_b * (g * (1/6)) past 448)
+    or flushed (nonzero block, s = 0)."""
+    g = F32(min(F32(F32(2688) / F32(amax)), np.finfo(F32).max))
+    m = F32(g * F32(F32(1) / F32(6)))
     v = x.numpy().astype(F32)
     over = clipped = saturated = 0
     for row in v:
         for c0 in range(0, row.shape[0], 16):
             block = row[c0 : c0 + 16]
-            raw = F32(F32(np.abs(block).max() / F32(6)) * g)
+            raw = F32(np.abs(block).max() * m)
             s = F32(np.minimum(raw, F32(448)).astype(ml_dtypes.float8_e4m3fn).astype(F32))
             unsaturated = raw.astype(ml_dtypes.float8_e4m3fn)  # NaN past E4M3's range
             clipped += int(bool(np.isnan(unsaturated)) or (np.abs(block).max() > 0 and s == 0))
-            n = int((np.abs(block) * g / s > 6).sum()) if s > 0 else 0
+            enc = F32(F32(1) / F32(s * F32(F32(1) / g))) if s > 0 else F32(0)
+            n = int((np.abs(block) * enc > 6).sum()) if s > 0 else 0
             over, saturated = over + n, saturated + int(n > 0)
     g_x = x.double().numpy()
     q = nvfp4_oracle(x).double().numpy() if amax == float(x.abs().max()) else None

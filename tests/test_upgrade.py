@@ -4,6 +4,7 @@ still come off byte for byte."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -153,3 +154,45 @@ def test_the_fork_clone_is_upgraded_and_its_own_saver_callers_keep_working(run, 
     assert run("saver", "remove", "--repo", clone).code == 0
     assert run("init", "--repo", clone, "--remove").code == 0
     assert snapshot(clone)["files"] == before  # every byte, the fork's own saver included
+
+
+BEFORE_TE = Path(__file__).parent / "data/before_te_nvfp4"
+"""``quantpatch_nvfp4.py`` and ``quantpatch_rht.py`` as the version before issue 45 installed
+them (NVFP4 in its own order, uniform stochastic rounding, its own RHT sign vector)."""
+
+
+def test_a_checkout_with_the_nvfp4_runtime_before_te_numerics_is_older_and_upgraded(
+    run, make_checkout
+):
+    """A checkout initialised before the NVFP4 arithmetic became TransformerEngine's keeps the
+    old runtime files: ``check`` calls its ops part older (the installed files are not this
+    version's), and ``upgrade`` installs the new ones in one commit."""
+    root = make_checkout(inject=False)
+    assert run("init", "--repo", root).code == 0
+    state = root / ".git/quantpatch/init/record.json"
+    record = json.loads(state.read_text())
+    for name in ("quantpatch_nvfp4.py", "quantpatch_rht.py"):
+        rel = f"megatron/core/{name}"
+        text = (BEFORE_TE / name).read_text(encoding="utf-8")
+        assert text != runtime_source(rel)
+        (root / rel).write_text(text, encoding="utf-8")
+        record["files"][rel]["written"] = hashlib.sha256(text.encode("utf-8")).hexdigest()
+    state.write_text(json.dumps(record, indent=2) + "\n")
+    repo = git.Repo(root)
+    repo.git.add("-A", "megatron")
+    repo.git.commit("-qm", "quantpatch init: (before TE's NVFP4 numerics)")
+    old = (root / "megatron/core/quantpatch_nvfp4.py").read_text()
+    assert "(bmax / 6.0) * g" in old and "torch.rand(" in old  # the old arithmetic, installed
+
+    assert _parts(run, root)["ops"] == "older"
+    res = run("check", "--repo", root, "--expect", "parts=current")
+    assert res.code == 1 and "ops is older" in res.err
+    head = repo.head.commit
+    res = run("upgrade", "--repo", root)
+    assert res.code == 0, res
+    assert repo.head.commit.parents == (head,) and not repo.is_dirty()
+    for rel in OPS_MODULES:
+        assert (root / rel).read_text() == runtime_source(rel), rel
+    new = (root / "megatron/core/quantpatch_nvfp4.py").read_text()
+    assert "TransformerEngine 2.20.2" in new and "sr_bits" in new
+    assert set(_parts(run, root).values()) == {"current"}

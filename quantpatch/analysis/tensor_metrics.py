@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from quantpatch.runtime import quantpatch_nvfp4 as nvq
 from quantpatch.runtime import quantpatch_ops as ops
 
 # tensor name -> (reduction dimension in its GEMM, backward element type)
@@ -309,13 +310,13 @@ def _nv_blocks(
             mags = torch.nn.functional.pad(mags, (0, pad))
         blocks = mags.reshape(-1, ops.NV_BLOCK)
     bmax = blocks.amax(dim=-1, keepdim=True)
-    g = ops.nv_global_scale(amax)
-    raw = (bmax / 6.0) * g
-    s = ops.round_element(raw, ops.E4M3)
+    g = nvq.nv_global_scale(amax)
+    raw = bmax * (g * torch.reciprocal(torch.full_like(g, 6.0)))  # TE's order (quantpatch_nvfp4)
+    s = nvq.nv_block_scale(bmax, g)
     # saturated: nearest even would go past 448 (to 480: at or above the midpoint 464); raw is
     # 448 and a rounding error at most for the block of the tensor's own amax
     clipped = (raw >= 464.0) | ((bmax > 0) & (s == 0))
-    over = (blocks * g) / torch.where(s > 0, s, torch.ones_like(s)) > ops.E2M1[2]
+    over = blocks * nvq.nv_encode_scale(s, g) > ops.E2M1[2]
     over &= s > 0
     per_block = over.sum(dim=-1)
     return int(per_block.sum()), blocks.shape[0], int((per_block > 0).sum()), int(clipped.sum())
@@ -450,9 +451,10 @@ def rht_sums(t: torch.Tensor, wgrad_operand: bool) -> FormatSums:
     (every leading dimension, flattened) are the reduction dimension, transformed in blocks
     of 16 and quantized (nearest even), then taken back through the inverse transform, so
     the error is the one the product sees; overflows and saturated blocks are counted on the
-    transformed tensor. Any other tensor: not applicable."""
+    transformed tensor. Any other tensor, and a token count that is not a multiple of 16
+    (which ``nvfp4-rht`` refuses, as TransformerEngine does): not applicable."""
     out = FormatSums()
-    if not wgrad_operand or t.dim() < 2:
+    if not wgrad_operand or t.dim() < 2 or (t.numel() // max(t.shape[-1], 1)) % 16:
         out.not_applicable = 1
         return out
     from quantpatch.runtime import quantpatch_rht as rht

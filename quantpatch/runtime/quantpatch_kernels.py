@@ -20,8 +20,9 @@ PyTorch reference without a GPU.
   reduction dimension (or 16 x 16 tiles of the last two dimensions of the contiguous tensor),
   E4M3 block scales and the per-tensor scale from the tensor's amax, which one torch
   reduction computes before the launch (a grid-wide maximum cannot be taken inside one
-  pass). The divisions are ``div_rn`` (correctly rounded, as PyTorch's); stochastic
-  rounding (``backward``) reads the caller's uniforms, laid out with the input's strides.
+  pass). TransformerEngine 2.20.2's order of operations (``nv_fake_quant``); the divisions
+  are ``div_rn`` (correctly rounded, as PyTorch's); stochastic rounding (``backward``) reads
+  the caller's 8 random bits per element, laid out with the input's strides.
 * The MX and HiF8 kernels are autotuned over a small fixed set of tiles, once per shape class
   (``_MX_CONFIGS``, ``_HIFP8_CONFIGS``); the interpreter runs the first of a layout.
 * ``quant_gemm``: a GEMM that MX- or HiF8-quantizes its operands in the tile loop (K-tiles of
@@ -275,6 +276,38 @@ def round_nonneg(p, MBITS: tl.constexpr, EMIN: tl.constexpr, VMAX: tl.constexpr)
 
 
 @triton.jit
+def nv_fake_quant(v, finite, bmax, amax, u, SR: tl.constexpr):
+    """NVFP4 of float32 ``v`` (``finite``: where it is; ``bmax``: each element's block
+    maximum; ``amax``: the tensor's, broadcast; ``u``: 8 random bits per element as float32
+    where ``SR``), dequantized to float32, in the reference's order (TE 2.20.2's; see
+    ``quantpatch_nvfp4``): ``g = min(2688 / A, FLT_MAX)``, ``s = E4M3(min(b * (g * fl(1/6)),
+    448))``, ``enc = min(1 / (s * fl(1 / g)), FLT_MAX)``, ``q = E2M1(clamp(x * enc, +-6))``
+    negative iff ``x * enc < 0``, result ``q * (s * (A / 2688))``; non-finite ``v`` unchanged."""
+    fmax = 3.4028234663852886e38
+    one = tl.full(v.shape, 1.0, tl.float32)
+    g = tl.where(amax > 0, tl.math.div_rn(one * 2688.0, tl.where(amax > 0, amax, 1.0)), fmax)
+    g = tl.minimum(g, fmax)  # the division overflows for an amax below ~7.9e-36
+    m = g * tl.math.div_rn(one, one * 6.0)
+    s = round_nonneg(tl.minimum(bmax * m, 448.0), 3, -6, 448.0)  # the block's E4M3 scale
+    sd = s * tl.math.div_rn(one, g)
+    enc = tl.minimum(tl.math.div_rn(one, tl.where(sd > 0, sd, 1.0)), fmax)
+    enc = tl.where(sd > 0, enc, fmax)
+    scaled = tl.where(finite, v, 0.0) * enc
+    p = tl.minimum(tl.abs(scaled), 6.0)
+    if SR:  # 8 random bits: up iff r < floor(256 * fraction) (the hardware's cvt.rs)
+        e = tl.where(p < 1.0, 0, floor_log2(tl.where(p < 1.0, 1.0, p)))
+        y = p * pow2(1 - e)  # exact: p / quantum
+        low = tl.floor(y)
+        up = u < tl.floor((y - low) * 256.0)
+        q = tl.minimum(tl.where(up, low + 1.0, low) * pow2(e - 1), 6.0)
+    else:
+        q = round_nonneg(p, 1, 0, 6.0)
+    q = tl.where(scaled < 0, -q, q)
+    dec = tl.math.div_rn(amax, one * 2688.0)
+    return tl.where(finite, q * (s * dec), v)
+
+
+@triton.jit
 def _nvfp4_kernel(
     x_ptr,
     y_ptr,
@@ -303,12 +336,7 @@ def _nvfp4_kernel(
     a = tl.abs(v)
     finite = a < float("inf")  # False for +-Inf and NaN
     mags = tl.where(finite, a, 0.0)
-    # the tensor's scale g = 448 * 6 / amax (1 for amax 0, at most the float32 maximum)
     amax = tl.load(amax_ptr + tl.zeros((BLOCK_R, BLOCK_N), tl.int32))
-    g = tl.math.div_rn(
-        tl.full((BLOCK_R, BLOCK_N), 2688.0, tl.float32), tl.where(amax > 0, amax, 1.0)
-    )
-    g = tl.where(amax > 0, tl.minimum(g, 3.4028234663852886e38), 1.0)
     if TWO_D:
         tiles = tl.reshape(mags, (BLOCK_R // 16, 16, BLOCK_N // 16, 16))
         bmax = tl.max(tl.max(tiles, axis=3), axis=1)  # [BLOCK_R // 16, BLOCK_N // 16]
@@ -317,22 +345,10 @@ def _nvfp4_kernel(
         bmax = tl.max(tl.reshape(mags, (BLOCK_R, BLOCK_N // 16, 16)), axis=2)
         bmax = tl.broadcast_to(bmax[:, :, None], (BLOCK_R, BLOCK_N // 16, 16))
     bmax = tl.reshape(bmax, (BLOCK_R, BLOCK_N))
-    six = tl.full((BLOCK_R, BLOCK_N), 6.0, tl.float32)
-    s = round_nonneg(tl.math.div_rn(bmax, six) * g, 3, -6, 448.0)  # the block's E4M3 scale
-    usable = finite & (s > 0)
-    p = tl.where(usable, tl.math.div_rn(mags * g, tl.where(usable, s, 1.0)), 0.0)
+    u = tl.zeros((BLOCK_R, BLOCK_N), tl.float32)  # unread without stochastic rounding
     if SR:
-        u = tl.load(u_ptr + offs, mask=inside, other=0.0)
-        pa = tl.minimum(p, 6.0)
-        e = tl.where(pa < 1.0, 0, floor_log2(tl.where(pa < 1.0, 1.0, pa)))
-        y = pa * pow2(1 - e)  # exact: pa / quantum
-        low = tl.floor(y)
-        q = tl.minimum(tl.where(u < y - low, low + 1.0, low) * pow2(e - 1), 6.0)
-    else:
-        q = round_nonneg(p, 1, 0, 6.0)
-    sign = v.to(tl.int32, bitcast=True) & -2147483648  # copysign(q, v): -0 stays -0
-    qs = (q.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
-    res = tl.math.div_rn(qs * s, g)
+        u = tl.load(u_ptr + offs, mask=inside, other=0).to(tl.float32)
+    res = nv_fake_quant(v, finite, bmax, amax, u, SR)
     out = tl.where(finite, store_as(res, y_ptr.dtype.element_ty, BF16), x)
     tl.store(y_ptr + offs, out, mask=inside)
 
@@ -356,8 +372,8 @@ def _nvfp4(
             y = torch.empty_like(x)
         block_r, block_n = _tiles(sn)
     u = x  # unread without stochastic rounding
-    if rand is not None:  # the draws laid out like x, so they are read at x's offsets
-        u = torch.empty_like(x, dtype=torch.float32)
+    if rand is not None:  # the random bits laid out like x, so they are read at x's offsets
+        u = torch.empty_like(x, dtype=torch.uint8)
         u.copy_(rand)
         if u.stride() != x.stride():
             raise AssertionError("uniforms laid out unlike the input")
@@ -405,7 +421,8 @@ def fake_quant(
     rand: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``quantpatch_ops.fake_quant`` in one kernel (``fmt`` in mxfp8, mxfp4, hifp8, nvfp4,
-    nvfp4-2d; ``rand``: the uniforms of NVFP4's stochastic rounding, the shape of ``x``)."""
+    nvfp4-2d; ``rand``: the 8 random bits per element (uint8) of NVFP4's stochastic rounding,
+    the shape of ``x``)."""
     if x.numel() == 0:
         return x.clone()
     if not _non_overlapping_and_dense(x):

@@ -1,7 +1,24 @@
 """NVFP4 fake quantization, the PyTorch reference (part of ``quantpatch_ops``; see its docstring
 for the format): E2M1 elements in blocks of 16 with E4M3 scales and one float32 scale per
 tensor, ``nvfp4-2d`` in 16 x 16 tiles, and the stochastic rounding of gradients with its
-per-device generators (``sr_seed``, ``reset_sr_generators``, ``sr_uniforms``).
+per-device generators (``sr_seed``, ``reset_sr_generators``, ``sr_bits``).
+
+The arithmetic is TransformerEngine 2.20.2's (``NVFP4QuantizerRef._quantize_blockwise_reference``
+in ``transformer_engine/pytorch/custom_recipes/reference_nvfp4.py``, the reference TE's CUDA
+kernels are tested bit-exact against), every step one float32 operation rounded to nearest, in
+this order (``A`` the tensor's amax, ``b`` a block's)::
+
+    g   = min(2688 / A, FLT_MAX)                 # 1 where that is 0 (A infinite)
+    m   = g * fl(1/6)                            # the FP4 reciprocal folded in (TE >= 2.14)
+    s   = E4M3(min(b * m, 448))                  # the block's scale, nearest even
+    enc = min(1 / (s * fl(1 / g)), FLT_MAX)      # FLT_MAX where s is 0
+    q   = E2M1(clamp(x * enc, -6, 6))            # nearest even; negative iff x * enc < 0
+
+The fake-quantized value is ``q * (s * (A / 2688))``: the code times its block's decode scale
+times the tensor's, the factor TE's GEMM applies (``alpha``) split per operand. A length that is
+not a multiple of 16 (and, for ``nvfp4-2d``, a row count) is padded with zeros, as TE's
+``_pad_tensor`` does. NaN and +-Inf pass through and are left out of every amax (TE's
+reference does not define them).
 
 Installed by ``quantpatch init`` beside ``quantpatch_ops.py``; torch and the standard library
 only.
@@ -20,18 +37,41 @@ from .quantpatch_mx import round_element as _round_element
 
 NVFP4_FORMATS = ("nvfp4", "nvfp4-2d")
 NV_BLOCK = 16
+TE_VERSION = "2.20.2"
+"""The TransformerEngine release whose NVFP4 reference this module reproduces bit for bit."""
 _NV_RANGE = 448.0 * 6.0  # E4M3 max x E2M1 max
 _FLT_MAX = 3.4028234663852886e38
+SR_BITS = 8
+"""Random bits per element of the stochastic rounding (the hardware's ``cvt.rs``)."""
 
 
 def nv_global_scale(amax: torch.Tensor) -> torch.Tensor:
-    """NVFP4's per-tensor scale ``448 * 6 / amax`` (float32), 1 where ``amax`` is 0 and at most
-    the float32 maximum (an amax below ~8e-36 would overflow it)."""
+    """NVFP4's per-tensor encode scale ``g = 2688 / amax`` (float32) as TE computes it: at most
+    the float32 maximum (so an amax of 0 gives the maximum), 1 where it would be 0."""
     amax = amax.to(torch.float32)
-    # a tensor over a tensor: ``scalar / tensor`` multiplies by a reciprocal (not rounded once)
-    num = torch.full_like(amax, _NV_RANGE)
-    g = torch.clamp(num / torch.where(amax > 0, amax, torch.ones_like(amax)), max=_FLT_MAX)
-    return torch.where(amax > 0, g, torch.ones_like(g))
+    g = torch.clamp(torch.full_like(amax, _NV_RANGE) / amax, max=_FLT_MAX)
+    return torch.where(g == 0, torch.ones_like(g), g)
+
+
+def nv_global_decode(amax: torch.Tensor) -> torch.Tensor:
+    """The per-tensor decode scale of the dequantized values, ``amax / 2688`` (float32)."""
+    amax = amax.to(torch.float32)
+    return amax / torch.full_like(amax, _NV_RANGE)
+
+
+def nv_block_scale(bmax: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """The E4M3 block scales (float32 values) of block maxima ``bmax`` under the tensor's
+    encode scale ``g``: ``E4M3(min(bmax * (g * fl(1/6)), 448))``."""
+    m = g * torch.reciprocal(torch.full_like(g, 6.0))
+    s = torch.clamp(bmax * m, max=448.0)
+    return _round_element(s, _E4M3)
+
+
+def nv_encode_scale(s: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """What a block's elements are multiplied by before the E2M1 cast:
+    ``min(1 / (s * fl(1 / g)), FLT_MAX)`` (float32; the maximum where ``s`` is 0)."""
+    dec = torch.reciprocal(g)
+    return torch.clamp(torch.reciprocal(s * dec), max=_FLT_MAX)
 
 
 def _nv_block_amax(mags: torch.Tensor, dim: int, two_d: bool) -> torch.Tensor:
@@ -54,42 +94,60 @@ def _nv_block_amax(mags: torch.Tensor, dim: int, two_d: bool) -> torch.Tensor:
     return amax.reshape(v.shape)[..., :n].movedim(-1, dim)
 
 
+def nvfp4_parts(
+    x: torch.Tensor,
+    dim: int = -1,
+    two_d: bool = False,
+    bits: torch.Tensor | None = None,
+    amax: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The quantized form of ``x`` (at least 1-D): ``(q, s, amax)``, ``q`` each element's
+    signed E2M1 value (float32, ``x``'s shape; NaN/Inf where ``x`` is not finite), ``s`` its
+    block's E4M3 scale (float32, ``x``'s shape) and ``amax`` the tensor's (float32, 0-D).
+    ``bits`` (uint8, ``x``'s shape) rounds stochastically, None to nearest even; ``amax`` is
+    the tensor's when ``x`` is a slice of it (None: the amax of ``x``)."""
+    v = x.to(torch.float32)
+    finite = torch.isfinite(v)
+    mags = torch.where(finite, v.abs(), torch.zeros_like(v))
+    a = (mags.amax() if amax is None else amax).to(torch.float32).reshape(())
+    g = nv_global_scale(a)
+    s = nv_block_scale(_nv_block_amax(mags, dim, two_d and x.dim() >= 2), g)
+    scaled = torch.where(finite, v, torch.zeros_like(v)) * nv_encode_scale(s, g)
+    p = torch.clamp(scaled.abs(), max=6.0)
+    q = _round_element(p, _E2M1) if bits is None else _stochastic_e2m1(p, bits)
+    q = torch.where(scaled < 0, -q, q)
+    return torch.where(finite, q, v), s, a
+
+
 def _nvfp4(
     x: torch.Tensor,
     dim: int,
     two_d: bool,
-    rand: torch.Tensor | None = None,
+    bits: torch.Tensor | None = None,
     amax: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """NVFP4 fake quantization (see the module docstring); ``rand`` (float32 in [0, 1), the
-    shape of ``x``) rounds the elements stochastically, None to nearest even; ``amax`` is the
-    tensor's when ``x`` is a slice of it (None: the amax of ``x``)."""
+    """NVFP4 fake quantization (see the module docstring): ``q * (s * (amax / 2688))`` in
+    ``x``'s dtype, non-finite values unchanged; ``bits`` and ``amax`` as in
+    :func:`nvfp4_parts`."""
     if x.dim() == 0:
-        r = None if rand is None else rand.reshape(1)
-        return _nvfp4(x.reshape(1), 0, False, r, amax).reshape(())
-    v = x.to(torch.float32)
-    finite = torch.isfinite(v)
-    mags = torch.where(finite, v.abs(), torch.zeros_like(v))
-    g = nv_global_scale(mags.amax() if amax is None else amax)
-    bmax = _nv_block_amax(mags, dim, two_d and x.dim() >= 2)
-    s = _round_element((bmax / 6.0) * g, _E4M3)  # >= 0: the block's E4M3 scale
-    usable = finite & (s > 0)
-    p = torch.where(usable, (mags * g) / torch.where(usable, s, torch.ones_like(s)), 0.0)
-    q = _round_element(p, _E2M1) if rand is None else _stochastic_e2m1(p, rand)
-    q = torch.copysign(q, v)
-    out = torch.where(finite, (q * s) / g, v)
-    return out.to(x.dtype)
+        b = None if bits is None else bits.reshape(1)
+        return _nvfp4(x.reshape(1), 0, False, b, amax).reshape(())
+    q, s, a = nvfp4_parts(x, dim, two_d, bits, amax)
+    out = q * (s * nv_global_decode(a))
+    return torch.where(torch.isfinite(q), out, x.to(torch.float32)).to(x.dtype)
 
 
-def _stochastic_e2m1(p: torch.Tensor, rand: torch.Tensor) -> torch.Tensor:
-    """``p`` >= 0 (float32) rounded to E2M1 stochastically: up with probability the fraction
-    of the spacing above the value below (``rand < fraction``), saturating at 6."""
+def _stochastic_e2m1(p: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """``p`` in [0, 6] (float32) rounded to E2M1 stochastically with 8 random bits ``r`` per
+    element, as the hardware's ``cvt.rs`` does (TE's ``ptx.cuh``): up iff
+    ``r < floor(256 * f)``, ``f`` the fraction of the spacing above the value below, so
+    P(up) = floor(256 f) / 256 and a fraction below 1/256 never rounds up."""
     mbits, emin, vmax, _ = _E2M1
-    a = torch.clamp(p, max=vmax)
-    quantum = _quantum(a, mbits, emin)
-    y = a / quantum  # exact: a power of two
+    quantum = _quantum(p, mbits, emin)
+    y = p / quantum  # exact: a power of two
     low = torch.floor(y)
-    up = rand.to(torch.float32) < (y - low)  # the fraction is exact
+    frac256 = torch.floor((y - low) * 256.0)  # exact: the fraction has few bits
+    up = bits.to(torch.float32) < frac256
     return torch.clamp((low + up.to(torch.float32)) * quantum, max=vmax)
 
 
@@ -108,14 +166,17 @@ def reset_sr_generators() -> None:
     _SR_GENERATORS.clear()
 
 
-def sr_uniforms(x: torch.Tensor) -> torch.Tensor:
-    """The next ``torch.rand(x.shape)`` (float32) of ``x``'s device's generator."""
+def sr_bits(x: torch.Tensor) -> torch.Tensor:
+    """The next 8 random bits per element of ``x`` (uint8, ``x``'s shape) from ``x``'s device's
+    generator: ``torch.randint(0, 256)``."""
     key = str(x.device)
     gen = _SR_GENERATORS.get(key)
     if gen is None:
         gen = torch.Generator(device=x.device).manual_seed(sr_seed())
         _SR_GENERATORS[key] = gen
-    return torch.rand(x.shape, generator=gen, device=x.device, dtype=torch.float32)
+    return torch.randint(
+        0, 1 << SR_BITS, x.shape, generator=gen, device=x.device, dtype=torch.uint8
+    )
 
 
 nvfp4 = _nvfp4

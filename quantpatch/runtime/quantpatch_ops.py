@@ -35,14 +35,15 @@ Formats (OCP Microscaling v1.0; Luo et al., arXiv 2409.16626 for HiFloat8):
   gradient at Megatron's backward sites) for NVFP4, ``mxfp8-rceil-hybrid`` and ``fp8-tensor``
   (``GRADIENT_OPERAND_ONLY``); ``mxfp8`` quantizes both operands of a backward GEMM as E5M2.
 * ``nvfp4`` (NVIDIA's Blackwell FP4): E2M1 elements in blocks of 16 along ``dim``, each with
-  an E4M3 scale, and one float32 scale per tensor: ``g = 448 * 6 / amax|x|`` (1 for an
-  all-zero tensor; at most the float32 maximum), ``s = E4M3(amax_block / 6 * g)`` (nearest
-  even, saturating at 448), ``q = E2M1(x * g / s)`` (nearest even, saturating at +-6; 0,
-  keeping the sign, where ``s`` is 0), result ``q * s / g``. Every step is one float32
-  operation rounded to nearest (bf16/fp16 inputs are upcast, the result cast back).
+  an E4M3 scale, and one float32 scale per tensor, bit for bit as TransformerEngine 2.20.2's
+  ``NVFP4QuantizerRef`` computes them (the order of the float32 steps is in
+  ``quantpatch_nvfp4.py``): ``g = 448 * 6 / amax|x|``, ``s = E4M3(amax_block * (g * (1/6)))``,
+  ``q = E2M1(x * (1 / (s * (1/g))))`` (nearest even, saturating at +-6), result
+  ``q * (s * (amax / 2688))``; a length that is not a multiple of 16 is padded with zeros.
   ``backward=True`` rounds the elements stochastically instead (NVIDIA's recipe for
-  gradients): ``q`` is the E2M1 value above ``|p|`` with probability the fraction of the way
-  from the one below, the uniform draws ``torch.rand(x.shape)`` from a generator per device
+  gradients) with the hardware's granularity: 8 random bits ``r`` per element, up iff
+  ``r < floor(256 * f)`` (``f`` the fraction of the way from the E2M1 value below), the bits
+  ``torch.randint(0, 256)`` from a generator per device
   seeded with ``sr_seed()`` = ``QUANTPATCH_SR_SEED`` (default 0) + ``RANK`` (default 0), so a
   run is reproducible and every rank draws its own bits; ``reset_sr_generators()`` restarts
   them. The products round only their first operand stochastically (``backward=True`` at
@@ -54,9 +55,11 @@ Formats (OCP Microscaling v1.0; Luo et al., arXiv 2409.16626 for HiFloat8):
   ``torch.nn.Parameter`` or a view of one such as ``weight.t()``; every other operand is
   ``nvfp4``.
 * ``nvfp4-rht``: ``nvfp4`` after a random Hadamard transform of both operands along the
-  reduction dimension (NVIDIA's recipe for the weight-gradient GEMM): ``quantpatch_rht.py``,
-  installed beside this file. ``fake_quant`` returns the quantized values taken back through
-  the inverse transform (same shape, comparable with the input).
+  reduction dimension (NVIDIA's recipe for the weight-gradient GEMM), TE 2.20.2's transform
+  bit for bit: ``quantpatch_rht.py``, installed beside this file. The reduction length must be
+  a multiple of 16 (a ``ValueError`` names the shape otherwise, as TE refuses it).
+  ``fake_quant`` returns the quantized values taken back through the inverse transform (same
+  shape, comparable with the input).
 * ``hifp8``: per tensor, no scale: 3/2/1 mantissa bits for |e| <= 3/7/15, powers of two
   2^-22..2^-16 below 2^-15, zero below, saturation at 2^15, ties away from zero.
 * ``bf16``: the identity.
@@ -106,8 +109,8 @@ from .quantpatch_nvfp4 import (
     nv_global_scale,
     nvfp4,
     reset_sr_generators,
+    sr_bits,
     sr_seed,
-    sr_uniforms,
 )
 from .quantpatch_paretoq import (
     ALPHA_MIN,
@@ -200,8 +203,8 @@ __all__ = [
     "quant_matmul",
     "reset_sr_generators",
     "round_element",
+    "sr_bits",
     "sr_seed",
-    "sr_uniforms",
     "weight_cache_clear",
     "weight_cache_enabled",
     "weight_cache_reset_stats",

@@ -24,7 +24,7 @@ from .quantpatch_mx import E4M3 as _E4M3
 from .quantpatch_mx import E5M2 as _E5M2
 from .quantpatch_mx import hifp8 as _hifp8
 from .quantpatch_mx import mx as _mx
-from .quantpatch_nvfp4 import NV_BLOCK, NVFP4_FORMATS, sr_uniforms
+from .quantpatch_nvfp4 import NV_BLOCK, NVFP4_FORMATS, sr_bits
 from .quantpatch_nvfp4 import nvfp4 as _nvfp4
 
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -134,7 +134,7 @@ def quantize(x: torch.Tensor, fmt: str, dim: int = -1, backward: bool = False) -
         return x
     if x.numel() == 0:
         return x.clone()
-    rand = sr_uniforms(x) if backward and fmt in NVFP4_FORMATS else None
+    rand = sr_bits(x) if backward and fmt in NVFP4_FORMATS else None
     if _use_kernels(x):
         if fmt in FP8_FORMATS:
             fp8_kernels = _fp8_kernels()

@@ -5,32 +5,37 @@ Installed by ``quantpatch init`` as ``megatron/core/quantpatch_rht.py`` beside
 torch and the standard library only (the fused kernel in ``quantpatch_rht_kernels.py`` needs
 triton). Public API::
 
-    rht(x, dim=-1) -> Tensor                      # float32, ``dim`` padded to a multiple of 16
+    rht(x, dim=-1) -> Tensor                      # x's dtype; x.shape[dim] % 16 == 0
     rht_fake_quant(x, dim=-1, *, backward=False) -> Tensor
     rht_matmul(a, b, *, backward=False, quantize=True) -> Tensor
 
-The transform (arXiv 2509.25149, section 4.2; Transformer Engine's NVFP4 recipe): the
-reduction dimension is cut into blocks of 16 and every block, a row vector ``v``, becomes
-``v @ (H16 @ diag(SIGNS) / 4)``, ``H16`` the 16 x 16 Hadamard matrix of Sylvester's
-construction (``H1 = [1]``, ``H2n = [[Hn, Hn], [Hn, -Hn]]``) and ``SIGNS`` the fixed sign
-vector below. ``H16 @ diag(s) / 4`` is orthogonal, so transforming both operands of a GEMM
-along its reduction dimension leaves the product unchanged in exact arithmetic, while a block
-outlier is spread over its 16 elements before NVFP4 quantizes them. A length that is not a
-multiple of 16 is padded with zeros (in both operands alike, so the product is unchanged);
-the transformed operands are that long.
+The transform is TransformerEngine 2.20.2's (``NVFP4QuantizerRef._apply_rht`` with
+``get_wgrad_sign_vector`` in ``transformer_engine/pytorch/custom_recipes/reference_nvfp4.py``),
+bit for bit: the reduction dimension is cut into blocks of 16 and every block, a row vector
+``v``, becomes ``v @ M`` with ``M = diag(SIGNS) @ H16 * (1/4)`` (the signs applied before the
+Hadamard), ``H16`` the 16 x 16 Hadamard matrix of Sylvester's construction (``H1 = [1]``,
+``H2n = [[Hn, Hn], [Hn, -Hn]]``) and ``SIGNS`` TE's fixed sign vector below. ``M`` is
+orthogonal, so transforming both operands of a GEMM along its reduction dimension leaves the
+product unchanged in exact arithmetic, while a block outlier is spread over its 16 elements
+before NVFP4 quantizes them.
 
-Arithmetic: float32, in a fixed order that the kernel repeats step for step (bit-identical):
-the Walsh-Hadamard butterfly, four stages, each replacing the pairs ``(x[i], x[i ^ 1])`` of the
-lowest index bit by ``(x[i] + x[i ^ 1], x[i] - x[i ^ 1])`` and rotating the index bits right by
-one (after four stages every bit has had its stage and the order is natural again); then each
-element is multiplied by ``SIGNS[j] * 0.25`` (exact). For bf16 operands whose block
-magnitudes span less than 2^12 every sum is exact, so the transform is the exact product.
+Arithmetic, as TE computes it (``x_mat @ (H * 0.25)`` in ``x``'s dtype): each output
+``out[j] = sum_i v[i] * M[i, j]``, the products exact, accumulated in float32 in index order
+``i = 0..15`` from 0 and rounded once to ``x``'s dtype. That is TE's reference bit for bit on
+CPU (measured on 2^20 values, fp32 and bf16 inputs); for bf16 inputs whose block magnitudes
+span less than 2^12 every float32 partial sum is exact, so any accumulation order (a GPU's
+GEMM) gives the same bf16 result. The transformed tensor is in ``x``'s dtype (bf16 inputs:
+rounded to bf16) before its amax and the NVFP4 cast, as in TE.
+
+The length along the reduction dimension must be a multiple of 16: TE's reference refuses
+another length (``Inner dimension ... must be divisible by hadamard dimension 16``), and so
+does this module, with a ``ValueError`` naming the shape; nothing is padded.
 
 ``rht_fake_quant`` quantizes the transformed tensor to NVFP4 in 1 x 16 blocks along ``dim``
 (the transform's blocks), the per-tensor scale from its amax, with stochastic rounding where
-``backward`` (the draws from ``quantpatch_ops.sr_uniforms``, shaped as the result). In
-``rht_matmul`` the first operand (the output gradient at the wgrad site) rounds
-stochastically under ``backward``, the second (the layer's input) to nearest even.
+``backward`` (8 random bits per element from ``quantpatch_ops.sr_bits``). In ``rht_matmul``
+the first operand (the output gradient at the wgrad site) rounds stochastically under
+``backward``, the second (the layer's input) to nearest even.
 """
 
 from __future__ import annotations
@@ -40,12 +45,12 @@ from typing import Any
 
 import torch
 
-from .quantpatch_nvfp4 import nvfp4, sr_uniforms
+from .quantpatch_nvfp4 import nvfp4, sr_bits
 
 RHT_BLOCK = 16
-SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, 1, 1, -1, 1, -1, 1, 1)
-"""The fixed sign vector ``s`` of the transform ``H16 @ diag(s) / 4`` (documented in
-docs/formats.md): the same for every tensor and every step."""
+SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
+"""TE's fixed sign vector ``s`` (``get_wgrad_sign_vector``) of the transform
+``diag(s) @ H16 / 4`` (documented in docs/formats.md): the same for every tensor and step."""
 
 _kernels_module: Any = None
 _kernels_error: str | None = None
@@ -83,9 +88,23 @@ def signs(device: torch.device | str = "cpu") -> torch.Tensor:
     return torch.tensor(SIGNS, dtype=torch.float32, device=device)
 
 
+def hadamard16(device: torch.device | str = "cpu") -> torch.Tensor:
+    """``H16`` (float32) by Sylvester's construction."""
+    h = torch.ones((1, 1), dtype=torch.float32, device=device)
+    while h.shape[0] < RHT_BLOCK:
+        h = torch.cat([torch.cat([h, h], dim=1), torch.cat([h, -h], dim=1)], dim=0)
+    return h
+
+
+def transform_matrix(device: torch.device | str = "cpu") -> torch.Tensor:
+    """``M = diag(SIGNS) @ H16 * (1/4)`` (float32, every entry +-1/4)."""
+    return signs(device)[:, None] * hadamard16(device) * 0.25
+
+
 def butterfly16(v: torch.Tensor) -> torch.Tensor:
     """``H16 @ block`` of every 16-element block along the last dimension of float32 ``v``
-    (whose length is a multiple of 16), in the documented order."""
+    (whose length is a multiple of 16): four stages, each replacing the pairs of the lowest
+    index bit by their sum and difference and rotating the index bits right by one."""
     lead, n = v.shape[:-1], v.shape[-1]
     v = v.reshape(*lead, n // RHT_BLOCK, RHT_BLOCK)
     for _ in range(4):
@@ -96,31 +115,41 @@ def butterfly16(v: torch.Tensor) -> torch.Tensor:
     return v.reshape(*lead, n)
 
 
-def _padded_last(x: torch.Tensor, dim: int) -> torch.Tensor:
-    v = x.to(torch.float32).movedim(dim, -1)
-    pad = (-v.shape[-1]) % RHT_BLOCK
-    return torch.nn.functional.pad(v, (0, pad)) if pad else v
+def check_length(x: torch.Tensor, dim: int) -> None:
+    """Refuse a reduction length that is not a multiple of 16, naming the shape."""
+    n = x.shape[dim] if x.dim() else 1
+    if n % RHT_BLOCK:
+        raise ValueError(
+            f"nvfp4-rht transforms blocks of 16 along the reduction dimension, but the tensor "
+            f"of shape {tuple(x.shape)} has {n} there (dim {dim}), not a multiple of 16, which "
+            f"TransformerEngine refuses too."
+        )
 
 
 def rht(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """The transform of ``x`` along ``dim`` (float32; ``dim`` zero-padded to a multiple of 16)."""
-    v = _padded_last(x, dim)
+    """The transform of ``x`` along ``dim`` in ``x``'s dtype (float32 accumulation in index
+    order, rounded once; see the module docstring); the length must be a multiple of 16."""
+    check_length(x, dim)
+    acc_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    v = x.to(acc_dtype).movedim(dim, -1)
     if v.shape[-1] == 0:
-        return v.movedim(-1, dim)
-    s = signs(v.device) * 0.25
-    out = butterfly16(v).reshape(*v.shape[:-1], -1, RHT_BLOCK) * s
-    return out.reshape(v.shape).movedim(-1, dim)
+        return v.to(x.dtype).movedim(-1, dim)
+    blocks = v.reshape(*v.shape[:-1], -1, RHT_BLOCK)
+    m = transform_matrix(x.device).to(acc_dtype)
+    acc = torch.zeros_like(blocks)
+    for i in range(RHT_BLOCK):
+        acc = acc + blocks[..., i : i + 1] * m[i]  # the product is exact
+    return acc.reshape(v.shape).to(x.dtype).movedim(-1, dim)
 
 
-def inverse_rht(y: torch.Tensor, dim: int, n: int) -> torch.Tensor:
-    """The inverse transform of float32 ``y`` along ``dim`` (``(y * s) @ H16 / 4`` per block:
-    the transpose), cut back to the first ``n`` elements."""
+def inverse_rht(y: torch.Tensor, dim: int) -> torch.Tensor:
+    """The inverse transform of ``y`` along ``dim`` (``y @ M.T`` per block: ``H16 @ y / 4``
+    times the signs), float32, by the butterfly."""
     v = y.to(torch.float32).movedim(dim, -1)
     if v.shape[-1] == 0:
-        return v[..., :n].movedim(-1, dim)
-    s = signs(v.device)
-    w = (v.reshape(*v.shape[:-1], -1, RHT_BLOCK) * s).reshape(v.shape)
-    return (butterfly16(w) * 0.25)[..., :n].movedim(-1, dim)
+        return v.movedim(-1, dim)
+    out = butterfly16(v).reshape(*v.shape[:-1], -1, RHT_BLOCK) * (signs(v.device) * 0.25)
+    return (out.reshape(v.shape) + 0.0).movedim(-1, dim)  # + 0: an exact cancellation is +0
 
 
 def fake_quant_rht(x: torch.Tensor, dim: int = -1, *, backward: bool = False) -> torch.Tensor:
@@ -129,40 +158,34 @@ def fake_quant_rht(x: torch.Tensor, dim: int = -1, *, backward: bool = False) ->
     error a product sees: the transform is orthogonal); ``x``'s shape and dtype."""
     if x.dim() == 0:
         return fake_quant_rht(x.reshape(1), 0, backward=backward).reshape(())
-    q = rht_fake_quant(x, dim, backward=backward).to(torch.float32)
-    return inverse_rht(q, dim, x.shape[dim]).to(x.dtype)
-
-
-def padded_shape(x: torch.Tensor, dim: int) -> torch.Size:
-    shape = list(x.shape)
-    shape[dim] += (-shape[dim]) % RHT_BLOCK
-    return torch.Size(shape)
+    q = rht_fake_quant(x, dim, backward=backward)
+    return inverse_rht(q, dim).to(x.dtype)
 
 
 def rht_fake_quant(
     x: torch.Tensor, dim: int = -1, *, backward: bool = False, quantize: bool = True
 ) -> torch.Tensor:
     """``x`` transformed along ``dim`` and NVFP4 fake-quantized in the transform's blocks
-    (stochastic rounding where ``backward``), in ``x``'s dtype; ``dim`` padded to a multiple
-    of 16. ``quantize=False``: the transform alone (float32)."""
-    if not quantize:
-        return rht(x, dim)
+    (stochastic rounding where ``backward``), in ``x``'s dtype; the length along ``dim`` must
+    be a multiple of 16. ``quantize=False``: the transform alone."""
     if x.dim() == 0:
         raise ValueError("the Hadamard transform needs a dimension to run along")
-    rand = sr_uniforms(torch.empty(padded_shape(x, dim), device=x.device)) if backward else None
+    check_length(x, dim)
+    if not quantize:
+        return rht(x, dim)
+    bits = sr_bits(x) if backward else None
     if x.numel() == 0:
-        return torch.empty(padded_shape(x, dim), dtype=x.dtype, device=x.device)
+        return torch.empty_like(x)
     if _use_kernels(x):
-        out: torch.Tensor = _kernels_module.rht_nvfp4(x, dim, rand, signs(x.device))
+        out: torch.Tensor = _kernels_module.rht_nvfp4(x, dim, bits, transform_matrix(x.device))
         return out
-    return reference_rht_fake_quant(x, dim, rand)
+    return reference_rht_fake_quant(x, dim, bits)
 
 
-def reference_rht_fake_quant(x: torch.Tensor, dim: int, rand: torch.Tensor | None) -> torch.Tensor:
-    """The PyTorch reference of ``rht_fake_quant`` (``rand``: the draws, or None for nearest
-    even)."""
-    t = rht(x, dim)
-    return nvfp4(t, dim, False, rand).to(x.dtype)
+def reference_rht_fake_quant(x: torch.Tensor, dim: int, bits: torch.Tensor | None) -> torch.Tensor:
+    """The PyTorch reference of ``rht_fake_quant`` (``bits``: 8 random bits per element, or
+    None for nearest even)."""
+    return nvfp4(rht(x, dim), dim, False, bits).to(x.dtype)
 
 
 class _StraightThrough(torch.autograd.Function):
