@@ -12,7 +12,7 @@ from typing import Any
 import typer
 
 from quantpatch.base.errors import UserError
-from quantpatch.cli.app import OPTS, JsonOpt, app, emit_json, err, out
+from quantpatch.cli.app import OPTS, JsonOpt, app, emit_json, err, out, real_console
 from quantpatch.cli.launch import ConfigOpt, csv_list
 
 data_app = typer.Typer(
@@ -50,7 +50,7 @@ def _progress(quiet: bool) -> Iterator[Callable[[str], Any] | None]:
         TextColumn("{task.description}"),
         TextColumn("{task.fields[line]}"),
         TimeElapsedColumn(),
-        console=err,
+        console=real_console(err),
         transient=False,
     ) as bar:
 
