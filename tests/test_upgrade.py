@@ -161,6 +161,9 @@ def test_the_fork_clone_is_upgraded_and_its_own_saver_callers_keep_working(run, 
 def test_upgrade_on_a_scheme_branch_is_refused_before_anything(run, make_checkout):
     root, _ = _old_checkout(run, make_checkout)
     repo = git.Repo(root)
+    res = run("init", "--repo", root)  # an old release's init: the answer names upgrade
+    assert res.code == 2 and "already initialised" in res.err, res
+    assert "'quantpatch upgrade' brings an earlier release's install" in " ".join(res.err.split())
     assert run("set", "--repo", root, "--scheme", "FA_mxfp8").code == 0
     assert run("restore", "--repo", root).code == 0
     branch = next(h.name for h in repo.heads if "qk-mxfp8" in h.name)

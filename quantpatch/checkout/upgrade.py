@@ -46,6 +46,7 @@ from quantpatch.git.installs import (
     finish_upgrade,
     preconditions,
     record_of,
+    refuse_scheme_branch,
     upgrade_record,
     upgrade_record_text,
 )
@@ -157,27 +158,11 @@ def _plan(
     return edits, state, notes
 
 
-def _refuse_scheme_branch(checkout: gitrepo.Checkout) -> None:
-    """An upgrade (or the completion of an interrupted one) commits on the current branch,
-    which must be the base: never one of quantpatch's scheme branches."""
-    if checkout.repo is None:
-        return
-    from quantpatch.git import scheme_branch
-
-    branch = gitrepo.active_branch(checkout.repo)
-    if scheme_branch.is_scheme_branch(branch, load_targets(checkout.root).branch_prefix):
-        raise UserError(
-            f"HEAD is on a scheme branch ({branch}): quantpatch's own commit is there, and "
-            "the upgrade belongs on your branch; check it out ('git checkout <branch>') and "
-            "run upgrade again (nothing was upgraded)."
-        )
-
-
 def upgrade(path: Path | None, *, force: bool = False) -> InstallResult:
     checkout = gitrepo.find_checkout(path, need_git=False)
     with gitrepo.locked(checkout):
         gitrepo.recover(checkout)
-        _refuse_scheme_branch(checkout)
+        refuse_scheme_branch(checkout)
         finished = finish_upgrade(checkout)
         if finished is not None:  # killed after its files were written: now complete
             head = gitrepo.head_commit(checkout.repo) if checkout.repo is not None else None

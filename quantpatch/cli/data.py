@@ -191,12 +191,15 @@ def data_status(
     for col in ("model", "dataset", "prefix", "exists", "documents", "tokens", "tokenizer"):
         table.add_column(col)
     for r in rows:
-        if r["tokenizer_matches"] is None:
+        if r["manifest"] and not r["manifest_well_formed"]:
+            tok = "malformed manifest (edited?): data prepare rewrites it"
+        elif r["tokenizer_matches"] is None:
             tok = "no manifest" if r["exists"] else "-"
         elif r["tokenizer_matches"]:
             tok = f"{r['tokenizer']} (matches)"
         else:
-            tok = f"MISMATCH: made with {r['made_with']}, scripts pass {r['tokenizer']}"
+            made = r["made_with"] if isinstance(r["made_with"], str) else "?"
+            tok = f"MISMATCH: made with {made}, scripts pass {r['tokenizer']}"
         table.add_row(
             r["model"],
             r["dataset"],

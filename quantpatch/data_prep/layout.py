@@ -82,15 +82,18 @@ def read_manifest(prefix: Path) -> dict[str, Any] | None:
         data = json.loads(manifest_path(prefix).read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError):
         return None
-    return data if isinstance(data, dict) and _well_formed(data) else None
+    return data if isinstance(data, dict) else None
 
 
-def _well_formed(manifest: Mapping[str, Any]) -> bool:
-    """Whether a manifest's fields have the types ``data prepare`` writes (a hand-edited one
-    that does not is no manifest: ``status`` says so and ``prepare`` rewrites the dataset)."""
+def count(v: Any) -> bool:
+    """A manifest's count: a non-negative integer (JSON's true is no count)."""
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
-    def count(v: Any) -> bool:
-        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+def well_formed(manifest: Mapping[str, Any]) -> bool:
+    """Whether a manifest's fields have the types ``data prepare`` writes: one edited by hand
+    that does not is never taken as up to date (``prepare`` rewrites it) and ``status`` says
+    it is malformed; its tokenizer's name is still compared where it is one."""
 
     tok = manifest.get("tokenizer")
     files = manifest.get("files")
@@ -148,7 +151,8 @@ class Need:
             return f"{bad} ({self.model} on {self.dataset})"
         manifest = read_manifest(self.prefix)
         if manifest is not None and not tokenizer_matches(manifest, self.tokenizer):
-            made = manifest["tokenizer"]["name"]
+            tok = manifest.get("tokenizer")
+            made = tok.get("name", "?") if isinstance(tok, dict) else "?"
             other = " (its files since changed)" if made == self.tokenizer else ""
             return (
                 f"{self.prefix} was tokenized with {made}{other}, not with {self.tokenizer} "

@@ -36,10 +36,12 @@ from quantpatch.data_prep.inputs import (
 )
 from quantpatch.data_prep.layout import (
     HUB_NAME,
+    count,
     files_hash,
     is_local,
     manifest_path,
     read_manifest,
+    well_formed,
 )
 
 FORMAT = "megatron-indexed-dataset/1"
@@ -355,7 +357,9 @@ def up_to_date(prefix: Path, expected: dict[str, Any]) -> dict[str, Any] | None:
     """The manifest where the dataset at ``prefix`` is whole and made from the same inputs with
     the same tokenizer; None where it must be (re)made."""
     manifest = read_manifest(prefix)
-    if manifest is None or any(manifest.get(k) != expected[k] for k in SAME):
+    if manifest is None or not well_formed(manifest):
+        return None
+    if any(manifest.get(k) != expected[k] for k in SAME):
         return None
     for suffix in ("bin", "idx"):
         path = Path(f"{prefix}.{suffix}")
@@ -507,15 +511,17 @@ def status(needs: Sequence[tuple[str, str, Path, str]]) -> list[dict[str, Any]]:
         present = all(Path(f"{prefix}.{s}").is_file() for s in ("bin", "idx"))
         manifest = read_manifest(prefix)
         made = (manifest or {}).get("tokenizer") or {}
+        documents, tokens = ((manifest or {}).get(k) for k in ("documents", "tokens"))
         rows.append(
             {
                 "model": model,
                 "dataset": dataset,
                 "prefix": str(prefix),
                 "exists": present,
-                "documents": (manifest or {}).get("documents"),
-                "tokens": (manifest or {}).get("tokens"),
+                "documents": documents if count(documents) else None,
+                "tokens": tokens if count(tokens) else None,
                 "manifest": manifest is not None,
+                "manifest_well_formed": manifest is not None and well_formed(manifest),
                 "tokenizer": tokenizer,
                 "made_with": made.get("name") if isinstance(made, dict) else None,
                 "tokenizer_matches": (

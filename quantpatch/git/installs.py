@@ -370,6 +370,23 @@ def upgrade_record_text(
     return json.dumps(body, indent=2) + "\n"
 
 
+def refuse_scheme_branch(checkout: gitrepo.Checkout) -> None:
+    """An upgrade (or the completion of an interrupted one) commits on the current branch,
+    which must be the base: never one of quantpatch's scheme branches."""
+    if checkout.repo is None:
+        return
+    from quantpatch.base.config import load_targets
+    from quantpatch.git import scheme_branch
+
+    branch = gitrepo.active_branch(checkout.repo)
+    if scheme_branch.is_scheme_branch(branch, load_targets(checkout.root).branch_prefix):
+        raise UserError(
+            f"HEAD is on a scheme branch ({branch}): quantpatch's own commit is there, and "
+            "the upgrade belongs on your branch; check it out ('git checkout <branch>') and "
+            "run upgrade again (nothing was upgraded)."
+        )
+
+
 def refuse_pending_upgrade(checkout: gitrepo.Checkout, doing: str) -> None:
     """An interrupted ``upgrade`` blocks ``doing`` (a ``set`` would build scheme branches on
     a half-upgraded base) until ``quantpatch upgrade`` completes it."""
@@ -388,6 +405,7 @@ def finish_upgrade(checkout: gitrepo.Checkout) -> list[str] | None:
     path = upgrade_record(checkout)
     if not path.is_file():
         return None
+    refuse_scheme_branch(checkout)
     try:
         data = json.loads(path.read_bytes().decode("utf-8"))
         state: dict[str, str | None] = data["state"]
