@@ -227,7 +227,7 @@ def test_hostile_texts_and_files_are_one_sentence(tok, tmp_path):
     broken = tmp_path / "broken.parquet"
     broken.write_bytes(bytes(data))
     res = prepare(tok, broken, root)
-    refused(res, f"{broken}:")
+    refused(res, f"{broken}: cut short or corrupt after row 0")
     # a UTF-8 error is reported on its own line (the text layer reads ahead)
     utf = tmp_path / "utf.jsonl"
     utf.write_bytes("".join(lines(60)).encode().replace(b"number 50", b"number \xff50"))

@@ -111,24 +111,27 @@ class _Zstd(io.RawIOBase):
         self._dctx = zstandard.ZstdDecompressor()
         self._obj = self._dctx.decompressobj()
         self._in_frame = False  # bytes of the current frame seen and its end not yet
-        self._pending = b""
+        self._pending = b""  # decompressed, not yet read from self._pos on
+        self._pos = 0
         self._eof = False
 
     def readable(self) -> bool:
         return True
 
     def _fill(self) -> None:
-        while not self._pending and not self._eof:
+        while self._pos >= len(self._pending) and not self._eof:
+            self._pending, self._pos = b"", 0
             chunk = self._fh.read(1 << 20)
             if not chunk:
                 self._eof = True
                 if self._in_frame:
                     raise ValueError("the file ends inside a zstd frame: it was cut short")
                 return
+            out = []
             while chunk:
                 self._in_frame = True
                 try:
-                    self._pending += self._obj.decompress(chunk)
+                    out.append(self._obj.decompress(chunk))
                 except self._zstd.ZstdError as exc:
                     raise ValueError(f"not zstd, or corrupt: {exc}") from None
                 if not self._obj.eof:
@@ -136,12 +139,13 @@ class _Zstd(io.RawIOBase):
                 chunk = self._obj.unused_data  # the next frame starts here
                 self._obj = self._dctx.decompressobj()
                 self._in_frame = False
+            self._pending = b"".join(out)
 
     def readinto(self, buffer: Any) -> int:
         self._fill()
-        n = min(len(buffer), len(self._pending))
-        buffer[:n] = self._pending[:n]
-        self._pending = self._pending[n:]
+        n = min(len(buffer), len(self._pending) - self._pos)
+        buffer[:n] = self._pending[self._pos : self._pos + n]
+        self._pos += n
         return n
 
     def close(self) -> None:
