@@ -420,16 +420,16 @@ def finish_upgrade(checkout: gitrepo.Checkout) -> list[str] | None:
     texts = data.get("texts") or {}
     if not isinstance(texts, dict):
         texts = {}
-    for rel, want in texts.items():  # the files as the upgrade wrote them, checked anew
-        if rel not in files or read_exact(checkout.root / rel) == want:
-            continue
-        faults.step(f"rewrite upgraded {rel}", done=False)
-        if want is None:
-            (checkout.root / rel).unlink(missing_ok=True)
-        else:
-            write_exact(checkout.root / rel, want)
-        faults.step(f"rewrite upgraded {rel}", done=True)
-        notes.append(f"{rel} was not as the interrupted upgrade wrote it: written again.")
+    stale = [
+        Edit(rel, current, want)
+        for rel, want in texts.items()
+        if rel in files and (current := read_exact(checkout.root / rel)) != want
+    ]
+    if stale:  # the files as the upgrade wrote them, checked anew (discarded by hand, say)
+        apply_edits(checkout.root, stale)
+        notes += [
+            f"{e.rel} was not as the interrupted upgrade wrote it: written again." for e in stale
+        ]
     for rel, text in state.items():
         target = checkout.state_dir / rel
         if read_exact(target) == text:
