@@ -122,3 +122,12 @@ def test_tensors_plot_at_a_terminal(tensor_dir, tmp_path):
     )  # fmt: skip
     assert code == 0, text
     assert_cursor_shown(text)
+
+
+@pytest.mark.slow  # builds the demo checkout and runs the linear layer in each format (~1 min)
+def test_demo_at_a_terminal(tmp_path):
+    # its spinners are rich's status displays (building, then the linear layer's errors)
+    code, text = run_in_pty("demo", tmp_path / "demo")
+    assert code == 0, text[-2000:]
+    assert_cursor_shown(text)
+    assert "try: cd" in text
