@@ -380,6 +380,8 @@ def refuse_scheme_branch(checkout: gitrepo.Checkout) -> None:
 
     branch = gitrepo.active_branch(checkout.repo)
     if scheme_branch.is_scheme_branch(branch, load_targets(checkout.root).branch_prefix):
+        if gitrepo.load_state(checkout):  # a set put it there: restore is the way back
+            raise UserError("a quantpatch set is active; run 'quantpatch restore' first.")
         raise UserError(
             f"HEAD is on a scheme branch ({branch}): quantpatch's own commit is there, and "
             "the upgrade belongs on your branch; check it out ('git checkout <branch>') and "
