@@ -48,6 +48,12 @@ from quantpatch.sites.policy import insert_policy
 RECORD = "init"
 
 
+ALREADY = (
+    "already initialised by quantpatch ('quantpatch upgrade' brings an earlier release's "
+    "install to this version; 'init --remove' undoes it)."
+)
+
+
 def ops_source() -> str:
     return runtime_source(OPS_MODULE)
 
@@ -59,7 +65,7 @@ def _files(checkout: gitrepo.Checkout) -> list[str]:
 def _plan(checkout: gitrepo.Checkout) -> list[Edit]:
     root = checkout.root
     if record_of(checkout, RECORD) is not None:
-        raise UserError(f"{root}: already initialised by quantpatch ('init --remove' undoes it).")
+        raise UserError(f"{root}: {ALREADY}")
     targets = load_targets(root)
     edits = _site_edits(root, targets.all_files, targets.kind_of)
     for installed in RUNTIME_MODULES:
@@ -167,7 +173,7 @@ def init(path: Path | None, *, remove: bool = False) -> InstallResult:
             _missing_parts,
             "quantpatch init: the local DotProductAttention takes MLA's k_channels / "
             "v_channels (what the earlier init of this checkout did not add)",
-            f"{checkout.root}: already initialised by quantpatch ('init --remove' undoes it).",
+            f"{checkout.root}: {ALREADY}",
         )
     return run_install(
         path,

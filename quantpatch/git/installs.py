@@ -350,13 +350,53 @@ def upgrade_record(checkout: gitrepo.Checkout) -> Path:
 
 
 def upgrade_record_text(
-    state: dict[str, str | None], files: Sequence[str], message: str, notes: Sequence[str]
+    state: dict[str, str | None],
+    files: Sequence[str],
+    message: str,
+    notes: Sequence[str],
+    texts: dict[str, str | None] | None = None,
 ) -> str:
     """The upgrade's commit point: the state files it leaves (records and kept originals,
-    relative to the state directory; None: removed), the work-tree files to commit, and the
-    commit message."""
-    body = {"state": state, "files": list(files), "message": message, "notes": list(notes)}
+    relative to the state directory; None: removed), the work-tree files to commit, the
+    commit message, and what it writes in each of those files (``texts``: the completion
+    checks the files against it, not the record's word)."""
+    body = {
+        "state": state,
+        "files": list(files),
+        "message": message,
+        "notes": list(notes),
+        "texts": texts or {},
+    }
     return json.dumps(body, indent=2) + "\n"
+
+
+def refuse_scheme_branch(checkout: gitrepo.Checkout) -> None:
+    """An upgrade (or the completion of an interrupted one) commits on the current branch,
+    which must be the base: never one of quantpatch's scheme branches."""
+    if checkout.repo is None:
+        return
+    from quantpatch.base.config import load_targets
+    from quantpatch.git import scheme_branch
+
+    branch = gitrepo.active_branch(checkout.repo)
+    if scheme_branch.is_scheme_branch(branch, load_targets(checkout.root).branch_prefix):
+        if gitrepo.load_state(checkout):  # a set put it there: restore is the way back
+            raise UserError("a quantpatch set is active; run 'quantpatch restore' first.")
+        raise UserError(
+            f"HEAD is on a scheme branch ({branch}): quantpatch's own commit is there, and "
+            "the upgrade belongs on your branch; check it out ('git checkout <branch>') and "
+            "run upgrade again (nothing was upgraded)."
+        )
+
+
+def refuse_pending_upgrade(checkout: gitrepo.Checkout, doing: str) -> None:
+    """An interrupted ``upgrade`` blocks ``doing`` (a ``set`` would build scheme branches on
+    a half-upgraded base) until ``quantpatch upgrade`` completes it."""
+    if upgrade_record(checkout).is_file():
+        raise UserError(
+            f"an interrupted 'quantpatch upgrade' is unfinished; run 'quantpatch upgrade' to "
+            f"complete it before {doing} (nothing was changed)."
+        )
 
 
 def finish_upgrade(checkout: gitrepo.Checkout) -> list[str] | None:
@@ -367,6 +407,7 @@ def finish_upgrade(checkout: gitrepo.Checkout) -> list[str] | None:
     path = upgrade_record(checkout)
     if not path.is_file():
         return None
+    refuse_scheme_branch(checkout)
     try:
         data = json.loads(path.read_bytes().decode("utf-8"))
         state: dict[str, str | None] = data["state"]
@@ -377,6 +418,20 @@ def finish_upgrade(checkout: gitrepo.Checkout) -> list[str] | None:
             f"{path}: the record of an interrupted 'quantpatch upgrade' is unreadable; check "
             "the installed files against git, then remove it."
         ) from None
+    notes = [str(n) for n in data.get("notes", [])]
+    texts = data.get("texts") or {}
+    if not isinstance(texts, dict):
+        texts = {}
+    stale = [
+        Edit(rel, current, want)
+        for rel, want in texts.items()
+        if rel in files and (current := read_exact(checkout.root / rel)) != want
+    ]
+    if stale:  # the files as the upgrade wrote them, checked anew (discarded by hand, say)
+        apply_edits(checkout.root, stale)
+        notes += [
+            f"{e.rel} was not as the interrupted upgrade wrote it: written again." for e in stale
+        ]
     for rel, text in state.items():
         target = checkout.state_dir / rel
         if read_exact(target) == text:
@@ -400,4 +455,4 @@ def finish_upgrade(checkout: gitrepo.Checkout) -> list[str] | None:
     faults.step("drop upgrade record", done=False)
     path.unlink()
     faults.step("drop upgrade record", done=True)
-    return [str(n) for n in data.get("notes", [])]
+    return notes
