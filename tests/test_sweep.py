@@ -525,3 +525,77 @@ def test_a_sweep_over_missing_data_starts_and_submits_nothing(
     said = " ".join(res.err.split())
     assert res.code == 2 and "was tokenized with gpt2, not with meta-llama/Llama-3.2-1B" in said
     assert not out.exists()
+
+
+SINFO = r"""#!/usr/bin/env bash
+printf '%s\n' "$@" > "$STUB_DIR/sinfo.args"
+printf '%s\n' "${STUB_SINFO:-1 gpu:2 8 64000}"
+"""
+SCONTROL_PARTITION = r"""#!/usr/bin/env bash
+if [[ "$1 $2" == "show partition" ]]; then
+    echo "PartitionName=debug AllowGroups=ALL Default=YES MaxNodes=UNLIMITED State=UP"
+    exit 0
+fi
+echo "JobId=4243 ArrayJobId=4242 ArrayTaskId=0 JobState=COMPLETED Reason=None \
+ExitCode=0:0 StartTime=2026-11-27T10:00:00 EndTime=2026-11-27T10:05:00"
+"""
+
+
+def test_a_slurm_sweep_is_checked_against_the_nodes_gpus(sweep_env, run, monkeypatch, tmp_path):
+    """Issue 46, point 1: the fast profile asks for 8 GPUs a node; on a partition whose node
+    declares 2 (`gres/gpu`), `sweep run` refuses before writing or submitting anything with
+    one sentence naming the node's GPUs and `--gpus-per-node 2`; with it the sweep is
+    submitted asking for 2, a resume keeps it, and sbatch's own node-configuration refusal
+    gets the same hint."""
+    from quantpatch.data_prep.layout import data_prefix
+    from quantpatch.launch.registry import load_registry
+
+    root, _env, stub, out = sweep_env
+    bin_dir = tmp_path / "bin"
+    for name, text in (("sinfo", SINFO), ("scontrol", SCONTROL_PARTITION)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    data = tmp_path / "data"
+    wiki = load_registry(None).datasets["wikipedia"].prefix
+    prefix = data_prefix(wiki, "llama32-1b", {}, data_root=str(data))
+    prefix.parent.mkdir(parents=True)
+    for suffix in (".bin", ".idx"):
+        Path(f"{prefix}{suffix}").write_bytes(b"")
+    monkeypatch.setenv("DATA_ROOT", str(data))
+    select = ("--models", "llama32-1b", "--datasets", "wikipedia", "--schemes", "bf16",
+              "--profile", "fast", "--launcher", "slurm", "--repo", root)  # fmt: skip
+    res = run("sweep", "run", out, *select)
+    said = " ".join(res.err.split())
+    assert res.code == 2, res
+    assert said == (
+        "error: the fast profile asks Slurm for 1 node(s) with 8 GPU(s) each, but partition "
+        "debug has 1 node with gpu:2: give --gpus-per-node 2 to sweep run or gen-scripts (or "
+        "gpus_per_node = 2 in the [profiles.fast] table of a --config)."
+    )
+    assert (stub / "sinfo.args").read_text().split() == ["-h", "-p", "debug", "-o", "%D", "%G",
+                                                         "%c", "%m"]  # fmt: skip
+    assert not out.exists() and not (stub / "sbatch.args").exists()
+    # gen-scripts writes the scripts and warns with the same sentence
+    res = run("gen-scripts", "--out", tmp_path / "scripts", "--launcher", "slurm",
+              *select[:6], "--profile", "fast", "--repo", root)  # fmt: skip
+    assert res.code == 0 and "give --gpus-per-node 2" in " ".join(res.err.split()), res
+    res = run("sweep", "run", out, *select, "--gpus-per-node", "2")
+    assert res.code == 0, res
+    assert "#SBATCH --gpus-per-node=2" in (out / "sweep.sbatch").read_text()
+    rec = record(out)
+    assert rec["selection"]["gpus_per_node"] == 2
+    assert rec["layout"] == {"gpus_per_node": 2, "nodes": 1}
+    # sbatch's own refusal (a node that declares GPUs sinfo does not show this way)
+    monkeypatch.setenv("STUB_SINFO", "1 gpu:8 8 64000")
+    monkeypatch.setenv("STUB_SBATCH_REFUSES", "Requested node configuration is not available")
+    other = tmp_path / "other"
+    res = run("sweep", "run", other, *select)
+    said = " ".join(res.err.split())
+    assert res.code == 2, res
+    assert (
+        "sbatch refused the sweep: Batch job submission failed: Requested node configuration "
+        "is not available (the scripts ask for 1 node(s) with 8 GPU(s) each and partition "
+        "debug has 1 node with gpu:8: --gpus-per-node N and --nodes N of sweep run change "
+        "that, as gpus_per_node and nodes in the [profiles.NAME] table of a --config do)."
+    ) in said
+    assert not (other / "sweep.json").exists()

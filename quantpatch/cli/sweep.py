@@ -37,6 +37,16 @@ def sweep_run(
     gpus: str | None = typer.Option(
         None, "--gpus", help="The GPUs to use, e.g. 0,1,2,3 (default: all nvidia-smi lists)."
     ),
+    gpus_per_node: int | None = typer.Option(
+        None,
+        "--gpus-per-node",
+        help="GPUs per node (default: the profile's); a Slurm sweep is checked against "
+        "the partition's nodes (sinfo) before anything is submitted.",
+        metavar="N",
+    ),
+    nodes: int | None = typer.Option(
+        None, "--nodes", help="Nodes per run (default: the profile's, else 1).", metavar="N"
+    ),
     only_pending: bool = typer.Option(
         False, "--only-pending", help="On resume, keep failed runs as they are."
     ),
@@ -56,6 +66,8 @@ def sweep_run(
         "gpus": sweep.parse_gpus(gpus),
         "config": str(config.resolve()) if config else None,
         "extra": list(extra) if extra else None,
+        "gpus_per_node": gpus_per_node,
+        "nodes": nodes,
     }
     selection = sweep.selection_for(sweep.load(sweep_dir), given)
     prepared = sweep.prepare(

@@ -271,6 +271,21 @@ def _gpu_hint(message: str, gpu_request: str) -> str:
     )
 
 
+def _refusal_hint(
+    said: str, gpu_request: str, record: Mapping[str, Any], partition: str | None
+) -> str:
+    """What to change: the node layout for sbatch's node-configuration refusal (with what
+    the partition's nodes have), the GPU request for a refusal that names GPUs."""
+    from quantpatch.launch import slurm_nodes
+
+    layout = record.get("layout") or {}
+    if "node configuration" in said.lower():
+        return slurm_nodes.sbatch_hint(
+            said, layout.get("gpus_per_node"), layout.get("nodes"), slurm_nodes.query(partition)
+        )
+    return _gpu_hint(said, gpu_request)
+
+
 def submit(
     sweep_dir: Path,
     record: dict[str, Any],
@@ -278,6 +293,7 @@ def submit(
     throttle: int,
     gpu_request: str,
     quantpatch_exe: str,
+    partition: str | None = None,
 ) -> Submitted | None:
     """One job array of the record's pending runs (None where there is none); the record is
     updated, not saved."""
@@ -313,7 +329,8 @@ def submit(
     if res.returncode != 0 or not re.fullmatch(r"[0-9]+", job):
         said = " ".join((res.stderr or res.stdout).split()) or f"exit status {res.returncode}"
         said = re.sub(r"^sbatch: error: ", "", said).rstrip(".")
-        raise UserError(f"sbatch refused the sweep: {said}{_gpu_hint(said, gpu_request)}.")
+        hint = _refusal_hint(said, gpu_request, record, partition)
+        raise UserError(f"sbatch refused the sweep: {said}{hint}.")
     stamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
     record["slurm_job"] = job
     names = []

@@ -54,6 +54,10 @@ class Selection:
     gpus: list[str] | None = None
     config: str | None = None
     extra: list[str] = field(default_factory=list)
+    gpus_per_node: int | None = None
+    """Over the profile's (``--gpus-per-node``); None: the profile's."""
+    nodes: int | None = None
+    """Over the profile's (``--nodes``); None: the profile's."""
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -66,6 +70,8 @@ class Selection:
             "gpus": self.gpus,
             "config": self.config,
             "extra": self.extra,
+            "gpus_per_node": self.gpus_per_node,
+            "nodes": self.nodes,
         }
 
     @classmethod
@@ -184,7 +190,7 @@ def prepare(
     is to run: a new sweep from ``given``, or the recorded one resumed (``given`` None)."""
     from quantpatch.checkout.worktrees import ensure_worktree
     from quantpatch.git import repo as gitrepo
-    from quantpatch.launch.plan import GenRequest, generate_scripts
+    from quantpatch.launch.plan import GenRequest, generate_scripts, requested_nodes
 
     old = load(sweep_dir)
     if given is None:
@@ -217,12 +223,15 @@ def prepare(
             schemes=selection.schemes,
             profile=selection.profile,
             launcher="torchrun" if selection.launcher == "local" else "slurm",
+            parallel={"gpus_per_node": selection.gpus_per_node, "nodes": selection.nodes},
             config=Path(selection.config) if selection.config else None,
             repo=checkout.root,
             refuse_blocked=True,
+            slurm_nodes="refuse" if selection.launcher == "slurm" else None,
         )
     )
     scripts = done.result.scripts
+    asked = requested_nodes(scripts)
     layout = scripts[0].layout if scripts else None
     per_run = layout.plan.gpus_per_node if layout is not None else 1
     if selection.launcher == "local" and layout is not None and layout.plan.nodes > 1:
@@ -290,6 +299,7 @@ def prepare(
         "selection": selection.as_dict(),
         "slurm_job": (old or {}).get("slurm_job"),
         "created": (old or {}).get("created") or now(),
+        "layout": {"gpus_per_node": asked[0], "nodes": asked[1]} if asked else None,
         "runs": runs,
     }
     if selection.launcher == "local":
@@ -547,6 +557,7 @@ def submit_slurm(
         record,
         throttle=settings.throttle,
         gpu_request=settings.gpu_request,
+        partition=settings.partition,
         quantpatch_exe=quantpatch_exe or os.environ.get("QUANTPATCH") or quantpatch_command(),
     )
     save(sweep_dir, record)
