@@ -58,6 +58,7 @@ echo "$$ $(date +%s.%N) end" >> "$STUB_DIR/calls"
 # cluster whose accounting is off (sacct refuses; squeue, scontrol and the task's output speak)
 SBATCH = r"""#!/usr/bin/env bash
 printf '%s\n' "$@" > "$STUB_DIR/sbatch.args"
+printf '%s\n' "${DATA_ROOT:-}" "${TOKENIZER_MODEL:-}" > "$STUB_DIR/sbatch.data"
 if [[ -n "${STUB_SBATCH_REFUSES:-}" ]]; then
     echo "sbatch: error: Batch job submission failed: $STUB_SBATCH_REFUSES" >&2
     exit 1
@@ -599,3 +600,71 @@ def test_a_slurm_sweep_is_checked_against_the_nodes_gpus(sweep_env, run, monkeyp
         "that, as gpus_per_node and nodes in the [profiles.NAME] table of a --config do)."
     ) in said
     assert not (other / "sweep.json").exists()
+
+
+def test_your_own_tokenizer_names_every_fix_and_a_resume_remembers_it(
+    sweep_env, run, monkeypatch, tmp_path
+):
+    """Issue 46, point 2: data made with a local tokenizer (`data prepare ... --tokenizer
+    llama32-1b=./tok`) is refused naming every fix (TOKENIZER_MODEL, a [models.M]
+    tokenizer_model override, preparing again); `data status` exits 1 on the mismatch; the
+    sweep records the data root, prefixes and tokenizer it checked, and a resume from a new
+    shell (neither variable exported) uses them, a relative tokenizer folder made absolute."""
+    from quantpatch.data_prep.layout import data_prefix, files_hash
+    from quantpatch.launch.registry import load_registry
+
+    root, _env, stub, out = sweep_env
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    (tok / "tokenizer.json").write_text('{"model": "mine"}')
+    data = tmp_path / "data"
+    wiki = load_registry(None).datasets["wikipedia"].prefix
+    prefix = data_prefix(wiki, "llama32-1b", {}, data_root=str(data))
+    prefix.parent.mkdir(parents=True)
+    for suffix in (".bin", ".idx"):
+        Path(f"{prefix}{suffix}").write_bytes(b"")
+    Path(f"{prefix}.json").write_text(
+        json.dumps({"tokenizer": {"name": "./tok", "hash": files_hash(tok)}})
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("DATA_ROOT", str(data))
+    monkeypatch.delenv("TOKENIZER_MODEL", raising=False)
+    select = ("--models", "llama32-1b", "--datasets", "wikipedia", "--schemes", "bf16",
+              "--profile", "fast", "--gpus-per-node", "2", "--launcher", "slurm",
+              "--repo", root)  # fmt: skip
+    res = run("sweep", "run", out, *select)
+    said = " ".join(res.err.split())
+    assert res.code == 2, res
+    assert "was tokenized with ./tok, not with meta-llama/Llama-3.2-1B" in said
+    assert f"export TOKENIZER_MODEL={tok} (the tokenizer it was made with)" in said
+    assert f'tokenizer_model = "{tok}" in the [models.llama32-1b] table of a --config' in said
+    assert "quantpatch data prepare wikipedia --input CORPUS --models llama32-1b" in said
+    assert not out.exists()
+    res = run("data", "status", "--models", "llama32-1b", "--datasets", "wikipedia")
+    assert res.code == 1 and "MISMATCH" in res.out, res
+    # the fix the sentence names, with the folder as the user wrote it
+    monkeypatch.setenv("TOKENIZER_MODEL", "./tok")
+    res = run("data", "status", "--models", "llama32-1b", "--datasets", "wikipedia")
+    assert res.code == 0 and "(matches)" in res.out, res
+    monkeypatch.setenv("STUB_TASK0", "FAILED")
+    res = run("sweep", "run", out, *select)
+    assert res.code == 0, res
+    assert (stub / "sbatch.data").read_text().split() == [str(data), str(tok)]
+    rec = record(out)
+    assert rec["data"]["env"] == {"DATA_ROOT": str(data), "TOKENIZER_MODEL": str(tok)}
+    assert rec["data"]["checked"] == [
+        {
+            "model": "llama32-1b",
+            "dataset": "wikipedia",
+            "prefix": str(prefix),
+            "tokenizer": str(tok),
+        }
+    ]
+    # a new shell: nothing exported, the resume uses what the sweep recorded
+    monkeypatch.delenv("TOKENIZER_MODEL")
+    monkeypatch.delenv("DATA_ROOT")
+    monkeypatch.chdir(root)
+    (stub / "sbatch.data").unlink()
+    res = run("sweep", "run", out, "--repo", root)
+    assert res.code == 0 and "submitted 1 runs" in res.out, res
+    assert (stub / "sbatch.data").read_text().split() == [str(data), str(tok)]

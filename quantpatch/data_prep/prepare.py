@@ -81,6 +81,9 @@ def load_tokenizer(name: str, workers: int) -> Tokenizer:
     (``AutoTokenizer.from_pretrained``), its vocabulary size (``len``) and EOD (EOS) id."""
     os.environ.setdefault("RAYON_NUM_THREADS", str(workers))  # before tokenizers' first batch
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
+    # transformers' advice at import ("PyTorch was not found. Models won't be available"):
+    # data prepare needs its tokenizers only, so the line would only alarm
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     try:
         import transformers
     except ImportError:

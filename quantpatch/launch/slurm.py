@@ -304,8 +304,11 @@ def submit(
     here = sweep_dir.resolve()
     (here / OUTPUT_DIR).mkdir(parents=True, exist_ok=True)
     checkout = record["checkout"]
+    from quantpatch.launch.sweep import data_vars
+
     env = {
         **os.environ,
+        **data_vars(record),
         "OUTPUT_ROOT": str(here / "runs"),
         "MEGATRON_ROOT": checkout,
         "QUANTPATCH": quantpatch_exe,

@@ -214,7 +214,8 @@ def prepare(
         slurm.sbatch_exe()
     if old is not None:
         _follow_slurm(sweep_dir, old, selection if given is not None else None)
-    _refuse_missing_data(selection)
+    env = data_env((old or {}).get("data"), os.environ)
+    checked = _refuse_missing_data(selection, {**os.environ, **env})
     done = generate_scripts(
         GenRequest(
             out=sweep_dir,
@@ -300,6 +301,18 @@ def prepare(
         "slurm_job": (old or {}).get("slurm_job"),
         "created": (old or {}).get("created") or now(),
         "layout": {"gpus_per_node": asked[0], "nodes": asked[1]} if asked else None,
+        "data": {
+            "env": env,
+            "checked": [
+                {
+                    "model": n.model,
+                    "dataset": n.dataset,
+                    "prefix": str(n.prefix),
+                    "tokenizer": n.tokenizer,
+                }
+                for n in checked
+            ],
+        },
         "runs": runs,
     }
     if selection.launcher == "local":
@@ -343,17 +356,46 @@ def _upgrade_between(repo: Any, old: object, new: str) -> str | None:
     return None
 
 
-def _refuse_missing_data(selection: Selection) -> None:
+DATA_VARS = ("DATA_ROOT", "DATA_PREFIX", "TOKENIZER_MODEL", "MOCK_DATA")
+"""The variables that say which data and tokenizer the scripts read (templates/pretrain.sh.j2)."""
+
+
+def data_env(recorded: Mapping[str, Any] | None, environ: Mapping[str, str]) -> dict[str, str]:
+    """The data variables a sweep's runs get and its record keeps: the environment's, else
+    the ones the sweep recorded when it started (a resume from a new shell needs no export
+    again). Folders and prefixes are made absolute: the runs start in the checkout."""
+    saved = (recorded or {}).get("env") or {}
+    out: dict[str, str] = {}
+    for key in DATA_VARS:
+        value = environ.get(key) or saved.get(key)
+        if not value:
+            continue
+        if key in ("DATA_ROOT", "DATA_PREFIX") or (
+            key == "TOKENIZER_MODEL" and Path(value).is_dir()
+        ):
+            value = os.path.abspath(value)
+        out[key] = str(value)
+    return out
+
+
+def data_vars(record: Mapping[str, Any]) -> dict[str, str]:
+    """The data variables recorded for the sweep's runs (none for an older record)."""
+    env = (record.get("data") or {}).get("env") or {}
+    return {k: str(v) for k, v in env.items() if k in DATA_VARS}
+
+
+def _refuse_missing_data(selection: Selection, env: Mapping[str, str]) -> list[Any]:
     """Every combination's dataset (and its manifest's tokenizer) checked before a script is
-    written or a worktree made: a sweep over missing data starts and submits nothing."""
+    written or a worktree made: a sweep over missing data starts and submits nothing. What
+    was checked (``data_prep.layout.Need``)."""
     from quantpatch.launch.data_check import refuse_missing
 
-    refuse_missing(
+    return refuse_missing(
         Path(selection.config) if selection.config else None,
         selection.models,
         selection.datasets,
         selection.profile,
-        os.environ,
+        env,
     )
 
 
@@ -478,6 +520,7 @@ def run_local(
     checkout = Path(record["checkout"])
     env_base = {
         **os.environ,
+        **data_vars(record),
         "OUTPUT_ROOT": str(sweep_dir.resolve() / "runs"),
         "MEGATRON_ROOT": str(checkout),
         "QUANTPATCH": quantpatch_exe or quantpatch_command(),
