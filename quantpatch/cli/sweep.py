@@ -144,20 +144,31 @@ def sweep_run(
 
 
 def _sweep_report(sweep_dir: Path, record: dict[str, Any], out_file: Path) -> dict[str, Any]:
-    from quantpatch.analysis import plots
-    from quantpatch.analysis.report import write_report
-    from quantpatch.launch import sweep
+    from quantpatch.analysis.report import Section, table_rows, write_report
+    from quantpatch.launch import provenance, sweep
     from quantpatch.launch.registry import load_registry
 
     cfg = record["selection"].get("config")
     reg = load_registry(Path(cfg) if cfg else None)
-    plots.require_matplotlib()
     logs = sweep.run_logs(sweep_dir, record)
     if not logs:
         raise UserError(f"{sweep_dir}: no run of the sweep has written a log yet.")
     tensors = sweep.tensor_dirs(sweep_dir, record)
+    where = Section(
+        f"Where the runs came from ({len(record['runs'])} runs)",
+        "each run's scheme values (linear, Q.K^T, P.V, the BF16 layer policy), the source "
+        "commit its log names, the data prefix and tokenizer the sweep checked, its GPUs and "
+        "its Slurm job (array task and Slurm's state); from sweep.json.",
+        provenance.RUN_COLUMNS,
+        table_rows(provenance.run_rows(record, reg.schemes), provenance.RUN_COLUMNS),
+    )
     return write_report(
-        out_file, tensors[0] if tensors else None, logs, names=(reg.models, reg.datasets)
+        out_file,
+        tensors[0] if tensors else None,
+        logs,
+        names=(reg.models, reg.datasets),
+        header=provenance.header(sweep_dir, record),
+        lead=[where],
     )
 
 

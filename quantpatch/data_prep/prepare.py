@@ -88,7 +88,9 @@ def load_tokenizer(name: str, workers: int) -> Tokenizer:
         import transformers
     except ImportError:
         raise UserError(
-            "data prepare needs transformers and tokenizers (pip install 'quantpatch[data]')."
+            "data prepare needs transformers and tokenizers (pip install 'transformers>=4.40' "
+            "'tokenizers>=0.15', or the data extra: pip install -e '.[data]' in quantpatch's "
+            "repository folder)."
         ) from None
     transformers.logging.set_verbosity_error()  # type: ignore[no-untyped-call]
     try:
