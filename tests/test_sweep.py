@@ -668,3 +668,37 @@ def test_your_own_tokenizer_names_every_fix_and_a_resume_remembers_it(
     res = run("sweep", "run", out, "--repo", root)
     assert res.code == 0 and "submitted 1 runs" in res.out, res
     assert (stub / "sbatch.data").read_text().split() == [str(data), str(tok)]
+
+
+SQUEUE_WITH_START = r"""#!/usr/bin/env bash
+echo "4242_0|COMPLETING|4243|2026-11-27T09:58:00"
+echo "4242_1|RUNNING|4244|2026-11-27T10:00:00"
+echo "4242_2|PENDING|4245|N/A"
+"""
+
+
+def test_the_first_status_of_a_slurm_sweep_has_gpus_and_start(sweep_env, run, tmp_path):
+    """Issue 46, point 8: `sweep status` of a Slurm sweep fills the gpus column (the
+    allocation the scripts ask for) and `started` on the first status of a running task
+    (squeue's %S), never a start for a pending one."""
+    from quantpatch.launch.slurm import parse_squeue
+
+    root, _env, _stub, out = sweep_env
+    (tmp_path / "bin" / "squeue").write_text(SQUEUE_WITH_START)
+    (tmp_path / "bin" / "scontrol").write_text("#!/usr/bin/env bash\nexit 1\n")
+    res = run("sweep", "run", out, *SELECT, "--launcher", "slurm", "--repo", root)
+    assert res.code == 0, res
+    res = run("sweep", "status", out, "--json")
+    runs = json.loads(res.out)["runs"]
+    assert [(r["state"], r["gpus"]) for r in runs] == [
+        ("running", "1 GPU"),
+        ("running", "1 GPU"),
+        ("pending", "1 GPU"),
+    ]
+    assert runs[1]["started"].startswith("2026-11-27T")  # in UTC: the hour is the zone's
+    assert runs[2]["started"] is None
+    res = run("sweep", "status", out)
+    assert res.code == 0 and "1 GPU" in res.out
+    found = parse_squeue("4242_3|RUNNING|99|2026-11-27T10:00:00\n4242_4|PENDING|98|N/A\nbad\n")
+    assert found[("4242", 3)].start is not None and found[("4242", 4)].start is None
+    assert found[("4242", 3)].job_id == "99" and len(found) == 2

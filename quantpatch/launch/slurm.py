@@ -124,17 +124,25 @@ def _sacct(jobs: Sequence[str]) -> dict[tuple[str, int], Task]:
     return found
 
 
-def _squeue(jobs: Sequence[str]) -> dict[tuple[str, int], Task]:
-    text = _run(["squeue", "-h", "-r", "-j", ",".join(jobs), "-o", "%i|%T|%A"])
+def parse_squeue(text: str) -> dict[tuple[str, int], Task]:
+    """``squeue -h -r -o '%i|%T|%A|%S'``: each array task's state, own job id and start
+    (``N/A`` before it starts), so a task's first status already says when it started."""
     found: dict[tuple[str, int], Task] = {}
-    for line in (text or "").splitlines():
+    for line in text.splitlines():
         parts = line.split("|")
-        m = re.fullmatch(r"([0-9]+)_([0-9]+)", parts[0].strip()) if len(parts) == 3 else None
+        m = re.fullmatch(r"([0-9]+)_([0-9]+)", parts[0].strip()) if len(parts) in (3, 4) else None
         if m is not None:
+            state = parts[1].strip()
+            start = _time(parts[3]) if len(parts) == 4 and state_of(state) == "running" else None
             found[(m[1], int(m[2]))] = Task(
-                parts[1].strip(), job_id=parts[2].strip(), source="squeue"
+                state, start=start, job_id=parts[2].strip(), source="squeue"
             )
     return found
+
+
+def _squeue(jobs: Sequence[str]) -> dict[tuple[str, int], Task]:
+    text = _run(["squeue", "-h", "-r", "-j", ",".join(jobs), "-o", "%i|%T|%A|%S"])
+    return parse_squeue(text or "")
 
 
 def _scontrol(jobs: Sequence[str]) -> dict[tuple[str, int], Task]:

@@ -616,6 +616,13 @@ def status(sweep_dir: Path) -> dict[str, Any]:
     if slurm.refresh(sweep_dir, record):
         save(sweep_dir, record)
     runs = [dict(r) for r in record["runs"]]
+    layout = record.get("layout") or {}
+    for r in runs:  # a Slurm run's GPUs: its allocation's shape, as the scripts asked for it
+        if not r.get("gpus") and r.get("slurm_job") and layout.get("gpus_per_node"):
+            nodes, per = int(layout.get("nodes") or 1), int(layout["gpus_per_node"])
+            r["gpus"] = f"{per} GPU{'s' if per != 1 else ''}" + (
+                f" x {nodes} nodes" if nodes > 1 else ""
+            )
     return {"counts": counts(record), "runs": runs, "launcher": record["launcher"]}
 
 
