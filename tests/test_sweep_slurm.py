@@ -20,6 +20,7 @@ import shutil
 import subprocess
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
 
@@ -46,19 +47,21 @@ def _unavailable() -> str | None:
     return None
 
 
-@pytest.fixture(scope="module")
-def real_slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
-    """A running one-node cluster: the environment its clients need (SLURM_CONF)."""
+@contextmanager
+def one_node_slurm(where: Path, gpus: int = 8) -> Iterator[dict[str, str]]:
+    """A running one-node cluster whose node declares ``gpus`` GPUs: the environment its
+    clients need (SLURM_CONF); skipped (or failed, under QUANTPATCH_REAL_SLURM=1) where it
+    cannot start."""
     why = _unavailable()
     if why is not None:
         if REQUIRED:
             pytest.fail(f"QUANTPATCH_REAL_SLURM=1 but {why}")
         pytest.skip(why)
-    where = tmp_path_factory.mktemp("slurm")
     timings = {}
+    env = {**os.environ, "SLURM_NODE_GPUS": str(gpus)}
     for step, args in (("install", ["install"]), ("start", ["start", str(where)])):
         began = time.monotonic()
-        res = subprocess.run(["bash", str(CLUSTER), *args], capture_output=True, text=True)
+        res = subprocess.run(["bash", str(CLUSTER), *args], capture_output=True, text=True, env=env)
         timings[step] = time.monotonic() - began
         if res.returncode != 0:
             subprocess.run(["bash", str(CLUSTER), "stop", str(where)], check=False)
@@ -71,13 +74,20 @@ def real_slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, s
                 pytest.fail(message)
             pytest.skip(message)
     print(f"slurm cluster: install {timings['install']:.1f} s, start {timings['start']:.1f} s")
-    env = {"SLURM_CONF": str(where / "etc" / "slurm.conf")}
+    client = {"SLURM_CONF": str(where / "etc" / "slurm.conf")}
     try:
-        yield env
+        yield client
     finally:
-        cleanup = {**os.environ, **env}
+        cleanup = {**os.environ, **client}
         subprocess.run(["scancel", "--user", "root"], env=cleanup, check=False)
         subprocess.run(["bash", str(CLUSTER), "stop", str(where)], check=False)
+
+
+@pytest.fixture(scope="module")
+def real_slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """A running one-node cluster (8 GPUs declared)."""
+    with one_node_slurm(tmp_path_factory.mktemp("slurm")) as env:
+        yield env
 
 
 def _wait(pred, what: str, timeout: float = 300.0) -> None:
