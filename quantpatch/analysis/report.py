@@ -18,7 +18,7 @@ from quantpatch.base.errors import UserError
 _STYLE = """
 body{font-family:system-ui,sans-serif;margin:1.5em;max-width:1400px;color:#222}
 table{border-collapse:collapse;font-size:12px;margin:1em 0;max-width:100%}
-th,td{border:1px solid #ccc;padding:3px 5px;text-align:right;overflow-wrap:anywhere}
+th,td{border:1px solid #ccc;padding:3px 5px;text-align:right}
 th{background:#f2f2f2;font-weight:600}td.t{text-align:left}tr.bad td{background:#fde8e8}
 table.prov th{text-align:left}table.prov td{text-align:left}
 img{max-width:100%;border:1px solid #eee;margin:.5em 0}
@@ -29,14 +29,15 @@ _PAGE = """<!doctype html><meta charset="utf-8"><title>quantpatch report</title>
 <style>{{ style }}</style><h1>quantpatch report</h1>
 {%- for line in notes %}<p class="note">{{ line }}</p>{% endfor %}
 {%- if header %}<table class="prov">
-{%- for label, text in header %}<tr><th>{{ label }}</th><td>{{ text }}</td></tr>{% endfor %}
+{%- for label, text in header %}<tr><th>{{ label }}</th><td>{{ text | breakable }}</td></tr>
+{%- endfor %}
 </table>{% endif %}
 {%- for s in sections %}
 <h2>{{ s.title }}</h2>
 {%- if s.note %}<p class="note">{{ s.note }}</p>{% endif %}
-{%- if s.columns %}<table><tr>{% for c in s.columns %}<th>{{ c | breakable }}</th>{% endfor %}</tr>
+{%- if s.columns %}<table><tr>{% for c in s.columns %}<th>{{ c | column }}</th>{% endfor %}</tr>
 {%- for r in s.rows %}<tr{% if r.bad %} class="bad"{% endif %}>
-{%- for text, left in r.cells %}<td{% if left %} class="t"{% endif %}>{{ text }}</td>
+{%- for text, left in r.cells %}<td{% if left %} class="t"{% endif %}>{{ text | breakable }}</td>
 {%- endfor %}</tr>
 {%- endfor %}</table>{% endif %}
 {%- for alt, data in s.images %}
@@ -63,18 +64,34 @@ def render(
     notes: list[str] | None = None,
     header: list[tuple[str, str]] | None = None,
 ) -> str:
-    """The page, every text escaped (jinja2 with autoescape on); column names may break
-    after an underscore (``<wbr>``), so a wide table fits the page."""
+    """The page, every text escaped (jinja2 with autoescape on); ``breakable`` lets the
+    tables' long names and paths wrap, so a wide table fits the page."""
     import jinja2
     from markupsafe import Markup, escape
 
     env = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined)
-    env.filters["breakable"] = lambda text: Markup(str(escape(text)).replace("_", "_<wbr>"))
+    env.filters["breakable"] = breakable
+    env.filters["column"] = lambda name: Markup(str(escape(name)).replace("_", "_<wbr>"))
     page = env.from_string(_PAGE)
     return (
         page.render(style=Markup(_STYLE), sections=sections, notes=notes or [], header=header or [])
         + "\n"
     )
+
+
+LONG_NAME = 32
+"""A text longer than this (without spaces) may break after its underscores."""
+
+
+def breakable(text: object) -> Any:
+    """``text`` escaped, with a break opportunity (``<wbr>``) after each slash, and after
+    each underscore of a long name (a run's name): values such as ``FA_linear_mxfp8`` stay
+    whole, and nothing breaks inside a word. (Column names break after every underscore.)"""
+    from markupsafe import Markup, escape
+
+    out = str(escape(text)).replace("/", "/<wbr>")
+    words = [w.replace("_", "_<wbr>") if len(w) > LONG_NAME else w for w in out.split(" ")]
+    return Markup(" ".join(words))
 
 
 def no_figures_note() -> str:
