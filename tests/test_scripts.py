@@ -478,7 +478,8 @@ def test_smoke_script_end_to_end_with_stub_torchrun(make_checkout, tmp_path, stu
     after = snapshot(root)
     assert after["files"] == before["files"] and after["head"] == before["head"]
     assert git.Repo(root).active_branch.name == "main" and not git.Repo(root).is_dirty()
-    assert "roles: linear=bf16  qk=mxfp8  pv=bf16" in res.stdout
+    # the check's values in the header, not its sites table (issue 46, point 8)
+    assert "(smoke): linear=bf16 qk=mxfp8 pv=bf16" in res.stdout and "roles:" not in res.stdout
     assert "CUSTOM_QUANT_TYPE" not in saver_env and "TENSOR_SAVE_ENABLED=false" in saver_env
     head = git.Repo(wt).head.commit.hexsha
     logs = list((runs / "logs").glob("*.log"))
