@@ -14,10 +14,12 @@ sets it), where a cluster that cannot start fails the test instead.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -51,12 +53,24 @@ def _unavailable() -> str | None:
 def one_node_slurm(where: Path, gpus: int = 8) -> Iterator[dict[str, str]]:
     """A running one-node cluster whose node declares ``gpus`` GPUs: the environment its
     clients need (SLURM_CONF); skipped (or failed, under QUANTPATCH_REAL_SLURM=1) where it
-    cannot start."""
+    cannot start. One cluster at a time on this machine (its daemons take fixed ports): a
+    second user (another xdist worker) waits on a lock until the first stopped its cluster."""
     why = _unavailable()
     if why is not None:
         if REQUIRED:
             pytest.fail(f"QUANTPATCH_REAL_SLURM=1 but {why}")
         pytest.skip(why)
+    with open(Path(tempfile.gettempdir()) / "quantpatch-one-node-slurm.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            with _started(where, gpus) as client:
+                yield client
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+@contextmanager
+def _started(where: Path, gpus: int) -> Iterator[dict[str, str]]:
     timings = {}
     env = {**os.environ, "SLURM_NODE_GPUS": str(gpus)}
     for step, args in (("install", ["install"]), ("start", ["start", str(where)])):
