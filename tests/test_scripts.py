@@ -478,7 +478,8 @@ def test_smoke_script_end_to_end_with_stub_torchrun(make_checkout, tmp_path, stu
     after = snapshot(root)
     assert after["files"] == before["files"] and after["head"] == before["head"]
     assert git.Repo(root).active_branch.name == "main" and not git.Repo(root).is_dirty()
-    assert "roles: linear=bf16  qk=mxfp8  pv=bf16" in res.stdout
+    # the check's values in the header, not its sites table (issue 46, point 8)
+    assert "(smoke): linear=bf16 qk=mxfp8 pv=bf16" in res.stdout and "roles:" not in res.stdout
     assert "CUSTOM_QUANT_TYPE" not in saver_env and "TENSOR_SAVE_ENABLED=false" in saver_env
     head = git.Repo(wt).head.commit.hexsha
     logs = list((runs / "logs").glob("*.log"))
@@ -979,3 +980,29 @@ def test_list_states_every_value_with_its_reference(run):
     assert "NVFP4QuantizerRef" in values["nvfp4"]["reference"]
     text = run("list").out
     assert "e8m0-rceil" in text and "fp8-block" in text and "128 x 128" in text
+
+
+def test_an_unknown_dataset_names_the_config_table_and_its_fields(run, tmp_path):
+    """Issue 46, point 4: bringing one's own dataset; the refusal names `--config`, the
+    `[datasets.NAME]` table and every field it needs (`split` explained), and a config with
+    that table makes the same `data status` / `gen-scripts` work."""
+    res = run("data", "status", "--datasets", "mytext")
+    said = " ".join(res.err.split())
+    assert res.code == 2, res
+    assert (
+        "unknown dataset 'mytext'; valid: wikipedia, dolma; one of your own is a "
+        "[datasets.mytext] table in a TOML file given with --config, with description, prefix "
+        '(e.g. "{data_root}/mytext/{model}_text_document", where data prepare writes it), '
+        'split (Megatron\'s --split train,valid,test weights, e.g. "949,50,1")'
+    ) in said
+    cfg = tmp_path / "mine.toml"
+    cfg.write_text(
+        '[datasets.mytext]\ndescription = "my corpus"\n'
+        'prefix = "{data_root}/mytext/{model}_text_document"\nsplit = "949,50,1"\n'
+    )
+    res = run("data", "status", "--datasets", "mytext", "--models", "llama32-1b",
+              "--config", cfg, "--data-root", tmp_path)  # fmt: skip
+    assert res.code == 0 and "mytext" in res.out, res
+    res = run("gen-scripts", "--out", tmp_path / "s", "--datasets", "mytext", "--models",
+              "llama32-1b", "--schemes", "bf16", "--config", cfg)  # fmt: skip
+    assert res.code == 0, res

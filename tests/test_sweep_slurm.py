@@ -14,12 +14,15 @@ sets it), where a cluster that cannot start fails the test instead.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
 
@@ -46,19 +49,33 @@ def _unavailable() -> str | None:
     return None
 
 
-@pytest.fixture(scope="module")
-def real_slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
-    """A running one-node cluster: the environment its clients need (SLURM_CONF)."""
+@contextmanager
+def one_node_slurm(where: Path, gpus: int = 8) -> Iterator[dict[str, str]]:
+    """A running one-node cluster whose node declares ``gpus`` GPUs: the environment its
+    clients need (SLURM_CONF); skipped (or failed, under QUANTPATCH_REAL_SLURM=1) where it
+    cannot start. One cluster at a time on this machine (its daemons take fixed ports): a
+    second user (another xdist worker) waits on a lock until the first stopped its cluster."""
     why = _unavailable()
     if why is not None:
         if REQUIRED:
             pytest.fail(f"QUANTPATCH_REAL_SLURM=1 but {why}")
         pytest.skip(why)
-    where = tmp_path_factory.mktemp("slurm")
+    with open(Path(tempfile.gettempdir()) / "quantpatch-one-node-slurm.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            with _started(where, gpus) as client:
+                yield client
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+@contextmanager
+def _started(where: Path, gpus: int) -> Iterator[dict[str, str]]:
     timings = {}
+    env = {**os.environ, "SLURM_NODE_GPUS": str(gpus)}
     for step, args in (("install", ["install"]), ("start", ["start", str(where)])):
         began = time.monotonic()
-        res = subprocess.run(["bash", str(CLUSTER), *args], capture_output=True, text=True)
+        res = subprocess.run(["bash", str(CLUSTER), *args], capture_output=True, text=True, env=env)
         timings[step] = time.monotonic() - began
         if res.returncode != 0:
             subprocess.run(["bash", str(CLUSTER), "stop", str(where)], check=False)
@@ -71,13 +88,20 @@ def real_slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, s
                 pytest.fail(message)
             pytest.skip(message)
     print(f"slurm cluster: install {timings['install']:.1f} s, start {timings['start']:.1f} s")
-    env = {"SLURM_CONF": str(where / "etc" / "slurm.conf")}
+    client = {"SLURM_CONF": str(where / "etc" / "slurm.conf")}
     try:
-        yield env
+        yield client
     finally:
-        cleanup = {**os.environ, **env}
+        cleanup = {**os.environ, **client}
         subprocess.run(["scancel", "--user", "root"], env=cleanup, check=False)
         subprocess.run(["bash", str(CLUSTER), "stop", str(where)], check=False)
+
+
+@pytest.fixture(scope="module")
+def real_slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """A running one-node cluster (8 GPUs declared)."""
+    with one_node_slurm(tmp_path_factory.mktemp("slurm")) as env:
+        yield env
 
 
 def _wait(pred, what: str, timeout: float = 300.0) -> None:

@@ -6,7 +6,8 @@
 #   cluster.sh stop DIR     stops every daemon that start left running (their pid files in DIR)
 # Everything it writes is under DIR (configuration, state, logs); clients find the cluster
 # through SLURM_CONF=DIR/etc/slurm.conf. The node is this machine: 8 CPUs and 8 GPUs declared
-# (config_overrides; the GPUs are dummy files in DIR/dev, enough for --gpus-per-node), the
+# (SLURM_NODE_GPUS=N declares N instead, as a user's 2-GPU node does; config_overrides; the
+# GPUs are dummy files in DIR/dev, enough for --gpus-per-node), the
 # minimal plugins that work without systemd or cgroups (proctrack/linuxproc, task/none).
 set -euo pipefail
 
@@ -78,8 +79,8 @@ start() {
         GRANT ALL ON slurm_acct_db.* TO 'slurm'@'127.0.0.1';
         GRANT ALL ON slurm_acct_db.* TO 'slurm'@'localhost';"
 
-    local i
-    for i in 0 1 2 3 4 5 6 7; do : >"$dir/dev/gpu$i"; done
+    local i gpus="${SLURM_NODE_GPUS:-8}"
+    for (( i = 0; i < gpus; i++ )); do : >"$dir/dev/gpu$i"; done
     cat >"$dir/etc/slurmdbd.conf" <<CONF
 AuthType=auth/munge
 AuthInfo=socket=$socket
@@ -125,11 +126,11 @@ ReturnToService=2
 KillWait=2
 MinJobAge=300
 MpiDefault=none
-NodeName=$host NodeAddr=127.0.0.1 CPUs=8 Gres=gpu:8 State=UNKNOWN
+NodeName=$host NodeAddr=127.0.0.1 CPUs=8 Gres=gpu:$gpus State=UNKNOWN
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 CONF
     cat >"$dir/etc/gres.conf" <<CONF
-NodeName=$host Name=gpu File=$dir/dev/gpu[0-7]
+NodeName=$host Name=gpu File=$dir/dev/gpu[0-$((gpus - 1))]
 CONF
     cat >"$dir/env" <<CONF
 export SLURM_CONF=$dir/etc/slurm.conf
