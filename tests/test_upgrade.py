@@ -153,3 +153,80 @@ def test_the_fork_clone_is_upgraded_and_its_own_saver_callers_keep_working(run, 
     assert run("saver", "remove", "--repo", clone).code == 0
     assert run("init", "--repo", clone, "--remove").code == 0
     assert snapshot(clone)["files"] == before  # every byte, the fork's own saver included
+
+
+# -- issue 47: upgrade never commits where it should not ------------------------------------
+
+
+def test_upgrade_on_a_scheme_branch_is_refused_before_anything(run, make_checkout):
+    root, _ = _old_checkout(run, make_checkout)
+    repo = git.Repo(root)
+    assert run("set", "--repo", root, "--scheme", "FA_mxfp8").code == 0
+    assert run("restore", "--repo", root).code == 0
+    branch = next(h.name for h in repo.heads if "qk-mxfp8" in h.name)
+    repo.git.checkout("-q", branch)
+    head = repo.head.commit
+    for force in ((), ("--force",)):
+        res = run("upgrade", "--repo", root, *force)
+        assert res.code == 2 and f"HEAD is on a scheme branch ({branch})" in res.err, res
+        assert repo.head.commit == head and not repo.is_dirty(untracked_files=True)
+    repo.git.checkout("-q", "main" if "main" in repo.heads else "master")
+    assert _parts(run, root)["ops"] == "older"  # not "edited": nothing was written anywhere
+
+
+def _upgrade_killed_after_its_record(root: Path, tmp_path: Path) -> None:
+    """``quantpatch upgrade`` in a subprocess, SIGKILLed right after its record is written
+    (the step found by tracing the same upgrade on a copy)."""
+    import os
+    import shutil
+    import subprocess
+
+    from .test_scripts import QUANTPATCH
+
+    copy = tmp_path / "copy"
+    shutil.copytree(root, copy, symlinks=True)
+    trace = tmp_path / "trace"
+    env = {**os.environ, "QUANTPATCH_FAULT_TRACE": str(trace)}
+    res = subprocess.run([QUANTPATCH, "upgrade", "--repo", copy], env=env, capture_output=True)
+    assert res.returncode == 0, res
+    steps = [ln.split(" ", 1) for ln in trace.read_text().splitlines()]
+    at = next(n for n, label in steps if label == "write upgrade record")
+    env = {**os.environ, "QUANTPATCH_FAULT_AT": at}
+    res = subprocess.run([QUANTPATCH, "upgrade", "--repo", root], env=env, capture_output=True)
+    assert res.returncode == -9, res
+
+
+def test_an_interrupted_upgrade_blocks_set_and_its_completion_checks_the_files(
+    run, make_checkout, tmp_path
+):
+    root, _ = _old_checkout(run, make_checkout)
+    repo = git.Repo(root)
+    old_head = repo.head.commit
+    _upgrade_killed_after_its_record(root, tmp_path)
+    res = run("set", "--repo", root, "--scheme", "FA_mxfp8")
+    assert res.code == 2 and "interrupted 'quantpatch upgrade' is unfinished" in res.err, res
+    assert repo.head.commit == old_head
+    # the half-written files discarded by hand: the completion writes them again
+    repo.git.checkout("--", ".")
+    repo.git.clean("-fdq", "--", "megatron")
+    assert (root / OPS_MODULE).read_text() == OLD_OPS
+    res = run("upgrade", "--repo", root)
+    assert res.code == 0, res
+    assert "written again" in res.out + res.err
+    assert repo.head.commit.parents == (old_head,) and not repo.is_dirty()
+    assert set(_parts(run, root).values()) == {"current"}
+    assert run("set", "--repo", root, "--scheme", "FA_mxfp8").code == 0
+
+
+def test_force_and_a_detached_head_say_where_the_old_commit_is(run, make_checkout):
+    root, _ = _old_checkout(run, make_checkout)
+    repo = git.Repo(root)
+    (root / OPS_MODULE).write_text(OLD_OPS + "# my tweak\n")
+    repo.git.commit("-qam", "tweak the ops")
+    edited = repo.head.commit.hexsha
+    repo.git.checkout("-q", "--detach")
+    res = run("upgrade", "--repo", root, "--force")
+    assert res.code == 0, res
+    said = " ".join((res.out + res.err).split())
+    assert f"the edited file stays in commit {edited[:12]}" in said, said
+    assert "HEAD is detached: the upgrade commit is on no branch" in said, said

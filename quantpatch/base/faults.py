@@ -5,10 +5,11 @@ write) calls ``step(label)``. With ``QUANTPATCH_FAULT_AT=n`` the n-th step of th
 fails: ``QUANTPATCH_FAULT_KIND=kill`` (default) sends the process SIGKILL *after* the step has
 taken effect, as a power cut or ``kill -9`` would; ``fail`` raises the error a failing git
 command or a full disk gives *instead of* the step; ``interrupt`` raises ``KeyboardInterrupt``
-right after it, as Ctrl-C does. ``QUANTPATCH_FAULT_TRACE=FILE`` appends
-each step's label to FILE, so a test can count the steps of a command and hit every one.
-``pause(label)`` is a barrier the test controls (``QUANTPATCH_FAULT_PAUSE``): the process
-stops there until the test lets it go or signals it, so no test has to poll for a moment.
+right after it, as Ctrl-C does; ``enospc`` raises the ``OSError`` of a full disk instead of
+it. ``QUANTPATCH_FAULT_TRACE=FILE`` appends each step's label to FILE, so a test can count the
+steps of a command and hit every one. ``pause(label)`` is a barrier the test controls
+(``QUANTPATCH_FAULT_PAUSE``): the process stops there until the test lets it go or signals it,
+so no test has to poll for a moment.
 """
 
 from __future__ import annotations
@@ -37,6 +38,10 @@ def step(label: str, *, done: bool) -> None:
     if not at or int(at) != _count:
         return
     kind = os.environ.get("QUANTPATCH_FAULT_KIND", "kill")
+    if kind == "enospc" and not done:
+        import errno
+
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     if kind == "fail" and not done:
         raise UserError(f"{label} failed (injected fault at step {_count}).")
     if kind == "kill" and done:

@@ -567,6 +567,9 @@ def _must_know(req: SetRequest) -> dict[str, str]:
 
 
 def _set_unlocked(checkout: gitrepo.Checkout, targets: Targets, req: SetRequest) -> SetResult:
+    from quantpatch.git.installs import refuse_pending_upgrade
+
+    refuse_pending_upgrade(checkout, "a set")
     refuse_links(checkout.root, targets.all_files)
     current_files = _discover_checked(checkout.root, targets)
     values = _resolve_values(req.values, [s for f in current_files for s in f.sites])

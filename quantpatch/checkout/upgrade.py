@@ -106,6 +106,7 @@ def _plan(
     if INIT in records:
         rels += [r for r in RUNTIME_MODULES if r not in rels]  # parts new in this version
     new_files: dict[str, dict[str, Any]] = {n: {} for n in records}
+    head = gitrepo.head_commit(checkout.repo) if checkout.repo is not None else None
     state: dict[str, str | None] = {}
     edits: list[Edit] = []
     notes: list[str] = []
@@ -123,7 +124,13 @@ def _plan(
                         "upgrade --force' overwrites it (the edits are lost); nothing was "
                         "upgraded."
                     )
-                notes.append(f"{rel}: its hand edits were overwritten (--force).")
+                # the edit is committed (an upgrade refuses uncommitted changes): say where
+                kept = (
+                    f"; the edited file stays in commit {head[:12]} ('git show {head[:12]}:{rel}')"
+                    if head
+                    else ""
+                )
+                notes.append(f"{rel}: its hand edits were overwritten (--force){kept}.")
         else:  # a module new in this version: nothing of the checkout's own may be there
             if current is not None and current != runtime_source(rel):
                 raise UserError(
@@ -150,10 +157,27 @@ def _plan(
     return edits, state, notes
 
 
+def _refuse_scheme_branch(checkout: gitrepo.Checkout) -> None:
+    """An upgrade (or the completion of an interrupted one) commits on the current branch,
+    which must be the base: never one of quantpatch's scheme branches."""
+    if checkout.repo is None:
+        return
+    from quantpatch.git import scheme_branch
+
+    branch = gitrepo.active_branch(checkout.repo)
+    if scheme_branch.is_scheme_branch(branch, load_targets(checkout.root).branch_prefix):
+        raise UserError(
+            f"HEAD is on a scheme branch ({branch}): quantpatch's own commit is there, and "
+            "the upgrade belongs on your branch; check it out ('git checkout <branch>') and "
+            "run upgrade again (nothing was upgraded)."
+        )
+
+
 def upgrade(path: Path | None, *, force: bool = False) -> InstallResult:
     checkout = gitrepo.find_checkout(path, need_git=False)
     with gitrepo.locked(checkout):
         gitrepo.recover(checkout)
+        _refuse_scheme_branch(checkout)
         finished = finish_upgrade(checkout)
         if finished is not None:  # killed after its files were written: now complete
             head = gitrepo.head_commit(checkout.repo) if checkout.repo is not None else None
@@ -177,7 +201,13 @@ def upgrade(path: Path | None, *, force: bool = False) -> InstallResult:
             return InstallResult([], None, removed=False, changed=False)
         message = f"quantpatch upgrade: the installed parts to quantpatch {__version__}"
         written = [e.rel for e in edits]
-        text = upgrade_record_text(state, written, message, notes)
+        if checkout.repo is not None and written and gitrepo.active_branch(checkout.repo) is None:
+            notes.append(
+                "HEAD is detached: the upgrade commit is on no branch; 'git branch <name>' "
+                "keeps it before you check out another branch."
+            )
+        texts = {e.rel: e.new for e in edits}
+        text = upgrade_record_text(state, written, message, notes, texts)
         journal = gitrepo.journal_dir(checkout)
         with journaled(journal, checkout.root, edits, upgrade_record(checkout), text):
             apply_edits(checkout.root, edits)

@@ -26,7 +26,7 @@ from quantpatch.cli import sweep  # noqa: F401
 from quantpatch.cli import data  # noqa: F401
 
 # isort: on
-from quantpatch.cli.app import OPTS, app, err
+from quantpatch.cli.app import OPTS, app, err, restore_cursor
 
 __all__ = ["OPTS", "app", "command_for", "main", "run"]
 
@@ -119,6 +119,13 @@ def main() -> None:
     if debug:
         OPTS.debug = True
     command = command_for(sys.argv[1:])
+    try:
+        _dispatch(command, debug)
+    finally:
+        restore_cursor()  # a progress display cut short by an error or Ctrl-C hid it
+
+
+def _dispatch(command: Any, debug: bool) -> NoReturn:
     try:
         code = command.main(args=sys.argv[1:], prog_name="quantpatch", standalone_mode=False)
     except (UserError, CheckFailed) as exc:

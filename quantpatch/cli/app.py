@@ -32,10 +32,36 @@ class _OnFirstUse:
         self._make = make
         self._console: Console | None = None
 
-    def __getattr__(self, name: str) -> Any:
+    def made(self) -> "Console":
+        """The rich ``Console`` itself (made now if it was not yet)."""
         if self._console is None:
             self._console = self._make()
-        return getattr(self._console, name)
+        return self._console
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.made(), name)
+
+    # dunder methods are looked up on the type, never through __getattr__: rich's Live and
+    # Progress use the console as a context manager (``with console:``)
+    def __enter__(self) -> "Console":
+        return self.made().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.made().__exit__(*exc)
+
+
+def real_console(console: "Console") -> "Console":
+    """The rich ``Console`` behind ``out`` or ``err``: what rich's ``Progress``, ``Live`` and
+    ``status`` must be handed (they check its type and use it as a context manager)."""
+    return console.made() if isinstance(console, _OnFirstUse) else console
+
+
+def restore_cursor() -> None:
+    """Show the terminal's cursor again if a progress display hid it and was cut short (an
+    error, Ctrl-C): nothing where ``err`` was never made or is not a terminal."""
+    made = err._console if isinstance(err, _OnFirstUse) else err
+    if made is not None and made.is_terminal:
+        made.show_cursor(True)
 
 
 def _make_out() -> "Console":

@@ -12,7 +12,7 @@ from typing import Any
 import typer
 
 from quantpatch.base.errors import UserError
-from quantpatch.cli.app import OPTS, JsonOpt, app, emit_json, err, out
+from quantpatch.cli.app import OPTS, JsonOpt, app, emit_json, err, out, real_console
 from quantpatch.cli.launch import ConfigOpt, csv_list
 
 data_app = typer.Typer(
@@ -50,7 +50,7 @@ def _progress(quiet: bool) -> Iterator[Callable[[str], Any] | None]:
         TextColumn("{task.description}"),
         TextColumn("{task.fields[line]}"),
         TimeElapsedColumn(),
-        console=err,
+        console=real_console(err),
         transient=False,
     ) as bar:
 
@@ -96,8 +96,9 @@ def data_prepare(
 ) -> None:
     """Tokenize raw text into each model's dataset (byte-identical to Megatron's
     preprocess_data.py), at the prefix the scripts read, with a manifest beside it."""
+    from quantpatch.data_prep.inputs import resolved
     from quantpatch.data_prep.layout import data_prefix, tokenizer_for
-    from quantpatch.data_prep.prepare import Target, prepare
+    from quantpatch.data_prep.prepare import Target, capped_workers, prepare
     from quantpatch.launch.registry import load_registry
 
     reg = load_registry(config)
@@ -118,13 +119,16 @@ def data_prepare(
                 reg.datasets[dataset].prefix,
                 m,
                 env,
-                str(data_root.resolve()) if data_root else None,
+                str(resolved(data_root)) if data_root else None,
             ),
             chosen.get(m) or tokenizer_for(reg.models[m].tokenizer_model, env),
         )
         for m in names
     ]
     quiet = json_ or OPTS.json
+    workers, warning = capped_workers(workers)
+    if warning:
+        err.print(f"warning: {warning}", style="yellow", markup=False)
     with _progress(quiet) as progress:
         done = prepare(
             dataset, inputs, targets, text_key=text_key, workers=workers, progress=progress
@@ -159,13 +163,14 @@ def data_status(
 ) -> None:
     """For each model x dataset: the prefix, whether it exists, its documents and tokens, and
     whether its manifest's tokenizer is the one the scripts pass."""
+    from quantpatch.data_prep.inputs import resolved
     from quantpatch.data_prep.layout import data_prefix, tokenizer_for
     from quantpatch.data_prep.prepare import status
     from quantpatch.launch.registry import load_registry
 
     reg = load_registry(config)
     env = dict(os.environ)
-    root = str(data_root.resolve()) if data_root else None
+    root = str(resolved(data_root)) if data_root else None
     needs = [
         (
             m,

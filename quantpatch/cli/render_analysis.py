@@ -22,7 +22,13 @@ from quantpatch.analysis.outputs import format_value
 @contextmanager
 def progress_bar(err: Console, what: str) -> Iterator[Callable[[int, int], None]]:
     """A progress callback ``(done, total)``; the bar appears only on a terminal and only
-    once the work has taken more than a second."""
+    once the work has taken more than a second (``QUANTPATCH_PROGRESS_AFTER`` seconds: the
+    pty tests set 0 to see it at once)."""
+    import os
+
+    from quantpatch.cli.app import real_console
+
+    err = real_console(err)
     bar = Progress(
         "[progress.description]{task.description}",
         BarColumn(),
@@ -33,11 +39,20 @@ def progress_bar(err: Console, what: str) -> Iterator[Callable[[int, int], None]
     )
     task = bar.add_task(what, total=None)
     started = False
+    try:
+        after = float(os.environ.get("QUANTPATCH_PROGRESS_AFTER", "1"))
+    except ValueError:
+        after = 1.0
 
     def update(done: int, total: int) -> None:
         nonlocal started
         bar.update(task, completed=done, total=total)
-        if not started and err.is_terminal and bar.tasks[0].elapsed and bar.tasks[0].elapsed > 1:
+        if (
+            not started
+            and err.is_terminal
+            and bar.tasks[0].elapsed is not None
+            and bar.tasks[0].elapsed >= after
+        ):
             bar.start()
             started = True
 

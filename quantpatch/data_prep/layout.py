@@ -80,20 +80,41 @@ def read_manifest(prefix: Path) -> dict[str, Any] | None:
     """The manifest beside a prefix, or None where there is none (or it cannot be read)."""
     try:
         data = json.loads(manifest_path(prefix).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
-    return data if isinstance(data, dict) else None
+    return data if isinstance(data, dict) and _well_formed(data) else None
+
+
+def _well_formed(manifest: Mapping[str, Any]) -> bool:
+    """Whether a manifest's fields have the types ``data prepare`` writes (a hand-edited one
+    that does not is no manifest: ``status`` says so and ``prepare`` rewrites the dataset)."""
+
+    def count(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+    tok = manifest.get("tokenizer")
+    files = manifest.get("files")
+    return (
+        count(manifest.get("documents"))
+        and count(manifest.get("tokens"))
+        and isinstance(tok, dict)
+        and isinstance(tok.get("name"), str)
+        and isinstance(tok.get("hash"), str)
+        and isinstance(files, dict)
+        and all(count(files.get(s)) for s in ("bin", "idx"))
+    )
 
 
 def tokenizer_matches(manifest: Mapping[str, Any], tokenizer: str) -> bool:
-    """Whether a manifest's dataset was made with ``tokenizer``: the same name, or, for a
-    folder, the same files."""
+    """Whether a manifest's dataset was made with ``tokenizer``: for a folder, the same
+    tokenizer files (the fingerprint ``data prepare`` records: a tokenizer retrained into the
+    same folder does not match); for a hub name, the same name."""
     made = manifest.get("tokenizer") or {}
     if not isinstance(made, dict):
         return False
-    if made.get("name") == tokenizer:
-        return True
-    return is_local(tokenizer) and made.get("hash") == files_hash(Path(tokenizer))
+    if is_local(tokenizer):
+        return made.get("hash") == files_hash(Path(tokenizer))
+    return made.get("name") == tokenizer
 
 
 @dataclass(frozen=True)
@@ -127,9 +148,10 @@ class Need:
             return f"{bad} ({self.model} on {self.dataset})"
         manifest = read_manifest(self.prefix)
         if manifest is not None and not tokenizer_matches(manifest, self.tokenizer):
-            made = (manifest.get("tokenizer") or {}).get("name", "?")
+            made = manifest["tokenizer"]["name"]
+            other = " (its files since changed)" if made == self.tokenizer else ""
             return (
-                f"{self.prefix} was tokenized with {made}, not with {self.tokenizer} "
+                f"{self.prefix} was tokenized with {made}{other}, not with {self.tokenizer} "
                 f"({self.model} on {self.dataset})"
             )
         return None

@@ -27,8 +27,20 @@ from quantpatch import __version__
 from quantpatch.base import faults
 from quantpatch.base.errors import UserError
 from quantpatch.data_prep.indexed import Writer, optimal_dtype
-from quantpatch.data_prep.inputs import Text, check_readable, content_hash, documents
-from quantpatch.data_prep.layout import files_hash, is_local, manifest_path, read_manifest
+from quantpatch.data_prep.inputs import (
+    Text,
+    absolute,
+    check_readable,
+    content_hash,
+    documents,
+)
+from quantpatch.data_prep.layout import (
+    HUB_NAME,
+    files_hash,
+    is_local,
+    manifest_path,
+    read_manifest,
+)
 
 FORMAT = "megatron-indexed-dataset/1"
 BATCH_DOCS = 2048
@@ -88,6 +100,8 @@ def load_tokenizer(name: str, workers: int) -> Tokenizer:
             "data prepare needs transformers and tokenizers (pip install 'quantpatch[data]')."
         ) from None
     transformers.logging.set_verbosity_error()  # type: ignore[no-untyped-call]
+    if not is_local(name) and (name.startswith((".", "/", "~")) or not HUB_NAME.match(name)):
+        raise UserError(f"the tokenizer {name} cannot be loaded: there is no such folder.")
     try:
         tok = transformers.AutoTokenizer.from_pretrained(name)
     except Exception as exc:
@@ -139,6 +153,71 @@ def _temp(prefix: Path) -> Path:
     return prefix.with_name(f".{prefix.name}.partial-{os.getpid()}")
 
 
+def usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def capped_workers(workers: int) -> tuple[int, str | None]:
+    """``workers`` capped at the usable cores (the tokenizer starts one thread each: ten
+    thousand of them take minutes to start and gain nothing), and the warning to print."""
+    cores = usable_cores()
+    if workers <= cores:
+        return workers, None
+    return cores, f"--workers {workers} is more than the {cores} usable cores: using {cores}."
+
+
+def _lock_path(prefix: Path) -> Path:
+    return prefix.with_name(f".{prefix.name}.lock")
+
+
+@contextlib.contextmanager
+def prefix_locks(prefixes: Sequence[Path]) -> Iterator[None]:
+    """An exclusive ``flock`` on each prefix's ``.NAME.lock`` (beside it) for the duration,
+    as the checkout lock does: the kernel releases it however its holder dies; a prefix that
+    another run holds is refused (exit 2) before anything is written. The lock files stay
+    (removing one would let a second run lock a new file while a third holds the old), and
+    are never written to, so a run that finds its dataset up to date changes nothing."""
+    import fcntl
+
+    fds: list[int] = []
+    try:
+        for prefix in sorted(set(prefixes)):
+            lock = _lock_path(prefix)
+            try:
+                fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+            except OSError as exc:
+                raise UserError(f"{lock}: cannot create the lock file ({exc.strerror}).") from None
+            fds.append(fd)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise UserError(
+                    f"{prefix}: another data prepare is writing this dataset; wait for it to "
+                    "finish and run again."
+                ) from None
+        yield
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def _check_places(targets: Sequence[Target]) -> None:
+    """Refused before any work: two models writing one prefix (a ``--config`` prefix without
+    ``{model}``), or a folder (or anything not a file) where a dataset's file goes."""
+    seen: dict[Path, str] = {}
+    for target in targets:
+        if target.prefix in seen:
+            raise UserError(
+                f"{seen[target.prefix]} and {target.model} would both write {target.prefix}: "
+                "the dataset's prefix needs {model} in it to keep the models apart."
+            )
+        seen[target.prefix] = target.model
+        for path in (Path(f"{target.prefix}.bin"), Path(f"{target.prefix}.idx"),
+                     manifest_path(target.prefix)):  # fmt: skip
+            if path.is_symlink() or (path.exists() and not path.is_file()):
+                raise UserError(f"{path}: not a regular file where the dataset's file goes.")
+
+
 def _writable(folder: Path) -> None:
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -152,12 +231,19 @@ def _batches(inputs: Sequence[Path], key: str) -> Iterator[tuple[list[Text], int
     texts: list[Text] = []
     size = 0
     for path in inputs:
+        found = 0
         for text, n in documents(path, key):
+            found += 1
             texts.append(text)
             size += n
             if len(texts) >= BATCH_DOCS:
                 yield texts, size
                 texts, size = [], 0
+        if not found:
+            raise UserError(
+                f"{path}: holds no documents; an empty input would make an empty dataset "
+                "(the one there, if any, is kept)."
+            )
     if texts:
         yield texts, size
 
@@ -282,7 +368,13 @@ def _install(temp: Path, prefix: Path, manifest: dict[str, Any]) -> None:
     """The temporary dataset renamed into place: the old ``.idx`` removed first (the old
     dataset is then no dataset), the ``.bin`` and the manifest, the ``.idx`` last."""
     manifest["files"] = {s: Path(f"{temp}.{s}").stat().st_size for s in ("bin", "idx")}
-    Path(f"{temp}.json").write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+    try:
+        Path(f"{temp}.json").write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+    except OSError as exc:
+        raise UserError(
+            f"{prefix.parent}: cannot write the dataset ({exc.strerror or exc}); the dataset "
+            "there, if any, is unchanged."
+        ) from None
     Path(f"{prefix}.idx").unlink(missing_ok=True)
     for suffix in ("bin", "json", "idx"):
         faults.step(f"rename {prefix}.{suffix}", done=False)
@@ -306,7 +398,9 @@ def prepare(
         raise UserError("data prepare needs at least one --input.")
     if workers < 1:
         raise UserError(f"--workers must be at least 1 (got {workers}).")
-    paths = [Path(p).resolve() for p in inputs]
+    workers = min(workers, usable_cores())
+    _check_places(targets)
+    paths = [absolute(Path(p)) for p in inputs]
     for path in paths:
         check_readable(path)
     toks: dict[str, Tokenizer] = {}
@@ -315,6 +409,18 @@ def prepare(
             toks[target.tokenizer] = load_tokenizer(target.tokenizer, workers)
     for target in targets:
         _writable(target.prefix.parent)
+    with prefix_locks([t.prefix for t in targets]):
+        return _prepare(dataset, paths, targets, toks, text_key, progress)
+
+
+def _prepare(
+    dataset: str,
+    paths: list[Path],
+    targets: Sequence[Target],
+    toks: dict[str, Tokenizer],
+    text_key: str,
+    progress: Callable[[str], Progress | None] | None,
+) -> list[Outcome]:
     described = []
     for path in paths:
         size, digest = content_hash(path)
@@ -350,12 +456,18 @@ def prepare(
         temps = [_temp(t.prefix) for t, _ in pending]
         try:
             label = ", ".join(t.model for t, _ in pending)
-            writer = tokenize(
-                paths, text_key, tok, first, progress(label) if progress is not None else None
-            )
-            for temp in temps[1:]:
-                for suffix in ("bin", "idx"):
-                    shutil.copyfile(f"{first}.{suffix}", f"{temp}.{suffix}")
+            try:
+                writer = tokenize(
+                    paths, text_key, tok, first, progress(label) if progress is not None else None
+                )
+                for temp in temps[1:]:
+                    for suffix in ("bin", "idx"):
+                        shutil.copyfile(f"{first}.{suffix}", f"{temp}.{suffix}")
+            except OSError as exc:  # a full disk, a quota: nothing is installed yet
+                raise UserError(
+                    f"{first.parent}: cannot write the dataset ({exc.strerror or exc}); the "
+                    "dataset there, if any, is unchanged."
+                ) from None
             seconds = time.monotonic() - start
             for (target, manifest), temp in zip(pending, temps, strict=True):
                 manifest.update(

@@ -350,13 +350,34 @@ def upgrade_record(checkout: gitrepo.Checkout) -> Path:
 
 
 def upgrade_record_text(
-    state: dict[str, str | None], files: Sequence[str], message: str, notes: Sequence[str]
+    state: dict[str, str | None],
+    files: Sequence[str],
+    message: str,
+    notes: Sequence[str],
+    texts: dict[str, str | None] | None = None,
 ) -> str:
     """The upgrade's commit point: the state files it leaves (records and kept originals,
-    relative to the state directory; None: removed), the work-tree files to commit, and the
-    commit message."""
-    body = {"state": state, "files": list(files), "message": message, "notes": list(notes)}
+    relative to the state directory; None: removed), the work-tree files to commit, the
+    commit message, and what it writes in each of those files (``texts``: the completion
+    checks the files against it, not the record's word)."""
+    body = {
+        "state": state,
+        "files": list(files),
+        "message": message,
+        "notes": list(notes),
+        "texts": texts or {},
+    }
     return json.dumps(body, indent=2) + "\n"
+
+
+def refuse_pending_upgrade(checkout: gitrepo.Checkout, doing: str) -> None:
+    """An interrupted ``upgrade`` blocks ``doing`` (a ``set`` would build scheme branches on
+    a half-upgraded base) until ``quantpatch upgrade`` completes it."""
+    if upgrade_record(checkout).is_file():
+        raise UserError(
+            f"an interrupted 'quantpatch upgrade' is unfinished; run 'quantpatch upgrade' to "
+            f"complete it before {doing} (nothing was changed)."
+        )
 
 
 def finish_upgrade(checkout: gitrepo.Checkout) -> list[str] | None:
@@ -377,6 +398,20 @@ def finish_upgrade(checkout: gitrepo.Checkout) -> list[str] | None:
             f"{path}: the record of an interrupted 'quantpatch upgrade' is unreadable; check "
             "the installed files against git, then remove it."
         ) from None
+    notes = [str(n) for n in data.get("notes", [])]
+    texts = data.get("texts") or {}
+    if not isinstance(texts, dict):
+        texts = {}
+    for rel, want in texts.items():  # the files as the upgrade wrote them, checked anew
+        if rel not in files or read_exact(checkout.root / rel) == want:
+            continue
+        faults.step(f"rewrite upgraded {rel}", done=False)
+        if want is None:
+            (checkout.root / rel).unlink(missing_ok=True)
+        else:
+            write_exact(checkout.root / rel, want)
+        faults.step(f"rewrite upgraded {rel}", done=True)
+        notes.append(f"{rel} was not as the interrupted upgrade wrote it: written again.")
     for rel, text in state.items():
         target = checkout.state_dir / rel
         if read_exact(target) == text:
@@ -400,4 +435,4 @@ def finish_upgrade(checkout: gitrepo.Checkout) -> list[str] | None:
     faults.step("drop upgrade record", done=False)
     path.unlink()
     faults.step("drop upgrade record", done=True)
-    return [str(n) for n in data.get("notes", [])]
+    return notes
