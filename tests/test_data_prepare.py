@@ -227,7 +227,8 @@ def test_rerun_is_up_to_date_shared_tokenizers_once_changes_rebuild_and_status(t
                   "--data-root", root, "--json", env={"TOKENIZER_MODEL": str(tok)})  # fmt: skip
     assert json.loads(res.stdout)["datasets"][0]["tokenizer_matches"] is True
     res = run_cli("status", "--models", "llama32-1b", "--data-root", root)
-    assert res.returncode == 0 and "MISMATCH" in res.stdout
+    assert res.returncode == 1 and "MISMATCH" in res.stdout  # issue 46: a mismatch is a failure
+    assert "export TOKENIZER_MODEL" in " ".join(res.stderr.split())
 
 
 @pytest.mark.parametrize("at", ["batch", "rename"])
@@ -302,3 +303,21 @@ def test_data_commands_load_no_tokenizer_library_at_start_up():
     )
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert res.returncode == 0 and res.stdout.strip().endswith("[]"), res
+
+
+def test_data_prepare_without_torch_prints_no_transformers_advice(tok, tmp_path):
+    """Issue 46, point 8: where torch is not installed (`quantpatch[data]` alone),
+    transformers' "PyTorch was not found" advice is not printed by `data prepare`."""
+    src = write_jsonl(tmp_path / "c.jsonl", corpus(5))
+    code = (
+        "import sys; sys.modules['torch'] = None\n"  # as an install without torch
+        "from quantpatch import cli\n"
+        f"sys.argv = ['quantpatch', 'data', 'prepare', 'wikipedia', '--input', {str(src)!r}, "
+        f"'--models', 'llama32-1b', '--tokenizer', 'llama32-1b={tok}', '--data-root', "
+        f"{str(tmp_path / 'data')!r}]\n"
+        "cli.main()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRANSFORMERS_NO_ADVISORY_WARNINGS"}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert res.returncode == 0, res.stderr
+    assert "wrote" in res.stdout and "PyTorch was not found" not in res.stderr, res.stderr

@@ -501,3 +501,24 @@ def test_a_slurm_sweep_on_the_clone(run, clone, tmp_path, monkeypatch, data_root
     res = subprocess.run(["sbatch", str(out / "sweep.sbatch")], cwd=clone, env=env,
                          capture_output=True, text=True)  # fmt: skip
     assert res.returncode == 2 and "quant has moved on to" in res.stderr
+
+
+def test_init_on_the_clone_keeps_check_green_and_the_roles(run, clone):
+    """Issue 46, point 3: `init` on the fork inserts the ParetoQ constructor sites
+    (`ColumnParallelLinear.__init__`, `RowParallelLinear.__init__`) with the linear role's
+    current value, so `check` still exits 0 right after it, every role reads as before, and
+    the documented partial `set --qk mxfp8` keeps the other roles' values."""
+    before = json.loads(run("check", "--json", "--repo", clone).out)["roles"]
+    assert before["linear"] == "hifp8"
+    assert run("init", "--repo", clone).code == 0
+    res = run("check", "--repo", clone)
+    assert res.code == 0, res
+    sites = _sites(run, clone)
+    steps = [s for s in sites if s["function"].endswith("ParallelLinear.__init__")]
+    assert len(steps) == 2 and {s["value"] for s in steps} == {"hifp8"}
+    after = json.loads(run("check", "--json", "--repo", clone).out)["roles"]
+    assert after == before
+    res = run("set", "--repo", clone, "--qk", "mxfp8")
+    assert res.code == 0, res
+    roles = json.loads(run("check", "--json", "--repo", clone).out)["roles"]
+    assert (roles["linear"], roles["qk"], roles["pv"]) == ("hifp8", "mxfp8", before["pv"])

@@ -597,6 +597,8 @@ def test_slurm_scripts_and_the_sweep_array(make_checkout, tmp_path, stubs, run):
     assert len(_worktrees(root)) == 10
     res = subprocess.run(["sbatch", str(one)], cwd=root, env=env, capture_output=True, text=True)
     assert res.returncode == 0, res.stdout + res.stderr
+    # issue 46, point 8: the task's output does not start with the full sites table
+    assert "roles:" not in res.stdout + res.stderr and "file:line" not in res.stdout
     ((srun, _, _),) = calls(record, "srun")
     wt = str(
         root / ".git" / "quantpatch" / "worktrees" / "quantpatch__linear-bf16_qk-mxfp8_pv-bf16"

@@ -939,3 +939,29 @@ def test_nvfp4_schemes_are_listed_chosen_by_name_and_by_all_but_not_by_default(r
     paths = sorted((tmp_path / "one").rglob("*.sh"))
     assert len(paths) == 6 and all(p.name.endswith("_linear_nvfp4.sh") for p in paths)
     assert "readonly QUANT_LINEAR=nvfp4" in paths[0].read_text()
+
+
+def test_an_unknown_dataset_names_the_config_table_and_its_fields(run, tmp_path):
+    """Issue 46, point 4: bringing one's own dataset; the refusal names `--config`, the
+    `[datasets.NAME]` table and every field it needs (`split` explained), and a config with
+    that table makes the same `data status` / `gen-scripts` work."""
+    res = run("data", "status", "--datasets", "mytext")
+    said = " ".join(res.err.split())
+    assert res.code == 2, res
+    assert (
+        "unknown dataset 'mytext'; valid: wikipedia, dolma; one of your own is a "
+        "[datasets.mytext] table in a TOML file given with --config, with description, prefix "
+        '(e.g. "{data_root}/mytext/{model}_text_document", where data prepare writes it), '
+        'split (Megatron\'s --split train,valid,test weights, e.g. "949,50,1")'
+    ) in said
+    cfg = tmp_path / "mine.toml"
+    cfg.write_text(
+        '[datasets.mytext]\ndescription = "my corpus"\n'
+        'prefix = "{data_root}/mytext/{model}_text_document"\nsplit = "949,50,1"\n'
+    )
+    res = run("data", "status", "--datasets", "mytext", "--models", "llama32-1b",
+              "--config", cfg, "--data-root", tmp_path)  # fmt: skip
+    assert res.code == 0 and "mytext" in res.out, res
+    res = run("gen-scripts", "--out", tmp_path / "s", "--datasets", "mytext", "--models",
+              "llama32-1b", "--schemes", "bf16", "--config", cfg)  # fmt: skip
+    assert res.code == 0, res

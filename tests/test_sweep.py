@@ -58,6 +58,7 @@ echo "$$ $(date +%s.%N) end" >> "$STUB_DIR/calls"
 # cluster whose accounting is off (sacct refuses; squeue, scontrol and the task's output speak)
 SBATCH = r"""#!/usr/bin/env bash
 printf '%s\n' "$@" > "$STUB_DIR/sbatch.args"
+printf '%s\n' "${DATA_ROOT:-}" "${TOKENIZER_MODEL:-}" > "$STUB_DIR/sbatch.data"
 if [[ -n "${STUB_SBATCH_REFUSES:-}" ]]; then
     echo "sbatch: error: Batch job submission failed: $STUB_SBATCH_REFUSES" >&2
     exit 1
@@ -525,3 +526,179 @@ def test_a_sweep_over_missing_data_starts_and_submits_nothing(
     said = " ".join(res.err.split())
     assert res.code == 2 and "was tokenized with gpt2, not with meta-llama/Llama-3.2-1B" in said
     assert not out.exists()
+
+
+SINFO = r"""#!/usr/bin/env bash
+printf '%s\n' "$@" > "$STUB_DIR/sinfo.args"
+printf '%s\n' "${STUB_SINFO:-1 gpu:2 8 64000}"
+"""
+SCONTROL_PARTITION = r"""#!/usr/bin/env bash
+if [[ "$1 $2" == "show partition" ]]; then
+    echo "PartitionName=debug AllowGroups=ALL Default=YES MaxNodes=UNLIMITED State=UP"
+    exit 0
+fi
+echo "JobId=4243 ArrayJobId=4242 ArrayTaskId=0 JobState=COMPLETED Reason=None \
+ExitCode=0:0 StartTime=2026-11-27T10:00:00 EndTime=2026-11-27T10:05:00"
+"""
+
+
+def test_a_slurm_sweep_is_checked_against_the_nodes_gpus(sweep_env, run, monkeypatch, tmp_path):
+    """Issue 46, point 1: the fast profile asks for 8 GPUs a node; on a partition whose node
+    declares 2 (`gres/gpu`), `sweep run` refuses before writing or submitting anything with
+    one sentence naming the node's GPUs and `--gpus-per-node 2`; with it the sweep is
+    submitted asking for 2, a resume keeps it, and sbatch's own node-configuration refusal
+    gets the same hint."""
+    from quantpatch.data_prep.layout import data_prefix
+    from quantpatch.launch.registry import load_registry
+
+    root, _env, stub, out = sweep_env
+    bin_dir = tmp_path / "bin"
+    for name, text in (("sinfo", SINFO), ("scontrol", SCONTROL_PARTITION)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    data = tmp_path / "data"
+    wiki = load_registry(None).datasets["wikipedia"].prefix
+    prefix = data_prefix(wiki, "llama32-1b", {}, data_root=str(data))
+    prefix.parent.mkdir(parents=True)
+    for suffix in (".bin", ".idx"):
+        Path(f"{prefix}{suffix}").write_bytes(b"")
+    monkeypatch.setenv("DATA_ROOT", str(data))
+    select = ("--models", "llama32-1b", "--datasets", "wikipedia", "--schemes", "bf16",
+              "--profile", "fast", "--launcher", "slurm", "--repo", root)  # fmt: skip
+    res = run("sweep", "run", out, *select)
+    said = " ".join(res.err.split())
+    assert res.code == 2, res
+    assert said == (
+        "error: the fast profile asks Slurm for 1 node(s) with 8 GPU(s) each, but partition "
+        "debug has 1 node with gpu:2: give --gpus-per-node 2 to sweep run or gen-scripts (or "
+        "gpus_per_node = 2 in the [profiles.fast] table of a --config)."
+    )
+    assert (stub / "sinfo.args").read_text().split() == ["-h", "-p", "debug", "-o", "%D", "%G",
+                                                         "%c", "%m"]  # fmt: skip
+    assert not out.exists() and not (stub / "sbatch.args").exists()
+    # gen-scripts writes the scripts and warns with the same sentence
+    res = run("gen-scripts", "--out", tmp_path / "scripts", "--launcher", "slurm",
+              *select[:6], "--profile", "fast", "--repo", root)  # fmt: skip
+    assert res.code == 0 and "give --gpus-per-node 2" in " ".join(res.err.split()), res
+    res = run("sweep", "run", out, *select, "--gpus-per-node", "2")
+    assert res.code == 0, res
+    assert "#SBATCH --gpus-per-node=2" in (out / "sweep.sbatch").read_text()
+    rec = record(out)
+    assert rec["selection"]["gpus_per_node"] == 2
+    assert rec["layout"] == {"gpus_per_node": 2, "nodes": 1}
+    # sbatch's own refusal (a node that declares GPUs sinfo does not show this way)
+    monkeypatch.setenv("STUB_SINFO", "1 gpu:8 8 64000")
+    monkeypatch.setenv("STUB_SBATCH_REFUSES", "Requested node configuration is not available")
+    other = tmp_path / "other"
+    res = run("sweep", "run", other, *select)
+    said = " ".join(res.err.split())
+    assert res.code == 2, res
+    assert (
+        "sbatch refused the sweep: Batch job submission failed: Requested node configuration "
+        "is not available (the scripts ask for 1 node(s) with 8 GPU(s) each and partition "
+        "debug has 1 node with gpu:8: --gpus-per-node N and --nodes N of sweep run change "
+        "that, as gpus_per_node and nodes in the [profiles.NAME] table of a --config do)."
+    ) in said
+    assert not (other / "sweep.json").exists()
+
+
+def test_your_own_tokenizer_names_every_fix_and_a_resume_remembers_it(
+    sweep_env, run, monkeypatch, tmp_path
+):
+    """Issue 46, point 2: data made with a local tokenizer (`data prepare ... --tokenizer
+    llama32-1b=./tok`) is refused naming every fix (TOKENIZER_MODEL, a [models.M]
+    tokenizer_model override, preparing again); `data status` exits 1 on the mismatch; the
+    sweep records the data root, prefixes and tokenizer it checked, and a resume from a new
+    shell (neither variable exported) uses them, a relative tokenizer folder made absolute."""
+    from quantpatch.data_prep.layout import data_prefix, files_hash
+    from quantpatch.launch.registry import load_registry
+
+    root, _env, stub, out = sweep_env
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    (tok / "tokenizer.json").write_text('{"model": "mine"}')
+    data = tmp_path / "data"
+    wiki = load_registry(None).datasets["wikipedia"].prefix
+    prefix = data_prefix(wiki, "llama32-1b", {}, data_root=str(data))
+    prefix.parent.mkdir(parents=True)
+    for suffix in (".bin", ".idx"):
+        Path(f"{prefix}{suffix}").write_bytes(b"")
+    Path(f"{prefix}.json").write_text(
+        json.dumps({"tokenizer": {"name": "./tok", "hash": files_hash(tok)}})
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("DATA_ROOT", str(data))
+    monkeypatch.delenv("TOKENIZER_MODEL", raising=False)
+    select = ("--models", "llama32-1b", "--datasets", "wikipedia", "--schemes", "bf16",
+              "--profile", "fast", "--gpus-per-node", "2", "--launcher", "slurm",
+              "--repo", root)  # fmt: skip
+    res = run("sweep", "run", out, *select)
+    said = " ".join(res.err.split())
+    assert res.code == 2, res
+    assert "was tokenized with ./tok, not with meta-llama/Llama-3.2-1B" in said
+    assert f"export TOKENIZER_MODEL={tok} (the tokenizer it was made with)" in said
+    assert f'tokenizer_model = "{tok}" in the [models.llama32-1b] table of a --config' in said
+    assert "quantpatch data prepare wikipedia --input CORPUS --models llama32-1b" in said
+    assert not out.exists()
+    res = run("data", "status", "--models", "llama32-1b", "--datasets", "wikipedia")
+    assert res.code == 1 and "MISMATCH" in res.out, res
+    # the fix the sentence names, with the folder as the user wrote it
+    monkeypatch.setenv("TOKENIZER_MODEL", "./tok")
+    res = run("data", "status", "--models", "llama32-1b", "--datasets", "wikipedia")
+    assert res.code == 0 and "(matches)" in res.out, res
+    monkeypatch.setenv("STUB_TASK0", "FAILED")
+    res = run("sweep", "run", out, *select)
+    assert res.code == 0, res
+    assert (stub / "sbatch.data").read_text().split() == [str(data), str(tok)]
+    rec = record(out)
+    assert rec["data"]["env"] == {"DATA_ROOT": str(data), "TOKENIZER_MODEL": str(tok)}
+    assert rec["data"]["checked"] == [
+        {
+            "model": "llama32-1b",
+            "dataset": "wikipedia",
+            "prefix": str(prefix),
+            "tokenizer": str(tok),
+        }
+    ]
+    # a new shell: nothing exported, the resume uses what the sweep recorded
+    monkeypatch.delenv("TOKENIZER_MODEL")
+    monkeypatch.delenv("DATA_ROOT")
+    monkeypatch.chdir(root)
+    (stub / "sbatch.data").unlink()
+    res = run("sweep", "run", out, "--repo", root)
+    assert res.code == 0 and "submitted 1 runs" in res.out, res
+    assert (stub / "sbatch.data").read_text().split() == [str(data), str(tok)]
+
+
+SQUEUE_WITH_START = r"""#!/usr/bin/env bash
+echo "4242_0|COMPLETING|4243|2026-11-27T09:58:00"
+echo "4242_1|RUNNING|4244|2026-11-27T10:00:00"
+echo "4242_2|PENDING|4245|N/A"
+"""
+
+
+def test_the_first_status_of_a_slurm_sweep_has_gpus_and_start(sweep_env, run, tmp_path):
+    """Issue 46, point 8: `sweep status` of a Slurm sweep fills the gpus column (the
+    allocation the scripts ask for) and `started` on the first status of a running task
+    (squeue's %S), never a start for a pending one."""
+    from quantpatch.launch.slurm import parse_squeue
+
+    root, _env, _stub, out = sweep_env
+    (tmp_path / "bin" / "squeue").write_text(SQUEUE_WITH_START)
+    (tmp_path / "bin" / "scontrol").write_text("#!/usr/bin/env bash\nexit 1\n")
+    res = run("sweep", "run", out, *SELECT, "--launcher", "slurm", "--repo", root)
+    assert res.code == 0, res
+    res = run("sweep", "status", out, "--json")
+    runs = json.loads(res.out)["runs"]
+    assert [(r["state"], r["gpus"]) for r in runs] == [
+        ("running", "1 GPU"),
+        ("running", "1 GPU"),
+        ("pending", "1 GPU"),
+    ]
+    assert runs[1]["started"].startswith("2026-11-27T")  # in UTC: the hour is the zone's
+    assert runs[2]["started"] is None
+    res = run("sweep", "status", out)
+    assert res.code == 0 and "1 GPU" in res.out
+    found = parse_squeue("4242_3|RUNNING|99|2026-11-27T10:00:00\n4242_4|PENDING|98|N/A\nbad\n")
+    assert found[("4242", 3)].start is not None and found[("4242", 4)].start is None
+    assert found[("4242", 3)].job_id == "99" and len(found) == 2

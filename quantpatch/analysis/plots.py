@@ -28,14 +28,21 @@ MX_RELATIVE_FLOOR = {
 }
 
 
-def require_matplotlib() -> None:
-    """Refuse up front (before any work) when matplotlib is missing."""
+MATPLOTLIB_INSTALL = "pip install 'matplotlib>=3.7'"
+"""The line that installs the figures' library (quantpatch's ``plot`` extra), as it works
+wherever quantpatch was installed from (its repository, not a package index)."""
+
+
+def have_matplotlib() -> bool:
     import importlib.util
 
-    if importlib.util.find_spec("matplotlib") is None:
-        raise UserError(
-            "plots need matplotlib: pip install 'quantpatch[plot]' (or pip install matplotlib)."
-        )
+    return importlib.util.find_spec("matplotlib") is not None
+
+
+def require_matplotlib() -> None:
+    """Refuse up front (before any work) when matplotlib is missing."""
+    if not have_matplotlib():
+        raise UserError(f"plots need matplotlib: {MATPLOTLIB_INSTALL}.")
 
 
 def _pyplot() -> Any:
@@ -261,13 +268,12 @@ def plot_runs(result: Any, out: Path) -> list[Path]:
         for r in result.rows
         if r["step_vs_bf16"] == r["step_vs_bf16"]
     ]
-    if ratios:
-        fig, ax = plt.subplots(figsize=(max(6, 0.35 * len(ratios)), 3.8))
-        ax.bar(range(len(ratios)), [v for _, v in ratios], color="tab:blue")
-        ax.axhline(1.0, color="0.3", lw=0.8)
-        ax.set_xticks(
-            range(len(ratios)), [k for k, _ in ratios], rotation=60, ha="right", fontsize=7
-        )
+    if ratios:  # horizontal bars: every label whole and level, however many runs
+        fig, ax = plt.subplots(figsize=(9, max(2.5, 0.6 + 0.28 * len(ratios))))
+        ax.barh(range(len(ratios)), [v for _, v in ratios], color="tab:blue")
+        ax.axvline(1.0, color="0.3", lw=0.8)
+        ax.set_yticks(range(len(ratios)), [k for k, _ in ratios], fontsize=8)
+        ax.invert_yaxis()  # the first run on top, as in the table
         ax.set_title("step time / bf16")
         fig.tight_layout()
         path = out / "step_time.png"

@@ -16,20 +16,25 @@ from typing import Any
 from quantpatch.base.errors import UserError
 
 _STYLE = """
-body{font-family:system-ui,sans-serif;margin:2em;max-width:1400px;color:#222}
-table{border-collapse:collapse;font-size:13px;margin:1em 0}
-th,td{border:1px solid #ccc;padding:3px 7px;text-align:right}
-th{background:#f2f2f2}td.t{text-align:left}tr.bad td{background:#fde8e8}
+body{font-family:system-ui,sans-serif;margin:1.5em;max-width:1400px;color:#222}
+table{border-collapse:collapse;font-size:12px;margin:1em 0;max-width:100%}
+th,td{border:1px solid #ccc;padding:3px 5px;text-align:right;overflow-wrap:anywhere}
+th{background:#f2f2f2;font-weight:600}td.t{text-align:left}tr.bad td{background:#fde8e8}
+table.prov th{text-align:left}table.prov td{text-align:left}
 img{max-width:100%;border:1px solid #eee;margin:.5em 0}
 .note{color:#666;font-size:13px}
 """
 
 _PAGE = """<!doctype html><meta charset="utf-8"><title>quantpatch report</title>
 <style>{{ style }}</style><h1>quantpatch report</h1>
+{%- for line in notes %}<p class="note">{{ line }}</p>{% endfor %}
+{%- if header %}<table class="prov">
+{%- for label, text in header %}<tr><th>{{ label }}</th><td>{{ text }}</td></tr>{% endfor %}
+</table>{% endif %}
 {%- for s in sections %}
 <h2>{{ s.title }}</h2>
 {%- if s.note %}<p class="note">{{ s.note }}</p>{% endif %}
-{%- if s.columns %}<table><tr>{% for c in s.columns %}<th>{{ c }}</th>{% endfor %}</tr>
+{%- if s.columns %}<table><tr>{% for c in s.columns %}<th>{{ c | breakable }}</th>{% endfor %}</tr>
 {%- for r in s.rows %}<tr{% if r.bad %} class="bad"{% endif %}>
 {%- for text, left in r.cells %}<td{% if left %} class="t"{% endif %}>{{ text }}</td>
 {%- endfor %}</tr>
@@ -53,13 +58,29 @@ class Section:
     skipped: list[tuple[str, str]] = field(default_factory=list)
 
 
-def render(sections: list[Section]) -> str:
-    """The page, every text escaped (jinja2 with autoescape on)."""
+def render(
+    sections: list[Section],
+    notes: list[str] | None = None,
+    header: list[tuple[str, str]] | None = None,
+) -> str:
+    """The page, every text escaped (jinja2 with autoescape on); column names may break
+    after an underscore (``<wbr>``), so a wide table fits the page."""
     import jinja2
-    from markupsafe import Markup
+    from markupsafe import Markup, escape
 
     env = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined)
-    return env.from_string(_PAGE).render(style=Markup(_STYLE), sections=sections) + "\n"
+    env.filters["breakable"] = lambda text: Markup(str(escape(text)).replace("_", "_<wbr>"))
+    page = env.from_string(_PAGE)
+    return (
+        page.render(style=Markup(_STYLE), sections=sections, notes=notes or [], header=header or [])
+        + "\n"
+    )
+
+
+def no_figures_note() -> str:
+    from quantpatch.analysis.plots import MATPLOTLIB_INSTALL
+
+    return f"No figures: matplotlib is not installed ({MATPLOTLIB_INSTALL} adds them)."
 
 
 def table_rows(
@@ -103,9 +124,12 @@ def write_report(
     sample: int | None = None,
     jobs: int = 1,
     names: Any = None,
+    header: list[tuple[str, str]] | None = None,
+    lead: list[Section] | None = None,
 ) -> dict[str, Any]:
     """Build the report; returns what went into it (counts). ``out`` is checked before any
-    work and written atomically (``outputs.atomic_file``)."""
+    work and written atomically (``outputs.atomic_file``). ``header`` (label, text) lines and
+    ``lead`` sections (a sweep's provenance) go first."""
     from quantpatch.analysis import outputs, plots, tensor_files, tensors, training_logs
     from quantpatch.analysis.limits import check_jobs
     from quantpatch.analysis.tensors import sorted_layers
@@ -121,8 +145,9 @@ def write_report(
             raise UserError(f"{tensors_dir}: no such directory.")
         pts, jsonl = tensor_files.discover(tensors_dir)
         inputs += pts + jsonl
-    facts: dict[str, Any] = {}
-    sections: list[Section] = []
+    facts: dict[str, Any] = {"figures": plots.have_matplotlib()}
+    sections: list[Section] = list(lead or [])
+    notes = [] if facts["figures"] else [no_figures_note()]
     with outputs.atomic_file(out, inputs) as dest, tempfile.TemporaryDirectory() as tmp:
         figs = Path(tmp)
         if run_paths is not None:
@@ -139,7 +164,7 @@ def write_report(
                     "skips the fp16 loss scaler recovered from are counted in nan only).",
                     RUN_COLUMNS,
                     table_rows(rr.rows, RUN_COLUMNS, bad="diverged"),
-                    [_img(p) for p in plots.plot_runs(rr, figs)],
+                    [_img(p) for p in plots.plot_runs(rr, figs)] if facts["figures"] else [],
                     list(rr.skipped),
                 )
             )
@@ -147,7 +172,11 @@ def write_report(
             fr = tensors.formats(tensors_dir, by=("layer", "tensor"), sample=sample, jobs=jobs)
             inv = fr.inventory
             facts["tensor_files"] = inv.files
-            h, _ = plots.histograms(tensors_dir.resolve(), sample=sample)
+            images: list[tuple[str, str]] = []
+            if facts["figures"]:
+                h, _ = plots.histograms(tensors_dir.resolve(), sample=sample)
+                images = [_img(p) for p in plots.plot_formats(fr.rows, fr.formats, figs)]
+                images += [_img(p) for p in plots.plot_histograms(h, figs)]
             sections.append(
                 Section(
                     f"Formats on the saved tensors ({inv.files} files)",
@@ -157,12 +186,11 @@ def write_report(
                     "along each tensor's reduction dimension; worst first.",
                     FORMAT_COLUMNS,
                     table_rows(fr.rows, FORMAT_COLUMNS),
-                    [_img(p) for p in plots.plot_formats(fr.rows, fr.formats, figs)]
-                    + [_img(p) for p in plots.plot_histograms(h, figs)],
+                    images,
                     [(s.path, s.reason) for s in inv.skipped],
                 )
             )
-        data = render(sections).encode("utf-8")
+        data = render(sections, notes, header).encode("utf-8")
         dest.write(data)
         dest.commit()
     facts["bytes"] = len(data)

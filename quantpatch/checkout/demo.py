@@ -159,7 +159,7 @@ def print_linear_errors(dest: Path, console: Console) -> None:
     try:
         import torch  # noqa: F401
     except ImportError:
-        console.print("torch is not installed: install quantpatch[torch] to see the numbers.")
+        console.print("torch is not installed: pip install 'torch>=2.1' numpy to see the numbers.")
         return
     from rich.table import Table
 

@@ -115,14 +115,21 @@ def init_text(text: str, rel: str, kind: str) -> tuple[str | None, bool]:
 def _with_weight_steps(text: str, rel: str) -> str | None:
     """A fork's linear file with the ParetoQ steps in its parallel linear layers (as on a
     stock checkout), or None where the fork has them already or changed those layers beyond
-    recognition (then ``set`` refuses the ParetoQ values there, naming the constructors)."""
+    recognition (then ``set`` refuses the ParetoQ values there, naming the constructors).
+    The new constructor sites hold the value the fork's linear sites hold (``hifp8`` on a
+    fork that computes its linear layers in HiFP8), so ``check`` still finds them agreeing
+    and every role reads as before; a value that is not ParetoQ's registers no step."""
     from quantpatch.sites.codemods.init_sites import STEP_CONSTRUCTORS
     from quantpatch.sites.discovery import discover_sites
+    from quantpatch.sites.model import role_values
 
-    if {s.function for s in discover_sites(text, rel, "linear")} >= set(STEP_CONSTRUCTORS):
+    sites = discover_sites(text, rel, "linear")
+    if {s.function for s in sites} >= set(STEP_CONSTRUCTORS):
         return None
+    values, _ = role_values(sites)
+    value = values.get("linear") or values.get("fprop") or "bf16"
     try:
-        return inject_weight_steps(text, rel)
+        return inject_weight_steps(text, rel, value)
     except UserError:
         return None
 

@@ -181,13 +181,11 @@ def report_cmd(
     config: Path | None = ConfigOpt,
 ) -> None:
     """One self-contained HTML file: the runs table, the format comparison and the plots."""
-    from quantpatch.analysis import plots
     from quantpatch.analysis.report import write_report
     from quantpatch.cli import render_analysis as pa
     from quantpatch.launch.registry import load_registry
 
     reg = load_registry(config)
-    plots.require_matplotlib()
     facts = write_report(
         out_file, tensors_dir, runs, sample=sample, jobs=jobs, names=(reg.models, reg.datasets)
     )

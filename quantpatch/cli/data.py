@@ -184,6 +184,7 @@ def data_status(
     rows = status(needs)
     if json_ or OPTS.json:
         emit_json({"datasets": rows})
+        _refuse_mismatch(rows)
         return
     from rich.table import Table
 
@@ -207,3 +208,20 @@ def data_status(
             tok,
         )
     out.print(table)
+    _refuse_mismatch(rows)
+
+
+def _refuse_mismatch(rows: list[dict[str, Any]]) -> None:
+    """Exit 1 where a dataset was made with another tokenizer than the scripts pass."""
+    from quantpatch.base.errors import CheckFailed
+
+    bad = [r for r in rows if r["tokenizer_matches"] is False]
+    if bad:
+        r = bad[0]
+        raise CheckFailed(
+            f"{len(bad)} dataset(s) were made with another tokenizer than the scripts pass "
+            f"({r['model']} on {r['dataset']}: made with {r['made_with']}, the scripts pass "
+            f"{r['tokenizer']}); export TOKENIZER_MODEL, or set tokenizer_model in the "
+            "[models.NAME] table of a --config, to the tokenizer it was made with "
+            "(docs/data.md)."
+        )

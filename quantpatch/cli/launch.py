@@ -183,6 +183,7 @@ def gen_scripts(
         schemes=csv_list(schemes),
         profile=profile,
         launcher=launcher,
+        slurm_nodes="warn" if launcher == "slurm" else None,
         parallel=parallel_sizes(gpus_per_node, nodes, tp, pp, cp, ep, etp, vpp, sequence_parallel),
         release=release,
         config=config,

@@ -180,7 +180,12 @@ def nan_note(facts: dict[str, Any]) -> str:
     went NaN (``runs``' status ``nan``), which a sweep's finished count does not say (a
     process that trained on through a NaN loss exits 0)."""
     n = facts.get("nan", 0)
-    return f"; {n} run{'s' if n != 1 else ''} went NaN (status nan in its runs table)" if n else ""
+    line = f"; {n} run{'s' if n != 1 else ''} went NaN (status nan in its runs table)" if n else ""
+    if facts.get("figures") is False:
+        from quantpatch.analysis.plots import MATPLOTLIB_INSTALL
+
+        line += f"; no figures: matplotlib is not installed ({MATPLOTLIB_INSTALL} adds them)"
+    return line
 
 
 def runs_display(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -37,6 +37,16 @@ def sweep_run(
     gpus: str | None = typer.Option(
         None, "--gpus", help="The GPUs to use, e.g. 0,1,2,3 (default: all nvidia-smi lists)."
     ),
+    gpus_per_node: int | None = typer.Option(
+        None,
+        "--gpus-per-node",
+        help="GPUs per node (default: the profile's); a Slurm sweep is checked against "
+        "the partition's nodes (sinfo) before anything is submitted.",
+        metavar="N",
+    ),
+    nodes: int | None = typer.Option(
+        None, "--nodes", help="Nodes per run (default: the profile's, else 1).", metavar="N"
+    ),
     only_pending: bool = typer.Option(
         False, "--only-pending", help="On resume, keep failed runs as they are."
     ),
@@ -56,6 +66,8 @@ def sweep_run(
         "gpus": sweep.parse_gpus(gpus),
         "config": str(config.resolve()) if config else None,
         "extra": list(extra) if extra else None,
+        "gpus_per_node": gpus_per_node,
+        "nodes": nodes,
     }
     selection = sweep.selection_for(sweep.load(sweep_dir), given)
     prepared = sweep.prepare(
@@ -132,20 +144,31 @@ def sweep_run(
 
 
 def _sweep_report(sweep_dir: Path, record: dict[str, Any], out_file: Path) -> dict[str, Any]:
-    from quantpatch.analysis import plots
-    from quantpatch.analysis.report import write_report
-    from quantpatch.launch import sweep
+    from quantpatch.analysis.report import Section, table_rows, write_report
+    from quantpatch.launch import provenance, sweep
     from quantpatch.launch.registry import load_registry
 
     cfg = record["selection"].get("config")
     reg = load_registry(Path(cfg) if cfg else None)
-    plots.require_matplotlib()
     logs = sweep.run_logs(sweep_dir, record)
     if not logs:
         raise UserError(f"{sweep_dir}: no run of the sweep has written a log yet.")
     tensors = sweep.tensor_dirs(sweep_dir, record)
+    where = Section(
+        f"Where the runs came from ({len(record['runs'])} runs)",
+        "each run's scheme values (linear, Q.K^T, P.V, the BF16 layer policy), the source "
+        "commit its log names, the data prefix and tokenizer the sweep checked, its GPUs and "
+        "its Slurm job (array task and Slurm's state); from sweep.json.",
+        provenance.RUN_COLUMNS,
+        table_rows(provenance.run_rows(record, reg.schemes), provenance.RUN_COLUMNS),
+    )
     return write_report(
-        out_file, tensors[0] if tensors else None, logs, names=(reg.models, reg.datasets)
+        out_file,
+        tensors[0] if tensors else None,
+        logs,
+        names=(reg.models, reg.datasets),
+        header=provenance.header(sweep_dir, record),
+        lead=[where],
     )
 
 

@@ -160,7 +160,7 @@ def _open_binary(path: Path) -> IO[bytes]:
             import zstandard
         except ImportError:
             raise UserError(
-                f"{path}: reading .zst needs zstandard (pip install 'quantpatch[data]')."
+                f"{path}: reading .zst needs zstandard (pip install 'zstandard>=0.22')."
             ) from None
         return cast(IO[bytes], io.BufferedReader(_Zstd(path, zstandard), 1 << 20))
     return open(path, "rb")
@@ -270,7 +270,7 @@ def _pyarrow_parquet(path: Path) -> Any:
         import pyarrow.parquet as pq
     except ImportError:
         raise UserError(
-            f"{path}: reading Parquet needs pyarrow (pip install 'quantpatch[data]')."
+            f"{path}: reading Parquet needs pyarrow (pip install 'pyarrow>=14')."
         ) from None
     return pq
 

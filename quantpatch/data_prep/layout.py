@@ -156,6 +156,30 @@ class Need:
             )
         return None
 
+    def made_with(self) -> str | None:
+        """The tokenizer the manifest says the dataset was made with, where it is not the one
+        the scripts pass (a folder as an absolute path: the runs start in the checkout)."""
+        manifest = read_manifest(self.prefix)
+        if manifest is None or self.missing() or tokenizer_matches(manifest, self.tokenizer):
+            return None
+        made = (manifest.get("tokenizer") or {}).get("name")
+        if not isinstance(made, str) or not made:
+            return None
+        return str(Path(made).resolve()) if is_local(made) else made
+
+    def fixes(self) -> str | None:
+        """Every way to make the scripts read this dataset with the tokenizer it was made
+        with, where that is what is wrong (None otherwise)."""
+        made = self.made_with()
+        if made is None:
+            return None
+        return (
+            f"for {self.model} on {self.dataset}: export TOKENIZER_MODEL={made} (the tokenizer "
+            f'it was made with), or put tokenizer_model = "{made}" in the [models.{self.model}] '
+            f"table of a --config, or make it again with the scripts' tokenizer "
+            f"(`{self.command()}`)"
+        )
+
     def command(self) -> str:
         """The command that makes this dataset."""
         return f"quantpatch data prepare {self.dataset} --input CORPUS --models {self.model}"

@@ -93,11 +93,16 @@ def load_tokenizer(name: str, workers: int) -> Tokenizer:
     (``AutoTokenizer.from_pretrained``), its vocabulary size (``len``) and EOD (EOS) id."""
     os.environ.setdefault("RAYON_NUM_THREADS", str(workers))  # before tokenizers' first batch
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
+    # transformers' advice at import ("PyTorch was not found. Models won't be available"):
+    # data prepare needs its tokenizers only, so the line would only alarm
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     try:
         import transformers
     except ImportError:
         raise UserError(
-            "data prepare needs transformers and tokenizers (pip install 'quantpatch[data]')."
+            "data prepare needs transformers and tokenizers (pip install 'transformers>=4.40' "
+            "'tokenizers>=0.15', or the data extra: pip install -e '.[data]' in quantpatch's "
+            "repository folder)."
         ) from None
     transformers.logging.set_verbosity_error()  # type: ignore[no-untyped-call]
     if not is_local(name) and (name.startswith((".", "/", "~")) or not HUB_NAME.match(name)):

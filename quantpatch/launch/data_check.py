@@ -40,11 +40,19 @@ def problems(found: Sequence[Need]) -> list[str]:
 
 
 def _advice(found: Sequence[Need]) -> str:
-    commands = sorted({n.command() for n in found if n.problem() is not None})
-    return (
-        f"make them with `{'`, `'.join(commands)}` (quantpatch data prepare --help), point "
-        "DATA_ROOT / DATA_PREFIX at them, or set MOCK_DATA=1"
-    )
+    """What to do: the tokenizer fixes of data made with another tokenizer (the variable, the
+    config override, preparing again), and for the rest, how to make or find it."""
+    fixes = [f for f in (n.fixes() for n in found) if f is not None]
+    rest = sorted({n.command() for n in found if n.problem() is not None and n.fixes() is None})
+    parts = []
+    if fixes:
+        parts.append("; ".join(fixes))
+    if rest:
+        parts.append(
+            f"make them with `{'`, `'.join(rest)}` (quantpatch data prepare --help), point "
+            "DATA_ROOT / DATA_PREFIX at them, or set MOCK_DATA=1"
+        )
+    return "; ".join(parts)
 
 
 def gen_warning(
@@ -71,11 +79,12 @@ def refuse_missing(
     datasets: Sequence[str] | None,
     profile: str,
     env: Mapping[str, str],
-) -> None:
-    """``sweep run``'s check of every combination, before anything starts or is submitted."""
+) -> list[Need]:
+    """``sweep run``'s check of every combination, before anything starts or is submitted;
+    what it checked (none for mock data)."""
     reg = load_registry(config)
     if profile not in reg.profiles:
-        return  # the script generation refuses it with its own sentence
+        return []  # the script generation refuses it with its own sentence
     found = needs(
         reg,
         reg.pick("models", list(models) if models else None),
@@ -86,3 +95,4 @@ def refuse_missing(
     bad = problems(found)
     if bad:
         raise UserError(f"the sweep's data is not ready: {'; '.join(bad)}; {_advice(found)}.")
+    return found

@@ -35,6 +35,10 @@ class GenRequest:
     refuse_blocked: bool = False
     """Refuse (before anything is written) a model the checkout cannot build yet, with the
     sentence its scripts would stop with (``sweep run``); else its scripts are written."""
+    slurm_nodes: str | None = None
+    """With the slurm launcher, compare the scripts' nodes and GPUs with what the partition
+    offers (``launch.slurm_nodes``): ``refuse`` (``sweep run``, before anything is written)
+    or ``warn`` (``gen-scripts``); None: not asked."""
 
 
 @dataclass
@@ -79,6 +83,9 @@ def generate_scripts(request: GenRequest, progress: Callable[[str], None] | None
     blocked = {s.model: s.blocked for s in scripts if s.blocked is not None}
     if blocked and request.refuse_blocked:
         raise UserError(next(iter(blocked.values())))
+    fit = _slurm_fit(reg, scripts, request) if launcher == "slurm" else None
+    if fit is not None and request.slurm_nodes == "refuse":
+        raise UserError(fit)
     validated = flags.describe()
     if launcher == "swift":
         from quantpatch.launch.swift import swift_source
@@ -92,6 +99,8 @@ def generate_scripts(request: GenRequest, progress: Callable[[str], None] | None
         why = next(iter(blocked.values())).rstrip(".")
         others = f" ({', '.join(sorted(blocked)[1:])} likewise)" if len(blocked) > 1 else ""
         warnings.append(f"{why}{others}; {count} scripts stop before torchrun until then.")
+    if fit is not None:
+        warnings.append(fit)
     data = _data_warning(reg, scripts, request.profile, launcher)
     if data is not None:
         warnings.append(data)
@@ -109,6 +118,29 @@ def generate_scripts(request: GenRequest, progress: Callable[[str], None] | None
         slurm=reg.slurm,
     )
     return GenDone(result, flags, validated, warnings, prepared)
+
+
+def requested_nodes(scripts: Sequence[Script]) -> tuple[int, int] | None:
+    """The most GPUs per node and nodes any of the scripts asks for (None: no layout)."""
+    plans = [s.layout.plan for s in scripts if s.layout is not None]
+    if not plans:
+        return None
+    return max(p.gpus_per_node for p in plans), max(p.nodes for p in plans)
+
+
+def _slurm_fit(reg: Registry, scripts: Sequence[Script], request: GenRequest) -> str | None:
+    """The sentence ``slurm_nodes.refusal`` says for the scripts' request, where asked."""
+    from quantpatch.launch import slurm_nodes
+
+    asked = requested_nodes(scripts)
+    if request.slurm_nodes is None or asked is None:
+        return None
+    partition = slurm_nodes.query(reg.slurm.partition)
+    if partition is None:
+        return None
+    return slurm_nodes.refusal(
+        partition, *asked, gpu_request=reg.slurm.gpu_request, profile=request.profile
+    )
 
 
 def _data_warning(

@@ -159,9 +159,29 @@ class Registry:
         if unknown:
             raise UserError(
                 f"unknown {kind[:-1]} {', '.join(repr(u) for u in unknown)}; "
-                f"valid: {', '.join(table)}."
+                f"valid: {', '.join(table)}{own_entry_hint(kind, unknown[0])}."
             )
         return names
+
+
+_OWN_ENTRY = {
+    "datasets": 'description, prefix (e.g. "{data_root}/NAME/{model}_text_document", where '
+    "data prepare writes it), split (Megatron's --split train,valid,test weights, e.g. "
+    '"949,50,1")',
+    "models": "description, tokenizer_type, tokenizer_model, vocab_size, [models.NAME.args]",
+    "schemes": "linear, qk, pv",
+}
+
+
+def own_entry_hint(kind: str, name: str) -> str:
+    """How to add an entry of one's own: the config table and its fields (docs/commands.md)."""
+    fields = _OWN_ENTRY.get(kind)
+    if fields is None:
+        return ""
+    return (
+        f"; one of your own is a [{kind}.{name}] table in a TOML file given with --config, "
+        f"with {fields.replace('NAME', name)} (docs/commands.md, Configuration)"
+    )
 
 
 _FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {

@@ -124,17 +124,25 @@ def _sacct(jobs: Sequence[str]) -> dict[tuple[str, int], Task]:
     return found
 
 
-def _squeue(jobs: Sequence[str]) -> dict[tuple[str, int], Task]:
-    text = _run(["squeue", "-h", "-r", "-j", ",".join(jobs), "-o", "%i|%T|%A"])
+def parse_squeue(text: str) -> dict[tuple[str, int], Task]:
+    """``squeue -h -r -o '%i|%T|%A|%S'``: each array task's state, own job id and start
+    (``N/A`` before it starts), so a task's first status already says when it started."""
     found: dict[tuple[str, int], Task] = {}
-    for line in (text or "").splitlines():
+    for line in text.splitlines():
         parts = line.split("|")
-        m = re.fullmatch(r"([0-9]+)_([0-9]+)", parts[0].strip()) if len(parts) == 3 else None
+        m = re.fullmatch(r"([0-9]+)_([0-9]+)", parts[0].strip()) if len(parts) in (3, 4) else None
         if m is not None:
+            state = parts[1].strip()
+            start = _time(parts[3]) if len(parts) == 4 and state_of(state) == "running" else None
             found[(m[1], int(m[2]))] = Task(
-                parts[1].strip(), job_id=parts[2].strip(), source="squeue"
+                state, start=start, job_id=parts[2].strip(), source="squeue"
             )
     return found
+
+
+def _squeue(jobs: Sequence[str]) -> dict[tuple[str, int], Task]:
+    text = _run(["squeue", "-h", "-r", "-j", ",".join(jobs), "-o", "%i|%T|%A|%S"])
+    return parse_squeue(text or "")
 
 
 def _scontrol(jobs: Sequence[str]) -> dict[tuple[str, int], Task]:
@@ -271,6 +279,21 @@ def _gpu_hint(message: str, gpu_request: str) -> str:
     )
 
 
+def _refusal_hint(
+    said: str, gpu_request: str, record: Mapping[str, Any], partition: str | None
+) -> str:
+    """What to change: the node layout for sbatch's node-configuration refusal (with what
+    the partition's nodes have), the GPU request for a refusal that names GPUs."""
+    from quantpatch.launch import slurm_nodes
+
+    layout = record.get("layout") or {}
+    if "node configuration" in said.lower():
+        return slurm_nodes.sbatch_hint(
+            said, layout.get("gpus_per_node"), layout.get("nodes"), slurm_nodes.query(partition)
+        )
+    return _gpu_hint(said, gpu_request)
+
+
 def submit(
     sweep_dir: Path,
     record: dict[str, Any],
@@ -278,6 +301,7 @@ def submit(
     throttle: int,
     gpu_request: str,
     quantpatch_exe: str,
+    partition: str | None = None,
 ) -> Submitted | None:
     """One job array of the record's pending runs (None where there is none); the record is
     updated, not saved."""
@@ -288,8 +312,11 @@ def submit(
     here = sweep_dir.resolve()
     (here / OUTPUT_DIR).mkdir(parents=True, exist_ok=True)
     checkout = record["checkout"]
+    from quantpatch.launch.sweep import data_vars
+
     env = {
         **os.environ,
+        **data_vars(record),
         "OUTPUT_ROOT": str(here / "runs"),
         "MEGATRON_ROOT": checkout,
         "QUANTPATCH": quantpatch_exe,
@@ -313,7 +340,8 @@ def submit(
     if res.returncode != 0 or not re.fullmatch(r"[0-9]+", job):
         said = " ".join((res.stderr or res.stdout).split()) or f"exit status {res.returncode}"
         said = re.sub(r"^sbatch: error: ", "", said).rstrip(".")
-        raise UserError(f"sbatch refused the sweep: {said}{_gpu_hint(said, gpu_request)}.")
+        hint = _refusal_hint(said, gpu_request, record, partition)
+        raise UserError(f"sbatch refused the sweep: {said}{hint}.")
     stamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
     record["slurm_job"] = job
     names = []

@@ -54,6 +54,10 @@ class Selection:
     gpus: list[str] | None = None
     config: str | None = None
     extra: list[str] = field(default_factory=list)
+    gpus_per_node: int | None = None
+    """Over the profile's (``--gpus-per-node``); None: the profile's."""
+    nodes: int | None = None
+    """Over the profile's (``--nodes``); None: the profile's."""
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -66,6 +70,8 @@ class Selection:
             "gpus": self.gpus,
             "config": self.config,
             "extra": self.extra,
+            "gpus_per_node": self.gpus_per_node,
+            "nodes": self.nodes,
         }
 
     @classmethod
@@ -184,7 +190,7 @@ def prepare(
     is to run: a new sweep from ``given``, or the recorded one resumed (``given`` None)."""
     from quantpatch.checkout.worktrees import ensure_worktree
     from quantpatch.git import repo as gitrepo
-    from quantpatch.launch.plan import GenRequest, generate_scripts
+    from quantpatch.launch.plan import GenRequest, generate_scripts, requested_nodes
 
     old = load(sweep_dir)
     if given is None:
@@ -208,7 +214,8 @@ def prepare(
         slurm.sbatch_exe()
     if old is not None:
         _follow_slurm(sweep_dir, old, selection if given is not None else None)
-    _refuse_missing_data(selection)
+    env = data_env((old or {}).get("data"), os.environ)
+    checked = _refuse_missing_data(selection, {**os.environ, **env})
     done = generate_scripts(
         GenRequest(
             out=sweep_dir,
@@ -217,12 +224,15 @@ def prepare(
             schemes=selection.schemes,
             profile=selection.profile,
             launcher="torchrun" if selection.launcher == "local" else "slurm",
+            parallel={"gpus_per_node": selection.gpus_per_node, "nodes": selection.nodes},
             config=Path(selection.config) if selection.config else None,
             repo=checkout.root,
             refuse_blocked=True,
+            slurm_nodes="refuse" if selection.launcher == "slurm" else None,
         )
     )
     scripts = done.result.scripts
+    asked = requested_nodes(scripts)
     layout = scripts[0].layout if scripts else None
     per_run = layout.plan.gpus_per_node if layout is not None else 1
     if selection.launcher == "local" and layout is not None and layout.plan.nodes > 1:
@@ -290,6 +300,19 @@ def prepare(
         "selection": selection.as_dict(),
         "slurm_job": (old or {}).get("slurm_job"),
         "created": (old or {}).get("created") or now(),
+        "layout": {"gpus_per_node": asked[0], "nodes": asked[1]} if asked else None,
+        "data": {
+            "env": env,
+            "checked": [
+                {
+                    "model": n.model,
+                    "dataset": n.dataset,
+                    "prefix": str(n.prefix),
+                    "tokenizer": n.tokenizer,
+                }
+                for n in checked
+            ],
+        },
         "runs": runs,
     }
     if selection.launcher == "local":
@@ -333,17 +356,46 @@ def _upgrade_between(repo: Any, old: object, new: str) -> str | None:
     return None
 
 
-def _refuse_missing_data(selection: Selection) -> None:
+DATA_VARS = ("DATA_ROOT", "DATA_PREFIX", "TOKENIZER_MODEL", "MOCK_DATA")
+"""The variables that say which data and tokenizer the scripts read (templates/pretrain.sh.j2)."""
+
+
+def data_env(recorded: Mapping[str, Any] | None, environ: Mapping[str, str]) -> dict[str, str]:
+    """The data variables a sweep's runs get and its record keeps: the environment's, else
+    the ones the sweep recorded when it started (a resume from a new shell needs no export
+    again). Folders and prefixes are made absolute: the runs start in the checkout."""
+    saved = (recorded or {}).get("env") or {}
+    out: dict[str, str] = {}
+    for key in DATA_VARS:
+        value = environ.get(key) or saved.get(key)
+        if not value:
+            continue
+        if key in ("DATA_ROOT", "DATA_PREFIX") or (
+            key == "TOKENIZER_MODEL" and Path(value).is_dir()
+        ):
+            value = os.path.abspath(value)
+        out[key] = str(value)
+    return out
+
+
+def data_vars(record: Mapping[str, Any]) -> dict[str, str]:
+    """The data variables recorded for the sweep's runs (none for an older record)."""
+    env = (record.get("data") or {}).get("env") or {}
+    return {k: str(v) for k, v in env.items() if k in DATA_VARS}
+
+
+def _refuse_missing_data(selection: Selection, env: Mapping[str, str]) -> list[Any]:
     """Every combination's dataset (and its manifest's tokenizer) checked before a script is
-    written or a worktree made: a sweep over missing data starts and submits nothing."""
+    written or a worktree made: a sweep over missing data starts and submits nothing. What
+    was checked (``data_prep.layout.Need``)."""
     from quantpatch.launch.data_check import refuse_missing
 
-    refuse_missing(
+    return refuse_missing(
         Path(selection.config) if selection.config else None,
         selection.models,
         selection.datasets,
         selection.profile,
-        os.environ,
+        env,
     )
 
 
@@ -468,6 +520,7 @@ def run_local(
     checkout = Path(record["checkout"])
     env_base = {
         **os.environ,
+        **data_vars(record),
         "OUTPUT_ROOT": str(sweep_dir.resolve() / "runs"),
         "MEGATRON_ROOT": str(checkout),
         "QUANTPATCH": quantpatch_exe or quantpatch_command(),
@@ -547,6 +600,7 @@ def submit_slurm(
         record,
         throttle=settings.throttle,
         gpu_request=settings.gpu_request,
+        partition=settings.partition,
         quantpatch_exe=quantpatch_exe or os.environ.get("QUANTPATCH") or quantpatch_command(),
     )
     save(sweep_dir, record)
@@ -562,6 +616,13 @@ def status(sweep_dir: Path) -> dict[str, Any]:
     if slurm.refresh(sweep_dir, record):
         save(sweep_dir, record)
     runs = [dict(r) for r in record["runs"]]
+    layout = record.get("layout") or {}
+    for r in runs:  # a Slurm run's GPUs: its allocation's shape, as the scripts asked for it
+        if not r.get("gpus") and r.get("slurm_job") and layout.get("gpus_per_node"):
+            nodes, per = int(layout.get("nodes") or 1), int(layout["gpus_per_node"])
+            r["gpus"] = f"{per} GPU{'s' if per != 1 else ''}" + (
+                f" x {nodes} nodes" if nodes > 1 else ""
+            )
     return {"counts": counts(record), "runs": runs, "launcher": record["launcher"]}
 
 

@@ -543,12 +543,13 @@ _HAS_STEP = (
 )
 
 
-def _constructor_site(partition_dim: int) -> list[cst.BaseStatement]:
-    """``custom_quant_type = 'bf16'`` and its dispatch: ``bf16`` registers no step (as a
-    layer without bias registers ``bias = None``); another value asks the ops for one."""
+def _constructor_site(partition_dim: int, value: str = "bf16") -> list[cst.BaseStatement]:
+    """``custom_quant_type = '<value>'`` and its dispatch: ``bf16`` registers no step (as a
+    layer without bias registers ``bias = None``); another value asks the ops for one (and
+    they register none for a value that is not ParetoQ's)."""
     code = (
         f"{_STEP_COMMENT}\n"
-        f"{SITE_NAME} = 'bf16'\n"
+        f"{SITE_NAME} = {value!r}\n"
         f"if {SITE_NAME} == 'bf16':\n"
         "    self.register_parameter('weight_alpha', None)\n"
         "else:\n"
@@ -610,9 +611,10 @@ class _WeightSteps(cst.CSTTransformer):
     forward's call of its linear function and ``sharded_state_dict``'s return wrapped in a
     test of ``self.weight_alpha`` (None under ``bf16``: the original statements run)."""
 
-    def __init__(self) -> None:
+    def __init__(self, value: str = "bf16") -> None:
         super().__init__()
         self.found: dict[str, set[str]] = {}
+        self.value = value
 
     def leave_ClassDef(
         self, original_node: cst.ClassDef, updated_node: cst.ClassDef
@@ -633,7 +635,7 @@ class _WeightSteps(cst.CSTTransformer):
         stmts = list(block.body)
         method = fn.name.value
         if method == "__init__":
-            stmts += _constructor_site(dim)
+            stmts += _constructor_site(dim, self.value)
             done.add(method)
         elif method in ("forward", "sharded_state_dict"):
             kind, func, helper = (
@@ -653,13 +655,14 @@ class _WeightSteps(cst.CSTTransformer):
         return fn.with_changes(body=block.with_changes(body=stmts))
 
 
-def inject_weight_steps(text: str, rel: str) -> str:
+def inject_weight_steps(text: str, rel: str, value: str = "bf16") -> str:
     """``text`` (a linear file) with the ParetoQ weight steps wired into
     ``ColumnParallelLinear`` and ``RowParallelLinear``: a ``custom_quant_type`` site in each
-    constructor (one more linear-role site, set with the others), the forward passing the
-    step to the ops, and ``sharded_state_dict`` sharding it like the weight."""
+    constructor (one more linear-role site, set with the others, holding ``value``: the
+    linear role's current value on a fork, so its sites still agree), the forward passing
+    the step to the ops, and ``sharded_state_dict`` sharding it like the weight."""
     module = parse_source(text, rel)
-    steps = _WeightSteps()
+    steps = _WeightSteps(value)
     new = module.visit(steps)
     wanted = {"__init__", "forward", "sharded_state_dict"}
     missing = [

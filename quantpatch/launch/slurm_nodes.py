@@ -1,0 +1,204 @@
+"""What a Slurm partition's nodes offer, against what a sweep's scripts ask for.
+
+``sweep run --launcher slurm`` asks ``sinfo`` (``%D %G %c %m``: nodes, generic resources,
+CPUs, memory of each group of alike nodes) and ``scontrol show partition`` (the default
+partition, ``MaxNodes``) before it writes or submits anything, and refuses a request no node
+can meet with one sentence that names the nodes' GPUs and the option that fits them, rather
+than sbatch's ``Requested node configuration is not available``. Where Slurm's commands are
+not there or do not answer, nothing is checked (sbatch still has its word, with the same
+hint). The parsers are plain functions over Slurm's text.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+_NODE_CONFIG = "node configuration is not available"
+
+
+@dataclass(frozen=True)
+class NodeGroup:
+    """One line of ``sinfo -h -o '%D %G %c %m'``: ``count`` nodes alike."""
+
+    count: int
+    gres: str
+    gpus: int
+    cpus: int | None = None
+    memory_mb: int | None = None
+
+
+@dataclass(frozen=True)
+class Partition:
+    name: str | None
+    groups: tuple[NodeGroup, ...]
+    max_nodes: int | None = None
+    """``MaxNodes`` of ``scontrol show partition`` (None: ``UNLIMITED`` or unknown)."""
+
+    @property
+    def most_gpus(self) -> int:
+        return max((g.gpus for g in self.groups), default=0)
+
+    def nodes_with(self, gpus: int) -> int:
+        return sum(g.count for g in self.groups if g.gpus >= gpus)
+
+    def describe(self) -> str:
+        """``1 node with gpu:2`` / ``4 nodes with gpu:a100:4, 2 with no GPU``."""
+        parts = []
+        for i, g in enumerate(self.groups):
+            what = g.gres if g.gpus else "no GPU"
+            noun = ("node" if g.count == 1 else "nodes") if i == 0 else ""
+            parts.append(" ".join(w for w in (str(g.count), noun, "with", what) if w))
+        return ", ".join(parts) or "no node"
+
+
+def gpus_of_gres(text: str) -> int:
+    """The GPUs one node declares in sinfo's ``%G``: ``gpu:2``, ``gpu:a100:4(S:0-1)``,
+    ``gpu:a100:2,gpu:h100:2`` (4), ``(null)`` (0)."""
+    total = 0
+    for item in re.sub(r"\([^)]*\)", "", text).split(","):
+        fields = item.strip().split(":")
+        if fields[0] != "gpu":
+            continue
+        count = fields[-1] if len(fields) > 1 else "1"
+        if count.isdigit():
+            total += int(count)
+        elif len(fields) == 2:  # gpu:a100 (a type, no count): one
+            total += 1
+    return total
+
+
+def _int(text: str) -> int | None:
+    m = re.match(r"[0-9]+", text)
+    return int(m[0]) if m else None
+
+
+def parse_sinfo(text: str) -> list[NodeGroup]:
+    """The groups of ``sinfo -h -o '%D %G %c %m'`` (lines that do not parse are skipped)."""
+    groups = []
+    for line in text.splitlines():
+        fields = line.split()
+        if len(fields) < 2 or _int(fields[0]) is None:
+            continue
+        count = _int(fields[0]) or 0
+        gres = fields[1]
+        cpus = _int(fields[2]) if len(fields) > 2 else None
+        memory = _int(fields[3]) if len(fields) > 3 else None
+        groups.append(NodeGroup(count, gres, gpus_of_gres(gres), cpus, memory))
+    return groups
+
+
+def parse_partitions(text: str) -> list[dict[str, str]]:
+    """``scontrol show partition -o``: one ``Key=Value`` mapping per partition."""
+    out = []
+    for line in text.splitlines():
+        kv = dict(w.split("=", 1) for w in line.split() if "=" in w)
+        if "PartitionName" in kv:
+            out.append(kv)
+    return out
+
+
+def choose_partition(
+    partitions: Sequence[Mapping[str, str]], name: str | None
+) -> Mapping[str, str] | None:
+    """The named partition, else the default one (``Default=YES``), else the only one."""
+    if name:
+        return next((p for p in partitions if p["PartitionName"] == name), None)
+    default = [p for p in partitions if p.get("Default") == "YES"]
+    if default:
+        return default[0]
+    return partitions[0] if len(partitions) == 1 else None
+
+
+def refusal(
+    partition: Partition,
+    gpus_per_node: int,
+    nodes: int,
+    *,
+    gpu_request: str,
+    profile: str,
+) -> str | None:
+    """One sentence where no placement of the request fits the partition, else None."""
+    where = f"partition {partition.name}" if partition.name else "the default partition"
+    offers = f"{where} has {partition.describe()}"
+    asks = f"the {profile} profile asks Slurm for {nodes} node(s) with {gpus_per_node} GPU(s) each"
+    if gpu_request != "none" and gpus_per_node > partition.most_gpus:
+        most = partition.most_gpus
+        if most == 0:
+            return (
+                f"{asks}, but {offers} (sinfo shows no gpu GRES): choose a GPU partition "
+                '(partition in the [slurm] table of --config), or gpu_request = "none" there '
+                "if the GPUs come with the node."
+            )
+        return (
+            f"{asks}, but {offers}: give --gpus-per-node {most} to sweep run or gen-scripts "
+            f"(or gpus_per_node = {most} in the [profiles.{profile}] table of a --config)."
+        )
+    fit = partition.nodes_with(gpus_per_node if gpu_request != "none" else 0)
+    if partition.max_nodes is not None:
+        fit = min(fit, partition.max_nodes)
+    if nodes > fit:
+        return (
+            f"{asks}, but {offers}"
+            + (f" (MaxNodes={partition.max_nodes})" if partition.max_nodes is not None else "")
+            + f": give --nodes {fit} to sweep run or gen-scripts "
+            f"(or nodes = {fit} in the [profiles.{profile}] table of a --config)."
+        )
+    return None
+
+
+def _ask(cmd: Sequence[str]) -> str | None:
+    exe = shutil.which(cmd[0])
+    if exe is None:
+        return None
+    try:
+        res = subprocess.run(
+            [exe, *cmd[1:]], capture_output=True, text=True, check=False, timeout=30
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return res.stdout if res.returncode == 0 else None
+
+
+def query(name: str | None, env: Mapping[str, str] = os.environ) -> Partition | None:
+    """What the partition the scripts go to (``[slurm] partition``, else ``SBATCH_PARTITION``,
+    else Slurm's default) offers, or None where Slurm's commands do not say."""
+    name = name or env.get("SBATCH_PARTITION") or None
+    found = parse_partitions(_ask(["scontrol", "show", "partition", "-o"]) or "")
+    chosen = choose_partition(found, name)
+    if chosen is not None:
+        name = chosen["PartitionName"]
+    cmd = ["sinfo", "-h", "-o", "%D %G %c %m"]
+    if name:
+        cmd[2:2] = ["-p", name]
+    groups = parse_sinfo(_ask(cmd) or "")
+    if not groups:
+        return None
+    max_nodes = chosen.get("MaxNodes", "") if chosen is not None else ""
+    return Partition(name, tuple(groups), int(max_nodes) if max_nodes.isdigit() else None)
+
+
+def sbatch_hint(
+    message: str, gpus_per_node: int | None, nodes: int | None, partition: Partition | None
+) -> str:
+    """For sbatch's ``Requested node configuration is not available``: what the scripts asked
+    for, what the nodes have, and the options that change it ("" for another refusal)."""
+    if _NODE_CONFIG not in message.lower():
+        return ""
+    asked = (
+        f"the scripts ask for {nodes} node(s) with {gpus_per_node} GPU(s) each"
+        if gpus_per_node is not None and nodes is not None
+        else "the scripts ask for more than a node offers"
+    )
+    has = ""
+    if partition is not None:
+        where = f"partition {partition.name}" if partition.name else "the default partition"
+        has = f" and {where} has {partition.describe()}"
+    return (
+        f" ({asked}{has}: --gpus-per-node N and --nodes N of sweep run change that, as "
+        "gpus_per_node and nodes in the [profiles.NAME] table of a --config do)"
+    )
