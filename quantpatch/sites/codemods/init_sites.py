@@ -321,6 +321,7 @@ FLASH_ARGS = ("query", "key", "value", "attention_mask")  # the forward's first 
 _FLASH_COMMENT = (
     "# quantpatch: the formats of P.V, then of Q.K^T; a quantized Q.K^T with a bf16 P.V runs",
     "# on the flash-attention kernel when the inputs allow it, before any score is materialised",
+    "# (a bf16 Q.K^T too where QUANTPATCH_FLASH_BF16=1: a baseline on the FA schemes' kernel)",
 )
 
 
