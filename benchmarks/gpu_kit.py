@@ -476,6 +476,8 @@ def _tails(rows: list[dict[str, Any]]) -> None:
             d["tail"] = failure(Path(d["log"]).read_text(errors="replace"))
 
 
+ATTENTION_PATH = re.compile(r"^\[quantpatch\] attention path: (flash|stock)\b", re.M)
+"""The runtime's line saying which attention path a run took (quantpatch_ops.flash_eligible)."""
 MEMORY = re.compile(r"\(after \d+ iterations\) memory \(MB\).*?\| max allocated: ([0-9.eE+-]+)")
 ITERATION = re.compile(
     r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([0-9.]+)"
@@ -485,7 +487,8 @@ ITERATION = re.compile(
 
 def parse_megatron_log(text: str) -> dict[str, Any]:
     """Step times, losses and peak memory of a core_v0.13.1 log (``training_log`` and
-    ``report_memory``'s lines)."""
+    ``report_memory``'s lines), and the attention paths the runtime said it took (``flash``,
+    ``stock``, ``flash+stock``; None: it said none, as a stock bf16 run does)."""
     times, losses = [], []
     for m in ITERATION.finditer(text):
         times.append((int(m[1]), float(m[2])))
@@ -499,6 +502,7 @@ def parse_megatron_log(text: str) -> dict[str, Any]:
         "losses": losses,
         "losses_finite": bool(losses) and all(x == x and abs(x) != float("inf") for x in losses),
         "peak_mb": float(mem[1]) if mem else None,
+        "attention": "+".join(dict.fromkeys(ATTENTION_PATH.findall(text))) or None,
     }
 
 

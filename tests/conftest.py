@@ -35,6 +35,49 @@ def _interpret_triton_without_a_gpu() -> None:
 
 _interpret_triton_without_a_gpu()
 
+# -- the two suites --------------------------------------------------------------------------
+# ``python -m pytest`` (the README's test command) runs the fast suite: every test but those
+# marked ``slow`` (the end-to-end runs: every kill point of every command, every Megatron
+# layout, the GPU kit's CPU run, the real Slurm). ``python -m pytest --full`` runs them all.
+# A ``-m`` expression, when given, decides alone. Coverage is gated at FULL_GATE on the full
+# suite and at FAST_GATE on the fast one (subprocesses counted in both).
+FULL_GATE, FAST_GATE = 90.0, 85.0
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--full",
+        action="store_true",
+        help="the full suite: the tests marked slow too (the default leaves them out)",
+    )
+
+
+def _full(config: pytest.Config) -> bool:
+    return bool(config.getoption("--full") or config.getoption("markexpr"))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    cov = config.pluginmanager.getplugin("_cov")
+    options = getattr(cov, "options", None)
+    if options is not None and getattr(options, "cov_fail_under", None) is None:
+        options.cov_fail_under = FULL_GATE if _full(config) else FAST_GATE
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    if _full(config):
+        return "quantpatch: the full suite (slow tests included)"
+    return "quantpatch: the fast suite; `python -m pytest --full` adds the tests marked slow"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if _full(config):
+        return
+    slow = [item for item in items if item.get_closest_marker("slow")]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [item for item in items if not item.get_closest_marker("slow")]
+
+
 VERSIONS = ("0.11.0", "0.13.1")
 LINEAR = Targets().linear[0]
 ATTENTION = Targets().attention[0]

@@ -213,11 +213,12 @@ def test_refusals_exit_2_and_change_nothing(run, make_checkout, tmp_path):
         [
             sys.executable,
             "-c",
-            "import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT); "
+            "import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT); "
             "fcntl.flock(fd, fcntl.LOCK_EX); os.write(fd, b'4242 host'); print('held', "
-            "flush=True); time.sleep(60)",
+            "flush=True); sys.stdin.read()",  # holds it until killed, however long that takes
             str(lock),
         ],
+        stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
     )

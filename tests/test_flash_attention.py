@@ -245,6 +245,15 @@ def test_the_route_refuses_what_it_cannot_compute(flash, monkeypatch):
     other[0, 0, 5, 2] = True  # a document boundary: not the causal mask
     assert "mask" in why(mask=other)
     assert "mask" in why(mask=causal.to(torch.uint8))
+    monkeypatch.delenv("QUANTPATCH_FLASH_BF16", raising=False)
+    assert why(qk="bf16").startswith("Q.K^T is bf16")
+    monkeypatch.setenv("QUANTPATCH_FLASH_BF16", "1")  # the baseline on the FA schemes' kernel
+    assert why(qk="bf16") is None
+    assert "P.V is quantized" in why(qk="bf16", pv="mxfp8")
+    monkeypatch.setenv("QUANTPATCH_FLASH_BF16", "yes")
+    with pytest.raises(ValueError, match="QUANTPATCH_FLASH_BF16"):
+        why(qk="bf16")
+    monkeypatch.setenv("QUANTPATCH_FLASH_BF16", "0")
     assert why(qk="bf16").startswith("Q.K^T is bf16")
     assert "P.V is quantized" in why(pv="mxfp4")
     assert "unknown format" in why(qk="fp6")
@@ -285,6 +294,29 @@ def test_the_route_refuses_what_it_cannot_compute(flash, monkeypatch):
     assert why() == "no flash-attention kernels (ModuleNotFoundError: no triton)"
     with pytest.raises(RuntimeError, match="no triton"):
         ops.quant_flash_attention(q, k, v, fmt="mxfp8", causal=True, softmax_scale=1.0)
+
+
+def test_the_path_taken_is_said_once_per_kind(flash, monkeypatch, capsys):
+    """flash_eligible prints the first flash and the first stock decision, once each, on rank
+    0 only: the line `quantpatch runs` reads to say which attention path a run took."""
+    q, k, v, _ = inputs(8, 8, 1, 2, 1, 16, 16)
+    monkeypatch.setenv("QUANTPATCH_FLASH", "1")
+    monkeypatch.setenv("QUANTPATCH_FLASH_BF16", "1")
+    monkeypatch.delenv("TENSOR_SAVE_ENABLED", raising=False)
+    monkeypatch.setattr(ops, "_paths_said", set())
+    monkeypatch.setenv("RANK", "1")
+    assert ops.flash_eligible(_Layer(), q, k, v, None, qk="bf16", pv="bf16")
+    assert capsys.readouterr().err == ""
+    monkeypatch.setenv("RANK", "0")
+    for _ in range(2):
+        assert ops.flash_eligible(_Layer(), q, k, v, None, qk="bf16", pv="bf16")
+        assert not ops.flash_eligible(_Layer(), q, k, v, None, qk="mxfp8", pv="mxfp4")
+    assert ops.flash_eligible(_Layer(), q, k, v, None, qk="mxfp8", pv="bf16")
+    assert capsys.readouterr().err.splitlines() == [
+        "[quantpatch] attention path: flash (Q.K^T bf16, P.V bf16)",
+        "[quantpatch] attention path: stock (P.V is quantized (mxfp4): the flash kernel keeps "
+        "P.V in bf16)",
+    ]
 
 
 def test_the_layer_route_scales_like_megatron(flash, monkeypatch):
@@ -347,6 +379,46 @@ def test_patched_dot_product_attention_takes_the_flash_route(run, make_checkout,
             assert torch.equal(stock[name].float(), reference[i]), name  # the unfused path
             err = rel(routed[name].float(), stock[name].float())
             assert 0 < tols[i] <= 2**-6 and err <= 2 * tols[i], (mask, name, err, tols[i])
+
+
+@pytest.mark.slow
+def test_a_bf16_baseline_takes_the_flash_kernel_only_when_asked(
+    run, make_checkout, tmp_path, flash
+):
+    """`init` alone (Q.K^T bf16): Megatron's DotProductAttention runs the stock path without
+    calling quantpatch_ops at all unless QUANTPATCH_FLASH_BF16=1; then it returns the flash
+    kernel's bf16 result (bit for bit quant_flash_attention(fmt='bf16')), within the flash
+    kernel's rounding of the stock result, and says so once in its log."""
+    if CUDA:
+        pytest.skip("the probe runs the layer on CPU tensors in the interpreter")
+    root = make_checkout("0.13.1", inject=False, full=True)
+    assert run("init", "--repo", root).code == 0
+    text = (root / ATTENTION).read_text()
+    assert "os.environ.get('QUANTPATCH_FLASH_BF16') == '1'" in text and "import os\n" in text
+    res = json.loads(run("check", "--json", "--repo", root).out)
+    assert res["roles"] == {"linear": "bf16", "qk": "bf16", "pv": "bf16"}
+    got, err = run_probe(PROBE, root, tmp_path / "bf16.pt", "bf16", TRITON_INTERPRET="1")
+    q, k, v, grad = got["q"], got["k"], got["v"], got["grad"]
+    scale, coeff = got["softmax_scale"], got["coeff"]
+    stock, routed = got["mask_stock"], got["mask_bf16"]
+    assert (stock["flash"], stock["buffer"], stock["asked"]) == (0, 1, 0)
+    assert (routed["flash"], routed["buffer"], routed["asked"]) == (1, 0, 1)
+
+    def fl(*t):
+        out = ops.quant_flash_attention(*t, fmt="bf16", causal=True, softmax_scale=scale * coeff)
+        return out.reshape(40, 1, -1)
+
+    def un(*t):
+        return unfused(*t, "bf16", causal=True, scale=scale, coeff=coeff).reshape(40, 1, -1)
+
+    kernel, reference = run_grads(fl, q, k, v, grad), run_grads(un, q, k, v, grad)
+    for i, name in enumerate(("out", "dq", "dk", "dv")):
+        assert torch.equal(stock[name].float(), reference[i]), name  # the stock path
+        assert torch.equal(routed[name].float(), kernel[i]), name  # the flash kernel, in bf16
+        err_ = rel(routed[name].float(), stock[name].float())
+        assert 0 < err_ <= 2**-6, (name, err_)
+    said = [line for line in err.splitlines() if line.startswith(ops.ATTENTION_PATH_LINE)]
+    assert said == ["[quantpatch] attention path: flash (Q.K^T bf16, P.V bf16)"]
 
 
 def test_gpu_suite_flash_rows_run_on_cpu(flash):

@@ -59,6 +59,9 @@ def test_megatron_log_gives_step_time_losses_and_peak_memory():
     assert got["losses"] == [12.17632, 5.895626, 5.685305, 3.471259]
     assert got["losses_finite"] is True
     assert got["peak_mb"] == pytest.approx(37781.2)
+    assert got["attention"] is None  # a stock bf16 run: the runtime is never asked
+    said = "[quantpatch] attention path: flash (Q.K^T bf16, P.V bf16)\n"
+    assert _kit().parse_megatron_log(said + LOG + said)["attention"] == "flash"
     nan = _kit().parse_megatron_log(LOG.replace("3.471259E+00", "nan"))
     assert nan["losses_finite"] is False
 

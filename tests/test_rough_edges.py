@@ -123,18 +123,28 @@ def test_the_cache_directories_quantpatch_makes_are_private_under_umask_002(tmp_
 def test_two_processes_unpack_a_megatron_release_once(tmp_path, monkeypatch):
     """Two `demo` runs (or two test workers) on an empty cache: one fetches and unpacks the
     wheel, the other waits for it and takes the same tree, neither removing the other's."""
+    import fcntl
     import threading
-    import time
+    import types
     import zipfile
 
     from quantpatch.base import megatron_source
 
     monkeypatch.setenv("QUANTPATCH_CACHE", str(tmp_path / "cache"))
     fetched: list[str] = []
+    at_lock: list[int] = []
+    both_at_lock = threading.Event()
+
+    def flock(fd, op):  # counts the callers that reached the lock, past the cache check
+        at_lock.append(op)
+        if len(at_lock) == 2:
+            both_at_lock.set()
+        return fcntl.flock(fd, op)
 
     def slow_fetch(version: str, dest):
         fetched.append(version)
-        time.sleep(0.3)  # both callers are inside megatron_tree by now
+        # a barrier, not a sleep: the other caller has found no tree and reached the lock
+        assert both_at_lock.wait(60), "the second caller never reached the lock"
         dest.mkdir(parents=True, exist_ok=True)
         wheel = dest / f"megatron_core-{version}-py3-none-any.whl"
         with zipfile.ZipFile(wheel, "w") as zf:
@@ -144,6 +154,9 @@ def test_two_processes_unpack_a_megatron_release_once(tmp_path, monkeypatch):
 
     monkeypatch.setattr(megatron_source, "_installed", lambda version: None)
     monkeypatch.setattr(megatron_source, "fetch_wheel", slow_fetch)
+    monkeypatch.setattr(
+        megatron_source, "fcntl", types.SimpleNamespace(flock=flock, LOCK_EX=fcntl.LOCK_EX)
+    )
     trees: list[object] = []
     workers = [
         threading.Thread(target=lambda: trees.append(megatron_source.megatron_tree("9.9.9")))

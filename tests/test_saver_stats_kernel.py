@@ -56,6 +56,21 @@ def _ready(ts) -> str:
     return ts.stats_kernel_status()
 
 
+def _exited(pid: int, why: str) -> None:
+    """Wait on a pidfd (no polling) until ``pid`` has exited (a zombie counts: it runs no
+    more); 60 s only for one that never does."""
+    import select
+
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return  # gone and reaped
+    try:
+        assert select.select([fd], [], [], 60)[0], why
+    finally:
+        os.close(fd)
+
+
 def _truth(t: torch.Tensor) -> list[float]:
     """float64's min, max, mean and sample std, each rounded once to float32."""
     d = t.double()
@@ -212,20 +227,42 @@ def test_compiled_once_then_loaded_from_the_cache(ts, tmp_path, scratch_tmp):
 @needs_cc
 @x86
 def test_a_compile_never_holds_up_the_saver(ts, monkeypatch, tmp_path):
-    """While the kernel is compiled (here by a compiler that takes 3 s) torch's operators
-    compute the statistics: nothing waits for it, and it is used once it is there."""
+    """While the kernel is compiled (here by a compiler held at a barrier until the test lets
+    it go) torch's operators compute the statistics: nothing waits for it, and it is used
+    once it is there."""
+    import threading
+
     cc = _cc()
-    slow = tmp_path / "slow-cc"
-    slow.write_text(f'#!/bin/sh\nsleep 3\nexec {cc} "$@"\n')
-    slow.chmod(0o755)
-    monkeypatch.setenv("CC", str(slow))
+    gate = tmp_path / "gate"
+    os.mkfifo(gate)
+    held = tmp_path / "held-cc"  # `--version` at once; the compile only once released
+    held.write_text(
+        f'#!/bin/sh\ncase "$*" in *--version*) exec {cc} "$@";; esac\n'
+        f'read go < {gate}\nexec {cc} "$@"\n'
+    )
+    held.chmod(0o755)
+    monkeypatch.setenv("CC", str(held))
     t = (torch.randn(4096) * 2).to(torch.bfloat16)
-    start = time.perf_counter()
-    assert ts._fused_stats(t) is None
-    assert ts._stats_kernel() == (None, "being loaded or compiled")
-    eager = ts._host_stats(t)
-    assert time.perf_counter() - start < 2.0
-    assert _ready(ts).startswith("kernel (compiled: ")
+    seen: dict[str, object] = {}
+
+    def meanwhile() -> None:
+        seen["fused"] = ts._fused_stats(t)
+        seen["kernel"] = ts._stats_kernel()
+        seen["eager"] = ts._host_stats(t)
+
+    release = os.open(gate, os.O_RDWR)  # never blocks; the line waits here until read
+    try:
+        worker = threading.Thread(target=meanwhile, daemon=True)
+        worker.start()
+        worker.join(120)  # finishes at once unless it waits for the held compiler
+        assert not worker.is_alive(), "the saver waited for the compiler"
+        assert seen["fused"] is None
+        assert seen["kernel"] == (None, "being loaded or compiled")
+        os.write(release, b"go\n")  # now the compiler may run
+        assert _ready(ts).startswith("kernel (compiled: ")
+    finally:
+        os.close(release)
+    eager = seen["eager"]
     got = ts._fused_stats(t)
     assert got is not None
     _one_ulp(got, _truth(t))
@@ -245,17 +282,7 @@ def test_a_hung_compiler_is_stopped_with_its_children(ts, monkeypatch, tmp_path)
     monkeypatch.setattr(ts, "_COMPILE_TIMEOUT", 1.0)
     assert _ready(ts) == f"torch operators ({hung} took over 1 s and was stopped)"
     child = int(pidfile.read_text())
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            state = Path(f"/proc/{child}/stat").read_text().split(")")[-1].split()[0]
-        except OSError:
-            break
-        if state == "Z":  # killed, waiting for a parent to reap it
-            break
-        time.sleep(0.05)
-    else:
-        raise AssertionError("the compiler's child still runs")
+    _exited(child, "the compiler's child still runs")
     assert [p.name for p in (tmp_path / "kernels").iterdir()] == []
 
 
@@ -829,24 +856,29 @@ def test_a_build_folder_left_by_a_killed_process_is_swept(ts, tmp_path):
 
     where = tmp_path / "kernels"
     pidfile, slow = tmp_path / "cc.pid", tmp_path / "slow-cc"
+    os.mkfifo(pidfile)
     slow.write_text(
         f'#!/bin/sh\ncase "$*" in *--version*) exec {_cc()} "$@";; esac\n'
-        f"echo $$ > {pidfile}\nexec sleep 60\n"
+        f"echo $$ > {pidfile}\nexec sleep 3600\n"
     )
     slow.chmod(0o755)
     env = {k: v for k, v in os.environ.items() if not k.startswith("TENSOR_SAVE")}
     env.update(TENSOR_SAVE_KERNEL_DIR=str(where), CC=str(slow))
     code = "from quantpatch.runtime import tensor_saver as ts; ts.stats_kernel_status()"
     proc = subprocess.Popen([sys.executable, "-c", code], env=env)
+    import select
+
+    # the compiler writes its pid into a named pipe: a barrier, read once it is there (a
+    # pipe no writer opened yet is not readable; 120 s only for a compiler never started)
+    reader = os.open(pidfile, os.O_RDONLY | os.O_NONBLOCK)
     try:
-        deadline = time.monotonic() + 60
-        while not pidfile.exists() or not pidfile.read_text().strip():
-            assert time.monotonic() < deadline and proc.poll() is None
-            time.sleep(0.05)
+        assert select.select([reader], [], [], 120)[0], "the compiler never started"
+        compiler = int(os.read(reader, 64))
     finally:
+        os.close(reader)
         proc.kill()
         proc.wait()
-    os.killpg(int(pidfile.read_text()), signal.SIGKILL)  # the compiler's session
+    os.killpg(compiler, signal.SIGKILL)  # the compiler's session
     (left,) = where.glob(".build-*")
     old = where / ".build-a1b2c3d4"  # an older name, or another host's: by age
     old.mkdir()

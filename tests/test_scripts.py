@@ -312,7 +312,8 @@ def test_shell_quote_round_trips(value):
 STUB = """#!/usr/bin/env bash
 printf '%s\\0' "$@" > "$STUB_DIR/argv.$$"
 pwd > "$STUB_DIR/cwd.$$"
-env | grep -E '^(TENSOR_SAVE_|CUSTOM_QUANT_TYPE|CUDA_DEVICE_MAX)' | sort > "$STUB_DIR/env.$$"
+env | grep -E '^(TENSOR_SAVE_|CUSTOM_QUANT_TYPE|CUDA_DEVICE_MAX|QUANTPATCH_FLASH)' | sort \\
+    > "$STUB_DIR/env.$$"
 sleep "${STUB_SLEEP:-0}"
 exit "${STUB_EXIT:-0}"
 """
@@ -451,6 +452,44 @@ EXPECTED_SMOKE_ARGV = [
 ]
 
 
+def _attention_env(text: str) -> tuple[str, str]:
+    """The QUANTPATCH_FLASH and QUANTPATCH_FLASH_BF16 a script exports by default."""
+    found = [
+        re.search(rf'^if \[\[ -z "\$\{{{name}:-\}}" \]\]; then {name}=(\S+); fi$', text, re.M)
+        for name in ("QUANTPATCH_FLASH", "QUANTPATCH_FLASH_BF16")
+    ]
+    assert all(found) and "\nexport QUANTPATCH_FLASH QUANTPATCH_FLASH_BF16\n" in text
+    return found[0].group(1), found[1].group(1)
+
+
+def test_the_attention_path_is_chosen_for_the_whole_set(run, tmp_path):
+    """Issue 45 (6): --attention auto gives every script of the set, the bf16 baseline's too,
+    the path of its FA schemes (flash when one quantizes Q.K^T, else stock); flash and stock
+    force it; the scripts export what the runtime reads, and shellcheck finds nothing."""
+    common = ("--profile", "smoke", "--models", "llama32-1b", "--datasets", "wikipedia")
+    bf16 = "llama32-1b/pretrain_llama32-1b_wikipedia_bf16.sh"
+    fa = "llama32-1b/pretrain_llama32-1b_wikipedia_FA_mxfp8.sh"
+    cases = [
+        ("auto", "bf16,FA_mxfp8", {bf16: ("auto", "1"), fa: ("auto", "1")}),
+        ("auto", "bf16,linear_mxfp8", {bf16: ("0", "0")}),
+        ("stock", "bf16,FA_mxfp8", {bf16: ("0", "0"), fa: ("0", "0")}),
+        ("flash", "bf16", {bf16: ("auto", "1")}),
+    ]
+    paths = []
+    for i, (choice, schemes, want) in enumerate(cases):
+        out = tmp_path / f"s{i}"
+        res = run("gen-scripts", "--out", out, *common, "--schemes", schemes, "--attention", choice)
+        assert res.code == 0, res
+        for rel, env in want.items():
+            assert _attention_env((out / rel).read_text()) == env, (choice, schemes, rel)
+            paths.append(str(out / rel))
+    sc = subprocess.run([SHELLCHECK, "-S", "style", *paths], capture_output=True, text=True)
+    assert sc.returncode == 0, sc.stdout[-2000:]
+    res = run("gen-scripts", "--out", tmp_path / "bad", *common, "--attention", "fast")
+    assert res.code == 2 and "--attention: unknown choice 'fast'" in res.err
+    assert not (tmp_path / "bad").exists()
+
+
 def test_smoke_script_end_to_end_with_stub_torchrun(make_checkout, tmp_path, stub_env, run):
     env, stub_dir = stub_env
     root = make_checkout()
@@ -480,6 +519,10 @@ def test_smoke_script_end_to_end_with_stub_torchrun(make_checkout, tmp_path, stu
     assert git.Repo(root).active_branch.name == "main" and not git.Repo(root).is_dirty()
     # the check's values in the header, not its sites table (issue 46, point 8)
     assert "(smoke): linear=bf16 qk=mxfp8 pv=bf16" in res.stdout and "roles:" not in res.stdout
+    # the set holds FA schemes: every run, the bf16 baseline's too, on the flash kernel
+    assert "QUANTPATCH_FLASH=auto\nQUANTPATCH_FLASH_BF16=1\n" in saver_env
+    said = "[quantpatch] attention: QUANTPATCH_FLASH=auto QUANTPATCH_FLASH_BF16=1 (auto: Q.K^T "
+    assert said in next((runs / "logs").glob("*.log")).read_text()
     assert "CUSTOM_QUANT_TYPE" not in saver_env and "TENSOR_SAVE_ENABLED=false" in saver_env
     head = git.Repo(wt).head.commit.hexsha
     logs = list((runs / "logs").glob("*.log"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -148,32 +149,66 @@ def test_no_child_is_forked_beside_other_threads(make_checkout, tmp_path, how):
         stopped.wait(10)
 
 
+def _descendants_exited(group: int) -> None:
+    """Wait (on pidfds, no polling) until every process of ``group`` has exited."""
+    import os
+    import select
+
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            pid = int(stat.parent.name)
+            fd = os.pidfd_open(pid) if int(fields[2]) == group else None
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+        if fd is not None:
+            try:  # readable once it has exited; 60 s only for a child that never does
+                assert select.select([fd], [], [], 60)[0], f"process {pid} still runs"
+            finally:
+                os.close(fd)
+
+
 def test_a_terminated_fresh_check_leaves_nothing_behind(make_checkout, tmp_path):
     """SIGTERM (``timeout``, a cancelled job) while the child parses for ``check --expect``:
-    the command stops its child and removes its private directory, as on Ctrl-C."""
+    the command stops its child and removes its private directory, as on Ctrl-C. The command
+    is held at its ``parsing ahead`` barrier (a named pipe) while the signal is sent."""
     import os
     import signal
-    import time
 
     root = make_checkout()
     tmp = tmp_path / "tmp"
     tmp.mkdir()
-    env = {**os.environ, "TMPDIR": str(tmp)}
+    barrier = tmp_path / "barrier"
+    os.mkfifo(barrier)
+    env = {
+        **os.environ, "TMPDIR": str(tmp),
+        "QUANTPATCH_FAULT_PAUSE": str(barrier), "QUANTPATCH_FAULT_PAUSE_AT": "parsing ahead",
+    }  # fmt: skip
     proc = subprocess.Popen(
         [sys.executable, "-m", "quantpatch", "check", "--repo", str(root),
          "--expect", "linear=bf16,qk=bf16,pv=bf16"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
     )  # fmt: skip
-    deadline = time.monotonic() + 30
-    while not list(tmp.iterdir()) and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.002)
-    assert list(tmp.iterdir()), "the private directory never appeared"
+    with open(barrier, encoding="utf-8") as fh:  # until the command is at the barrier
+        assert fh.readline().split() == [str(proc.pid), "parsing", "ahead"]
+    assert [p.name[:17] for p in tmp.iterdir()] == ["quantpatch-check-"]
+    children = [
+        int(p.parent.name) for p in Path("/proc").glob("[0-9]*/stat") if _ppid(p) == proc.pid
+    ]
+    assert len(children) == 1, children  # the child that parses ahead, forked by now
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
-    assert proc.returncode in (143, 0, 1), (proc.returncode, err)
+    assert proc.returncode == 143, (proc.returncode, err)
     assert b"Traceback" not in err
-    time.sleep(0.5)  # a child left running would write into the directory again
+    _descendants_exited(children[0])  # its group: the child and any helper it forked
     assert not list(tmp.iterdir())
+
+
+def _ppid(stat: Path) -> int | None:
+    try:
+        return int(stat.read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def test_the_files_are_shared_out_by_size():

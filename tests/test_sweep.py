@@ -702,3 +702,45 @@ def test_the_first_status_of_a_slurm_sweep_has_gpus_and_start(sweep_env, run, tm
     found = parse_squeue("4242_3|RUNNING|99|2026-11-27T10:00:00\n4242_4|PENDING|98|N/A\nbad\n")
     assert found[("4242", 3)].start is not None and found[("4242", 4)].start is None
     assert found[("4242", 3)].job_id == "99" and len(found) == 2
+
+
+def test_the_attention_choice_is_recorded_kept_on_resume_and_a_new_one_reruns(sweep_env, run):
+    """Issue 45 (6): --attention is recorded; a resume keeps it (the scripts export it again);
+    another choice runs every finished run again, so no report compares two kernels; the
+    report shows each run's path from its log and from the record."""
+    root, _env, stub, out = sweep_env
+    select = (*SELECT[:-1], "bf16,FA_mxfp8")
+    res = run("sweep", "run", out, *select, "--attention", "stock", "--repo", root)
+    assert res.code == 0, res
+    rec = record(out)
+    assert rec["selection"]["attention"] == "stock"
+    assert rec["attention"] == {"choice": "stock", "path": "stock", "why": "--attention stock"}
+    assert [r["attention"] for r in rec["runs"]] == ["stock", "stock"]
+    for r in rec["runs"]:
+        assert "attention: QUANTPATCH_FLASH=0 QUANTPATCH_FLASH_BF16=0" in Path(r["log"]).read_text()
+    html = (out / "report.html").read_text()
+    assert html.count(">stock (asked)<") == 2 and html.count(">stock (sweep: stock)<") == 2
+
+    res = run("sweep", "run", out, "--repo", root)  # resume: the choice kept, nothing to run
+    assert res.code == 0, res
+    assert record(out)["selection"]["attention"] == "stock"
+    assert len([c for c in calls(stub) if c[-1] == "start"]) == 2
+    bf16 = (out / "llama32-1b/pretrain_llama32-1b_wikipedia_bf16.sh").read_text()
+    assert 'then QUANTPATCH_FLASH=0; fi\nif [[ -z "${QUANTPATCH_FLASH_BF16:-}" ]]; then' in bf16
+
+    res = run("sweep", "run", out, "--attention", "auto", "--repo", root)
+    assert res.code == 0, res
+    said = " ".join(res.err.split())
+    for scheme in ("bf16", "FA_mxfp8"):
+        assert (
+            f"llama32-1b_wikipedia_{scheme}_smoke: running it again, its attention path is flash "
+            "now (--attention auto), it ran on stock"
+        ) in said
+    assert len([c for c in calls(stub) if c[-1] == "start"]) == 4
+    rec = record(out)
+    assert rec["attention"]["path"] == "flash" and rec["selection"]["attention"] == "auto"
+    for r in rec["runs"]:
+        assert r["attention"] == "flash"
+        assert (
+            "attention: QUANTPATCH_FLASH=auto QUANTPATCH_FLASH_BF16=1" in Path(r["log"]).read_text()
+        )

@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import git
+import libcst as cst
 import pytest
 
 from quantpatch.checkout.parts import OPS_MODULE, OPS_MODULES, runtime_source
@@ -276,3 +277,41 @@ def test_force_and_a_detached_head_say_where_the_old_commit_is(run, make_checkou
     said = " ".join((res.out + res.err).split())
     assert f"the edited file stays in commit {edited[:12]}" in said, said
     assert "HEAD is detached: the upgrade commit is on no branch" in said, said
+
+
+class _DropBf16Branch(cst.CSTTransformer):
+    """The flash route as `init` wrote it before its bf16 branch (sites form 1)."""
+
+    def leave_If(self, original_node: cst.If, updated_node: cst.If) -> cst.If:
+        orelse = updated_node.orelse
+        if isinstance(orelse, cst.Else) and "QUANTPATCH_FLASH_BF16" in cst.Module([]).code_for_node(
+            orelse
+        ):
+            return updated_node.with_changes(orelse=None)
+        return updated_node
+
+
+def test_a_flash_route_without_the_bf16_branch_is_older_and_upgrade_adds_it(run, make_checkout):
+    """Issue 45 (6) changed what `init` writes (sites form 2): a checkout initialised before
+    it is `sites older`, and `upgrade` gives it the branch that lets a bf16 baseline take the
+    flash kernel, as `init` writes it now."""
+    root = make_checkout(inject=False)
+    assert run("init", "--repo", root).code == 0
+    fresh = (root / ATTENTION).read_text()
+    old = cst.parse_module(fresh).visit(_DropBf16Branch()).code
+    branch = "os.environ.get('QUANTPATCH_FLASH_BF16')"
+    assert branch in fresh and branch not in old
+    (root / ATTENTION).write_text(old)
+    path = root / ".git/quantpatch/init/record.json"
+    rec = json.loads(path.read_text())
+    rec["files"][ATTENTION]["written"] = hashlib.sha256(old.encode()).hexdigest()
+    rec["forms"]["sites"] = 1
+    path.write_text(json.dumps(rec, indent=2) + "\n")
+    repo = git.Repo(root)
+    repo.git.add(ATTENTION)
+    repo.git.commit("-qm", "quantpatch init: (sites form 1)")
+    assert _parts(run, root)["sites"] == "older"
+    res = run("upgrade", "--repo", root)
+    assert res.code == 0, res
+    assert (root / ATTENTION).read_text() == fresh
+    assert set(_parts(run, root).values()) == {"current"}

@@ -123,7 +123,8 @@ def _img(path: Path) -> tuple[str, str]:
 
 
 RUN_COLUMNS = [
-    "model", "dataset", "profile", "scheme", "iterations", "loss", "last_finite_iteration",
+    "model", "dataset", "profile", "scheme", "attention", "iterations", "loss",
+    "last_finite_iteration",
     "loss_delta_vs_bf16",
     "rel_delta_vs_bf16", "step_ms", "step_vs_bf16", "skipped", "nan_iterations", "diverged",
     "status",
@@ -178,7 +179,10 @@ def write_report(
                     "(loss at: the last of them); deltas against the bf16 run of the same "
                     "model, dataset and profile at the iterations both logged; rows in red "
                     "diverged (status nan: the loss went NaN, printed or left out of the log; "
-                    "skips the fp16 loss scaler recovered from are counted in nan only).",
+                    "skips the fp16 loss scaler recovered from are counted in nan only); "
+                    "attention: the path the run's attention took, as its log says (flash: "
+                    "quantpatch's flash kernel; stock: Megatron's unfused attention; "
+                    "(asked): what its script asked for, where the log names no path).",
                     RUN_COLUMNS,
                     table_rows(rr.rows, RUN_COLUMNS, bad="diverged"),
                     [_img(p) for p in plots.plot_runs(rr, figs)] if facts["figures"] else [],

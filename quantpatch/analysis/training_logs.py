@@ -20,7 +20,10 @@ pattern matched over the file in C, and lines with another set of fields are par
 one. The launch scripts'
 header (``[quantpatch] model / dataset / scheme (profile): linear=... qk=... pv=...``) and
 closing line (``training exited with status N``) give the run's identity and status; a log
-without them is keyed from its path where the run folder's name allows.
+without them is keyed from its path where the run folder's name allows. The attention path a run
+took is the runtime's ``[quantpatch] attention path: flash|stock`` lines (``quantpatch_ops``,
+printed once per path), else what its script asked for (the header's ``[quantpatch] attention:
+QUANTPATCH_FLASH=... QUANTPATCH_FLASH_BF16=...``), marked ``(asked)``.
 """
 
 from __future__ import annotations
@@ -46,6 +49,11 @@ _HEADER = re.compile(
     rb" linear=(?P<linear>\S+) qk=(?P<qk>\S+) pv=(?P<pv>\S+)"
 )
 _EXIT = re.compile(rb"\[quantpatch\] training exited with status (\d+)")
+_ASKED = re.compile(
+    rb"\[quantpatch\] attention: QUANTPATCH_FLASH=(\S*) QUANTPATCH_FLASH_BF16=(\S*)"
+)
+_PATH_LINE = b"[quantpatch] attention path: "  # quantpatch_ops.ATTENTION_PATH_LINE
+ATTENTION_PATHS = ("flash", "stock")
 _CRASH = re.compile(rb"Traceback \(most recent call last\)|\b\w*Error: |Segmentation fault|Killed")
 FIELDS = {  # Megatron's field name -> ours
     "lm loss": "loss",
@@ -79,6 +87,20 @@ class Run:
     # columns that print one value throughout (loss scale, skip and NaN counts, usually):
     # one number crosses the process boundary (--jobs), not a quarter of a million
     constant: dict[str, float] = field(default_factory=dict)
+    paths: list[str] = field(default_factory=list)  # the attention paths the runtime said
+    asked: tuple[str, str] | None = None  # the script's QUANTPATCH_FLASH, QUANTPATCH_FLASH_BF16
+
+    @property
+    def attention(self) -> str | None:
+        """The attention path the run took (``flash``, ``stock``, ``flash+stock``), else the
+        one its script asked for, marked ``(asked)``; None where the log says neither."""
+        if self.paths:
+            return "+".join(self.paths)
+        if self.asked is None:
+            return None
+        flash, bf16 = self.asked
+        takes = flash != "0" and (bf16 == "1" or self.values.get("qk", "bf16") != "bf16")
+        return f"{'flash' if takes else 'stock'} (asked)"
 
     @property
     def status(self) -> str:
@@ -213,6 +235,7 @@ def parse_log(path: Path, chunk: int = 0) -> Run:
                     parts.append(part)
                 elif ITERATION.search(piece):  # a last line still being written: not read
                     run.garbage += 1
+                _said_paths(piece, run.paths)
                 if len(head) < _EDGE:
                     head += piece[: _EDGE - len(head)]
                 last = (last + piece[-_EDGE:])[-_EDGE:]
@@ -228,12 +251,29 @@ def parse_log(path: Path, chunk: int = 0) -> Run:
             g["model"], g["dataset"], g["scheme"], g["profile"],
         )  # fmt: skip
         run.values = {r: g[r] for r in ("linear", "qk", "pv")}
+    asked = _ASKED.search(head)
+    if asked:
+        run.asked = (
+            asked.group(1).decode("ascii", "replace"),
+            asked.group(2).decode("ascii", "replace"),
+        )
     ex = _EXIT.search(last)
     if ex:  # a status of more digits than any process exits with is no exit line
         run.exit_status = int(ex.group(1)) if len(ex.group(1)) <= 9 else None
     _merge(run, parts)
     run.crashed = run.exit_status is None and bool(_CRASH.search(since_iteration))
     return run
+
+
+def _said_paths(piece: bytes, paths: list[str]) -> None:
+    """The attention paths the runtime's lines in ``piece`` name, added to ``paths`` once."""
+    at = piece.find(_PATH_LINE)
+    while at >= 0:
+        at += len(_PATH_LINE)
+        word = piece[at : at + 5].decode("ascii", "replace")
+        if word in ATTENTION_PATHS and word not in paths:
+            paths.append(word)
+        at = piece.find(_PATH_LINE, at)
 
 
 def _merge(run: Run, parts: list[Run]) -> None:
@@ -953,6 +993,7 @@ def runs(
                 "dataset": r.dataset,
                 "scheme": r.scheme,
                 "profile": r.profile,
+                "attention": r.attention,
                 "iterations": r.iterations[-1] if r.iterations else 0,
                 "of": r.total_iterations,
                 "loss": last_window_loss(r),

@@ -7,7 +7,9 @@ taken effect, as a power cut or ``kill -9`` would; ``fail`` raises the error a f
 command or a full disk gives *instead of* the step; ``interrupt`` raises ``KeyboardInterrupt``
 right after it, as Ctrl-C does; ``enospc`` raises the ``OSError`` of a full disk instead of
 it. ``QUANTPATCH_FAULT_TRACE=FILE`` appends each step's label to FILE, so a test can count the
-steps of a command and hit every one.
+steps of a command and hit every one. ``pause(label)`` is a barrier the test controls
+(``QUANTPATCH_FAULT_PAUSE``): the process stops there until the test lets it go or signals it,
+so no test has to poll for a moment.
 """
 
 from __future__ import annotations
@@ -46,3 +48,18 @@ def step(label: str, *, done: bool) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     if kind == "interrupt" and done:
         raise KeyboardInterrupt
+
+
+def pause(label: str) -> None:
+    """A barrier a test holds the process at, to act on it mid-way (send it a signal, look at
+    what it has made so far) without polling. With ``QUANTPATCH_FAULT_PAUSE=FIFO`` (a named
+    pipe the test made) and ``QUANTPATCH_FAULT_PAUSE_AT=label``, the process writes
+    ``"<pid> <label>"`` into the pipe (blocking until the test reads it), then waits until
+    the test writes a line back or a signal ends it. Inert unless both are set."""
+    fifo = os.environ.get("QUANTPATCH_FAULT_PAUSE")
+    if not fifo or os.environ.get("QUANTPATCH_FAULT_PAUSE_AT") != label:
+        return
+    with open(fifo, "w", encoding="utf-8") as fh:
+        fh.write(f"{os.getpid()} {label}\n")
+    with open(fifo, encoding="utf-8") as fh:
+        fh.readline()

@@ -55,7 +55,8 @@ RUNTIME_MODULES = {
     FLASH_MODULE: "runtime/quantpatch_flash.py",
 }
 
-FORMS = {"sites": 1, "mla-params": 1, "paretoq-steps": 1, "saver-calls": 1}
+FORMS = {"sites": 2, "mla-params": 1, "paretoq-steps": 1, "saver-calls": 1}
+# (sites 2: the flash route's bf16 branch, QUANTPATCH_FLASH_BF16)
 """Each codemod's form: bump it when what the codemod writes changes, so that ``check`` calls
 the checkouts it rewrote older and ``upgrade`` re-applies it."""
 

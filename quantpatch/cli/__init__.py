@@ -176,4 +176,9 @@ def run() -> NoReturn:
         if stream is not None:  # None: started with the descriptor closed
             with contextlib.suppress(OSError, ValueError):  # a reader that went away
                 stream.flush()
+    cov = sys.modules.get("coverage")  # run under coverage (the test suite's children):
+    current = cov.Coverage.current() if cov is not None else None
+    if current is not None:  # os._exit skips its exit handler, so save what it measured
+        current.stop()
+        current.save()
     os._exit(code or 0)

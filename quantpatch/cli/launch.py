@@ -121,6 +121,13 @@ SpOpt = typer.Option(
 )
 
 
+AttentionHelp = (
+    "The attention path of every run: auto (default: quantpatch's flash kernel for every run, "
+    "the bf16 Q.K^T of the baseline included, when any of the schemes quantizes Q.K^T; else "
+    "Megatron's stock attention), flash or stock. See docs/launch.md."
+)
+
+
 def parallel_sizes(*values: Any) -> dict[str, Any]:
     """The layout options, in the order both commands declare them, by field name."""
     names = ("gpus_per_node", "nodes", "tp", "pp", "cp", "ep", "etp", "vpp", "sequence_parallel")
@@ -141,6 +148,7 @@ def gen_scripts(
         "script per combination and DIR/sweep.sbatch, a job array over all of them) or swift "
         "(ms-swift's `megatron pt`).",
     ),
+    attention: str = typer.Option("auto", "--attention", help=AttentionHelp, metavar="PATH"),
     prepare: bool = typer.Option(
         False,
         "--prepare",
@@ -195,6 +203,7 @@ def gen_scripts(
         force=force,
         check=check_only,
         prepare=prepare,
+        attention=attention,
     )
     done = generate_scripts(request, progress=lambda line: err.print(line, markup=False))
     result, flags = done.result, done.flags

@@ -8,7 +8,7 @@ import typer
 
 from quantpatch.base.errors import CheckFailed, UserError
 from quantpatch.cli.app import OPTS, JsonOpt, RepoOpt, app, emit_json, err, out, repo_root
-from quantpatch.cli.launch import ConfigOpt, csv_list
+from quantpatch.cli.launch import AttentionHelp, ConfigOpt, csv_list
 
 sweep_app = typer.Typer(
     help="Every scheme from one command: run (local queue or Slurm), status, report.",
@@ -47,6 +47,9 @@ def sweep_run(
     nodes: int | None = typer.Option(
         None, "--nodes", help="Nodes per run (default: the profile's, else 1).", metavar="N"
     ),
+    attention: str | None = typer.Option(
+        None, "--attention", help=f"{AttentionHelp} Recorded: a resume keeps it.", metavar="PATH"
+    ),
     only_pending: bool = typer.Option(
         False, "--only-pending", help="On resume, keep failed runs as they are."
     ),
@@ -68,6 +71,7 @@ def sweep_run(
         "extra": list(extra) if extra else None,
         "gpus_per_node": gpus_per_node,
         "nodes": nodes,
+        "attention": attention,
     }
     selection = sweep.selection_for(sweep.load(sweep_dir), given)
     prepared = sweep.prepare(
@@ -156,7 +160,8 @@ def _sweep_report(sweep_dir: Path, record: dict[str, Any], out_file: Path) -> di
     tensors = sweep.tensor_dirs(sweep_dir, record)
     where = Section(
         f"Where the runs came from ({len(record['runs'])} runs)",
-        "each run's scheme values (linear, Q.K^T, P.V, the BF16 layer policy), the source "
+        "each run's scheme values (linear, Q.K^T, P.V, the BF16 layer policy), the attention "
+        "path the sweep gave it (--attention; the runs table says which its log names), the source "
         "commit its log names, the data prefix and tokenizer the sweep checked, its GPUs and "
         "its Slurm job (array task and Slurm's state); from sweep.json.",
         provenance.RUN_COLUMNS,

@@ -39,6 +39,8 @@ class GenRequest:
     """With the slurm launcher, compare the scripts' nodes and GPUs with what the partition
     offers (``launch.slurm_nodes``): ``refuse`` (``sweep run``, before anything is written)
     or ``warn`` (``gen-scripts``); None: not asked."""
+    attention: str = "auto"
+    """The attention path of every script (``launch.attention``: auto, flash or stock)."""
 
 
 @dataclass
@@ -79,6 +81,7 @@ def generate_scripts(request: GenRequest, progress: Callable[[str], None] | None
         launcher,
         request.parallel,
         request.swift,
+        request.attention,
     )
     blocked = {s.model: s.blocked for s in scripts if s.blocked is not None}
     if blocked and request.refuse_blocked:

@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 RUN_COLUMNS = [
-    "run", "state", "scheme", "linear", "qk", "pv", "bf16 layers", "commit", "data", "tokenizer",
-    "gpus", "slurm",
+    "run", "state", "scheme", "linear", "qk", "pv", "bf16 layers", "attention", "commit", "data",
+    "tokenizer", "gpus", "slurm",
 ]  # fmt: skip
 
 
@@ -74,6 +74,7 @@ def run_rows(record: Mapping[str, Any], schemes: Mapping[str, Any]) -> list[dict
     checked = _checked(record)
     env = (record.get("data") or {}).get("env") or {}
     layout = _layout(record)
+    choice = (record.get("attention") or {}).get("choice")
     rows = []
     for r in record["runs"]:
         scheme = schemes.get(r.get("scheme"))
@@ -93,6 +94,8 @@ def run_rows(record: Mapping[str, Any], schemes: Mapping[str, Any]) -> list[dict
                 "qk": values.get("qk", "?"),
                 "pv": values.get("pv", "?"),
                 "bf16 layers": values.get("bf16_layers", "-"),
+                # what the sweep asked for (the runs table says what each run's log names)
+                "attention": f"{r['attention']} (sweep: {choice})" if r.get("attention") else "-",
                 "commit": (r.get("commit") or "")[:12] or "-",
                 "data": str(data["prefix"]) if data else ("mock" if not checked else "-"),
                 "tokenizer": str(data["tokenizer"]) if data else env.get("TOKENIZER_MODEL", "-"),

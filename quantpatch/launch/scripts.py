@@ -24,6 +24,7 @@ from typing import Any, Literal
 from quantpatch import __version__
 from quantpatch.base.edits import Edit, apply_edits, read_exact
 from quantpatch.base.errors import UserError
+from quantpatch.launch.attention import Attention, attention_for
 from quantpatch.launch.layout import (
     Layout,
     LayoutError,
@@ -165,6 +166,8 @@ class Script:
     blocked: str | None = None
     """Why the checkout cannot build the model yet and the command that fixes it (one
     sentence): the script stops with it before ``torchrun`` while that holds."""
+    attention: Attention | None = None
+    """The attention path the script exports (``launch.attention``; the swift scripts: None)."""
 
 
 _SUFFIX: dict[Launcher, tuple[str, str]] = {
@@ -412,6 +415,7 @@ def render_script(
     layout: Layout | None = None,
     swift_path: Path | None = None,
     blocked: tuple[str, str] | None = None,
+    attention: Attention | None = None,
 ) -> Script:
     """One script; ``blocked`` (the attention file, the sentence): the checkout cannot build
     the model yet, so the script stops with the sentence before ``torchrun`` while the
@@ -429,6 +433,8 @@ def render_script(
         reg.profiles[profile],
     )
     run_name = f"{model}_{dataset}_{scheme}_{profile}"
+    if attention is None:
+        attention = attention_for("auto", [s])
     if launcher == "swift":
         from quantpatch.launch import swift
 
@@ -469,6 +475,7 @@ def render_script(
                 ),
                 persist_off=args.values.get("no-persist-layer-norm") is True,
                 blocked=stop,
+                attention=attention,
             )
         )
     header = _header(
@@ -491,6 +498,7 @@ def render_script(
         launcher,
         layout,
         None if blocked is None else blocked[1],
+        None if launcher == "swift" else attention,
     )
 
 
@@ -565,7 +573,10 @@ def render_all(
     launcher: Launcher = "torchrun",
     parallel: Mapping[str, int | str | None] | None = None,
     swift_path: Path | None = None,
+    attention: str = "auto",
 ) -> list[Script]:
+    """Every combination's script; ``attention`` (``launch.attention``) is resolved over the
+    whole set of schemes, so a bf16 baseline takes the path of the FA schemes beside it."""
     if profile not in reg.profiles:
         raise UserError(
             f"--profile: unknown profile '{profile}'; valid: {', '.join(reg.profiles)}."
@@ -575,6 +586,7 @@ def render_all(
             f"--launcher: unknown launcher '{launcher}'; valid: {', '.join(LAUNCHERS)}."
         )
     source = _source(release)
+    path = attention_for(attention, [reg.schemes[s] for s in schemes])
     check_flags(reg, models, profile, source)  # every model at once: one sentence
     blocked = {} if source.root is None else mla_unbuildable(source.root, reg, models, profile)
     layouts = plan_layout(reg, models, profile, parallel)
@@ -584,7 +596,7 @@ def render_all(
         swift.check_models(reg, models, profile, swift_path)
     scripts = [
         render_script(
-            reg, m, d, s, profile, source, launcher, layouts[m], swift_path, blocked.get(m)
+            reg, m, d, s, profile, source, launcher, layouts[m], swift_path, blocked.get(m), path
         )
         for m in models
         for d in datasets

@@ -31,6 +31,7 @@ from typing import Any
 
 from quantpatch.base.errors import UserError
 from quantpatch.launch import slurm
+from quantpatch.launch.attention import check_choice
 
 RECORD = "sweep.json"
 VERSION = 1
@@ -58,6 +59,8 @@ class Selection:
     """Over the profile's (``--gpus-per-node``); None: the profile's."""
     nodes: int | None = None
     """Over the profile's (``--nodes``); None: the profile's."""
+    attention: str = "auto"
+    """The attention path of every run (``launch.attention``: auto, flash or stock)."""
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -72,6 +75,7 @@ class Selection:
             "extra": self.extra,
             "gpus_per_node": self.gpus_per_node,
             "nodes": self.nodes,
+            "attention": self.attention,
         }
 
     @classmethod
@@ -206,6 +210,7 @@ def prepare(
         raise UserError(
             f"--launcher: unknown launcher '{selection.launcher}'; valid: {', '.join(LAUNCHERS)}."
         )
+    check_choice(selection.attention)
     if not 1 <= selection.parallel <= 64:
         raise UserError(f"--parallel must be from 1 to 64 (got {selection.parallel}).")
     checkout = gitrepo.find_checkout(repo, need_git=True)
@@ -229,6 +234,7 @@ def prepare(
             repo=checkout.root,
             refuse_blocked=True,
             slurm_nodes="refuse" if selection.launcher == "slurm" else None,
+            attention=selection.attention,
         )
     )
     scripts = done.result.scripts
@@ -254,6 +260,7 @@ def prepare(
     for s in scripts:
         name = f"{s.model}_{s.dataset}_{s.scheme.name}_{s.profile}"
         commit = commits[json.dumps(s.scheme.values(), sort_keys=True)]
+        path = s.attention.path if s.attention is not None else None
         run: dict[str, Any] = {
             "name": name,
             "model": s.model,
@@ -270,15 +277,24 @@ def prepare(
             "gpus": None,
             "array_task": None,
             "pid": None,
+            "attention": path,
         }
         before = previous.get(name)
         if before is not None and slurm.live(before):
             run = dict(before)  # Slurm's still: followed, never submitted twice
         elif before is not None:
             state = before.get("state")
+            # the same attention path as the others, or the comparison is of kernels (a run
+            # recorded before the path was: kept, its log says which it took)
+            was = before.get("attention")
+            if state == "finished" and was not in (path, None):
+                notes.append(
+                    f"{name}: running it again, its attention path is {path} now (--attention "
+                    f"{selection.attention}), it ran on {was}"
+                )
             # (a finished Slurm run whose log named no commit: kept, nothing says it moved)
-            if state == "finished" and before.get("commit") in (commit, None):
-                run = {**run, **before}
+            elif state == "finished" and before.get("commit") in (commit, None):
+                run = {**run, **before, "attention": path}
             elif state == "finished":
                 upgraded = _upgrade_between(checkout.repo, before.get("commit"), commit)
                 notes.append(
@@ -301,6 +317,7 @@ def prepare(
         "slurm_job": (old or {}).get("slurm_job"),
         "created": (old or {}).get("created") or now(),
         "layout": {"gpus_per_node": asked[0], "nodes": asked[1]} if asked else None,
+        "attention": scripts[0].attention.as_dict() if scripts and scripts[0].attention else None,
         "data": {
             "env": env,
             "checked": [

@@ -160,6 +160,7 @@ do. ``mxfp8`` keeps its E5M2 for both operands of a backward GEMM, as it always 
 
 __all__ = [
     "ALPHA_MIN",
+    "ATTENTION_PATH_LINE",
     "BLOCK",
     "E2M1",
     "E4M3",
@@ -177,6 +178,7 @@ __all__ = [
     "add_weight_scales",
     "alpha_columns",
     "fake_quant",
+    "flash_bf16",
     "flash_dot_product_attention",
     "flash_eligible",
     "flash_refusal",
@@ -388,6 +390,11 @@ def quant_baddbmm(
 # and returns ``flash_dot_product_attention`` when it may; the unfused path runs otherwise.
 # ``QUANTPATCH_FLASH``: ``auto`` (default: CUDA tensors), ``0`` (never), ``1`` (also CPU tensors,
 # in Triton's interpreter: ``TRITON_INTERPRET=1``; without it a CPU tensor is an error).
+# ``QUANTPATCH_FLASH_BF16=1`` sends a bf16 Q.K^T through the same kernel (nothing quantized), so
+# a bf16 baseline runs the attention of the FA schemes it is compared with; unset or ``0``, the
+# patched forward's guard keeps bf16 on the stock path without importing this module. The first
+# decision of each kind (flash, stock) is printed once per process on rank 0 as
+# ``[quantpatch] attention path: flash (...)`` / ``stock (why)``, which ``quantpatch runs`` reads.
 
 FLASH_MODES = ("auto", "0", "1")
 _flash_module: Any = None
@@ -412,6 +419,29 @@ def _flash_mode() -> str:
     if mode not in FLASH_MODES:
         raise ValueError(f"QUANTPATCH_FLASH={mode!r}; expected auto, 0 or 1")
     return mode
+
+
+def flash_bf16() -> bool:
+    """Whether ``QUANTPATCH_FLASH_BF16=1`` asks for a bf16 Q.K^T on the flash kernel."""
+    value = os.environ.get("QUANTPATCH_FLASH_BF16", "0") or "0"
+    if value not in ("0", "1"):
+        raise ValueError(f"QUANTPATCH_FLASH_BF16={value!r}; expected 0 or 1")
+    return value == "1"
+
+
+ATTENTION_PATH_LINE = "[quantpatch] attention path: "
+"""How the line that says which attention path a run took begins (read by ``quantpatch runs``)."""
+_paths_said: set[str] = set()
+
+
+def _say_path(qk: str, pv: str, why: str | None) -> None:
+    """Print, once per process and kind of path (on rank 0), which path attention took."""
+    path = "stock" if why is not None else "flash"
+    if path in _paths_said or os.environ.get("RANK", "0") != "0":
+        return
+    _paths_said.add(path)
+    detail = why if why is not None else f"Q.K^T {qk}, P.V {pv}"
+    print(f"{ATTENTION_PATH_LINE}{path} ({detail})", file=sys.stderr, flush=True)
 
 
 def quant_flash_attention(
@@ -486,8 +516,8 @@ def flash_refusal(
     mode = _flash_mode()
     if mode == "0":
         return "QUANTPATCH_FLASH=0"
-    if qk == "bf16":
-        return "Q.K^T is bf16: the stock attention runs"
+    if qk == "bf16" and not flash_bf16():
+        return "Q.K^T is bf16: the stock attention runs (QUANTPATCH_FLASH_BF16=1 takes the kernel)"
     if pv != "bf16":
         return f"P.V is quantized ({pv}): the flash kernel keeps P.V in bf16"
     if qk not in FORMATS:
@@ -532,8 +562,11 @@ def flash_eligible(
     pv: str,
 ) -> bool:
     """Whether the patched ``DotProductAttention.forward`` may return
-    ``flash_dot_product_attention`` (see :func:`flash_refusal` for the reasons it may not)."""
-    return flash_refusal(attention, query, key, value, attention_mask, qk=qk, pv=pv) is None
+    ``flash_dot_product_attention`` (see :func:`flash_refusal` for the reasons it may not);
+    the first answer of each kind is printed once per process (``ATTENTION_PATH_LINE``)."""
+    why = flash_refusal(attention, query, key, value, attention_mask, qk=qk, pv=pv)
+    _say_path(qk, pv, why)
+    return why is None
 
 
 def flash_dot_product_attention(

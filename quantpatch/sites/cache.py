@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from quantpatch import __version__
+from quantpatch.base import faults
 from quantpatch.base.config import SITE_NAME, Targets
 from quantpatch.base.errors import UserError
 from quantpatch.sites.model import POLICY_NAME, Policy, Site, read_target
@@ -363,6 +364,7 @@ def parsed_ahead(
             ahead = discover_ahead(root, targets, cache_dir)
             if ahead is not None:
                 stack.enter_context(ahead)
+        faults.pause("parsing ahead")  # tests stop the command here (inert otherwise)
         yield cache_dir, ahead
 
 

@@ -308,13 +308,20 @@ _EXPECTED = {"linear": ["forward", "dgrad", "wgrad"], "attention": ["qk", "pv"]}
 # product (it still governs the Q.K^T dispatch: nothing assigns the variable in between) and
 # P.V's format is read first by a second P.V site (``# quantpatch: role=pv``: ``set`` writes it
 # with the one at the P.V product, ``check`` flags them if they ever differ). With Q.K^T in
-# bf16 the guard is one string comparison and the stock computation runs, bit for bit.
+# bf16 the guard is one string comparison and one environment lookup, and the stock
+# computation runs, bit for bit, importing nothing of quantpatch's, unless
+# ``QUANTPATCH_FLASH_BF16=1`` asks for the flash kernel there too (a bf16 baseline on the
+# attention path of the FA schemes it is compared with: ``sweep run --attention``). That branch
+# names ``'bf16'``, never the site, so the dispatch still reads as written for the ops' values
+# and bf16 (``discovery.chain_knows``), and ``import os`` is added to the file where it lacks it.
 
 FLASH_PV = "quantpatch_pv"
+FLASH_BF16 = "QUANTPATCH_FLASH_BF16"  # =1: a bf16 Q.K^T takes the flash kernel too
 FLASH_ARGS = ("query", "key", "value", "attention_mask")  # the forward's first parameters
 _FLASH_COMMENT = (
     "# quantpatch: the formats of P.V, then of Q.K^T; a quantized Q.K^T with a bf16 P.V runs",
     "# on the flash-attention kernel when the inputs allow it, before any score is materialised",
+    "# (a bf16 Q.K^T too where QUANTPATCH_FLASH_BF16=1: a baseline on the FA schemes' kernel)",
 )
 
 
@@ -335,6 +342,16 @@ def _flash_lines(layout: Layout) -> str:
         "        return quantpatch_ops.flash_dot_product_attention(\n"
         f"            {args}, fmt={SITE_NAME}\n"
         "        )\n"
+        "else:\n"
+        f"    if os.environ.get({q}{FLASH_BF16}{q}) == {q}1{q}:\n"
+        "        from megatron.core import quantpatch_ops\n"
+        "\n"
+        "        if quantpatch_ops.flash_eligible(\n"
+        f"            {args}, qk={q}bf16{q}, pv={FLASH_PV}\n"
+        "        ):\n"
+        "            return quantpatch_ops.flash_dot_product_attention(\n"
+        f"                {args}, fmt={q}bf16{q}\n"
+        "            )\n"
     )
 
 
@@ -518,7 +535,7 @@ def inject_sites(
             f"{rel}: cannot find the {', '.join(missing)} product(s) this Megatron layout "
             "should have; the file is not a supported megatron-core release."
         )
-    if layout.env:
+    if layout.env or inject.flash:
         new = _ensure_import_os(new)
     if kind == "attention" and teach_mla:
         new = teach_mla_head_dims(new)
