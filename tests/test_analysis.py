@@ -141,6 +141,7 @@ def test_tensors_on_the_savers_output(saved, run, tmp_path):
     assert "44 stats-only records" in json.dumps(json.loads(res.out)["inventory"]["skipped"])
 
 
+@pytest.mark.slow  # every figure drawn with matplotlib: about a minute on 2 cores
 def test_plot_and_report_write_only_under_out(saved, run, tmp_path):
     pytest.importorskip("matplotlib")
     logs, _ = saved

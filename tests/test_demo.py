@@ -11,6 +11,7 @@ from quantpatch.checkout.demo import build_checkout
 from quantpatch.sites.discovery import discover
 
 
+@pytest.mark.slow  # a minute: the fast suite keeps the demo's checkout builds below
 def test_demo_walks_and_restores_byte_identical(run, tmp_path):
     dest = tmp_path / "demo"
     res = run("demo", dest)

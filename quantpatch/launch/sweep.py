@@ -29,6 +29,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from quantpatch.base import faults
 from quantpatch.base.errors import UserError
 from quantpatch.launch import slurm
 
@@ -513,6 +514,7 @@ def run_local(
                     )
                     active[slot] = (proc, run, started)
                     changed()
+                    faults.pause("run started")  # tests hold the sweep here (inert otherwise)
                 for slot, (proc, run, started) in list(active.items()):
                     code = proc.poll()
                     if code is None:
