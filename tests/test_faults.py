@@ -228,9 +228,16 @@ CTRL_C = ("set", "set-no-branch", "saver-install")
 """Scenarios also interrupted (KeyboardInterrupt after each step, as Ctrl-C)."""
 
 
+_BUILT: dict[str, tuple[Path, dict[str, object], list[str]]] = {}
+"""Each scenario's start checkout, its start view and its steps, built once per process (a
+worker) and shared read-only: every fault strikes a copy of it."""
+
+
 @pytest.fixture
 def template(make_checkout, tmp_path: Path):
     def build(sc: Scenario) -> tuple[Path, dict[str, object]]:
+        if sc.name in _BUILT and _BUILT[sc.name][0].is_dir():
+            return _BUILT[sc.name][0], _BUILT[sc.name][1]
         root = make_checkout(inject=sc.inject, use_git=sc.use_git, extra=sc.extra)
         start = start_view(root, sc.use_git)
         for prep in sc.prepare:
@@ -239,12 +246,16 @@ def template(make_checkout, tmp_path: Path):
         if sc.old_release:
             make_old_release(root)
         dirty_user_files(root, sc.use_git)
+        _BUILT[sc.name] = (root, start, _steps(root, sc, tmp_path))
         return root, start
 
     return build
 
 
 def _steps(root: Path, sc: Scenario, tmp: Path) -> list[str]:
+    """The steps of a clean run of the command (counted on a copy), once per scenario."""
+    if sc.name in _BUILT and _BUILT[sc.name][0] == root:
+        return _BUILT[sc.name][2]
     probe = tmp / "probe"
     shutil.copytree(root, probe, symlinks=True)
     trace = tmp / "trace.txt"
