@@ -1,7 +1,7 @@
 """``quantpatch sweep``: a local queue, GPU slices, failures, resume after SIGKILL, Ctrl-C, and
 Slurm submission and status, with stub ``torchrun`` / ``sbatch`` / ``squeue`` / ``sacct`` that
 print core_v0.13.1's log lines and can fail, hang or be killed on request. The fast suite
-keeps one local sweep, the Slurm submission and the refusals; the rest is marked slow."""
+keeps one local sweep, the Slurm submission and the Slurm states; the rest is marked slow."""
 
 from __future__ import annotations
 
@@ -434,6 +434,7 @@ def test_slurm_refusals_say_what_to_change(sweep_env, run, monkeypatch, tmp_path
     assert not (tmp_path / "third").exists()
 
 
+@pytest.mark.slow
 def test_refusals_change_nothing(sweep_env, tmp_path, run, monkeypatch):
     root, _env, _stub, out = sweep_env
     for args, says in (
