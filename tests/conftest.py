@@ -289,9 +289,10 @@ def paused(fifo: Path, timeout: float = 120.0) -> str:
 
 
 def release(fifo: Path) -> None:
-    """Let a process held at ``faults.pause`` go on (it is reading ``fifo`` by now)."""
-    with open(fifo, "w", encoding="utf-8") as fh:
-        fh.write("go\n")
+    """Let a process held at ``faults.pause`` go on: the pipe opened for writing (once the
+    process reads it) and closed, nothing written, so that no later read takes it."""
+    with open(fifo, "w", encoding="utf-8"):
+        pass
 
 
 def wait_exited(pids: list[int], timeout: float = 120.0) -> None:
