@@ -416,6 +416,10 @@ def _stop(procs: Sequence[subprocess.Popen[bytes]]) -> None:
     for p in procs:
         with suppress(subprocess.TimeoutExpired):
             p.wait(timeout=max(0.0, deadline - time.monotonic()))
+    # a script (the group's leader) may end before the rest of its group (torchrun and its
+    # workers, still handling the SIGTERM): they get what is left of the grace period too
+    while time.monotonic() < deadline and any(group_alive(p.pid) for p in procs):
+        time.sleep(0.05)
     for p in procs:
         with suppress(ProcessLookupError):
             os.killpg(p.pid, signal.SIGKILL)
