@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import select
 import shutil
 import subprocess
 import sys
@@ -57,9 +58,10 @@ def _full(config: pytest.Config) -> bool:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    cov = config.pluginmanager.getplugin("_cov")
+    cov = config.pluginmanager.getplugin("_cov")  # pytest-cov, when --cov is on
     options = getattr(cov, "options", None)
-    if options is not None and getattr(options, "cov_fail_under", None) is None:
+    # unset (coverage's own default, 0): the gate of this suite; --cov-fail-under N wins
+    if options is not None and not getattr(options, "cov_fail_under", None):
         options.cov_fail_under = FULL_GATE if _full(config) else FAST_GATE
 
 
@@ -242,3 +244,78 @@ def tiny_gpt(root: Path, cfg: dict[str, object]) -> dict[str, object]:
     assert out.returncode == 0, out.stderr[-3000:]
     result: dict[str, object] = json.loads(out.stdout.strip().splitlines()[-1])
     return result
+
+
+# -- barriers: a test waits for a moment of another process without polling -----------------
+
+
+class Pipe:
+    """A named pipe that processes under test write lines into at the moments a test waits
+    for (a stub's start, ``faults.pause``). Held open for reading and writing by the test, so
+    a writer never blocks and no line is lost between two reads; ``line`` waits on ``select``,
+    its timeout only a guard against a moment that never comes."""
+
+    def __init__(self, path: Path) -> None:
+        os.mkfifo(path)
+        self.path, self.fd, self.buf = path, os.open(path, os.O_RDWR), b""
+
+    def line(self, timeout: float = 120.0) -> str:
+        while b"\n" not in self.buf:
+            assert select.select([self.fd], [], [], timeout)[0], f"no line in {self.path}"
+            self.buf += os.read(self.fd, 4096)
+        first, self.buf = self.buf.split(b"\n", 1)
+        return first.decode()
+
+    def close(self) -> None:
+        """Unlinked first: a writer that opens it later finds no pipe and never blocks."""
+        self.path.unlink()
+        os.close(self.fd)
+
+
+def paused(fifo: Path, timeout: float = 120.0) -> str:
+    """The line a process held at ``faults.pause`` wrote into ``fifo``: waited for on
+    ``select`` (a pipe no writer has opened yet is not readable), ``timeout`` a guard only."""
+    fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        data = b""
+        while not data.endswith(b"\n"):
+            assert select.select([fd], [], [], timeout)[0], f"nothing came through {fifo}"
+            chunk = os.read(fd, 4096)
+            assert chunk, f"{fifo} was closed before a whole line"
+            data += chunk
+        return data.decode().strip()
+    finally:
+        os.close(fd)
+
+
+def release(fifo: Path) -> None:
+    """Let a process held at ``faults.pause`` go on: the pipe opened for writing (once the
+    process reads it) and closed, nothing written, so that no later read takes it."""
+    with open(fifo, "w", encoding="utf-8"):
+        pass
+
+
+def wait_exited(pids: list[int], timeout: float = 120.0) -> None:
+    """Until every process of ``pids`` has exited (a zombie counts: it runs no more), on
+    pidfds: no polling; ``timeout`` a guard only."""
+    for pid in pids:
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            continue  # gone and reaped
+        try:
+            assert select.select([fd], [], [], timeout)[0], f"process {pid} still runs"
+        finally:
+            os.close(fd)
+
+
+def group_members(pgid: int) -> list[int]:
+    """The processes of process group ``pgid`` now (from /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[2]) == pgid:
+                found.append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+    return found

@@ -113,6 +113,7 @@ def _files(prefix: Path) -> tuple[bytes, bytes]:
     return Path(f"{prefix}.bin").read_bytes(), Path(f"{prefix}.idx").read_bytes()
 
 
+@pytest.mark.slow  # Megatron's own tool on the whole corpus; the fast suite keeps the rest
 def test_byte_identical_to_megatron_and_read_back_by_megatron(tok, tmp_path, trees):
     docs = corpus()
     src = write_jsonl(tmp_path / "corpus.jsonl", docs)

@@ -14,6 +14,7 @@ NEW = ("mxfp8-rceil", "mxfp8-rceil-hybrid", "mxfp4-rceil", "fp8-tensor", "fp8-bl
 """Issue 45's values, each with its row in the demo's table."""
 
 
+@pytest.mark.slow  # a minute: the fast suite keeps the demo's checkout builds below
 def test_demo_walks_and_restores_byte_identical(run, tmp_path):
     dest = tmp_path / "demo"
     res = run("demo", dest)

@@ -26,8 +26,6 @@ from quantpatch.base import faults
 from .conftest import ATTENTION, LINEAR
 from .oldrelease import make_old_release
 
-pytestmark = pytest.mark.slow
-
 TARGETS = (LINEAR, ATTENTION)
 LAYER = "megatron/core/transformer/transformer_layer.py"
 USER_FILES = ("README.md", "staged.txt", "untracked.txt")
@@ -36,6 +34,9 @@ USER_FILES = ("README.md", "staged.txt", "untracked.txt")
 def qp(root: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
     full = {k: v for k, v in os.environ.items() if not k.startswith("QUANTPATCH_FAULT")}
     full.update(env)
+    if "QUANTPATCH_FAULT_AT" in env and env.get("QUANTPATCH_FAULT_KIND", "kill") == "kill":
+        # SIGKILL leaves coverage no moment to save: measuring the process only slows it
+        full = {k: v for k, v in full.items() if not k.startswith("COVERAGE_PROCESS")}
     return subprocess.run(
         [sys.executable, "-m", "quantpatch", "--repo", str(root), *args],
         cwd=root,
@@ -227,9 +228,16 @@ CTRL_C = ("set", "set-no-branch", "saver-install")
 """Scenarios also interrupted (KeyboardInterrupt after each step, as Ctrl-C)."""
 
 
+_BUILT: dict[str, tuple[Path, dict[str, object], list[str]]] = {}
+"""Each scenario's start checkout, its start view and its steps, built once per process (a
+worker) and shared read-only: every fault strikes a copy of it."""
+
+
 @pytest.fixture
 def template(make_checkout, tmp_path: Path):
     def build(sc: Scenario) -> tuple[Path, dict[str, object]]:
+        if sc.name in _BUILT and _BUILT[sc.name][0].is_dir():
+            return _BUILT[sc.name][0], _BUILT[sc.name][1]
         root = make_checkout(inject=sc.inject, use_git=sc.use_git, extra=sc.extra)
         start = start_view(root, sc.use_git)
         for prep in sc.prepare:
@@ -238,12 +246,16 @@ def template(make_checkout, tmp_path: Path):
         if sc.old_release:
             make_old_release(root)
         dirty_user_files(root, sc.use_git)
+        _BUILT[sc.name] = (root, start, _steps(root, sc, tmp_path))
         return root, start
 
     return build
 
 
 def _steps(root: Path, sc: Scenario, tmp: Path) -> list[str]:
+    """The steps of a clean run of the command (counted on a copy), once per scenario."""
+    if sc.name in _BUILT and _BUILT[sc.name][0] == root:
+        return _BUILT[sc.name][2]
     probe = tmp / "probe"
     shutil.copytree(root, probe, symlinks=True)
     trace = tmp / "trace.txt"
@@ -252,53 +264,89 @@ def _steps(root: Path, sc: Scenario, tmp: Path) -> list[str]:
     return trace.read_text().splitlines() if trace.exists() else []
 
 
-@pytest.mark.parametrize("sc", SCENARIOS, ids=[s.name for s in SCENARIOS])
+def _strike(
+    sc: Scenario, root: Path, start: dict, user: dict, steps: list[str], kind: str, n: int,
+    tmp_path: Path, run, monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """One fault (``kind`` at step ``n``) on a copy of ``root``, then the recovery."""
+    case = tmp_path / f"{kind}-{n}"
+    shutil.copytree(root, case, symlinks=True)
+    where = f"{sc.name}: {kind} at step {n} ({steps[n - 1]})"
+    if kind == "kill":  # a real SIGKILL needs a process of its own
+        hit = qp(case, *sc.command, QUANTPATCH_FAULT_AT=str(n), QUANTPATCH_FAULT_KIND=kind)
+        assert hit.returncode == -9, (where, hit.returncode, hit.stderr)
+    else:
+        monkeypatch.setattr(faults, "_count", 0)
+        monkeypatch.setenv("QUANTPATCH_FAULT_AT", str(n))
+        monkeypatch.setenv("QUANTPATCH_FAULT_KIND", kind)
+        hit_res = run("--repo", case, *sc.command)
+        monkeypatch.delenv("QUANTPATCH_FAULT_AT")
+        assert hit_res.code in ((0, 2) if kind == "fail" else (130,)), (where, hit_res)
+        assert "internal error" not in hit_res.err, (where, hit_res.err)
+    assert user_view(case, sc.use_git) == user, where
+    seen = run("--repo", case, "check")
+    assert seen.code in (0, 1, 2) and "internal error" not in seen.err, (where, seen)
+    again = run("--repo", case, *sc.command)
+    # a kill after the last change: the command already did it (init refuses twice)
+    finished = ("nothing to restore" in again.err and sc.command == ("restore",)) or (
+        "already initialised" in again.err and sc.command == ("init",)
+    )
+    assert again.code == 0 or finished, (where, again)  # a kill after the last step
+    sc.done(case, run)
+    assert user_view(case, sc.use_git) == user, where
+    if sc.undo is not None:
+        back = run("--repo", case, *sc.undo)
+        assert back.code == 0, (where, back)
+        if sc.prepare == ():
+            now = start_view(case, sc.use_git)
+            if sc.undo_commits:
+                now["head"] = start["head"]
+            assert now == start, where
+        assert user_view(case, sc.use_git) == user, where
+    shutil.rmtree(case)
+
+
+CASES = [
+    pytest.param(sc, kind, id=f"{sc.name}-{kind}")
+    for sc in SCENARIOS
+    for kind in (("kill", "fail", "interrupt") if sc.name in CTRL_C else ("kill", "fail"))
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("sc", "kind"), CASES)
 def test_every_step_killed_or_failed_is_recoverable(
-    sc: Scenario, template, tmp_path: Path, run, monkeypatch: pytest.MonkeyPatch
+    sc: Scenario, kind: str, template, tmp_path: Path, run, monkeypatch: pytest.MonkeyPatch
 ):
+    """Every step of the command, struck by one fault kind (one test per scenario and kind,
+    so that the workers share the longest scenarios out)."""
     root, start = template(sc)
     steps = _steps(root, sc, tmp_path)
     assert steps, "the command changed nothing?"
     user = user_view(root, sc.use_git)
-    recovered = 0
-    kinds = ("kill", "fail", "interrupt") if sc.name in CTRL_C else ("kill", "fail")
-    for kind in kinds:
-        for n in range(1, len(steps) + 1):
-            case = tmp_path / f"{kind}-{n}"
-            shutil.copytree(root, case, symlinks=True)
-            where = f"{sc.name}: {kind} at step {n} ({steps[n - 1]})"
-            if kind == "kill":  # a real SIGKILL needs a process of its own
-                hit = qp(case, *sc.command, QUANTPATCH_FAULT_AT=str(n), QUANTPATCH_FAULT_KIND=kind)
-                assert hit.returncode == -9, (where, hit.returncode, hit.stderr)
-            else:
-                monkeypatch.setattr(faults, "_count", 0)
-                monkeypatch.setenv("QUANTPATCH_FAULT_AT", str(n))
-                monkeypatch.setenv("QUANTPATCH_FAULT_KIND", kind)
-                hit_res = run("--repo", case, *sc.command)
-                monkeypatch.delenv("QUANTPATCH_FAULT_AT")
-                assert hit_res.code in ((0, 2) if kind == "fail" else (130,)), (where, hit_res)
-                assert "internal error" not in hit_res.err, (where, hit_res.err)
-            assert user_view(case, sc.use_git) == user, where
-            seen = run("--repo", case, "check")
-            assert seen.code in (0, 1, 2) and "internal error" not in seen.err, (where, seen)
-            again = run("--repo", case, *sc.command)
-            # a kill after the last change: the command already did it (init refuses twice)
-            finished = ("nothing to restore" in again.err and sc.command == ("restore",)) or (
-                "already initialised" in again.err and sc.command == ("init",)
-            )
-            assert again.code == 0 or finished, (where, again)  # a kill after the last step
-            sc.done(case, run)
-            assert user_view(case, sc.use_git) == user, where
-            if sc.undo is not None:
-                back = run("--repo", case, *sc.undo)
-                assert back.code == 0, (where, back)
-                if sc.prepare == ():
-                    now = start_view(case, sc.use_git)
-                    if sc.undo_commits:
-                        now["head"] = start["head"]
-                    assert now == start, where
-                assert user_view(case, sc.use_git) == user, where
-            recovered += 1
-            shutil.rmtree(case)
-    # the count for the closing note: steps x fault kinds, all recovered
-    print(f"{sc.name}: {len(steps)} steps x {len(kinds)} kinds = {recovered} faults recovered")
+    for n in range(1, len(steps) + 1):
+        _strike(sc, root, start, user, steps, kind, n, tmp_path, run, monkeypatch)
+    # the count for the closing note: steps, all recovered
+    print(f"{sc.name}: {len(steps)} steps x {kind} = {len(steps)} faults recovered")
+
+
+ONE_PER_COMMAND = [
+    pytest.param(sc, id=sc.name)
+    for sc in SCENARIOS
+    if sc.name in ("set", "restore", "worktree", "saver-install", "saver-remove", "init",
+                   "init-remove", "upgrade")
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("sc", ONE_PER_COMMAND)
+def test_one_step_of_each_command_killed_is_recoverable(
+    sc: Scenario, template, tmp_path: Path, run, monkeypatch: pytest.MonkeyPatch
+):
+    """The fast suite's share of the test above (which the full suite runs): each writing
+    command killed once, at its middle step, and recovered."""
+    root, start = template(sc)
+    steps = _steps(root, sc, tmp_path)
+    assert steps, "the command changed nothing?"
+    user = user_view(root, sc.use_git)
+    n = (len(steps) + 1) // 2
+    _strike(sc, root, start, user, steps, "kill", n, tmp_path, run, monkeypatch)

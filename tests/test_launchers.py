@@ -903,10 +903,12 @@ def test_60_scripts_per_launcher_generate_within_a_second(swift3):
     args = (list(reg.models), list(reg.datasets), reg.pick("schemes", None), "full", "core_v0.13.1")
     render_all(reg, *args, "swift", None, swift3)  # warm the caches (templates, ms-swift)
     for launcher in ("torchrun", "slurm", "swift"):
-        start = time.perf_counter()
+        # this process's CPU time (rendering is single-threaded): other processes' load on a
+        # shared machine does not stretch it as it stretches the wall clock
+        start = time.process_time()
         scripts = render_all(reg, *args, launcher, None, swift3)
         assert len(scripts) == 60
-        assert time.perf_counter() - start < 1.0, launcher
+        assert time.process_time() - start < 1.0, launcher
 
 
 def test_the_in_script_layout_check_loads_no_renderer_git_or_parser():

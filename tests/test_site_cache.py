@@ -13,7 +13,7 @@ from quantpatch.base.config import Targets
 from quantpatch.sites import cache as site_cache
 from quantpatch.sites.discovery import discover_source
 
-from .conftest import ATTENTION, LINEAR
+from .conftest import ATTENTION, LINEAR, group_members, paused, wait_exited
 
 
 def test_hit_equals_fresh_discovery_and_any_change_misses(make_checkout, tmp_path):
@@ -149,25 +149,6 @@ def test_no_child_is_forked_beside_other_threads(make_checkout, tmp_path, how):
         stopped.wait(10)
 
 
-def _descendants_exited(group: int) -> None:
-    """Wait (on pidfds, no polling) until every process of ``group`` has exited."""
-    import os
-    import select
-
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            pid = int(stat.parent.name)
-            fd = os.pidfd_open(pid) if int(fields[2]) == group else None
-        except (OSError, IndexError, ValueError):
-            continue  # gone meanwhile
-        if fd is not None:
-            try:  # readable once it has exited; 60 s only for a child that never does
-                assert select.select([fd], [], [], 60)[0], f"process {pid} still runs"
-            finally:
-                os.close(fd)
-
-
 def test_a_terminated_fresh_check_leaves_nothing_behind(make_checkout, tmp_path):
     """SIGTERM (``timeout``, a cancelled job) while the child parses for ``check --expect``:
     the command stops its child and removes its private directory, as on Ctrl-C. The command
@@ -189,8 +170,7 @@ def test_a_terminated_fresh_check_leaves_nothing_behind(make_checkout, tmp_path)
          "--expect", "linear=bf16,qk=bf16,pv=bf16"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
     )  # fmt: skip
-    with open(barrier, encoding="utf-8") as fh:  # until the command is at the barrier
-        assert fh.readline().split() == [str(proc.pid), "parsing", "ahead"]
+    assert paused(barrier).split() == [str(proc.pid), "parsing", "ahead"]  # held there
     assert [p.name[:17] for p in tmp.iterdir()] == ["quantpatch-check-"]
     children = [
         int(p.parent.name) for p in Path("/proc").glob("[0-9]*/stat") if _ppid(p) == proc.pid
@@ -200,7 +180,7 @@ def test_a_terminated_fresh_check_leaves_nothing_behind(make_checkout, tmp_path)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 143, (proc.returncode, err)
     assert b"Traceback" not in err
-    _descendants_exited(children[0])  # its group: the child and any helper it forked
+    wait_exited(group_members(children[0]))  # its group: the child and any helper it forked
     assert not list(tmp.iterdir())
 
 

@@ -1,6 +1,7 @@
 """``quantpatch sweep``: a local queue, GPU slices, failures, resume after SIGKILL, Ctrl-C, and
 Slurm submission and status, with stub ``torchrun`` / ``sbatch`` / ``squeue`` / ``sacct`` that
-print core_v0.13.1's log lines and can fail, hang or be killed on request."""
+print core_v0.13.1's log lines and can fail, hang or be killed on request. The fast suite
+keeps one local sweep, the Slurm submission and the Slurm states; the rest is marked slow."""
 
 from __future__ import annotations
 
@@ -9,16 +10,14 @@ import os
 import shutil
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
 from quantpatch.launch.sweep import group_alive
 
+from .conftest import Pipe, group_members, paused, release, wait_exited
 from .test_scripts import QUANTPATCH
-
-pytestmark = pytest.mark.slow
 
 # the scheme comes from the worktree's name (quantpatch__linear-X_qk-Y_pv-Z)
 TORCHRUN = r"""#!/usr/bin/env bash
@@ -26,6 +25,8 @@ set -u
 # the trap before the start line: a test that signals once it reads the line finds it set
 trap 'echo "$$ term" >> "$STUB_DIR/calls"; exit 143' TERM
 echo "$$ $(basename "$PWD") ${CUDA_VISIBLE_DEVICES:-none} $(date +%s.%N) start" >> "$STUB_DIR/calls"
+# a barrier for the test (a named pipe it holds open): this run has started, its trap is set
+if [[ -p "$STUB_DIR/started" ]]; then echo "$$ start" > "$STUB_DIR/started"; fi
 if [[ -n "${STUB_HANG:-}" && "$PWD" == *"$STUB_HANG"* ]]; then
     sleep 600 & wait $!
 fi
@@ -190,6 +191,7 @@ def test_a_local_queue_two_at_once_on_their_own_gpus_then_the_report(sweep_env, 
     assert "; 1 run went NaN" in res.out
 
 
+@pytest.mark.slow
 def test_a_moved_scheme_branch_runs_again_and_only_pending_keeps_failures(
     sweep_env, run, monkeypatch
 ):
@@ -213,6 +215,7 @@ def test_a_moved_scheme_branch_runs_again_and_only_pending_keeps_failures(
     assert len([c for c in calls(stub) if c[-1] == "start"]) == 6
 
 
+@pytest.mark.slow
 def test_resume_names_the_runs_an_upgrade_changed(sweep_env, run, make_checkout):
     """A sweep finished on a checkout of the previous release; after ``quantpatch upgrade``
     the resume runs every run again, naming the upgrade as why its source changed."""
@@ -234,15 +237,6 @@ def test_resume_names_the_runs_an_upgrade_changed(sweep_env, run, make_checkout)
     assert len([c for c in calls(stub) if c[-1] == "start"]) == 6
 
 
-def _wait_for(pred, timeout=60.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.1)
-    raise AssertionError("timed out")
-
-
 def _state(out: Path) -> list[str]:
     try:
         return [r["state"] for r in record(out)["runs"]]
@@ -250,16 +244,33 @@ def _state(out: Path) -> list[str]:
         return []
 
 
-def test_sigkill_at_any_moment_leaves_a_readable_record_and_resumes(sweep_env):
-    root, env, _, out = sweep_env
-    env = {**env, "STUB_SLEEP": "3"}
+def _gone(pgid: int) -> None:
+    """Until every process of the run's group has exited: each pass waits on the pidfds of
+    the members there are (no polling); a script that goes on starts new ones meanwhile, so
+    the group is listed again until none runs."""
+    while group_alive(pgid):
+        wait_exited(group_members(pgid))
+
+
+@pytest.mark.slow
+def test_sigkill_at_any_moment_leaves_a_readable_record_and_resumes(sweep_env, tmp_path):
+    """The sweep is held at its ``run started`` barrier (``faults.pause``: the record says
+    running, the run's process is started) and killed there; no moment is waited for."""
+    root, env, stub, out = sweep_env
+    gate = tmp_path / "gate"
+    os.mkfifo(gate)
+    held = {**env, "QUANTPATCH_FAULT_PAUSE": str(gate), "QUANTPATCH_FAULT_PAUSE_AT": "run started"}
+    started = Pipe(stub / "started")
+    # the run started first hangs until the test kills it (no other starts meanwhile)
+    first = {**held, "STUB_HANG": "quantpatch"}
     proc = subprocess.Popen(
         [QUANTPATCH, "sweep", "run", str(out), *SELECT, "--repo", str(root)],
-        env=env,
+        env=first,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    _wait_for(lambda: "running" in _state(out))
+    assert paused(gate).endswith("run started")
+    assert started.line().endswith("start")  # and its torchrun runs
     proc.kill()  # SIGKILL: the sweep dies, its run (its own process group) lives on
     proc.wait()
     rec = record(out)  # readable
@@ -268,43 +279,56 @@ def test_sigkill_at_any_moment_leaves_a_readable_record_and_resumes(sweep_env):
     res = sweep(env, "run", out, "--repo", root)
     assert res.returncode == 2 and "is still running (process group" in res.stderr
     os.killpg(running[0]["pid"], signal.SIGKILL)
-    _wait_for(lambda: not group_alive(running[0]["pid"]))
-    # killed again, after the first run finished
+    _gone(running[0]["pid"])
+    # killed again, after the first run finished: released at each start until one has
     proc = subprocess.Popen(
         [QUANTPATCH, "sweep", "run", str(out), "--repo", str(root)],
-        env={**env, "STUB_SLEEP": "1"},
+        env=held,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    _wait_for(lambda: "finished" in _state(out) and "running" in _state(out))
+    while True:
+        assert paused(gate).endswith("run started")
+        if "finished" in _state(out):
+            break
+        assert proc.poll() is None, "the sweep ended before a second run started"
+        release(gate)
+    assert "running" in _state(out)
     proc.kill()
     proc.wait()
     assert "finished" in _state(out)
     for r in record(out)["runs"]:
         if r["state"] == "running":
-            _wait_for(lambda r=r: not group_alive(r["pid"]))
+            _gone(r["pid"])
+    started.close()
     res = sweep({**env, "STUB_SLEEP": "0"}, "run", out, "--repo", root)
     assert res.returncode == 0, res.stderr
     assert _state(out) == ["finished"] * 3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_ctrl_c_and_sigterm_stop_every_child(sweep_env, sig):
+    """Signalled once both runs' torchrun have started (a barrier each: their start line
+    through a named pipe) and hang: the sweep stops both at once. It never waits for them:
+    they would hang for 600 s, and the guard on its exit is 120 s."""
     root, env, stub, out = sweep_env
+    started = Pipe(stub / "started")
     proc = subprocess.Popen(
         [QUANTPATCH, "sweep", "run", str(out), *SELECT, "--parallel", "2", "--gpus", "0,1",
          "--repo", str(root)],
-        env={**env, "STUB_SLEEP": "60"},
+        env={**env, "STUB_HANG": "quantpatch"},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )  # fmt: skip
-    _wait_for(lambda: len([c for c in calls(stub) if c[-1] == "start"]) == 2)
-    start = time.monotonic()
+    try:
+        assert started.line().endswith("start") and started.line().endswith("start")
+    finally:
+        started.close()
     proc.send_signal(sig)
-    _, err = proc.communicate(timeout=30)
+    _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
-    assert time.monotonic() - start < 15
     assert "run(s) interrupted" in err and "resumes" in err
     states = _state(out)
     assert states.count("interrupted") == 2 and states.count("pending") == 1
@@ -357,6 +381,7 @@ def test_slurm_submission_and_status_where_accounting_is_off(sweep_env, run):
     assert res.code == 0 and "pending (PENDING)" in res.out
 
 
+@pytest.mark.slow
 def test_a_failed_slurm_run_is_resubmitted_alone_unless_only_pending(sweep_env, run, monkeypatch):
     root, _env, stub, out = sweep_env
     monkeypatch.setenv("STUB_TASK0", "FAILED")
@@ -377,6 +402,7 @@ def test_a_failed_slurm_run_is_resubmitted_alone_unless_only_pending(sweep_env, 
     assert [r["state"] for r in record(out)["runs"]] == ["submitted", "running", "pending"]
 
 
+@pytest.mark.slow
 def test_slurm_refusals_say_what_to_change(sweep_env, run, monkeypatch, tmp_path):
     root, _env, _stub, out = sweep_env
     monkeypatch.setenv("STUB_SBATCH_REFUSES", "Invalid generic resource (gres) specification")
@@ -411,6 +437,7 @@ def test_slurm_refusals_say_what_to_change(sweep_env, run, monkeypatch, tmp_path
     assert not (tmp_path / "third").exists()
 
 
+@pytest.mark.slow
 def test_refusals_change_nothing(sweep_env, tmp_path, run, monkeypatch):
     root, _env, _stub, out = sweep_env
     for args, says in (
@@ -487,6 +514,7 @@ def test_slurm_states_map_to_quantpatch_states_and_the_output_speaks_last(tmp_pa
     assert not slurm.refresh(tmp_path, rec)  # nothing new
 
 
+@pytest.mark.slow
 def test_a_sweep_over_missing_data_starts_and_submits_nothing(
     sweep_env, tmp_path, run, monkeypatch
 ):

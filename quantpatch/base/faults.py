@@ -55,11 +55,13 @@ def pause(label: str) -> None:
     what it has made so far) without polling. With ``QUANTPATCH_FAULT_PAUSE=FIFO`` (a named
     pipe the test made) and ``QUANTPATCH_FAULT_PAUSE_AT=label``, the process writes
     ``"<pid> <label>"`` into the pipe (blocking until the test reads it), then waits until
-    the test writes a line back or a signal ends it. Inert unless both are set."""
+    the test has opened the pipe for writing and closed it again (nothing written: no line
+    of the test's can be taken for the process's next one), or a signal ends it. Inert
+    unless both are set."""
     fifo = os.environ.get("QUANTPATCH_FAULT_PAUSE")
     if not fifo or os.environ.get("QUANTPATCH_FAULT_PAUSE_AT") != label:
         return
     with open(fifo, "w", encoding="utf-8") as fh:
         fh.write(f"{os.getpid()} {label}\n")
     with open(fifo, encoding="utf-8") as fh:
-        fh.readline()
+        fh.read()  # end of file once the test's writer is closed

@@ -29,6 +29,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from quantpatch.base import faults
 from quantpatch.base.errors import UserError
 from quantpatch.launch import slurm
 from quantpatch.launch.attention import check_choice
@@ -484,6 +485,10 @@ def _stop(procs: Sequence[subprocess.Popen[bytes]]) -> None:
     for p in procs:
         with suppress(subprocess.TimeoutExpired):
             p.wait(timeout=max(0.0, deadline - time.monotonic()))
+    # a script (the group's leader) may end before the rest of its group (torchrun and its
+    # workers, still handling the SIGTERM): they get what is left of the grace period too
+    while time.monotonic() < deadline and any(group_alive(p.pid) for p in procs):
+        time.sleep(0.05)
     for p in procs:
         with suppress(ProcessLookupError):
             os.killpg(p.pid, signal.SIGKILL)
@@ -583,6 +588,7 @@ def run_local(
                     )
                     active[slot] = (proc, run, started)
                     changed()
+                    faults.pause("run started")  # tests hold the sweep here (inert otherwise)
                 for slot, (proc, run, started) in list(active.items()):
                     code = proc.poll()
                     if code is None:
