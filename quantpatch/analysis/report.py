@@ -17,8 +17,8 @@ from quantpatch.base.errors import UserError
 
 _STYLE = """
 body{font-family:system-ui,sans-serif;margin:1.5em;max-width:1400px;color:#222}
-table{border-collapse:collapse;font-size:12px;margin:1em 0;max-width:100%}
-th,td{border:1px solid #ccc;padding:3px 5px;text-align:right}
+table{border-collapse:collapse;font-size:11px;margin:1em 0;max-width:100%}
+th,td{border:1px solid #ccc;padding:2px 4px;text-align:right}
 th{background:#f2f2f2;font-weight:600}td.t{text-align:left}tr.bad td{background:#fde8e8}
 table.prov th{text-align:left}table.prov td{text-align:left}
 img{max-width:100%;border:1px solid #eee;margin:.5em 0}

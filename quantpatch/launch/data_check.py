@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from quantpatch.base.errors import UserError
 from quantpatch.data_prep.layout import Need, data_prefix, tokenizer_for
@@ -96,3 +97,13 @@ def refuse_missing(
     if bad:
         raise UserError(f"the sweep's data is not ready: {'; '.join(bad)}; {_advice(found)}.")
     return found
+
+
+DATA_VARS = ("DATA_ROOT", "DATA_PREFIX", "TOKENIZER_MODEL", "MOCK_DATA")
+"""The variables that say which data and tokenizer the scripts read (templates/pretrain.sh.j2)."""
+
+
+def data_vars(record: Mapping[str, Any]) -> dict[str, str]:
+    """The data variables recorded for the sweep's runs (none for an older record)."""
+    env = (record.get("data") or {}).get("env") or {}
+    return {k: str(v) for k, v in env.items() if k in DATA_VARS}

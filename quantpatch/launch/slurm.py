@@ -312,7 +312,7 @@ def submit(
     here = sweep_dir.resolve()
     (here / OUTPUT_DIR).mkdir(parents=True, exist_ok=True)
     checkout = record["checkout"]
-    from quantpatch.launch.sweep import data_vars
+    from quantpatch.launch.data_check import data_vars
 
     env = {
         **os.environ,

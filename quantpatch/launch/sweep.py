@@ -33,6 +33,7 @@ from quantpatch.base import faults
 from quantpatch.base.errors import UserError
 from quantpatch.launch import slurm
 from quantpatch.launch.attention import check_choice
+from quantpatch.launch.data_check import DATA_VARS, data_vars
 
 RECORD = "sweep.json"
 VERSION = 1
@@ -374,10 +375,6 @@ def _upgrade_between(repo: Any, old: object, new: str) -> str | None:
     return None
 
 
-DATA_VARS = ("DATA_ROOT", "DATA_PREFIX", "TOKENIZER_MODEL", "MOCK_DATA")
-"""The variables that say which data and tokenizer the scripts read (templates/pretrain.sh.j2)."""
-
-
 def data_env(recorded: Mapping[str, Any] | None, environ: Mapping[str, str]) -> dict[str, str]:
     """The data variables a sweep's runs get and its record keeps: the environment's, else
     the ones the sweep recorded when it started (a resume from a new shell needs no export
@@ -394,12 +391,6 @@ def data_env(recorded: Mapping[str, Any] | None, environ: Mapping[str, str]) -> 
             value = os.path.abspath(value)
         out[key] = str(value)
     return out
-
-
-def data_vars(record: Mapping[str, Any]) -> dict[str, str]:
-    """The data variables recorded for the sweep's runs (none for an older record)."""
-    env = (record.get("data") or {}).get("env") or {}
-    return {k: str(v) for k, v in env.items() if k in DATA_VARS}
 
 
 def _refuse_missing_data(selection: Selection, env: Mapping[str, str]) -> list[Any]:
