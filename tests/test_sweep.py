@@ -652,7 +652,14 @@ def test_your_own_tokenizer_names_every_fix_and_a_resume_remembers_it(
     for suffix in (".bin", ".idx"):
         Path(f"{prefix}{suffix}").write_bytes(b"")
     Path(f"{prefix}.json").write_text(
-        json.dumps({"tokenizer": {"name": "./tok", "hash": files_hash(tok)}})
+        json.dumps(
+            {  # the fields data prepare writes (a manifest without them is malformed)
+                "documents": 0,
+                "tokens": 0,
+                "tokenizer": {"name": "./tok", "hash": files_hash(tok)},
+                "files": {"bin": 0, "idx": 0},
+            }
+        )
     )
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("DATA_ROOT", str(data))
