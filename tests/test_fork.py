@@ -128,6 +128,7 @@ def test_environment_default_form(run, origin, tmp_path, trees):
     ]
 
 
+@pytest.mark.slow  # 46 s: every scheme; the fast suite keeps the fork clone's other tests
 def test_every_scheme_worktree_and_run_dry_run(run, clone):
     before = snapshot(clone)
     for scheme, (lin, qk, pv) in SCHEMES.items():

@@ -56,6 +56,7 @@ def _train(root: Path) -> dict:
     return out
 
 
+@pytest.mark.slow  # 30 s of CPU training
 def test_tiny_deepseek_v2_lite_trains_through_the_sites_of_an_inited_fork(run, fork_clone):
     root = fork_clone
     assert run("init", "--repo", root).code == 0

@@ -317,6 +317,7 @@ def test_cuda_matches_cpu():  # pragma: no cover - runs on a GPU machine
         assert torch.equal(fake_quant(x.cuda(), fmt).cpu(), fake_quant(x, fmt))
 
 
+@pytest.mark.slow  # 23 s of torch.compile
 def test_compiled_path_is_bit_identical(tmp_path):
     """QUANTPATCH_COMPILE=1 (torch.compile) gives exactly the eager results."""
     import os

@@ -70,6 +70,7 @@ def test_check_says_a_different_saver_is_installed(run, clone):
     assert "a different tensor saver is installed" in run("saver", "status", "--repo", clone).out
 
 
+@pytest.mark.slow  # 35 s; the fork saver's other tests stay fast
 def test_force_install_serves_the_forks_callers_and_remove_restores_every_byte(
     run, clone, tmp_path
 ):
