@@ -215,10 +215,12 @@ def data_status(
 
 
 def _refuse_mismatch(rows: list[dict[str, Any]]) -> None:
-    """Exit 1 where a dataset was made with another tokenizer than the scripts pass."""
+    """Exit 1 where a dataset was made with another tokenizer than the scripts pass (a
+    malformed manifest says nothing reliable of its tokenizer: its row says so, and the next
+    ``data prepare`` rewrites it)."""
     from quantpatch.base.errors import CheckFailed
 
-    bad = [r for r in rows if r["tokenizer_matches"] is False]
+    bad = [r for r in rows if r["tokenizer_matches"] is False and r["manifest_well_formed"]]
     if bad:
         r = bad[0]
         raise CheckFailed(
