@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import fcntl
 import importlib
-import subprocess
 import sys
 import types
 import zipfile
@@ -32,35 +31,10 @@ from typing import Any
 
 import pytest
 
-from quantpatch.base.megatron_source import cache_dir, make_private_dirs
+from quantpatch.base.megatron_source import cache_dir, fetch_wheel, make_private_dirs
 
 TE_VERSION = "2.20.2"
 _RECIPES = "transformer_engine/pytorch/custom_recipes/"
-
-
-def _fetch_wheel(dest: Path) -> Path:
-    make_private_dirs(dest)
-    found = sorted(dest.glob(f"transformer_engine-{TE_VERSION}-*.whl"))
-    if found:
-        return found[0]
-    cmd = [
-        sys.executable,
-        "-m",
-        "pip",
-        "download",
-        "--no-deps",
-        "--only-binary=:all:",
-        "--disable-pip-version-check",
-        "-q",
-        "-d",
-        str(dest),
-        f"transformer-engine=={TE_VERSION}",
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    found = sorted(dest.glob(f"transformer_engine-{TE_VERSION}-*.whl"))
-    if proc.returncode != 0 or not found:
-        raise RuntimeError(f"cannot fetch transformer-engine {TE_VERSION}: {proc.stderr[-400:]}")
-    return found[0]
 
 
 def te_tree() -> Path:
@@ -72,7 +46,7 @@ def te_tree() -> Path:
     with (base / ".lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (root / ".done").exists():
-            wheel = _fetch_wheel(base / "wheels")
+            wheel = fetch_wheel(TE_VERSION, base / "wheels", "transformer-engine")
             with zipfile.ZipFile(wheel) as zf:
                 for name in zf.namelist():
                     if name.startswith(_RECIPES) and name.endswith(".py"):

@@ -55,9 +55,12 @@ def _installed(version: str) -> Path | None:
     return tree if (tree / "core").is_dir() else None
 
 
-def fetch_wheel(version: str, dest: Path) -> Path:
+def fetch_wheel(version: str, dest: Path, package: str = "megatron-core") -> Path:
+    """``package``'s wheel at ``version`` in ``dest``: the one already there, else fetched with
+    ``pip download --no-deps`` (the tests fetch TransformerEngine's pure-Python wheel so too)."""
     make_private_dirs(dest)
-    found = sorted(dest.glob(f"megatron_core-{version}-*.whl"))
+    stem = package.replace("-", "_")
+    found = sorted(dest.glob(f"{stem}-{version}-*.whl"))
     if found:
         return found[0]
     cmd = [
@@ -71,13 +74,13 @@ def fetch_wheel(version: str, dest: Path) -> Path:
         "-q",
         "-d",
         str(dest),
-        f"megatron-core=={version}",
+        f"{package}=={version}",
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    found = sorted(dest.glob(f"megatron_core-{version}-*.whl"))
+    found = sorted(dest.glob(f"{stem}-{version}-*.whl"))
     if proc.returncode != 0 or not found:
         last = (proc.stderr.strip().splitlines() or ["no wheel found"])[-1]
-        raise UserError(f"cannot fetch megatron-core {version} from the package index ({last}).")
+        raise UserError(f"cannot fetch {package} {version} from the package index ({last}).")
     return found[0]
 
 
