@@ -177,50 +177,58 @@ def _fake_quant(
     return _whole(x, fmt, dim, backward)
 
 
-def _sliced(x: torch.Tensor, fmt: str, dim: int, backward: bool) -> torch.Tensor:
+def _by_slices(
+    x: torch.Tensor,
+    spanned: set[int],
+    block: int,
+    quantize_part: Callable[[int, int, int], torch.Tensor],
+) -> torch.Tensor:
     """The same arithmetic slice by slice into one output: on CPU the temporaries of a slice
     fit in cache and their memory is reused, where a whole large tensor makes every pass a
-    fresh allocation (page faults) and a trip to main memory. Slices never cut an MX block:
-    they run along another dimension, or along ``dim`` in multiples of 32."""
-    d = dim % x.dim()
-    others = [i for i in range(x.dim()) if i != d]
-    split = max(others, key=lambda i: x.shape[i]) if others else d
-    per_index = x.numel() // x.shape[split]
-    step = max(1, _CHUNK // max(1, per_index))
-    if split == d:
-        step = max(BLOCK, step - step % BLOCK)
-    out = torch.empty_like(x)
-    for start in range(0, x.shape[split], step):
-        n = min(step, x.shape[split] - start)
-        out.narrow(split, start, n).copy_(_whole(x.narrow(split, start, n), fmt, dim, backward))
-    return out
-
-
-def _nv_sliced(x: torch.Tensor, dim: int, two_d: bool, rand: torch.Tensor | None) -> torch.Tensor:
-    """NVFP4 slice by slice (as :func:`_sliced`), every slice with the whole tensor's amax.
-    Slices never cut a block: they run along a dimension the blocks do not span, or along one
-    they do in multiples of 16."""
-    v = x.to(torch.float32)
-    amax = torch.where(torch.isfinite(v), v.abs(), torch.zeros_like(v)).amax()
-    del v
-    d = dim % x.dim()
-    spanned = {x.dim() - 2, x.dim() - 1} if two_d and x.dim() >= 2 else {d}
+    fresh allocation (page faults) and a trip to main memory. Slices never cut a block: they
+    run along the largest dimension the blocks do not span (``spanned``), else along one they
+    do in multiples of ``block``. ``quantize_part(split, start, n)`` quantizes
+    ``x.narrow(split, start, n)``."""
     others = [i for i in range(x.dim()) if i not in spanned]
     split = max(others, key=lambda i: x.shape[i]) if others else min(spanned)
     per_index = x.numel() // max(1, x.shape[split])
     step = max(1, _CHUNK // max(1, per_index))
     if split in spanned:
-        step = max(NV_BLOCK, step - step % NV_BLOCK)
+        step = max(block, step - step % block)
     out = torch.empty_like(x)
     for start in range(0, x.shape[split], step):
         n = min(step, x.shape[split] - start)
-        r = None if rand is None else rand.narrow(split, start, n)
-        out.narrow(split, start, n).copy_(_nvfp4(x.narrow(split, start, n), dim, two_d, r, amax))
+        out.narrow(split, start, n).copy_(quantize_part(split, start, n))
     return out
 
 
+def _sliced(x: torch.Tensor, fmt: str, dim: int, backward: bool) -> torch.Tensor:
+    """MX and HiF8 slice by slice (:func:`_by_slices`; MX blocks of 32 along ``dim``)."""
+    return _by_slices(
+        x,
+        {dim % x.dim()},
+        BLOCK,
+        lambda split, start, n: _whole(x.narrow(split, start, n), fmt, dim, backward),
+    )
+
+
+def _nv_sliced(x: torch.Tensor, dim: int, two_d: bool, rand: torch.Tensor | None) -> torch.Tensor:
+    """NVFP4 slice by slice (:func:`_by_slices`), every slice with the whole tensor's amax;
+    blocks of 16 along ``dim``, or 16 x 16 tiles over the last two dimensions."""
+    v = x.to(torch.float32)
+    amax = torch.where(torch.isfinite(v), v.abs(), torch.zeros_like(v)).amax()
+    del v
+    spanned = {x.dim() - 2, x.dim() - 1} if two_d and x.dim() >= 2 else {dim % x.dim()}
+
+    def part(split: int, start: int, n: int) -> torch.Tensor:
+        r = None if rand is None else rand.narrow(split, start, n)
+        return _nvfp4(x.narrow(split, start, n), dim, two_d, r, amax)
+
+    return _by_slices(x, spanned, NV_BLOCK, part)
+
+
 def _fp8_sliced(x: torch.Tensor, fmt: str, dim: int, backward: bool) -> torch.Tensor:
-    """FP8 slice by slice (as :func:`_sliced`): ``fp8-tensor`` with the whole tensor's amax;
+    """FP8 slice by slice (:func:`_by_slices`): ``fp8-tensor`` with the whole tensor's amax;
     slices never cut an ``fp8-block`` block or tile (along a dimension it spans, multiples of
     128)."""
     amax = finite_amax(x) if fmt == "fp8-tensor" else None
@@ -228,18 +236,12 @@ def _fp8_sliced(x: torch.Tensor, fmt: str, dim: int, backward: bool) -> torch.Te
     spanned = {d} if fmt == "fp8-block" else set()
     if fmt == "fp8-block-2d":
         spanned = {x.dim() - 2, x.dim() - 1} if x.dim() >= 2 else {d}
-    others = [i for i in range(x.dim()) if i not in spanned]
-    split = max(others, key=lambda i: x.shape[i]) if others else min(spanned)
-    per_index = x.numel() // max(1, x.shape[split])
-    step = max(1, _CHUNK // max(1, per_index))
-    if split in spanned:
-        step = max(FP8_BLOCK, step - step % FP8_BLOCK)
-    out = torch.empty_like(x)
-    for start in range(0, x.shape[split], step):
-        n = min(step, x.shape[split] - start)
-        part = fp8_quantize(x.narrow(split, start, n), fmt, dim, backward, amax)
-        out.narrow(split, start, n).copy_(part)
-    return out
+    return _by_slices(
+        x,
+        spanned,
+        FP8_BLOCK,
+        lambda split, start, n: fp8_quantize(x.narrow(split, start, n), fmt, dim, backward, amax),
+    )
 
 
 def _whole(x: torch.Tensor, fmt: str, dim: int, backward: bool) -> torch.Tensor:
