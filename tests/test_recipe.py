@@ -32,15 +32,14 @@ def test_the_recipe_and_its_ablations_differ_in_one_part_each():
         "wgrad": "nvfp4-rht",
         "qk": "bf16",
         "pv": "bf16",
-        "bf16_layers": "recipe",
+        "bf16_layers": "recipe,output",  # the output layer in BF16 too, as the paper keeps it
     }
     for name, part in (
         ("nvfp4_recipe_no_rht", {"wgrad": "nvfp4"}),
         ("nvfp4_recipe_no_2d", {"fprop": "nvfp4", "dgrad": "nvfp4"}),
     ):
         assert schemes[name].values() == {**full, **part}
-    without = dict(full)
-    del without["bf16_layers"]
+    without = {**full, "bf16_layers": "output"}  # the transformer layers all in NVFP4
     assert schemes["nvfp4_recipe_no_bf16_layers"].values() == without
     assert not any(schemes[n].default for n in RECIPE)  # outside the default ten
 
@@ -57,7 +56,7 @@ def test_the_recipe_trains_the_tiny_gpt_on_cpu(run, make_checkout):
     assert run("restore", "--repo", root).code == 0
     res = run("set", "--repo", root, "--scheme", "nvfp4_recipe", "--no-branch")
     assert res.code == 0, res
-    expect = "fprop=nvfp4-2d,dgrad=nvfp4-2d,wgrad=nvfp4-rht,qk=bf16,bf16_layers=recipe"
+    expect = "fprop=nvfp4-2d,dgrad=nvfp4-2d,wgrad=nvfp4-rht,qk=bf16,bf16_layers=recipe,output"
     assert run("check", "--repo", root, "--expect", expect).code == 0
     losses = tiny_gpt(root, cfg)["losses"]
     assert isinstance(losses, list) and isinstance(plain, list)
@@ -107,7 +106,7 @@ def test_one_sweep_reports_the_recipe_and_each_ablation(tmp_path, make_checkout,
     assert len(set(commits.values())) == 4
     for name, commit in commits.items():
         linear = git_out(root, "show", f"{commit}:{LINEAR}")
-        policy = "''" if name == "nvfp4_recipe_no_bf16_layers" else "'recipe'"
+        policy = "'output'" if name == "nvfp4_recipe_no_bf16_layers" else "'recipe,output'"
         assert f"quantpatch_bf16_layers = {policy}" in linear
         assert ("'nvfp4-rht'" in linear) == (name != "nvfp4_recipe_no_rht")
 

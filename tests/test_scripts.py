@@ -980,12 +980,18 @@ def test_nvfp4_schemes_are_listed_chosen_by_name_and_by_all_but_not_by_default(r
         "linear_fp8-tensor",
         "linear_fp8-block",
     ]
-    assert reg.pick("schemes", ["all"]) == [*default, *nv, *paretoq, *recipe, *fp8]
+    te = [  # Megatron's FP8 recipes as Megatron + TransformerEngine quantize (issue 52)
+        "te_mxfp8_e4m3",
+        "te_mxfp8_hybrid",
+        "te_tensorwise_hybrid",
+        "te_blockwise_e4m3",
+    ]  # (their native twins need TransformerEngine: by name only, never by all)
+    assert reg.pick("schemes", ["all"]) == [*default, *nv, *paretoq, *recipe, *fp8, *te]
     res = run("list")
     assert res.code == 0 and all(n in res.out for n in nv + fp8)
     res = run("gen-scripts", "--out", tmp_path / "all", "--schemes", "all")
     assert res.code == 0, res
-    assert len(list((tmp_path / "all").rglob("*.sh"))) == 156  # 26 schemes x 3 models x 2 sets
+    assert len(list((tmp_path / "all").rglob("*.sh"))) == 180  # 30 schemes x 3 models x 2 sets
     names = {p.name for p in (tmp_path / "all").rglob("*.sh")}
     assert "pretrain_llama32-1b_dolma_linear_fp8-block.sh" in names
     res = run("gen-scripts", "--out", tmp_path / "one", "--schemes", "linear_nvfp4")

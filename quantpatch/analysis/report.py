@@ -144,10 +144,12 @@ def write_report(
     names: Any = None,
     header: list[tuple[str, str]] | None = None,
     lead: list[Section] | None = None,
+    twins: list[tuple[str, str]] | None = None,
 ) -> dict[str, Any]:
     """Build the report; returns what went into it (counts). ``out`` is checked before any
     work and written atomically (``outputs.atomic_file``). ``header`` (label, text) lines and
-    ``lead`` sections (a sweep's provenance) go first."""
+    ``lead`` sections (a sweep's provenance) go first; ``twins`` (emulated, native) scheme
+    pairs get a table of their own after the runs."""
     from quantpatch.analysis import outputs, plots, tensor_files, tensors, training_logs
     from quantpatch.analysis.limits import check_jobs
     from quantpatch.analysis.tensors import sorted_layers
@@ -189,6 +191,21 @@ def write_report(
                     list(rr.skipped),
                 )
             )
+            paired = training_logs.twin_rows(rr, twins or [])
+            facts["twins"] = len(paired)
+            if paired:
+                sections.append(
+                    Section(
+                        f"Emulation beside the native recipe ({len(paired)} pairs)",
+                        "each scheme that emulates a Megatron recipe beside its native twin "
+                        "(TransformerEngine's own recipe, --transformer-impl "
+                        "transformer_engine): loss difference emulated - native at every "
+                        "iteration both logged (mean, largest size, and over the last window "
+                        "as in the runs table), and the median step time of each.",
+                        training_logs.TWIN_COLUMNS,
+                        table_rows(paired, training_logs.TWIN_COLUMNS),
+                    )
+                )
         if tensors_dir is not None:
             fr = tensors.formats(tensors_dir, by=("layer", "tensor"), sample=sample, jobs=jobs)
             inv = fr.inventory

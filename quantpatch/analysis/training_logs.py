@@ -1013,3 +1013,46 @@ def runs(
         )
     rows.sort(key=lambda x: tuple(str(x[k]) for k in ("model", "dataset", "profile", "scheme")))
     return RunsResult(parsed, rows, len(logs), skipped)
+
+
+TWIN_COLUMNS = [
+    "model", "dataset", "profile", "emulated", "native", "matched_iterations",
+    "loss_diff_mean", "loss_diff_max_abs", "loss_diff_last", "step_ms_emulated",
+    "step_ms_native",
+]  # fmt: skip
+
+
+def twin_rows(result: RunsResult, pairs: Sequence[tuple[str, str]]) -> list[dict[str, Any]]:
+    """Each emulated scheme beside its native twin (``pairs``: (emulated, native) scheme
+    names), per model, dataset and profile where both ran: the loss difference (emulated -
+    native) at every iteration both logged with a finite loss (its mean, its largest size,
+    and the last window's, as ``loss_delta_vs_bf16`` takes it), and each one's step time."""
+    latest: dict[tuple[str, ...], Run] = {}
+    for r in result.runs:  # a resumed run's logs: the one that got furthest
+        key = (str(r.model), str(r.dataset), str(r.profile), str(r.scheme))
+        if r.iterations and (key not in latest or r.iterations[-1] > latest[key].iterations[-1]):
+            latest[key] = r
+    rows = []
+    for emulated, native in pairs:
+        for (model, dataset, profile, scheme), run in sorted(latest.items()):
+            twin = latest.get((model, dataset, profile, native))
+            if scheme != emulated or twin is None:
+                continue
+            va, vb = _matched(run, twin)
+            diffs = [float(a) - float(b) for a, b in zip(va, vb, strict=True)]
+            rows.append(
+                {
+                    "model": model,
+                    "dataset": dataset,
+                    "profile": profile,
+                    "emulated": emulated,
+                    "native": native,
+                    "matched_iterations": len(diffs),
+                    "loss_diff_mean": sum(diffs) / len(diffs) if diffs else math.nan,
+                    "loss_diff_max_abs": max(map(abs, diffs)) if diffs else math.nan,
+                    "loss_diff_last": matched_delta(run, twin)[0],
+                    "step_ms_emulated": step_time(run),
+                    "step_ms_native": step_time(twin),
+                }
+            )
+    return rows

@@ -99,21 +99,22 @@ def linear_text(values: Mapping[str, str | None], sep: str = ".", join: str = "+
     return join.join(f"{g}{sep}{values.get(g)}" for g in GEMMS)
 
 
-_BF16_LAYERS_ITEM = re.compile(r"(first|last):[0-9]+|[1-9][0-9]*(-[1-9][0-9]*)?|recipe")
+_BF16_LAYERS_ITEM = re.compile(r"(first|last):[0-9]+|[1-9][0-9]*(-[1-9][0-9]*)?|recipe|output")
 
 
 def validate_bf16_layers(spec: str, where: str = "--bf16-layers") -> str:
     """A BF16 layer policy: comma-separated ``first:N``, ``last:N``, Megatron layer numbers
-    ``K`` or ranges ``A-B``, or ``recipe`` (NVIDIA's proportion, scaled per model); ``none``
-    (or empty) for no policy, returned as ''. Anything else is refused."""
+    ``K`` or ranges ``A-B``, ``recipe`` (NVIDIA's proportion, scaled per model), or ``output``
+    (the GEMMs outside every transformer layer: the output layer); ``none`` (or empty) for no
+    policy, returned as ''. Anything else is refused."""
     spec = spec.replace(" ", "")
     if spec in ("", "none"):
         return ""
     for part in spec.split(","):
         if not _BF16_LAYERS_ITEM.fullmatch(part):
             raise UserError(
-                f"{where}: '{part}' is not first:N, last:N, a layer number K, a range A-B or "
-                "recipe (e.g. first:2,last:8 or 1,2,25-32)."
+                f"{where}: '{part}' is not first:N, last:N, a layer number K, a range A-B, "
+                "recipe or output (e.g. first:2,last:8,output or 1,2,25-32)."
             )
         lo, _, hi = part.partition("-")
         if hi and lo.isdigit() and int(hi) < int(lo):

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from quantpatch import __version__
 from quantpatch.base.config import (
     GEMMS,
     KEYS,
@@ -39,7 +40,7 @@ from quantpatch.base.edits import (
     write_exact,
 )
 from quantpatch.base.errors import UserError
-from quantpatch.checkout.parts import parts_status
+from quantpatch.checkout.parts import parts_status, runtime_source
 from quantpatch.checkout.saver import status as saver_status
 from quantpatch.git import repo as gitrepo
 from quantpatch.git.installs import upgrade_record
@@ -541,7 +542,29 @@ def plan_from_base(
         refuse_unknown_to_dispatch(base_files, known, ops_text_at(repo, commit))
     if values.get("bf16_layers"):
         _with_policy(dict(values), values["bf16_layers"], base_files, targets)
+        try:
+            installed: str | None = gitrepo.read_at(repo, commit, LAYERS_MODULE)
+        except UserError:
+            installed = None  # no policy runtime: _with_policy refused the checkout already
+        refuse_older_policy(values["bf16_layers"], installed)
     return base_texts, _plan(base_files, values, targets, split, cache_dir)
+
+
+LAYERS_MODULE = "megatron/core/quantpatch_layers.py"
+
+
+def refuse_older_policy(spec: str, installed: str | None) -> None:
+    """A policy with ``output`` needs the policy runtime of this version: an earlier one
+    refuses the item when the linear file imports it (at training time); refused here
+    instead, naming the command that installs it."""
+    if "output" not in spec.split(",") or installed is None:
+        return
+    if installed != runtime_source(LAYERS_MODULE):
+        raise UserError(
+            f"--bf16-layers: 'output' needs the policy runtime of quantpatch {__version__}, "
+            f"but {LAYERS_MODULE} is another one; run 'quantpatch upgrade' (or leave out "
+            "output)."
+        )
 
 
 def set_values(path: Path | None, req: SetRequest) -> SetResult:
@@ -574,6 +597,9 @@ def _set_unlocked(checkout: gitrepo.Checkout, targets: Targets, req: SetRequest)
     current_files = _discover_checked(checkout.root, targets)
     values = _resolve_values(req.values, [s for f in current_files for s in f.sites])
     values = _with_policy(values, req.bf16_layers, current_files, targets)
+    if values.get("bf16_layers"):
+        layers = checkout.root / LAYERS_MODULE
+        refuse_older_policy(values["bf16_layers"], read_exact(layers) if layers.is_file() else None)
     state = gitrepo.load_state(checkout)
     if state and state["mode"] != ("branch" if req.branch else "in-place"):
         other = "--no-branch" if state["mode"] == "in-place" else "branch"

@@ -82,7 +82,8 @@ def set_(
         None,
         "--bf16-layers",
         help="Transformer layers whose linear GEMMs stay BF16: first:N, last:N, layer numbers "
-        "K or A-B, recipe (NVIDIA's proportion), none; e.g. first:2,last:8.",
+        "K or A-B, recipe (NVIDIA's proportion), output (the GEMMs outside every transformer "
+        "layer: the output layer), none; e.g. first:2,last:8,output.",
     ),
     scheme: str | None = typer.Option(
         None,

@@ -43,7 +43,7 @@ def list_(config: Path | None = ConfigOpt, json_: bool = JsonOpt) -> None:
 
     from quantpatch.base.values import TEXT_COLUMNS, text_rows
     from quantpatch.launch.registry import load_registry
-    from quantpatch.launch.scripts import describe
+    from quantpatch.launch.scripts import describe, scheme_megatron
 
     reg = load_registry(config)
     if json_ or OPTS.json:
@@ -65,9 +65,9 @@ def list_(config: Path | None = ConfigOpt, json_: bool = JsonOpt) -> None:
         ),
         (
             "schemes",
-            ("name", "linear", "qk", "pv", "BF16 layers"),
+            ("name", "linear", "qk", "pv", "BF16 layers", "Megatron (emulates / runs)"),
             [
-                (s.name, s.linear_text, s.qk, s.pv, s.bf16_layers or "-")
+                (s.name, s.linear_text, s.qk, s.pv, s.policy() or "-", scheme_megatron(s))
                 for s in reg.schemes.values()
             ],
         ),

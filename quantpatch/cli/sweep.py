@@ -150,7 +150,7 @@ def sweep_run(
 def _sweep_report(sweep_dir: Path, record: dict[str, Any], out_file: Path) -> dict[str, Any]:
     from quantpatch.analysis.report import Section, table_rows, write_report
     from quantpatch.launch import provenance, sweep
-    from quantpatch.launch.registry import load_registry
+    from quantpatch.launch.registry import load_registry, twin_pairs
 
     cfg = record["selection"].get("config")
     reg = load_registry(Path(cfg) if cfg else None)
@@ -174,6 +174,7 @@ def _sweep_report(sweep_dir: Path, record: dict[str, Any], out_file: Path) -> di
         names=(reg.models, reg.datasets),
         header=provenance.header(sweep_dir, record),
         lead=[where],
+        twins=twin_pairs(reg.schemes, [r["scheme"] for r in record["runs"]]),
     )
 
 

@@ -3,6 +3,7 @@ layouts, the launcher's scripts, and the worktrees that Slurm jobs need before t
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +42,9 @@ class GenRequest:
     or ``warn`` (``gen-scripts``); None: not asked."""
     attention: str = "auto"
     """The attention path of every script (``launch.attention``: auto, flash or stock)."""
+    gpus: list[str] | None = None
+    """The GPUs of this machine the runs take (a local sweep; [] for all of them): native
+    schemes are refused on those without their format. None: not this machine's GPUs."""
 
 
 @dataclass
@@ -83,6 +87,11 @@ def generate_scripts(request: GenRequest, progress: Callable[[str], None] | None
         request.swift,
         request.attention,
     )
+    from quantpatch.launch.native import refuse_unrunnable
+
+    picked = list(dict.fromkeys(s.scheme.name for s in scripts))
+    root = flags.root if flags.root is not None else request.repo
+    refuse_unrunnable([reg.schemes[n] for n in picked], root, os.environ, request.gpus)
     blocked = {s.model: s.blocked for s in scripts if s.blocked is not None}
     if blocked and request.refuse_blocked:
         raise UserError(next(iter(blocked.values())))

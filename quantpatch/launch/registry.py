@@ -34,6 +34,19 @@ from quantpatch.base.errors import UserError
 ArgValue = bool | int | float | str | list[int | float | str]
 DEFAULT_RELEASE = "core_v0.13.1"
 
+RECIPE_FLAGS: dict[str, tuple[str, str]] = {
+    "mxfp8-rceil": ("e4m3", "mxfp8"),
+    "mxfp8-rceil-hybrid": ("hybrid", "mxfp8"),
+    "fp8-tensor": ("hybrid", "tensorwise"),
+    "fp8-block": ("e4m3", "blockwise"),
+}
+"""The values that compute what a Megatron recipe computes: ``--fp8-format``, ``--fp8-recipe``
+(core_v0.13.1 ``fp8_utils.get_fp8_context``: TransformerEngine's MXFP8BlockScaling,
+Float8CurrentScaling, Float8BlockScaling in that format)."""
+HONOURS_NO_FP8_WGRAD = ("delayed",)
+"""The recipes Megatron hands ``--no-fp8-wgrad`` to (core_v0.13.1 passes
+``override_linear_precision`` to ``TEDelayedScaling`` only)."""
+
 
 @dataclass(frozen=True)
 class Scheme:
@@ -49,15 +62,81 @@ class Scheme:
     """A linear GEMM's own value where it differs from ``linear`` (TOML keys beside it)."""
     bf16_layers: str = ""
     """The BF16 layer policy (``first:2,last:8``, ``recipe``; '' none): ``set --bf16-layers``."""
+    te_recipe: bool = False
+    """Quantize exactly the GEMMs Megatron + TransformerEngine quantize under the recipe its
+    value emulates (``RECIPE_FLAGS``): the transformer layers' linear GEMMs, the output layer
+    in BF16 (``output`` joins the policy), and the two fields below."""
+    first_last_layers_bf16: bool = False
+    num_layers_at_start_in_bf16: int = 1
+    num_layers_at_end_in_bf16: int = 1
+    """Megatron's ``--first-last-layers-bf16`` and its two counts (``te_recipe`` only)."""
+    fp8_wgrad: bool = True
+    """False: Megatron's ``--no-fp8-wgrad`` (the weight-gradient GEMM in BF16; honoured by
+    the delayed recipe only, so refused elsewhere)."""
+    args: tuple[str, ...] = ()
+    """The scheme's own pretrain_gpt.py arguments, after the profile's in every run's argv."""
+    native: bool = False
+    """Run TransformerEngine's own recipe (``--transformer-impl transformer_engine``) with
+    every site in BF16, instead of quantpatch's emulation in the local layers."""
+    emulates: str | None = None
+    """A native scheme: the emulated scheme it is the twin of (its Megatron flags join the
+    argv, and the report pairs the two)."""
+    emulated_flags: tuple[str, ...] = ()
+    """A native scheme: the Megatron flags of the scheme it ``emulates``."""
 
     def values(self) -> dict[str, str]:
         """Every value the scheme sets, in their one form: ``linear`` where its three GEMMs
         agree, else the three GEMMs (``per_gemm``)."""
         named = {"linear": self.linear, "qk": self.qk, "pv": self.pv}
         named.update({g: v for g, v in zip(GEMMS, self.gemms(), strict=True) if v is not None})
-        if self.bf16_layers:
-            named["bf16_layers"] = self.bf16_layers
+        if not self.fp8_wgrad:
+            named["wgrad"] = "bf16"
+        policy = self.policy()
+        if policy:
+            named["bf16_layers"] = policy
         return per_gemm(named)
+
+    def policy(self) -> str:
+        """The BF16 layer policy: ``bf16_layers``, and under ``te_recipe`` Megatron's BF16
+        layers (``first:N,last:M``) and the output layer."""
+        items = [p for p in self.bf16_layers.split(",") if p]
+        if self.te_recipe:
+            if self.first_last_layers_bf16:
+                items += [
+                    f"first:{self.num_layers_at_start_in_bf16}",
+                    f"last:{self.num_layers_at_end_in_bf16}",
+                ]
+            items.append("output")
+        return ",".join(dict.fromkeys(items))
+
+    def megatron_flags(self) -> list[str]:
+        """The Megatron flags whose TransformerEngine run this scheme emulates (``te_recipe``),
+        else none."""
+        if not self.te_recipe:
+            return []
+        fmt, recipe = RECIPE_FLAGS[self.linear]
+        out = ["--fp8-format", fmt, "--fp8-recipe", recipe]
+        if self.first_last_layers_bf16:
+            out += [
+                "--first-last-layers-bf16",
+                "--num-layers-at-start-in-bf16",
+                str(self.num_layers_at_start_in_bf16),
+                "--num-layers-at-end-in-bf16",
+                str(self.num_layers_at_end_in_bf16),
+            ]
+        if not self.fp8_wgrad:
+            out.append("--no-fp8-wgrad")
+        return out
+
+    def argv(self) -> list[str]:
+        """The scheme's own pretrain_gpt.py arguments: a native scheme's
+        ``--transformer-impl transformer_engine`` (unless its args choose the implementation)
+        and its twin's Megatron flags, then ``args``."""
+        if not self.native:
+            return list(self.args)
+        chosen = any(a.split("=", 1)[0] == "--transformer-impl" for a in self.args)
+        impl = [] if chosen else ["--transformer-impl", "transformer_engine"]
+        return [*impl, *self.emulated_flags, *self.args]
 
     def gemms(self) -> tuple[str | None, str | None, str | None]:
         return self.fprop, self.dgrad, self.wgrad
@@ -145,11 +224,14 @@ class Registry:
     slurm: Slurm = field(default_factory=Slurm)
 
     def pick(self, kind: str, names: list[str] | None) -> list[str]:
-        """Validate a user's selection: every entry for ``all``; when ``names`` is empty every
-        entry too, but for schemes only the default ones (``default = false`` leaves a scheme
-        to ``all`` or its name)."""
+        """Validate a user's selection: every entry for ``all`` (but the native schemes, which
+        need TransformerEngine: those by name); when ``names`` is empty every entry too, but
+        for schemes only the default ones (``default = false`` leaves a scheme to ``all`` or
+        its name)."""
         table: dict[str, Any] = getattr(self, kind)
         if names == ["all"] and "all" not in table:
+            if kind == "schemes":  # native schemes need TransformerEngine: by name only
+                return [n for n, s in self.schemes.items() if not s.native]
             return list(table)
         if not names:
             if kind == "schemes":
@@ -210,12 +292,34 @@ _FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
         "dgrad": str,
         "wgrad": str,
         "bf16_layers": str,
+        "te_recipe": bool,
+        "first_last_layers_bf16": bool,
+        "num_layers_at_start_in_bf16": int,
+        "num_layers_at_end_in_bf16": int,
+        "fp8_wgrad": bool,
+        "args": list,
+        "native": bool,
+        "emulates": str,
     },
 }
 _OPTIONAL = {
     "models": {"profiles"},
     "profiles": {"parallel"},
-    "schemes": {"default", "fprop", "dgrad", "wgrad", "bf16_layers"},
+    "schemes": {
+        "default",
+        "fprop",
+        "dgrad",
+        "wgrad",
+        "bf16_layers",
+        "te_recipe",
+        "first_last_layers_bf16",
+        "num_layers_at_start_in_bf16",
+        "num_layers_at_end_in_bf16",
+        "fp8_wgrad",
+        "args",
+        "native",
+        "emulates",
+    },
 }
 SLURM_FIELDS: dict[str, type] = {
     "partition": str,
@@ -287,6 +391,74 @@ def _check_args(args: Any, where: str) -> dict[str, ArgValue]:
     return dict(args)
 
 
+def _check_words(words: Any, where: str) -> list[str]:
+    """A scheme's ``args``: pretrain_gpt.py's words as its argv gets them."""
+    if not isinstance(words, list) or not all(isinstance(w, str) and w for w in words):
+        raise UserError(
+            f"{where}: args must be a list of pretrain_gpt.py's words, e.g. "
+            '["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"].'
+        )
+    bad = [w for w in words if "\n" in w or "\0" in w]
+    if bad:
+        raise UserError(f"{where}: args word {bad[0]!r} holds a newline or NUL.")
+    return list(words)
+
+
+def _check_scheme(name: str, e: dict[str, Any], where: str, names: set[str]) -> None:
+    """The recipe and native fields of scheme ``name``: what Megatron can run, or one
+    sentence."""
+    recipe_only = [
+        f
+        for f in (
+            "first_last_layers_bf16",
+            "num_layers_at_start_in_bf16",
+            "num_layers_at_end_in_bf16",
+            "fp8_wgrad",
+        )
+        if f in e
+    ]
+    if recipe_only and not e.get("te_recipe"):
+        raise UserError(
+            f"{where}: scheme '{name}' sets {recipe_only[0]}, a field of Megatron's FP8 recipes; "
+            "add te_recipe = true (its GEMMs then follow Megatron's policy) or drop it."
+        )
+    for count in ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"):
+        if e.get(count, 1) < 0:
+            raise UserError(f"{where}: scheme '{name}': {count} must be 0 or more.")
+    if e.get("te_recipe"):
+        gemms = {e.get(g, e["linear"]) for g in GEMMS if g != "wgrad" or e.get("fp8_wgrad", True)}
+        linear = e["linear"]
+        attention = (e["qk"], e["pv"])
+        if linear not in RECIPE_FLAGS or gemms != {linear} or attention != ("bf16", "bf16"):
+            raise UserError(
+                f"{where}: scheme '{name}' has te_recipe = true, which needs one value of a "
+                f"Megatron recipe ({', '.join(RECIPE_FLAGS)}) on every linear GEMM and qk = pv "
+                '= "bf16" (Megatron keeps the attention core in BF16).'
+            )
+        recipe = RECIPE_FLAGS[linear][1]
+        if e.get("fp8_wgrad") is False and recipe not in HONOURS_NO_FP8_WGRAD:
+            raise UserError(
+                f"{where}: scheme '{name}' sets fp8_wgrad = false, but Megatron hands "
+                f"--no-fp8-wgrad to its {' and '.join(HONOURS_NO_FP8_WGRAD)} recipe only and "
+                f"runs --fp8-recipe {recipe} with an FP8 weight gradient; drop fp8_wgrad."
+            )
+    if e.get("native"):
+        sites = {r: e[r] for r in ("linear", "qk", "pv", *GEMMS) if r in e and e[r] != "bf16"}
+        if sites or e.get("bf16_layers") or e.get("te_recipe"):
+            raise UserError(
+                f"{where}: scheme '{name}' is native (TransformerEngine's own layers), where no "
+                "site runs; leave out its quantpatch values and BF16 layers, or drop native."
+            )
+    twin = e.get("emulates")
+    if twin is not None and not e.get("native"):
+        raise UserError(f"{where}: scheme '{name}': emulates names a twin for native schemes only.")
+    if twin is not None and twin not in names:
+        raise UserError(
+            f"{where}: scheme '{name}' emulates '{twin}', which is no scheme; valid: "
+            f"{', '.join(sorted(names))}."
+        )
+
+
 def _merge(
     kind: str, name: str, old: dict[str, Any] | None, new: Any, where: str
 ) -> dict[str, Any]:
@@ -308,8 +480,13 @@ def _merge(
                 f"{type(value).__name__})."
             )
     merged = dict(old or {})
+    if kind == "schemes" and new.get("native") is True:  # no site runs: every role bf16
+        for role in ("linear", "qk", "pv"):
+            merged.setdefault(role, "bf16")
     for key, value in new.items():
-        if key in ("args", "parallel") and key in merged:
+        if kind == "schemes" and key == "args":
+            merged[key] = _check_words(value, f"{where}: {kind}.{name}")
+        elif key in ("args", "parallel") and key in merged:
             merged[key] = {**merged[key], **value}
         elif key == "profiles" and key in merged:
             merged[key] = {
@@ -320,7 +497,7 @@ def _merge(
     missing = [f for f in fields if f not in merged and f not in _OPTIONAL.get(kind, set())]
     if missing:
         raise UserError(f"{where}: {kind}.{name} is missing field '{missing[0]}'.")
-    if "args" in merged:
+    if "args" in merged and kind != "schemes":
         merged["args"] = _check_args(merged["args"], f"{where}: {kind}.{name}")
     if "parallel" in merged:
         merged["parallel"] = _check_parallel(merged["parallel"], f"{where}: {kind}.{name}")
@@ -381,11 +558,13 @@ def load_registry(extra: Path | None = None) -> Registry:
                     )
                 raw[top][name] = _merge(top, name, raw[top].get(name), entry, where)
     schemes = {}
+    where = str(extra) if extra is not None else "schemes.toml"
     for name, e in raw["schemes"].items():
         for role in KEYS:
             if role in e:
                 kind = "linear" if role in GEMMS else role
                 validate_value(e[role], allow_unknown=False, where=f"scheme '{name}'", role=kind)
+        _check_scheme(name, e, where, set(raw["schemes"]))
         schemes[name] = Scheme(
             name,
             e["linear"],
@@ -396,7 +575,18 @@ def load_registry(extra: Path | None = None) -> Registry:
             dgrad=e.get("dgrad"),
             wgrad=e.get("wgrad"),
             bf16_layers=validate_bf16_layers(e.get("bf16_layers", ""), f"scheme '{name}'"),
+            te_recipe=e.get("te_recipe", False),
+            first_last_layers_bf16=e.get("first_last_layers_bf16", False),
+            num_layers_at_start_in_bf16=e.get("num_layers_at_start_in_bf16", 1),
+            num_layers_at_end_in_bf16=e.get("num_layers_at_end_in_bf16", 1),
+            fp8_wgrad=e.get("fp8_wgrad", True),
+            args=tuple(e.get("args", ())),
+            native=e.get("native", False),
+            emulates=e.get("emulates"),
         )
+    for name, s in schemes.items():
+        if s.emulates is not None:
+            schemes[name] = replace(s, emulated_flags=tuple(schemes[s.emulates].megatron_flags()))
     models = {}
     for name, e in raw["models"].items():
         prof = {
@@ -433,6 +623,16 @@ def load_registry(extra: Path | None = None) -> Registry:
         common_args=common,
         slurm=slurm,
     )
+
+
+def twin_pairs(schemes: dict[str, Scheme], ran: list[str]) -> list[tuple[str, str]]:
+    """(emulated, native) for each native scheme in ``ran`` whose twin is in it too (the
+    report's pairs)."""
+    return [
+        (s.emulates, s.name)
+        for name in dict.fromkeys(ran)
+        if (s := schemes.get(name)) is not None and s.native and s.emulates in ran
+    ]
 
 
 def releases() -> list[str]:

@@ -294,6 +294,32 @@ def check_flags(reg: Registry, models: Sequence[str], profile: str, source: Flag
     )
 
 
+def check_scheme_args(
+    reg: Registry, schemes: Sequence[str], source: FlagSource, launcher: Launcher
+) -> None:
+    """Every scheme's own arguments: flags the target release accepts, none the script
+    passes itself, and none for ms-swift (whose scripts take no pretrain_gpt.py argv)."""
+    used: dict[str, tuple[str, ...]] = {}
+    for name in schemes:
+        words = reg.schemes[name].argv()
+        if not words:
+            continue
+        if launcher == "swift":
+            raise UserError(
+                f"scheme '{name}' carries Megatron arguments ({shlex.join(words)}), which "
+                "ms-swift's scripts cannot pass; use --launcher torchrun or slurm for it."
+            )
+        flags = tuple(w.split("=", 1)[0][2:] for w in words if w.startswith("--"))
+        own = [f for f in flags if f in TEMPLATE_FLAGS]
+        if own:
+            raise UserError(
+                f"scheme '{name}': args must not set --{', --'.join(own)}: the script passes "
+                f"{'it' if len(own) == 1 else 'them'} itself."
+            )
+        used[f"scheme {name}"] = flags
+    _reject_unaccepted(used, source)
+
+
 def mla_unbuildable(
     root: Path, reg: Registry, models: Sequence[str], profile: str
 ) -> dict[str, tuple[str, str]]:
@@ -470,6 +496,7 @@ def render_script(
                 training_args=args.groups[1],
                 impl_args=args.groups[2],
                 is_moe=args.is_moe,
+                scheme_args=s.argv(),
                 release_option=(
                     "" if source.root is not None else f"--megatron-release {source.release} "
                 ),
@@ -588,6 +615,7 @@ def render_all(
     source = _source(release)
     path = attention_for(attention, [reg.schemes[s] for s in schemes])
     check_flags(reg, models, profile, source)  # every model at once: one sentence
+    check_scheme_args(reg, schemes, source, launcher)
     blocked = {} if source.root is None else mla_unbuildable(source.root, reg, models, profile)
     layouts = plan_layout(reg, models, profile, parallel)
     if launcher == "swift":
@@ -754,6 +782,19 @@ def _others(out: Path, files: Sequence[tuple[str, str, int]]) -> list[str]:
     return found
 
 
+def scheme_megatron(s: Scheme) -> str:
+    """What ``list`` says of a scheme's Megatron side: the flags whose TransformerEngine run
+    it emulates (``emulates: ...``), a native scheme's own argv (``runs: ...``), else '-'."""
+    if s.native:
+        return f"runs: {shlex.join(s.argv())}"
+    parts = []
+    if s.megatron_flags():
+        parts.append(f"emulates: {shlex.join(s.megatron_flags())}")
+    if s.args:
+        parts.append(f"args: {shlex.join(s.args)}")
+    return "; ".join(parts) or "-"
+
+
 def describe(reg: Registry) -> dict[str, Any]:
     """The registry as plain data (``list --json``), with the table of every value
     (``quantpatch.base.values``)."""
@@ -774,6 +815,15 @@ def describe(reg: Registry) -> dict[str, Any]:
             for n, d in reg.datasets.items()
         },
         "schemes": {n: s.values() for n, s in reg.schemes.items()},
+        "scheme_runs": {
+            n: {
+                "megatron": " ".join(s.megatron_flags()) or None,
+                "args": s.argv(),
+                "native": s.native,
+                "emulates": s.emulates,
+            }
+            for n, s in reg.schemes.items()
+        },
         "values": [dict(v) for v in VALUES],
         "profiles": {
             n: {

@@ -237,6 +237,7 @@ def prepare(
             refuse_blocked=True,
             slurm_nodes="refuse" if selection.launcher == "slurm" else None,
             attention=selection.attention,
+            gpus=(selection.gpus or []) if selection.launcher == "local" else None,
         )
     )
     scripts = done.result.scripts

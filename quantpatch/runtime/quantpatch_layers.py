@@ -13,7 +13,9 @@ there; ``quantpatch set --bf16-layers`` writes it)::
 Grammar (comma separated, any mix): ``first:N`` (layers 1..N), ``last:N`` (the last N layers
 of the model), ``K`` or ``A-B`` (Megatron layer numbers, 1-based); ``recipe`` stands for NVIDIA's
 proportion (arXiv 2509.25149: the first 2 and the last 8 of 62 blocks), scaled to the model:
-``first:round(2 L / 62)``, ``last:round(8 L / 62)`` (at least one each). The numbers are
+``first:round(2 L / 62)``, ``last:round(8 L / 62)`` (at least one each); ``output`` keeps the
+linear GEMMs outside every transformer layer in BF16 (the output layer: Megatron builds it as
+a plain ``ColumnParallelLinear`` that TransformerEngine's recipes never quantize). The numbers are
 Megatron's global ones (``TransformerLayer.layer_number``: the pipeline stage's and virtual
 stage's offset included) and ``first``/``last`` are resolved against the model's layer count
 (``config.num_layers``) when the first layer runs, so one policy means the same layers under
@@ -24,8 +26,8 @@ Which layer a GEMM belongs to: forward pre- and post-hooks on every module (regi
 layer's output marks the start of that layer's backward (the engine computes a layer's output
 gradient before any of its own backward GEMMs, and its input gradient after all of them). The
 products of ``quantpatch_ops.quant_matmul`` (the linear role only: Q.K^T and P.V keep their
-values, and so do the GEMMs outside transformer layers, such as the output layer) ask
-``keeps_bf16()`` and run the plain PyTorch product in a policy layer. Dispatches that do not
+values) ask ``keeps_bf16()`` and run the plain PyTorch product in a policy layer, and outside
+every transformer layer (the output layer) where the policy says ``output``. Dispatches that do not
 hand the value to ``quantpatch_ops`` (a fork's own branches) cannot ask: ``quantpatch set``
 refuses a policy on those.
 """
@@ -38,21 +40,21 @@ from typing import Any
 
 import torch
 
-_ITEM = re.compile(r"(first|last):([0-9]+)|([1-9][0-9]*)(?:-([1-9][0-9]*))?|recipe")
+_ITEM = re.compile(r"(first|last):([0-9]+)|([1-9][0-9]*)(?:-([1-9][0-9]*))?|recipe|output")
 RECIPE = (2, 8, 62)
 """NVIDIA's 12 B model: the first 2 and the last 8 of its 62 blocks in BF16."""
 
 
 def parse(spec: str) -> list[tuple[str, int, int]]:
     """The items of ``spec``: ``("first", n, 0)``, ``("last", n, 0)``, ``("range", a, b)``,
-    ``("recipe", 0, 0)``; ValueError naming a bad item."""
+    ``("recipe", 0, 0)``, ``("output", 0, 0)``; ValueError naming a bad item."""
     items: list[tuple[str, int, int]] = []
     for part in filter(None, (p.strip() for p in spec.split(","))):
         m = _ITEM.fullmatch(part)
         if m is None:
             raise ValueError(
-                f"bf16 layers: {part!r} is not first:N, last:N, a layer number K, a range A-B "
-                "or recipe"
+                f"bf16 layers: {part!r} is not first:N, last:N, a layer number K, a range A-B, "
+                "recipe or output"
             )
         if m.group(1):
             items.append((m.group(1), int(m.group(2)), 0))
@@ -63,7 +65,7 @@ def parse(spec: str) -> list[tuple[str, int, int]]:
                 raise ValueError(f"bf16 layers: the range {part!r} runs backwards")
             items.append(("range", a, b))
         else:
-            items.append(("recipe", 0, 0))
+            items.append((part, 0, 0))
     return items
 
 
@@ -84,6 +86,8 @@ def resolve(spec: str, num_layers: int) -> frozenset[int]:
     ``num_layers`` layers (numbers beyond the model are dropped)."""
     out: set[int] = set()
     for kind, a, b in parse(spec):
+        if kind == "output":
+            continue  # not a transformer layer: keeps_output()
         if kind == "recipe":
             first, last = recipe_counts(num_layers)
             out |= set(range(1, first + 1)) | set(range(num_layers - last + 1, num_layers + 1))
@@ -100,6 +104,7 @@ class _State:
     def __init__(self) -> None:
         self.spec = ""
         self.layers: frozenset[int] | None = None  # resolved once the layer count is known
+        self.output = False  # the GEMMs outside every transformer layer too
         self.stack: list[int] = []
         self.backward_layer: int | None = None
         self.hooks: list[Any] = []
@@ -154,9 +159,10 @@ def _post(module: torch.nn.Module, args: Any, output: Any) -> None:
 def install(spec: str) -> None:
     """Keep the linear GEMMs of the layers ``spec`` names in BF16 (see the module docstring);
     hooks are registered once per process, a new ``spec`` replaces the old."""
-    parse(spec)  # a bad policy fails at import of the linear file, naming the item
+    items = parse(spec)  # a bad policy fails at import of the linear file, naming the item
     _STATE.spec = spec
     _STATE.layers = None
+    _STATE.output = any(kind == "output" for kind, _, _ in items)
     if not _STATE.hooks:
         from torch.nn.modules import module as nn_module
 
@@ -185,10 +191,14 @@ def bf16_layers() -> frozenset[int] | None:
 
 
 def keeps_bf16(gemm: str) -> bool:
-    """Whether the GEMM running now (``fprop``, ``dgrad`` or ``wgrad``) stays in BF16; each
-    call is counted per layer and GEMM (``product_counts``)."""
+    """Whether the GEMM running now (``fprop``, ``dgrad`` or ``wgrad``) stays in BF16: in a
+    policy layer, or outside every transformer layer under ``output``; each call is counted
+    per layer and GEMM (``product_counts``)."""
     layer = current_layer()
-    keep = bool(_STATE.spec) and _STATE.layers is not None and layer in _STATE.layers
+    if layer is None:
+        keep = _STATE.output
+    else:
+        keep = bool(_STATE.spec) and _STATE.layers is not None and layer in _STATE.layers
     _STATE.counts[(layer, f"{gemm}:{'bf16' if keep else 'quantized'}")] += 1
     return keep
 

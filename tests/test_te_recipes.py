@@ -1,0 +1,560 @@
+"""Megatron's FP8 recipes as schemes that quantize what Megatron + TransformerEngine quantize
+(``te_recipe``), and their native twins (``native``): the registry fields and their refusals,
+and on a tiny megatron-core GPT each GEMM classified quantized or bf16 from the operands its
+product received, equal GEMM for GEMM to Megatron's own ``get_fp8_context`` for the same
+flags."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from quantpatch.base.config import GEMMS
+from quantpatch.base.errors import UserError
+from quantpatch.launch.registry import RECIPE_FLAGS, load_registry
+
+TE = {  # scheme -> (value, --fp8-format, --fp8-recipe)
+    "te_mxfp8_e4m3": ("mxfp8-rceil", "e4m3", "mxfp8"),
+    "te_mxfp8_hybrid": ("mxfp8-rceil-hybrid", "hybrid", "mxfp8"),
+    "te_tensorwise_hybrid": ("fp8-tensor", "hybrid", "tensorwise"),
+    "te_blockwise_e4m3": ("fp8-block", "e4m3", "blockwise"),
+}
+
+
+def test_each_recipe_is_a_scheme_with_its_megatron_flags_and_a_native_twin():
+    reg = load_registry()
+    for name, (value, fmt, recipe) in TE.items():
+        s = reg.schemes[name]
+        assert s.values() == {"linear": value, "qk": "bf16", "pv": "bf16", "bf16_layers": "output"}
+        assert s.megatron_flags() == ["--fp8-format", fmt, "--fp8-recipe", recipe]
+        assert RECIPE_FLAGS[value] == (fmt, recipe) and not s.default and not s.argv()
+        twin = reg.schemes[name.replace("te_", "native_")]
+        assert twin.native and twin.emulates == name and not twin.default
+        assert twin.values() == {"linear": "bf16", "qk": "bf16", "pv": "bf16"}
+        assert twin.argv() == ["--transformer-impl", "transformer_engine", *s.megatron_flags()]
+    every = reg.pick("schemes", ["all"])
+    assert set(TE) <= set(every) and not any(reg.schemes[n].native for n in every)
+
+
+def _config(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "study.toml"
+    path.write_text(text)
+    return path
+
+
+def test_first_last_layers_and_the_native_twin_of_a_config_scheme(tmp_path):
+    reg = load_registry(
+        _config(
+            tmp_path,
+            "[schemes.mine]\nlinear = 'fp8-tensor'\nqk = 'bf16'\npv = 'bf16'\n"
+            "te_recipe = true\nfirst_last_layers_bf16 = true\nnum_layers_at_start_in_bf16 = 2\n"
+            "[schemes.mine_native]\nnative = true\nemulates = 'mine'\n"
+            "args = ['--fp8-amax-history-len', '4']\n",
+        )
+    )
+    mine = reg.schemes["mine"]
+    assert mine.values()["bf16_layers"] == "first:2,last:1,output"
+    flags = ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", "--first-last-layers-bf16"]
+    flags += ["--num-layers-at-start-in-bf16", "2", "--num-layers-at-end-in-bf16", "1"]
+    assert mine.megatron_flags() == flags
+    assert reg.schemes["mine_native"].argv() == [
+        "--transformer-impl", "transformer_engine", *flags, "--fp8-amax-history-len", "4",
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("text", "said"),
+    [
+        (  # Megatron hands --no-fp8-wgrad to the delayed recipe only
+            "linear = 'fp8-tensor'\nqk = 'bf16'\npv = 'bf16'\nte_recipe = true\nfp8_wgrad = false",
+            "hands --no-fp8-wgrad to its delayed recipe only and runs --fp8-recipe tensorwise",
+        ),
+        (
+            "linear = 'mxfp8'\nqk = 'bf16'\npv = 'bf16'\nfirst_last_layers_bf16 = true",
+            "add te_recipe = true",
+        ),
+        ("linear = 'mxfp8'\nqk = 'bf16'\npv = 'bf16'\nte_recipe = true", "one value of a Megatron"),
+        ("linear = 'fp8-tensor'\nqk = 'fp8-tensor'\npv = 'bf16'\nte_recipe = true", "qk = pv"),
+        ("native = true\nlinear = 'mxfp8'", "no site runs"),
+        ("native = true\nemulates = 'nothing'", "emulates 'nothing', which is no scheme"),
+        ("linear = 'bf16'\nqk = 'bf16'\npv = 'bf16'\nemulates = 'bf16'", "for native schemes"),
+        ("native = true\nargs = '--fp8-format hybrid'", "x.args has the wrong type"),
+        ("native = true\nargs = ['--fp8-format', 3]", "args must be a list"),
+    ],
+)
+def test_a_scheme_megatron_cannot_run_is_refused_naming_the_field(tmp_path, text, said):
+    with pytest.raises(UserError, match=said.replace("(", r"\(")):
+        load_registry(_config(tmp_path, f"[schemes.x]\n{text}\n"))
+
+
+# -- Megatron's own policy, from its get_fp8_context -----------------------------------------
+
+
+def megatron_policy(megatron: Path, flags: dict[str, object], layers: int) -> dict[str, set[str]]:
+    """Per transformer layer (1-based), the GEMMs Megatron runs in FP8 under ``flags``:
+    core_v0.13.1's ``get_fp8_context`` (the branch built when TransformerEngine imports) read
+    with libcst from ``megatron/core/fp8_utils.py`` and run as it is, with TE's recipe classes
+    and ``fp8_autocast`` stood in for by recorders: a layer whose context is ``nullcontext``
+    runs bf16, else fprop and dgrad in FP8 and wgrad unless the recipe's
+    ``override_linear_precision`` keeps it high."""
+    import contextlib
+    import importlib.util
+    import textwrap
+    import types
+
+    import libcst as cst
+
+    spec = importlib.util.spec_from_file_location("megatron_enums", megatron / "core" / "enums.py")
+    assert spec is not None and spec.loader is not None
+    enums = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(enums)  # the enums alone: no megatron.core import in this process
+    Fp8Recipe = enums.Fp8Recipe
+
+    source = (megatron / "core" / "fp8_utils.py").read_text()
+    module = cst.parse_module(source)
+    found: list[str] = []
+
+    class Find(cst.CSTVisitor):
+        def visit_If(self, node: cst.If) -> None:
+            if isinstance(node.test, cst.Name) and node.test.value == "HAVE_TE":
+                for stmt in node.body.body:
+                    if isinstance(stmt, cst.FunctionDef) and stmt.name.value == "get_fp8_context":
+                        found.append(module.code_for_node(stmt))
+
+    module.visit(Find())
+    assert len(found) == 1
+
+    class Recipe:
+        def __init__(self, **kw: object) -> None:
+            self.kw = kw
+
+    class Delayed(Recipe):
+        def __init__(self, config: object, fp8_format: object, override_linear_precision: tuple):
+            super().__init__(override_linear_precision=override_linear_precision)
+
+    recipe_mod = types.SimpleNamespace(
+        Format=types.SimpleNamespace(E4M3="E4M3", HYBRID="HYBRID"),
+        Float8CurrentScaling=Recipe,
+        Float8BlockScaling=Recipe,
+        MXFP8BlockScaling=Recipe,
+    )
+    te = types.ModuleType("transformer_engine")
+    te.common = types.SimpleNamespace(recipe=recipe_mod)  # type: ignore[attr-defined]
+    te.pytorch = types.SimpleNamespace(  # type: ignore[attr-defined]
+        fp8_autocast=lambda enabled, fp8_recipe, fp8_group: ("fp8", fp8_recipe)
+    )
+    space = {
+        "nullcontext": contextlib.nullcontext,
+        "TransformerConfig": object,
+        "TEDelayedScaling": Delayed,
+        "Fp8Recipe": Fp8Recipe,
+        "is_te_min_version": lambda version: True,
+        "parallel_state": types.SimpleNamespace(model_parallel_is_initialized=lambda: False),
+    }
+    saved = sys.modules.get("transformer_engine")
+    sys.modules["transformer_engine"] = te
+    try:
+        exec(textwrap.dedent(found[0]), space)
+        defaults = {  # TransformerConfig's defaults, as Megatron's arguments give them
+            "num_layers": layers,
+            "fp8_param": False,
+            "tp_only_amax_red": False,
+            "first_last_layers_bf16": False,
+            "num_layers_at_start_in_bf16": 1,
+            "num_layers_at_end_in_bf16": 1,
+            "fp8_wgrad": True,
+        }
+        config = types.SimpleNamespace(**{**defaults, **flags})
+        out: dict[str, set[str]] = {}
+        for number in range(1, layers + 1):
+            ctx = space["get_fp8_context"](config, number - 1)  # type: ignore[operator]
+            if isinstance(ctx, contextlib.nullcontext):
+                out[str(number)] = set()
+                continue
+            keep = ctx[1].kw.get("override_linear_precision", (False, False, False))
+            out[str(number)] = {g for g, high in zip(GEMMS, keep, strict=True) if not high}
+    finally:
+        if saved is None:
+            sys.modules.pop("transformer_engine", None)
+        else:
+            sys.modules["transformer_engine"] = saved
+    out["output"] = set()  # gpt_model.py: a tensor_parallel.ColumnParallelLinear, no fp8 context
+    return out
+
+
+WORKER = r"""
+import json, sys, torch
+from quantpatch.runtime.megatron_single import init_single_process
+init_single_process("cpu")
+from megatron.core import quantpatch_ops as ops, tensor_parallel
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.module import Float16Module
+from megatron.core.transformer.transformer_config import TransformerConfig
+FMT = sys.argv[1]
+torch.manual_seed(0)
+tc = TransformerConfig(num_layers=4, hidden_size=128, num_attention_heads=4,
+                       use_cpu_initialization=True, attention_dropout=0.0, hidden_dropout=0.0,
+                       bias_dropout_fusion=False, apply_rope_fusion=False,
+                       masked_softmax_fusion=False, bf16=True, params_dtype=torch.bfloat16,
+                       pipeline_dtype=torch.bfloat16)
+gpt = GPTModel(tc, get_gpt_layer_local_spec(), vocab_size=256, max_sequence_length=32,
+               share_embeddings_and_output_weights=False)
+assert type(gpt.output_layer) is tensor_parallel.ColumnParallelLinear  # as Megatron builds it
+model = Float16Module(tc, gpt)
+# each weight's GEMM module, from the parameter names (independent of quantpatch's hooks)
+weights = {}
+for name, p in gpt.named_parameters():
+    if name.endswith(".weight") and p.dim() == 2 and "embedding" not in name:
+        parts = name.split(".")
+        if parts[0] == "output_layer":
+            weights[p.data_ptr()] = "output/output_layer"
+        else:
+            layer = gpt.decoder.layers[int(parts[2])].layer_number
+            weights[p.data_ptr()] = f"{layer}/{'.'.join(parts[3:-1])}"
+inputs = {}
+products = []
+real_matmul, real_qm = torch.matmul, ops.quant_matmul
+
+def on_grid(t):
+    # every value a code of E4M3 / E5M2 times one scale per block: at most 4 significant bits
+    # after dividing by the block's power of two (exact in bf16), or by one float32 scale per
+    # tensor (fp8-tensor: amax / 448; bf16's rounding of code x scale within 1/16)
+    v = t.detach().double().flatten()
+    v = v[v != 0]
+    if FMT == "fp8-tensor":
+        v = v / (v.abs().max() / 448)
+    m, _ = torch.frexp(v)
+    off = (m.abs() * 16 - (m.abs() * 16).round()).abs()
+    return bool(off.max() <= (0.125 if FMT == "fp8-tensor" else 0.0))
+
+def classify(raw, seen):
+    if all(r is s or torch.equal(r, s) for r, s in zip(raw, seen)):
+        return "bf16"
+    if all(not torch.equal(r, s) and on_grid(s) for r, s in zip(raw, seen)):
+        return "quantized"
+    return "mixed"
+
+inside = []  # the operands of the product running inside quant_matmul
+
+def spy(a, b, fmt, *, backward=False, weight=None):
+    seen = []
+    inside.append(seen)
+    try:
+        out = real_qm(a, b, fmt, backward=backward, weight=weight)
+    finally:
+        inside.pop()
+    assert len(seen) == 2, "the product was not a torch.matmul"
+    gemm = ("dgrad" if weight is not None else "wgrad") if backward else "fprop"
+    if gemm == "wgrad":
+        where = inputs.pop(b.data_ptr())  # grad_output^T . total_input: the saved input
+    else:
+        w, x = (a, b) if weight == "a" else (b, a)
+        where = weights[w.data_ptr()]
+        if gemm == "fprop":
+            inputs[x.data_ptr()] = where
+    products.append((where, gemm, classify([a, b], seen)))
+    return out
+
+def plain(x, y, gemm):
+    # a product outside quant_matmul: a site whose value is bf16 runs Megatron's own line
+    # (torch.matmul(total_input, weight.t()) for fprop, grad_output.matmul(weight) for dgrad,
+    # grad_output.t().matmul(total_input) for wgrad); its GEMM, classified from its operands
+    if y.data_ptr() in weights and gemm in ("fprop", "dgrad"):
+        where = weights[y.data_ptr()]
+    elif y.data_ptr() in inputs and gemm == "dgrad":
+        gemm, where = "wgrad", inputs.pop(y.data_ptr())
+    else:
+        return
+    if gemm == "fprop":
+        inputs[x.data_ptr()] = where
+    grid = on_grid(x) and on_grid(y)
+    products.append((where, gemm, "quantized" if grid else "bf16"))
+
+def torch_matmul(x, y, *rest, **kw):
+    if inside:
+        inside[-1][:] = [x, y]
+    elif x.dim() >= 2 and y.dim() == 2:
+        plain(x, y, "fprop")
+    return real_matmul(x, y, *rest, **kw)
+
+real_tensor_matmul = torch.Tensor.matmul
+def tensor_matmul(x, y):
+    if not inside and x.dim() >= 2 and y.dim() == 2:
+        plain(x, y, "dgrad")  # or wgrad, where y is a layer's saved input
+    return real_tensor_matmul(x, y)
+
+torch.matmul, torch.Tensor.matmul = torch_matmul, tensor_matmul
+ops.quant_matmul = spy
+attention = []
+real_baddbmm, real_bmm = torch.baddbmm, torch.bmm
+def core(real, name):
+    def product(*args, **kw):
+        operands = [t for t in args if isinstance(t, torch.Tensor) and t.dim() == 3][-2:]
+        attention.append((name, [on_grid(t) for t in operands]))
+        return real(*args, **kw)
+    return product
+torch.baddbmm, torch.bmm = core(real_baddbmm, "qk"), core(real_bmm, "pv")
+gen = torch.Generator().manual_seed(1)
+tokens = torch.randint(0, 256, (2, 33), generator=gen)
+pos = torch.arange(32).expand(2, 32)
+mask = torch.triu(torch.ones(1, 1, 32, 32, dtype=torch.bool), 1)
+out = model(tokens[:, :-1], pos, mask, labels=tokens[:, 1:])
+torch.baddbmm, torch.bmm = real_baddbmm, real_bmm
+out.float().mean().backward()
+print(json.dumps({"products": products, "attention": attention}))
+"""
+
+
+def _gemms(root: Path, fmt: str) -> dict[str, object]:
+    import quantpatch
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TENSOR_SAVE")}
+    for name in ("CUSTOM_QUANT_TYPE", "QUANTPATCH_FLASH", "QUANTPATCH_FLASH_BF16"):
+        env.pop(name, None)
+    here = Path(quantpatch.__file__).resolve().parents[1]
+    env["PYTHONPATH"] = os.pathsep.join([str(root), str(here)])
+    done = subprocess.run(
+        [sys.executable, "-c", WORKER, fmt],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result: dict[str, object] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+CASES = [  # (scheme or config fields, Megatron's flags)
+    ("te_mxfp8_e4m3", {"fp8": "e4m3", "fp8_recipe": "mxfp8"}),
+    ("te_mxfp8_hybrid", {"fp8": "hybrid", "fp8_recipe": "mxfp8"}),
+    ("te_tensorwise_hybrid", {"fp8": "hybrid", "fp8_recipe": "tensorwise"}),
+    ("te_blockwise_e4m3", {"fp8": "e4m3", "fp8_recipe": "blockwise"}),
+    (
+        "linear = 'fp8-tensor'\nte_recipe = true\nfirst_last_layers_bf16 = true",
+        {"fp8": "hybrid", "fp8_recipe": "tensorwise", "first_last_layers_bf16": True},
+    ),
+    (
+        "linear = 'mxfp8-rceil'\nte_recipe = true\nfirst_last_layers_bf16 = true\n"
+        "num_layers_at_start_in_bf16 = 2",
+        {
+            "fp8": "e4m3",
+            "fp8_recipe": "mxfp8",
+            "first_last_layers_bf16": True,
+            "num_layers_at_start_in_bf16": 2,
+        },
+    ),
+    (  # --no-fp8-wgrad where Megatron honours it (delayed): the GEMMs it places in bf16
+        "linear = 'fp8-tensor'\nwgrad = 'bf16'\nbf16_layers = 'output'",
+        {"fp8": "hybrid", "fp8_recipe": "delayed", "fp8_wgrad": False},
+    ),
+]
+
+
+@pytest.mark.slow
+def test_each_gemm_of_a_tiny_gpt_follows_megatrons_own_policy(run, make_checkout, trees, tmp_path):
+    root = make_checkout("0.13.1", inject=False, full=True)
+    assert run("init", "--repo", root).code == 0
+    megatron = trees["0.13.1"]  # the wheel's megatron package
+    figures = []
+    for i, (scheme, flags) in enumerate(CASES):
+        if scheme in TE:
+            args, fmt = ["--scheme", scheme], TE[scheme][0]
+        else:
+            config = tmp_path / f"case{i}.toml"
+            config.write_text(f"[schemes.case]\n{scheme}\nqk = 'bf16'\npv = 'bf16'\n")
+            args = ["--scheme", "case", "--config", str(config)]
+            fmt = load_registry(config).schemes["case"].linear
+        res = run("set", "--repo", root, *args, "--no-branch")
+        assert res.code == 0, res
+        got = _gemms(root, fmt)
+        want = megatron_policy(megatron, flags, 4)
+        seen: dict[str, dict[str, str]] = {}
+        for where, gemm, kind in got["products"]:  # type: ignore[union-attr]
+            layer = where.partition("/")[0]
+            expected = "quantized" if gemm in want[layer] else "bf16"
+            assert kind == expected, (scheme, where, gemm, kind)
+            seen.setdefault(where, {})[gemm] = kind
+        # every linear GEMM of every module, the output layer's included, was seen
+        modules = {"self_attention.linear_qkv", "self_attention.linear_proj"}
+        modules |= {"mlp.linear_fc1", "mlp.linear_fc2"}
+        expected_where = {f"{n}/{m}" for n in range(1, 5) for m in modules}
+        assert set(seen) == expected_where | {"output/output_layer"}
+        short = {w: sorted(g) for w, g in seen.items() if set(g) != {"fprop", "dgrad", "wgrad"}}
+        assert not short, short
+        # the attention core: Q.K^T and P.V of each layer on bf16 operands
+        attention = got["attention"]
+        assert len(attention) == 8 and not any(any(g) for _, g in attention), attention
+        quantized = sum(k == "quantized" for _, _, k in got["products"])  # type: ignore[union-attr]
+        figures.append((scheme.split("\n")[0], quantized, len(got["products"])))  # type: ignore[arg-type]
+        assert run("restore", "--repo", root).code == 0
+    print(figures)
+
+
+# -- the native run beside its emulation: one sweep, the stub torchrun ----------------------
+
+STUB_TORCHRUN = r"""#!/usr/bin/env bash
+# Megatron's log lines; a TransformerEngine run (its argv says so) logs a lower loss and a
+# shorter step than the emulation, so the report's pairing has figures to show
+prev="" save=""
+for word in "$@"; do
+    [[ "$prev" == --save ]] && save="$word"
+    prev="$word"
+done
+run="$(basename "$(dirname "$save")")"
+printf '%s\n' "$@" > "$STUB_DIR/argv.$run"
+step=96.9 extra=1
+if [[ " $* " == *" --transformer-impl transformer_engine "* ]]; then step=50.0 extra=0; fi
+for i in 1 2 3 4; do
+    loss=$(awk -v i="$i" -v e="$extra" 'BEGIN { printf "%.6E", 10 - i + e * 0.01 * i }')
+    printf ' [2026-11-22 11:25:3%d] iteration %9d/%8d | ' "$i" "$i" 4
+    printf 'consumed samples: %12d | ' "$((2 * i))"
+    printf 'elapsed time per iteration (ms): %s | learning rate: 6.666667E-05 | ' "$step"
+    printf 'global batch size: %5d | lm loss: %s | loss scale: 1.0 | grad norm: 2.105 | ' 2 "$loss"
+    printf 'number of skipped iterations: %3d | number of nan iterations: %3d |\n' 0 0
+done
+"""
+NVIDIA_SMI = r"""#!/usr/bin/env bash
+# GPU 0 an Ampere (8.0), GPU 1 a Hopper (9.0)
+if [[ "$1" == -L ]]; then
+    echo "GPU 0: NVIDIA A100 (UUID: GPU-0)"
+    echo "GPU 1: NVIDIA H100 (UUID: GPU-1)"
+else
+    printf '8.0\n9.0\n'
+fi
+"""
+
+
+def _stubs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    from .test_scripts import QUANTPATCH
+
+    bin_dir, stub = tmp_path / "bin", tmp_path / "stub"
+    bin_dir.mkdir()
+    stub.mkdir()
+    for name, text in (("torchrun", STUB_TORCHRUN), ("nvidia-smi", NVIDIA_SMI)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("STUB_DIR", str(stub))
+    monkeypatch.setenv("QUANTPATCH", QUANTPATCH)
+    monkeypatch.setenv("PYTHON", sys.executable)
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    return stub
+
+
+@pytest.mark.slow
+def test_the_native_twin_runs_beside_its_emulation_and_the_report_pairs_them(
+    tmp_path, make_checkout, monkeypatch, run
+):
+    from .conftest import snapshot
+
+    root = make_checkout(
+        "0.13.1", inject=False, extra=("megatron/core/extensions/transformer_engine.py",)
+    )
+    assert run("init", "--repo", root).code == 0
+    stub = _stubs(tmp_path, monkeypatch)
+    out = tmp_path / "sweep"
+    schemes = "bf16,te_tensorwise_hybrid,native_tensorwise_hybrid"
+    sweep = ["sweep", "run", out, "--models", "llama32-1b", "--datasets", "wikipedia"]
+    sweep += ["--profile", "smoke", "--schemes", schemes, "--repo", root]
+    # no TransformerEngine in the training Python: refused before anything is written
+    before = snapshot(root)
+    res = run(*sweep, "--gpus", "1")
+    assert res.code == 2, res
+    assert "native_tensorwise_hybrid: native schemes need TransformerEngine" in res.err
+    assert sys.executable in res.err and "set PYTHON to a Python that has it" in res.err
+    assert not out.exists() and snapshot(root) == before
+    # the advice: TransformerEngine installed where that Python finds it
+    site = tmp_path / "site"
+    (site / "transformer_engine").mkdir(parents=True)
+    (site / "transformer_engine" / "__init__.py").write_text("")
+    monkeypatch.setenv("PYTHONPATH", str(site))
+    # GPU 0 (compute capability 8.0) has no FP8: refused, naming the GPU that has it
+    res = run(*sweep, "--gpus", "0")
+    assert res.code == 2, res
+    assert "TransformerEngine runs FP8 tensorwise on compute capability 8.9 or higher" in res.err
+    assert "GPU 0 of this machine is 8.0; choose GPUs 1 with --gpus" in res.err
+    assert not out.exists() and snapshot(root) == before
+    res = run(*sweep, "--gpus", "1")  # the advice followed
+    assert res.code == 0, res
+    assert "3 of 3 finished, 0 failed" in res.out
+    # each run's argv carries its own scheme's arguments, after the profile's
+    argv = {p.name.split(".", 1)[1]: p.read_text().split("\n") for p in stub.glob("argv.*")}
+    native = argv["llama32-1b_wikipedia_native_tensorwise_hybrid_smoke"]
+    emulated = argv["llama32-1b_wikipedia_te_tensorwise_hybrid_smoke"]
+    tail = ["--transformer-impl", "transformer_engine", "--fp8-format", "hybrid"]
+    tail += ["--fp8-recipe", "tensorwise"]
+    at = native.index("--transformer-impl", native.index("--transformer-impl") + 1)
+    assert native[at : at + 6] == tail  # the last --transformer-impl: argparse takes it
+    assert native.index("local") < at
+    for other in (emulated, argv["llama32-1b_wikipedia_bf16_smoke"]):
+        assert "--fp8-format" not in other and "transformer_engine" not in other
+    rec = json.loads((out / "sweep.json").read_text())
+    commits = {r["scheme"]: r["commit"] for r in rec["runs"]}
+    assert commits["native_tensorwise_hybrid"] == commits["bf16"]  # no site runs a format
+    assert commits["te_tensorwise_hybrid"] != commits["bf16"]
+    # the report pairs the emulation with its native twin: loss difference, step times
+    html = (out / "report.html").read_text()
+    assert "Emulation beside the native recipe (1 pairs)" in html
+    from quantpatch.analysis.training_logs import runs, twin_rows
+
+    rows = twin_rows(runs([out / "runs"]), [("te_tensorwise_hybrid", "native_tensorwise_hybrid")])
+    assert len(rows) == 1
+    row = rows[0]
+    assert row["matched_iterations"] == 4
+    assert row["loss_diff_mean"] == pytest.approx(0.025)  # 0.01 i over i = 1..4
+    assert row["loss_diff_max_abs"] == pytest.approx(0.04)
+    assert (row["step_ms_emulated"], row["step_ms_native"]) == (96.9, 50.0)
+    for cell in ("te_tensorwise_hybrid", "native_tensorwise_hybrid", "96.9", "50"):
+        assert cell in html
+
+
+@pytest.mark.slow
+def test_a_native_scheme_on_a_fork_without_te_layers_is_refused_until_it_has_them(
+    tmp_path, trees, monkeypatch, run
+):
+    import shutil
+
+    import git
+
+    from .conftest import snapshot
+    from .forklike import build_fork, clone_quant
+
+    fork = build_fork(tmp_path / "origin", trees["0.13.1"], full=False)
+    root = clone_quant(fork, tmp_path / "Megatron-LM")
+    assert run("init", "--repo", root).code == 0
+    _stubs(tmp_path, monkeypatch)
+    site = tmp_path / "site" / "transformer_engine"
+    site.mkdir(parents=True)
+    (site / "__init__.py").write_text("")
+    monkeypatch.setenv("PYTHONPATH", str(site.parent))
+    gen = ["gen-scripts", "--out", tmp_path / "scripts", "--models", "llama32-1b"]
+    gen += ["--datasets", "wikipedia", "--profile", "smoke", "--repo", root]
+    gen += ["--schemes", "te_blockwise_e4m3,native_blockwise_e4m3"]
+    before = snapshot(root)
+    res = run(*gen)
+    assert res.code == 2, res
+    assert "megatron/core/extensions/transformer_engine.py" in res.err
+    assert "run them from a Megatron-LM checkout that has it" in res.err
+    assert not (tmp_path / "scripts").exists() and snapshot(root) == before
+    # the advice: the checkout gets Megatron's TransformerEngine layers
+    rel = "megatron/core/extensions/transformer_engine.py"
+    (root / rel).parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy(trees["0.13.1"].parent / rel, root / rel)
+    repo = git.Repo(root)
+    repo.git.add(rel)
+    repo.git.commit("-qm", "Megatron's TransformerEngine layers")
+    res = run(*gen)
+    assert res.code == 0, res
+    script = next((tmp_path / "scripts").rglob("*_native_blockwise_e4m3.sh")).read_text()
+    assert (
+        "SCHEME_ARGS=(--transformer-impl transformer_engine --fp8-format e4m3 --fp8-recipe "
+        "blockwise)" in script
+    )
