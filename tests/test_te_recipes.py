@@ -18,6 +18,8 @@ from quantpatch.base.config import GEMMS
 from quantpatch.base.errors import UserError
 from quantpatch.launch.registry import RECIPE_FLAGS, load_registry
 
+from .conftest import LINEAR
+
 TE = {  # scheme -> (value, --fp8-format, --fp8-recipe)
     "te_mxfp8_e4m3": ("mxfp8-rceil", "e4m3", "mxfp8"),
     "te_mxfp8_hybrid": ("mxfp8-rceil-hybrid", "hybrid", "mxfp8"),
@@ -558,3 +560,39 @@ def test_a_native_scheme_on_a_fork_without_te_layers_is_refused_until_it_has_the
         "SCHEME_ARGS=(--transformer-impl transformer_engine --fp8-format e4m3 --fp8-recipe "
         "blockwise)" in script
     )
+
+
+BEFORE_OUTPUT = Path(__file__).parent / "data/before_output_policy/quantpatch_layers.py"
+"""The policy runtime as quantpatch installed it before the ``output`` item."""
+
+
+@pytest.mark.slow
+def test_an_output_policy_on_an_older_policy_runtime_is_refused_until_upgrade(run, make_checkout):
+    import hashlib
+
+    import git
+
+    from .conftest import snapshot
+
+    root = make_checkout(inject=False)
+    assert run("init", "--repo", root).code == 0
+    rel = "megatron/core/quantpatch_layers.py"
+    text = BEFORE_OUTPUT.read_text(encoding="utf-8")
+    (root / rel).write_text(text, encoding="utf-8")  # as an earlier init left it
+    state = root / ".git/quantpatch/init/record.json"
+    record = json.loads(state.read_text())
+    record["files"][rel]["written"] = hashlib.sha256(text.encode("utf-8")).hexdigest()
+    state.write_text(json.dumps(record, indent=2) + "\n")
+    repo = git.Repo(root)
+    repo.git.add("-A", "megatron")
+    repo.git.commit("-qm", "quantpatch init (before the output policy)")
+    before = snapshot(root)
+    res = run("set", "--repo", root, "--scheme", "te_tensorwise_hybrid")
+    assert res.code == 2, res
+    assert "'output' needs the policy runtime of quantpatch" in res.err
+    assert "run 'quantpatch upgrade'" in res.err
+    assert snapshot(root) == before
+    assert run("upgrade", "--repo", root).code == 0  # the advice
+    res = run("set", "--repo", root, "--scheme", "te_tensorwise_hybrid")
+    assert res.code == 0, res
+    assert "quantpatch_bf16_layers = 'output'" in (root / LINEAR).read_text()
