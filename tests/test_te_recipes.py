@@ -94,6 +94,21 @@ def test_a_scheme_megatron_cannot_run_is_refused_naming_the_field(tmp_path, text
         load_registry(_config(tmp_path, f"[schemes.x]\n{text}\n"))
 
 
+def test_no_fp8_wgrad_where_megatron_honours_it(tmp_path, monkeypatch):
+    """The delayed recipe takes --no-fp8-wgrad and refuses BF16 first and last layers (a
+    delayed value stood in for by a table entry: the rule is the recipe's, not the value's)."""
+    monkeypatch.setitem(RECIPE_FLAGS, "fp8-tensor", ("hybrid", "delayed"))
+    head = "[schemes.x]\nlinear = 'fp8-tensor'\nqk = 'bf16'\npv = 'bf16'\nte_recipe = true\n"
+    x = load_registry(_config(tmp_path, head + "fp8_wgrad = false\n")).schemes["x"]
+    assert x.values() == {
+        "fprop": "fp8-tensor", "dgrad": "fp8-tensor", "wgrad": "bf16",
+        "qk": "bf16", "pv": "bf16", "bf16_layers": "output",
+    }  # fmt: skip
+    assert x.megatron_flags()[-1] == "--no-fp8-wgrad"
+    with pytest.raises(UserError, match="with the delayed recipe, which Megatron refuses"):
+        load_registry(_config(tmp_path, head + "first_last_layers_bf16 = true\n"))
+
+
 # -- Megatron's own policy, from its get_fp8_context -----------------------------------------
 
 

@@ -436,6 +436,12 @@ def _check_scheme(name: str, e: dict[str, Any], where: str, names: set[str]) -> 
                 '= "bf16" (Megatron keeps the attention core in BF16).'
             )
         recipe = RECIPE_FLAGS[linear][1]
+        if recipe == "delayed" and e.get("first_last_layers_bf16"):
+            raise UserError(
+                f"{where}: scheme '{name}' sets first_last_layers_bf16 with the delayed "
+                "recipe, which Megatron refuses (fp8_utils.get_fp8_context: delayed scaling "
+                "does not support first / last layers in BF16); drop one of them."
+            )
         if e.get("fp8_wgrad") is False and recipe not in HONOURS_NO_FP8_WGRAD:
             raise UserError(
                 f"{where}: scheme '{name}' sets fp8_wgrad = false, but Megatron hands "
