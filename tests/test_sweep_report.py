@@ -93,10 +93,11 @@ def test_the_report_says_where_each_run_came_from(run, tmp_path):
     rows = text.split("<tr")
     mx = next(r for r in rows if ">llama32-1b_wikipedia_FA_linear_mxfp8_fast<" in r)
     cells = [c.split(">", 1)[1].split("</td", 1)[0] for c in mx.split("<td")[1:]]
-    # attention "-": a record from before sweeps kept the attention path
+    # attention "-": a record from before sweeps kept the attention path; scheme args "-":
+    # none (and a record from before they were recorded)
     assert cells == [
         "llama32-1b_wikipedia_FA_linear_mxfp8_fast", "finished", "FA_linear_mxfp8", "mxfp8",
-        "mxfp8", "bf16", "-", "-", COMMIT[:12], record["data"]["checked"][0]["prefix"],
+        "mxfp8", "bf16", "-", "-", "-", COMMIT[:12], record["data"]["checked"][0]["prefix"],
         record["data"]["checked"][0]["tokenizer"], "1 node x 2 GPUs", "4242_1 COMPLETED",
     ]  # fmt: skip
     # the wide runs table's names may break after an underscore: it fits the page

@@ -517,6 +517,9 @@ def test_the_native_twin_runs_beside_its_emulation_and_the_report_pairs_them(
     commits = {r["scheme"]: r["commit"] for r in rec["runs"]}
     assert commits["native_tensorwise_hybrid"] == commits["bf16"]  # no site runs a format
     assert commits["te_tensorwise_hybrid"] != commits["bf16"]
+    recorded = {r["scheme"]: r["args"] for r in rec["runs"]}  # what runs is what it records
+    assert recorded["native_tensorwise_hybrid"] == tail
+    assert recorded["te_tensorwise_hybrid"] == recorded["bf16"] == []
     # the report pairs the emulation with its native twin: loss difference, step times
     html = (out / "report.html").read_text()
     assert "Emulation beside the native recipe (1 pairs)" in html
@@ -529,6 +532,7 @@ def test_the_native_twin_runs_beside_its_emulation_and_the_report_pairs_them(
     assert row["loss_diff_mean"] == pytest.approx(0.025)  # 0.01 i over i = 1..4
     assert row["loss_diff_max_abs"] == pytest.approx(0.04)
     assert (row["step_ms_emulated"], row["step_ms_native"]) == (96.9, 50.0)
+    assert " ".join(tail) in html  # the provenance table: the native run's own arguments
     for cell in ("te_tensorwise_hybrid", "native_tensorwise_hybrid", "96.9", "50"):
         assert cell in html
 

@@ -160,7 +160,8 @@ def _sweep_report(sweep_dir: Path, record: dict[str, Any], out_file: Path) -> di
     tensors = sweep.tensor_dirs(sweep_dir, record)
     where = Section(
         f"Where the runs came from ({len(record['runs'])} runs)",
-        "each run's scheme values (linear, Q.K^T, P.V, the BF16 layer policy), the attention "
+        "each run's scheme values (linear, Q.K^T, P.V, the BF16 layer policy) and its own "
+        "Megatron arguments (a native scheme's: TransformerEngine's recipe), the attention "
         "path the sweep gave it (--attention; the runs table says which its log names), the source "
         "commit its log names, the data prefix and tokenizer the sweep checked, its GPUs and "
         "its Slurm job (array task and Slurm's state); from sweep.json.",

@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 RUN_COLUMNS = [
-    "run", "state", "scheme", "linear", "qk", "pv", "bf16 layers", "attention", "commit", "data",
-    "tokenizer", "gpus", "slurm",
+    "run", "state", "scheme", "linear", "qk", "pv", "bf16 layers", "scheme args", "attention",
+    "commit", "data", "tokenizer", "gpus", "slurm",
 ]  # fmt: skip
 
 
@@ -94,6 +94,8 @@ def run_rows(record: Mapping[str, Any], schemes: Mapping[str, Any]) -> list[dict
                 "qk": values.get("qk", "?"),
                 "pv": values.get("pv", "?"),
                 "bf16 layers": values.get("bf16_layers", "-"),
+                # the scheme's own Megatron arguments (a native scheme: TE's recipe), as recorded
+                "scheme args": " ".join(r.get("args") or []) or "-",
                 # what the sweep asked for (the runs table says what each run's log names)
                 "attention": f"{r['attention']} (sweep: {choice})" if r.get("attention") else "-",
                 "commit": (r.get("commit") or "")[:12] or "-",

@@ -269,6 +269,7 @@ def prepare(
             "model": s.model,
             "dataset": s.dataset,
             "scheme": s.scheme.name,
+            "args": s.scheme.argv(),  # the scheme's own Megatron arguments, in its argv
             "profile": s.profile,
             "script": s.rel,
             "state": "pending",
