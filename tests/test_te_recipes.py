@@ -551,6 +551,12 @@ def test_a_native_scheme_on_a_fork_without_te_layers_is_refused_until_it_has_the
     fork = build_fork(tmp_path / "origin", trees["0.13.1"], full=False)
     root = clone_quant(fork, tmp_path / "Megatron-LM")
     assert run("init", "--repo", root).code == 0
+    # the emulation sets on the fork after init: its values through quantpatch_ops, which
+    # keep the output layer in BF16
+    res = run("set", "--repo", root, "--scheme", "te_blockwise_e4m3")
+    assert res.code == 0, res
+    assert run("check", "--repo", root, "--expect", "linear=fp8-block,bf16_layers=output").code == 0
+    assert run("restore", "--repo", root).code == 0
     _stubs(tmp_path, monkeypatch)
     site = tmp_path / "site" / "transformer_engine"
     site.mkdir(parents=True)
