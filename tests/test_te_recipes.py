@@ -621,3 +621,21 @@ def test_an_output_policy_on_an_older_policy_runtime_is_refused_until_upgrade(ru
     res = run("set", "--repo", root, "--scheme", "te_tensorwise_hybrid")
     assert res.code == 0, res
     assert "quantpatch_bf16_layers = 'output'" in (root / LINEAR).read_text()
+
+
+def test_a_native_scheme_takes_the_layout_of_transformer_engines_layers(run, tmp_path, monkeypatch):
+    """CP 2 needs TransformerEngine's attention: refused for the emulation (the local
+    layers), accepted for its native twin, whose script checks its layout as TE layers."""
+    site = tmp_path / "site" / "transformer_engine"
+    site.mkdir(parents=True)
+    (site / "__init__.py").write_text("")
+    monkeypatch.setenv("PYTHONPATH", str(site.parent))
+    monkeypatch.setenv("PYTHON", sys.executable)
+    gen = ["gen-scripts", "--profile", "smoke", "--models", "llama32-1b"]
+    gen += ["--datasets", "wikipedia", "--cp", "2", "--gpus-per-node", "2"]
+    res = run(*gen, "--out", tmp_path / "a", "--schemes", "te_tensorwise_hybrid")
+    assert res.code == 2 and "CP 2 needs Transformer Engine attention" in res.err, res
+    res = run(*gen, "--out", tmp_path / "b", "--schemes", "native_tensorwise_hybrid")
+    assert res.code == 0, res
+    script = next((tmp_path / "b").rglob("*.sh")).read_text()
+    assert "--seq-length 256 --transformer-impl transformer_engine \\" in script

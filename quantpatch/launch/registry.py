@@ -128,6 +128,16 @@ class Scheme:
             out.append("--no-fp8-wgrad")
         return out
 
+    def transformer_impl(self) -> str | None:
+        """The ``--transformer-impl`` the scheme's own argv gives (the last one), or None."""
+        argv, found = self.argv(), None
+        for i, word in enumerate(argv):
+            if word == "--transformer-impl" and i + 1 < len(argv):
+                found = argv[i + 1]
+            elif word.startswith("--transformer-impl="):
+                found = word.split("=", 1)[1]
+        return found
+
     def argv(self) -> list[str]:
         """The scheme's own pretrain_gpt.py arguments: a native scheme's
         ``--transformer-impl transformer_engine`` (unless its args choose the implementation)

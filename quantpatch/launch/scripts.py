@@ -270,6 +270,31 @@ def model_plan(
     )
 
 
+def scheme_layouts(
+    reg: Registry,
+    models: Sequence[str],
+    schemes: Sequence[str],
+    profile: str,
+    parallel: Mapping[str, int | str | None] | None = None,
+) -> dict[tuple[str, str], Layout]:
+    """Each (model, scheme)'s layout: the model's under the profile, with the layer
+    implementation the scheme's own argv chooses (a native scheme's TransformerEngine layers
+    take context parallelism, the local ones do not); the first refusal names the model."""
+    out: dict[tuple[str, str], Layout] = {}
+    by_impl: dict[tuple[str, str], Layout] = {}
+    for model in models:
+        plan = model_plan(reg, model, profile, parallel)
+        for scheme in schemes:
+            impl = reg.schemes[scheme].transformer_impl() or plan.transformer_impl
+            if (model, impl) not in by_impl:
+                try:
+                    by_impl[(model, impl)] = derive(replace(plan, transformer_impl=impl))
+                except LayoutError as exc:
+                    raise LayoutError(f"{model}/{profile}: {exc}") from None
+            out[(model, scheme)] = by_impl[(model, impl)]
+    return out
+
+
 def plan_layout(
     reg: Registry,
     models: Sequence[str],
@@ -617,14 +642,24 @@ def render_all(
     check_flags(reg, models, profile, source)  # every model at once: one sentence
     check_scheme_args(reg, schemes, source, launcher)
     blocked = {} if source.root is None else mla_unbuildable(source.root, reg, models, profile)
-    layouts = plan_layout(reg, models, profile, parallel)
+    layouts = scheme_layouts(reg, models, schemes, profile, parallel)
     if launcher == "swift":
         from quantpatch.launch import swift
 
         swift.check_models(reg, models, profile, swift_path)
     scripts = [
         render_script(
-            reg, m, d, s, profile, source, launcher, layouts[m], swift_path, blocked.get(m), path
+            reg,
+            m,
+            d,
+            s,
+            profile,
+            source,
+            launcher,
+            layouts[(m, s)],
+            swift_path,
+            blocked.get(m) if layouts[(m, s)].plan.transformer_impl == "local" else None,
+            path,
         )
         for m in models
         for d in datasets
