@@ -39,6 +39,8 @@ ML_DTYPES = {  # the spec's element types as ml_dtypes names them (the oracle's 
     "e4m3": ml_dtypes.float8_e4m3fn,
     "e5m2": ml_dtypes.float8_e5m2,
     "e2m1": ml_dtypes.float4_e2m1fn,
+    "e2m3": ml_dtypes.float6_e2m3fn,
+    "e3m2": ml_dtypes.float6_e3m2fn,
 }
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 

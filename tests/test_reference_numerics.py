@@ -33,14 +33,17 @@ from quantpatch.runtime import quantpatch_ops as ops
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
+    from torchao.prototype.mx_formats import kernels as torchao_kernels
     from torchao.prototype.mx_formats.config import ScaleCalculationMode
-    from torchao.prototype.mx_formats.kernels import f4_unpacked_to_f32, f32_to_f4_unpacked
+    from torchao.prototype.mx_formats.constants import DTYPE_FP6_E2M3, DTYPE_FP6_E3M2
     from torchao.prototype.mx_formats.mx_tensor import to_dtype, to_mx
 
 _TORCHAO_DTYPES = {
     "e4m3": torch.float8_e4m3fn,
     "e5m2": torch.float8_e5m2,
     "e2m1": torch.float4_e2m1fn_x2,
+    "e2m3": DTYPE_FP6_E2M3,
+    "e3m2": DTYPE_FP6_E3M2,
 }
 _MODES = {"floor": ScaleCalculationMode.FLOOR, "rceil": ScaleCalculationMode.RCEIL}
 _MX = [f for f in formats.SPECS if f.family == "mx"]
@@ -130,8 +133,10 @@ def _unblocked(b: torch.Tensor, n: int, dim: int) -> torch.Tensor:
 def _cast(p: torch.Tensor, elem: str) -> torch.Tensor:
     """float32 ``p`` through torchao's element cast (saturating; nearest even) and back."""
     p = p.clamp(-_ELEMS[elem][2], _ELEMS[elem][2])
-    if elem == "e2m1":
-        return f4_unpacked_to_f32(f32_to_f4_unpacked(p))
+    if elem in ("e2m1", "e2m3", "e3m2"):  # torchao's unpacked casts of its sub-byte elements
+        name = {"e2m1": "f4", "e2m3": "f6_e2m3", "e3m2": "f6_e3m2"}[elem]
+        unpack = getattr(torchao_kernels, f"{name}_unpacked_to_f32")
+        return unpack(getattr(torchao_kernels, f"f32_to_{name}_unpacked")(p))
     return p.to(_TORCHAO_DTYPES[elem]).float()
 
 
