@@ -247,6 +247,28 @@ def test_forced_kernels_refuse_cpu_tensors_they_cannot_read(monkeypatch):
     assert torch.equal(ops.fake_quant(x, "mxfp8"), qz._fake_quant(x, "mxfp8", -1, False))
 
 
+def test_the_kernel_path_is_announced_once_with_why(monkeypatch, capsys):
+    """Which code quantizes CUDA tensors is printed once per process on rank 0, as the
+    attention path is: a Triton import that failed says its error instead of falling back to
+    the reference in silence."""
+    monkeypatch.setenv("QUANTPATCH_KERNELS", "auto")
+    monkeypatch.setattr(qz, "_kernels_said", [])
+    monkeypatch.setattr(qz, "_kernels_module", None)
+    monkeypatch.setattr(qz, "_kernels_error", "ImportError: No module named 'triton'")
+    qz.say_kernels("cuda")
+    qz.say_kernels("cuda")
+    line = qz.KERNELS_PATH_LINE + "reference (no Triton kernels: ImportError: No module named "
+    assert capsys.readouterr().err == line + "'triton')\n"
+    monkeypatch.setattr(qz, "_kernels_said", [])
+    monkeypatch.setenv("RANK", "1")  # other ranks say nothing
+    qz.say_kernels("cuda")
+    assert capsys.readouterr().err == ""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(qz, "_kernels_module", object())
+    qz.say_kernels("cuda")
+    assert capsys.readouterr().err == qz.KERNELS_PATH_LINE + "triton\n"
+
+
 def test_kernel_mode_switch_and_fallback(monkeypatch):
     x = torch.randn(4, 64)
     monkeypatch.setenv("QUANTPATCH_KERNELS", "reference")

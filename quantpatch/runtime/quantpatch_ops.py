@@ -4,7 +4,8 @@ dtype), and the quantized products that fork-layout sites dispatch to.
 
 Installed by ``quantpatch init`` as ``megatron/core/quantpatch_ops.py``, with the modules it
 imports beside it, one concern each: ``quantpatch_formats.py`` (the format spec: every value
-and what it quantizes with, standard library only), ``quantpatch_mx.py`` (MX and HiF8),
+and what it quantizes with, standard library only), ``quantpatch_env.py`` (every environment
+variable the runtime reads), ``quantpatch_mx.py`` (MX and HiF8),
 ``quantpatch_fp8.py`` (fp8-tensor, fp8-block), ``quantpatch_nvfp4.py`` (NVFP4 and its
 stochastic rounding), ``quantpatch_paretoq.py`` (ParetoQ), ``quantpatch_quantize.py`` (which
 code quantizes a tensor: the Triton kernels or the reference) and ``quantpatch_weights.py``
@@ -59,7 +60,6 @@ format instead of ~30 elementwise passes; bit-identical results, tested).
 
 from __future__ import annotations
 
-import os
 import sys
 import weakref
 from typing import Any
@@ -67,6 +67,7 @@ from typing import Any
 import torch
 
 # the parts, one concern each (the names below are the public API, unchanged for the sites)
+from . import quantpatch_env as env
 from . import quantpatch_formats as formats
 from .quantpatch_fp8 import FP8_BLOCK, fp8_tensor
 from .quantpatch_mx import BLOCK, E2M1, E4M3, E5M2, SCALE_MAX, SCALE_MIN, round_element
@@ -381,18 +382,12 @@ def _flash() -> Any:
 
 
 def _flash_mode() -> str:
-    mode = os.environ.get("QUANTPATCH_FLASH", "auto")
-    if mode not in FLASH_MODES:
-        raise ValueError(f"QUANTPATCH_FLASH={mode!r}; expected auto, 0 or 1")
-    return mode
+    return env.flash()
 
 
 def flash_bf16() -> bool:
     """Whether ``QUANTPATCH_FLASH_BF16=1`` asks for a bf16 Q.K^T on the flash kernel."""
-    value = os.environ.get("QUANTPATCH_FLASH_BF16", "0") or "0"
-    if value not in ("0", "1"):
-        raise ValueError(f"QUANTPATCH_FLASH_BF16={value!r}; expected 0 or 1")
-    return value == "1"
+    return env.flash_bf16()
 
 
 ATTENTION_PATH_LINE = "[quantpatch] attention path: "
@@ -403,7 +398,7 @@ _paths_said: set[str] = set()
 def _say_path(qk: str, pv: str, why: str | None) -> None:
     """Print, once per process and kind of path (on rank 0), which path attention took."""
     path = "stock" if why is not None else "flash"
-    if path in _paths_said or os.environ.get("RANK", "0") != "0":
+    if path in _paths_said or not env.first_rank():
         return
     _paths_said.add(path)
     detail = why if why is not None else f"Q.K^T {qk}, P.V {pv}"
@@ -435,7 +430,6 @@ def quant_flash_attention(
     return out
 
 
-_FLAG_TRUE = ("1", "true", "yes", "on")
 _causal_seen: list[Any] = []  # [(weakref to a mask, its version, whether it is causal)]
 
 
@@ -488,7 +482,7 @@ def flash_refusal(
         return f"P.V is quantized ({pv}): the flash kernel keeps P.V in bf16"
     if qk not in FORMATS:
         return f"unknown format {qk!r}"
-    if os.environ.get("TENSOR_SAVE_ENABLED", "").strip().lower() in _FLAG_TRUE:
+    if env.tensor_save():
         return "the tensor saver is on (it saves the attention probabilities)"
     if not query.is_cuda:
         if mode == "auto":
