@@ -34,15 +34,26 @@ from quantpatch.base.errors import UserError
 ArgValue = bool | int | float | str | list[int | float | str]
 DEFAULT_RELEASE = "core_v0.13.1"
 
-RECIPE_FLAGS: dict[str, tuple[str, str]] = {
-    "mxfp8-rceil": ("e4m3", "mxfp8"),
-    "mxfp8-rceil-hybrid": ("hybrid", "mxfp8"),
-    "fp8-tensor": ("hybrid", "tensorwise"),
-    "fp8-block": ("e4m3", "blockwise"),
-}
+
+def _recipe_flags() -> dict[str, tuple[str, str]]:
+    """value -> (``--fp8-format``, ``--fp8-recipe``) for every value the format spec says
+    emulates a Megatron recipe (its ``megatron`` flags)."""
+    from quantpatch.base.values import VALUES
+
+    out: dict[str, tuple[str, str]] = {}
+    for v in VALUES:
+        words = (v["megatron"] or "").split()
+        flags = dict(zip(words[::2], words[1::2], strict=False))
+        if "--fp8-format" in flags:
+            out[v["name"]] = (flags["--fp8-format"], flags.get("--fp8-recipe", "delayed"))
+    return out
+
+
+RECIPE_FLAGS: dict[str, tuple[str, str]] = _recipe_flags()
 """The values that compute what a Megatron recipe computes: ``--fp8-format``, ``--fp8-recipe``
-(core_v0.13.1 ``fp8_utils.get_fp8_context``: TransformerEngine's MXFP8BlockScaling,
-Float8CurrentScaling, Float8BlockScaling in that format)."""
+(core_v0.13.1 ``fp8_utils.get_fp8_context``: TransformerEngine's DelayedScaling,
+Float8CurrentScaling, Float8BlockScaling or MXFP8BlockScaling in that format), from the
+format spec's ``megatron`` flags."""
 HONOURS_NO_FP8_WGRAD = ("delayed",)
 """The recipes Megatron hands ``--no-fp8-wgrad`` to (core_v0.13.1 passes
 ``override_linear_precision`` to ``TEDelayedScaling`` only)."""
