@@ -639,3 +639,26 @@ def test_a_native_scheme_takes_the_layout_of_transformer_engines_layers(run, tmp
     assert res.code == 0, res
     script = next((tmp_path / "b").rglob("*.sh")).read_text()
     assert "--seq-length 256 --transformer-impl transformer_engine \\" in script
+
+
+def test_run_refuses_a_native_scheme_on_a_gpu_without_its_format(
+    tmp_path, make_checkout, monkeypatch, run
+):
+    """``run`` trains on this machine: its visible GPUs (CUDA_VISIBLE_DEVICES) are checked,
+    and the advice (the GPU that has the format) is followed."""
+    root = make_checkout(inject=False, extra=("megatron/core/extensions/transformer_engine.py",))
+    assert run("init", "--repo", root).code == 0
+    _stubs(tmp_path, monkeypatch)
+    site = tmp_path / "site" / "transformer_engine"
+    site.mkdir(parents=True)
+    (site / "__init__.py").write_text("")
+    monkeypatch.setenv("PYTHONPATH", str(site.parent))
+    one = ["run", "--model", "llama32-1b", "--dataset", "wikipedia", "--profile", "smoke"]
+    one += ["--scheme", "native_tensorwise_hybrid", "--dry-run", "--repo", root]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    res = run(*one)
+    assert res.code == 2, res
+    assert "GPU 0 of this machine is 8.0; choose GPUs 1 with CUDA_VISIBLE_DEVICES" in res.err
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    res = run(*one)  # its worktree verified, the command printed (by the script, on fd 1)
+    assert res.code == 0, res

@@ -1,6 +1,7 @@
 """The launch commands: ``list``, ``gen-scripts``, ``layout``, ``worktree``, ``run`` (and
 the hidden ``extra-args`` the scripts call)."""
 
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -442,6 +443,15 @@ def run_(
         reg.pick("schemes", [scheme]),
         profile,
         flags,
+    )
+    from quantpatch.launch.native import refuse_unrunnable, visible_gpus
+
+    refuse_unrunnable(
+        [script.scheme],
+        flags.root or repo_root(repo),
+        os.environ,
+        visible_gpus(os.environ),
+        "with CUDA_VISIBLE_DEVICES",
     )
     err.print(f"validated against {flags.describe()}", markup=False)
     from quantpatch.checkout.worktrees import left_out

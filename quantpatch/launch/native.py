@@ -112,6 +112,12 @@ def compute_capabilities(environ: Mapping[str, str]) -> list[tuple[int, int]] | 
     return caps or None
 
 
+def visible_gpus(environ: Mapping[str, str]) -> list[str]:
+    """The GPU indices ``CUDA_VISIBLE_DEVICES`` names (indices only), [] for all of them."""
+    text = environ.get("CUDA_VISIBLE_DEVICES", "")
+    return [g.strip() for g in text.split(",") if g.strip().isdigit()]
+
+
 def _cc(cap: tuple[int, int]) -> str:
     return f"{cap[0]}.{cap[1]}"
 
@@ -121,10 +127,12 @@ def refuse_unrunnable(
     root: Path | None,
     environ: Mapping[str, str],
     gpus: Sequence[str] | None = None,
+    choose: str = "with --gpus",
 ) -> None:
     """One sentence for the first native scheme TransformerEngine cannot run here: a checkout
     without Megatron's TE layers, no TE in the run's Python, and, with ``gpus`` (the GPU
-    indices a local sweep runs on, [] for all of them), a GPU without the format."""
+    indices the runs take on this machine, [] for all of them), a GPU without the format;
+    ``choose`` says how to choose others (a sweep's ``--gpus``)."""
     native = [s for s in schemes if s.native]
     if not native:
         return
@@ -161,7 +169,7 @@ def refuse_unrunnable(
         fits = [i for i, c in enumerate(caps) if c >= low and (high is None or c < high)]
         span = f"{_cc(low)} or higher" + (f" and below {_cc(high)}" if high else "")
         advice = (
-            f"choose GPUs {','.join(map(str, fits))} with --gpus"
+            f"choose GPUs {','.join(map(str, fits))} {choose}"
             if fits
             else "run it on a machine with such GPUs (or --launcher slurm)"
         )
