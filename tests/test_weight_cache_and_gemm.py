@@ -534,8 +534,8 @@ def test_fused_gemm_batches_odd_shapes_and_specials(kernels):
         kernels.quant_gemm(a, a, "mxfp8", "mxfp8")
     with pytest.raises(ValueError, match="batch sizes"):
         kernels.quant_gemm(a, torch.cat([b, b, b]), "mxfp8", "mxfp8")
-    with pytest.raises(ValueError, match="not 'nvfp4'"):
-        kernels.quant_gemm(a, b, "nvfp4", "mxfp8")
+    with pytest.raises(ValueError, match="not 'nvfp4-rht'"):
+        kernels.quant_gemm(a, b, "nvfp4-rht", "mxfp8")
 
 
 # every value the products quantize: (operand a's format, operand b's, a backward, b backward,
@@ -606,16 +606,13 @@ def test_quant_matmul_fuses_every_value_like_the_separate_path(kernels, monkeypa
     weight_fmt = {"fp8-block": "fp8-block-2d"}.get(fmt, fmt)
     act_fmt = "nvfp4" if fmt == "nvfp4-2d" else fmt
     assert calls == [(act_fmt, weight_fmt), (act_fmt, weight_fmt), (act_fmt, act_fmt)]
+    ops.reset_sr_generators()
     for sep, fused, (a, b, ba, bb, fa, fb) in zip(
         results["separate"], results["fused"],
         [(x, w.t(), False, False, act_fmt, weight_fmt), (g, w, True, False, act_fmt, weight_fmt),
          (g.t(), x, True, False, act_fmt, act_fmt)], strict=True,
     ):  # fmt: skip
-        bb = bb or (fmt == "fp8-block" and False)
-        qa = qz.quantize(a, fa, -1, ba) if not (ba and fa.startswith("nvfp4")) else None
-        if qa is None:  # the separate path's stochastic operand, from the same draws
-            ops.reset_sr_generators()
-            qa = qz.quantize(a, fa, -1, ba)
+        qa = qz.quantize(a, fa, -1, ba)  # stochastic rounding: the draws in the products' order
         qb = qz.quantize(b, fb, -2, bb)
         tol, ref = _tolerance(qa, qb, torch.bfloat16)
         assert bool(((fused.double() - ref).abs() <= tol).all())
@@ -679,17 +676,17 @@ def test_quant_matmul_dispatch(kernels, monkeypatch):
         assert same_bits(scores, bmm * 0.5) and len(calls) == 3
         assert ops.quant_baddbmm(buffer, a3, b3, beta=0.0, fmt="hifp8").shape == (2, 12, 8)
         ops.quant_matmul(a, w.t(), "nvfp4")  # fused too: the amax taken before the launch
-        assert calls[-1] == ("nvfp4", "bf16", False, False) and len(calls) == 4
+        assert calls[-1] == ("nvfp4", "bf16", False, False) and len(calls) == 5
         ops.quant_matmul(a, w.t(), "nvfp4-rht")  # separate: the Hadamard transform first
-        assert len(calls) == 4
+        assert len(calls) == 5
         assert wc._fused_product(a3, b3.float(), "mxfp8", False, False) is None  # dtypes
         assert wc._fused_product(a3, b3[:1], "mxfp8", False, False) is None  # batches
         assert wc._fused_product(a3, b3[:, :8], "mxfp8", False, False) is None  # K differs
         ops.quant_matmul(a3, b3[0], "mxfp8")  # an activation b: quantized in the loop
-        assert calls[-1] == ("mxfp8", "mxfp8", False, False) and len(calls) == 5
+        assert calls[-1] == ("mxfp8", "mxfp8", False, False) and len(calls) == 6
     x = a.detach().requires_grad_()
     y = ops.quant_matmul(x, w.t(), "mxfp8")  # needs the quantized operands for backward
-    assert len(calls) == 5 and y.grad_fn is not None
+    assert len(calls) == 6 and y.grad_fn is not None
     monkeypatch.setenv("QUANTPATCH_GEMM", "auto")  # auto never fuses stochastic rounding
     monkeypatch.setattr(wc, "_auto_fuses", lambda t: True)
     assert wc._fused_product(a, w.detach().t(), "nvfp4", True, False) is None
