@@ -41,9 +41,6 @@ from .quantpatch_kernels import (
 _E4M3 = (3, -6, 448.0)
 _E5M2 = (2, -14, 57344.0)
 _ELEMENTWISE_BLOCK = 2048
-# a 128 x 128 tile per program: 16 warps hold 32 elements a thread (with 4, 128 each took
-# all 255 registers and spilled 1.2 KB)
-_TILE_WARPS = 16
 
 
 @triton.jit
@@ -116,23 +113,34 @@ def _fp8_tile_kernel(
     BIG: tl.constexpr,
     TILE: tl.constexpr,
     BF16: tl.constexpr,
+    CHUNK: tl.constexpr,
 ):
-    """One 128 x 128 tile of a contiguous ``[batch, rows, cols]`` tensor per program."""
+    """One 128 x 128 tile of a contiguous ``[batch, rows, cols]`` tensor per program, read in
+    chunks of CHUNK rows twice (its amax, then its elements): a whole tile in registers took
+    all of them and spilled."""
     pid_b = tl.program_id(2).to(tl.int64)
-    r = tl.program_id(0) * TILE + tl.arange(0, TILE)
     c = tl.program_id(1) * TILE + tl.arange(0, TILE)
-    offs = pid_b * rows * cols + r[:, None].to(tl.int64) * cols + c[None, :]
-    inside = (r[:, None] < rows) & (c[None, :] < cols)
-    x = tl.load(x_ptr + offs, mask=inside, other=0.0)
-    v = load_f32(x, BF16)
-    finite = tl.abs(v) < float("inf")
-    clean = tl.where(finite, v, 0.0)
-    amax = tl.max(tl.max(tl.abs(clean), axis=1), axis=0)
+    amax = 0.0
+    for i in tl.static_range(0, TILE, CHUNK):
+        r = tl.program_id(0) * TILE + i + tl.arange(0, CHUNK)
+        offs = pid_b * rows * cols + r[:, None].to(tl.int64) * cols + c[None, :]
+        inside = (r[:, None] < rows) & (c[None, :] < cols)
+        v = load_f32(tl.load(x_ptr + offs, mask=inside, other=0.0), BF16)
+        clean = tl.where(tl.abs(v) < float("inf"), v, 0.0)
+        amax = tl.maximum(amax, tl.max(tl.max(tl.abs(clean), axis=1), axis=0))
     e = pow2_exponent(tl.full((1,), 0.0, tl.float32) + amax, BIG)  # [1]
-    p = clean * pow2(e[:, None])
-    q = signed(round_nonneg(tl.abs(p), 3, -6, 448.0), p)
-    out = tl.where(finite, store_as(q * pow2(-e[:, None]), y_ptr.dtype.element_ty, BF16), x)
-    tl.store(y_ptr + offs, out, mask=inside)
+    for i in tl.static_range(0, TILE, CHUNK):
+        r = tl.program_id(0) * TILE + i + tl.arange(0, CHUNK)
+        offs = pid_b * rows * cols + r[:, None].to(tl.int64) * cols + c[None, :]
+        inside = (r[:, None] < rows) & (c[None, :] < cols)
+        x = tl.load(x_ptr + offs, mask=inside, other=0.0)
+        v = load_f32(x, BF16)
+        finite = tl.abs(v) < float("inf")
+        clean = tl.where(finite, v, 0.0)
+        p = clean * pow2(e[:, None])
+        q = signed(round_nonneg(tl.abs(p), 3, -6, 448.0), p)
+        out = tl.where(finite, store_as(q * pow2(-e[:, None]), y_ptr.dtype.element_ty, BF16), x)
+        tl.store(y_ptr + offs, out, mask=inside)
 
 
 def fake_quant(x: torch.Tensor, fmt: str, dim: int = -1, backward: bool = False) -> torch.Tensor:
@@ -168,7 +176,7 @@ def fake_quant(x: torch.Tensor, fmt: str, dim: int = -1, backward: bool = False)
         batch = xc.numel() // max(1, rows * cols)
         grid2 = (triton.cdiv(rows, FP8_BLOCK), triton.cdiv(cols, FP8_BLOCK), batch)
         _fp8_tile_kernel[grid2](
-            xc, y, rows, cols, BIG=big, TILE=FP8_BLOCK, BF16=bf16, num_warps=_TILE_WARPS
+            xc, y, rows, cols, BIG=big, TILE=FP8_BLOCK, BF16=bf16, CHUNK=32, num_warps=4
         )
         return y
     if fmt not in ("fp8-block", "fp8-block-2d"):
