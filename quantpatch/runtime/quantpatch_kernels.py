@@ -509,16 +509,16 @@ storage_view = _storage_view
 # or fewer ptxas keeps them in registers (about 180 of 255), at 96 or more it spills
 # (``benchmarks/kernel_resources.py``). The shared memory a configuration takes is num_stages x
 # one A and one B tile; configurations above the device's limit per block are pruned before
-# they are tried (``_prune_gemm``). BLOCK_K = 128: fp8-block's blocks (the last three).
+# they are tried (``_prune_gemm``). BLOCK_K = 128: fp8-block's blocks (the last, one
+# stage: with two, or 64 x 64 tiles, ptxas spilled 8-40 bytes).
 _GEMM_CONFIGS = (
     (32, 32, 32, 4, 4, 2),
     (128, 128, 64, 8, 8, 3),
     (64, 128, 64, 8, 8, 3),
     (128, 64, 64, 8, 8, 3),
     (128, 128, 32, 8, 8, 4),
-    (64, 128, 128, 8, 16, 2),
-    (32, 128, 128, 8, 16, 2),
-    (32, 128, 128, 8, 16, 1),
+    (64, 64, 64, 8, 4, 2),
+    (16, 128, 128, 8, 8, 1),
 )
 # shared memory per block (opt-in) by compute capability, where the device cannot be asked
 _SMEM_PER_BLOCK = {
@@ -542,11 +542,11 @@ def _gemm_configs() -> list[Any]:
 
 
 def gemm_fits(config: Any, a_kind: int, b_kind: int) -> bool:
-    """Whether a configuration's tiles hold whole blocks of both operands: K-tiles of a
-    multiple of 128 for ``fp8-block``, and 128 x 128 weight tiles whole in the M / N tile."""
+    """Whether a configuration's tiles hold whole blocks of both operands: K-tiles of 128
+    for ``fp8-block`` (and only there), 128 x 128 weight tiles whole in the M / N tile."""
     kw = config.kwargs
-    if (a_kind in _FP8_KINDS or b_kind in _FP8_KINDS) and kw["BLOCK_K"] % 128:
-        return False
+    if (a_kind in _FP8_KINDS or b_kind in _FP8_KINDS) != (kw["BLOCK_K"] == 128):
+        return False  # 128-element K-tiles for fp8-block alone (MX tiles of them spilled)
     if a_kind == GEMM_FP8_TILE and kw["BLOCK_M"] % 128:
         return False
     return not (b_kind == GEMM_FP8_TILE and kw["BLOCK_N"] % 128)
