@@ -466,6 +466,8 @@ def test_byte_cap_and_selection_in_process(saver_module, capsys):
         ("TENSOR_SAVE_NICE", "20"),
         ("TENSOR_SAVE_STATS_ONLY", "maybe"),
         ("TENSOR_SAVE_ENABLED", "ture"),
+        ("TENSOR_SAVE_ACCELERATORS", "turbo"),
+        ("TENSOR_SAVE_ACCELERATORS", "all,pickler"),
     ],
 )
 def test_a_bad_variable_turns_saving_off_in_one_line(saver_module, capsys, tmp_path, name, value):
@@ -482,6 +484,24 @@ def test_a_bad_variable_turns_saving_off_in_one_line(saver_module, capsys, tmp_p
     ts.save_tensor(torch.ones(4), "linear", "forward", None, "input", 1)
     assert ts.flush()["files"] == 0 and not (tmp_path / "t").exists()
     assert capsys.readouterr().err == ""  # said once, at configuration
+
+
+@pytest.mark.parametrize(
+    ("value", "on"),
+    [
+        ("none", set()),
+        ("stats-kernel", {"stats-kernel"}),
+        (" Pickler , stats-kernel ", {"pickler", "stats-kernel"}),
+        ("all", {"pickler", "stats-kernel"}),
+    ],
+)
+def test_accelerators_are_asked_for_by_name(saver_module, value, on):
+    ts = saver_module(TENSOR_SAVE_ACCELERATORS=value)
+    status = ts.accelerator_status()
+    assert {name for name, said in status.items() if said != "off"} == on
+    assert set(status) == {"stats-kernel", "pickler"}
+    if "pickler" in on:
+        assert status["pickler"] == "on: pickler"  # this torch is one it was checked on
 
 
 def test_bad_variables_are_quiet_while_saving_is_off(saver_module, capsys):

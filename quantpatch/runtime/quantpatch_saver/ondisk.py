@@ -30,8 +30,8 @@ from 1.6 on does; where one does not, files are in the zip format)."""
 
 
 class _Recorder:
-    """The bytes of ``torch.save(obj)`` in its non-zip format, recorded instead of written, for
-    the objects the plain pickler declines (``_plain_bytes``): the pickles are copied, and
+    """The bytes of ``torch.save(obj)`` in its non-zip format, recorded instead of written (the
+    default path, and what the pickler accelerator declines): the pickles are copied, and
     the host tensor's own bytes, which the format writes whole after them, are kept as a
     view of its memory (alive until the file is written). The file then goes out in one
     ``os.writev`` where torch.save made seven writes.
