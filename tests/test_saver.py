@@ -17,6 +17,7 @@ from pathlib import Path
 import git
 import pytest
 
+from quantpatch.checkout.parts import SAVER_MODULES, runtime_source
 from quantpatch.checkout.saver import SAVER_MODULE, saver_source
 
 from .conftest import ATTENTION, LINEAR, VERSIONS, run_probe, snapshot
@@ -57,6 +58,8 @@ def test_install_remove_idempotent_and_byte_identical(run, make_checkout, versio
         text = (root / rel).read_text()
         assert "# quantpatch: saver" in text and "from megatron.core import tensor_saver" in text
     assert (root / SAVER_MODULE).read_text() == saver_source()
+    for rel in SAVER_MODULES:  # the API and its parts, recorded
+        assert (root / rel).read_text() == runtime_source(rel), rel
     assert (
         "_qp_saver.save_linear_tensors(total_input, weight, custom_quant_type, 'forward'"
         in (root / LINEAR).read_text()
@@ -85,8 +88,18 @@ def test_install_remove_idempotent_and_byte_identical(run, make_checkout, versio
 
 def test_install_refuses_a_different_saver_unless_forced(run, make_checkout):
     root = _tree_checkout(make_checkout)
-    (root / SAVER_MODULE).write_text("# the fork's own saver\n")
     repo = git.Repo(root)
+    # a file of the saver's parts that is there already: refused by name, nothing written
+    part = root / SAVER_MODULES[-1]
+    part.parent.mkdir(parents=True)
+    part.write_text("# someone's own\n")
+    repo.git.add("-A")
+    repo.git.commit("-qm", "a part of its own")
+    before = snapshot(root)
+    res = run("saver", "install", "--repo", root)
+    assert res.code == 2 and f"{SAVER_MODULES[-1]}: a different file is already there" in res.err
+    assert snapshot(root) == before
+    (root / SAVER_MODULE).write_text("# the fork's own saver\n")
     repo.git.add("-A")
     repo.git.commit("-qm", "fork saver")
     before = snapshot(root)
@@ -95,6 +108,7 @@ def test_install_refuses_a_different_saver_unless_forced(run, make_checkout):
     assert snapshot(root) == before
     assert run("saver", "install", "--repo", root, "--force").code == 0
     assert (root / SAVER_MODULE).read_text() == saver_source()
+    assert part.read_text() == runtime_source(SAVER_MODULES[-1])
     assert run("saver", "remove", "--repo", root).code == 0
     assert snapshot(root)["files"] == before["files"]
 
