@@ -51,8 +51,10 @@ SAVER_MODULES = (
     *(f"megatron/core/quantpatch_saver/{part}.py" for part in SAVER_PARTS),
 )
 """Every file ``saver install`` copies: the API its callers import, and its parts."""
+FORMATS_MODULE = "megatron/core/quantpatch_formats.py"
 # the parts quantpatch_ops.py imports, one concern each (see its docstring)
 OPS_PARTS = (
+    "quantpatch_formats",  # the format spec every other part derives its tables from
     "quantpatch_mx",
     "quantpatch_fp8",  # fp8-tensor and fp8-block (TE's FP8 recipes)
     "quantpatch_nvfp4",
