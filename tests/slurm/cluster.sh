@@ -5,7 +5,7 @@
 #                           accounting database, slurmctld and slurmd; waits for the node idle
 #   cluster.sh stop DIR     stops every daemon that start left running (their pid files in DIR)
 # Everything it writes is under DIR (configuration, state, logs); clients find the cluster
-# through SLURM_CONF=DIR/etc/slurm.conf. The node is this machine: 8 CPUs and 8 GPUs declared
+# through SLURM_CONF=DIR/etc/slurm.conf. The node is this machine: 32 CPUs (3 a GPU rank asks for) and 8 GPUs declared
 # (SLURM_NODE_GPUS=N declares N instead, as a user's 2-GPU node does; config_overrides; the
 # GPUs are dummy files in DIR/dev, enough for --gpus-per-node), the
 # minimal plugins that work without systemd or cgroups (proctrack/linuxproc, task/none).
@@ -85,13 +85,13 @@ start() {
     for (( i = 0; i < gpus; i++ )); do : >"$dir/dev/gpu$i"; done
     local node_lines gres_lines
     if (( nodes == 1 )); then
-        node_lines="NodeName=$host NodeAddr=127.0.0.1 CPUs=8 Gres=gpu:$gpus State=UNKNOWN"
+        node_lines="NodeName=$host NodeAddr=127.0.0.1 CPUs=32 Gres=gpu:$gpus State=UNKNOWN"
         gres_lines="NodeName=$host Name=gpu File=$dir/dev/gpu[0-$((gpus - 1))]"
     else
         node_lines="" gres_lines=""
         for (( n = 1; n <= nodes; n++ )); do
             for (( i = 0; i < gpus; i++ )); do : >"$dir/dev/qp$n-gpu$i"; done
-            node_lines+="NodeName=qp$n NodeHostname=$host NodeAddr=127.0.0.1 Port=$((SLURMD_PORT + 10 + n)) CPUs=8 Gres=gpu:$gpus State=UNKNOWN"$'\n'
+            node_lines+="NodeName=qp$n NodeHostname=$host NodeAddr=127.0.0.1 Port=$((SLURMD_PORT + 10 + n)) CPUs=32 Gres=gpu:$gpus State=UNKNOWN"$'\n'
             gres_lines+="NodeName=qp$n Name=gpu File=$dir/dev/qp$n-gpu[0-$((gpus - 1))]"$'\n'
         done
     fi
