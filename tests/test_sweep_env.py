@@ -132,7 +132,7 @@ def test_a_slurm_sweep_hands_sbatch_the_sweeps_environment(sweep_env, run, monke
     assert "SWEEP_DIR=" + str(out.resolve()) in (out / "sweep.sbatch").read_text()
 
 
-def test_a_local_sweep_that_can_never_start_is_refused_before_writing(sweep_env, run):
+def test_a_local_sweep_that_can_never_start_is_refused_before_writing(sweep_env, run, tmp_path):
     root, _env, _stub, out = sweep_env
     res = run("sweep", "run", out, *SELECT, "--gpus-per-node", "2", "--gpus", "0",
               "--repo", root)  # fmt: skip
@@ -141,7 +141,11 @@ def test_a_local_sweep_that_can_never_start_is_refused_before_writing(sweep_env,
     assert "each run needs 2 GPUs" in said and "give --gpus-per-node 1" in said, said
     assert not out.exists()
     assert not (root / ".git" / "quantpatch" / "worktrees").exists()
-    # the advice, followed
+    # the advice, followed: another GPU named, or one GPU a run
+    res = run("sweep", "run", tmp_path / "two", *SELECT, "--gpus-per-node", "2", "--gpus",
+              "0,1", "--repo", root)  # fmt: skip
+    assert res.code == 0, res
+    assert [r["gpus"] for r in record(tmp_path / "two")["runs"]] == ["0,1"] * 3
     res = run("sweep", "run", out, *SELECT, "--gpus-per-node", "1", "--gpus", "0",
               "--repo", root)  # fmt: skip
     assert res.code == 0, res
