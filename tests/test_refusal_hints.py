@@ -241,6 +241,7 @@ def test_a_local_sweep_on_several_nodes_followed(cluster, run, tmp_path, monkeyp
     assert res.code == 0, res
 
 
+@pytest.mark.slow
 def test_the_record_refusals_followed(cluster, run, tmp_path):
     """A record that is not one, or was edited by hand: move it away; a different selection
     while Slurm has runs: `quantpatch sweep cancel`."""
@@ -274,6 +275,7 @@ def test_the_record_refusals_followed(cluster, run, tmp_path):
     assert res.code == 0, res
 
 
+@pytest.mark.slow
 def test_a_run_left_running_followed(cluster, run, tmp_path):
     """A run whose process group still lives: `kill -TERM -- -PGID`, as said, then it runs."""
     root, _stub = cluster

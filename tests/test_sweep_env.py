@@ -81,6 +81,7 @@ def _after(argv: list[str], flag: str) -> str:
     return argv[argv.index(flag) + 1]
 
 
+@pytest.mark.slow
 def test_a_local_sweep_runs_what_it_recorded_whatever_the_shell_exports(
     sweep_env, run, monkeypatch, tmp_path
 ):
@@ -132,7 +133,17 @@ def test_a_slurm_sweep_hands_sbatch_the_sweeps_environment(sweep_env, run, monke
     assert "SWEEP_DIR=" + str(out.resolve()) in (out / "sweep.sbatch").read_text()
 
 
-def test_a_local_sweep_that_can_never_start_is_refused_before_writing(sweep_env, run, tmp_path):
+def test_a_local_sweep_that_can_never_start_is_refused_before_writing(sweep_env, run):
+    root, _env, _stub, out = sweep_env
+    res = run("sweep", "run", out, *SELECT, "--gpus-per-node", "2", "--gpus", "0",
+              "--repo", root)  # fmt: skip
+    assert res.code == 2 and "each run needs 2 GPUs" in " ".join(res.err.split()), res
+    assert not out.exists()
+    assert not (root / ".git" / "quantpatch" / "worktrees").exists()
+
+
+@pytest.mark.slow
+def test_the_advice_of_a_local_sweep_that_cannot_start_followed(sweep_env, run, tmp_path):
     root, _env, _stub, out = sweep_env
     res = run("sweep", "run", out, *SELECT, "--gpus-per-node", "2", "--gpus", "0",
               "--repo", root)  # fmt: skip
@@ -142,10 +153,11 @@ def test_a_local_sweep_that_can_never_start_is_refused_before_writing(sweep_env,
     assert not out.exists()
     assert not (root / ".git" / "quantpatch" / "worktrees").exists()
     # the advice, followed: another GPU named, or one GPU a run
-    res = run("sweep", "run", tmp_path / "two", *SELECT, "--gpus-per-node", "2", "--gpus",
-              "0,1", "--repo", root)  # fmt: skip
+    one = (*SELECT[:6], "--schemes", "bf16")
+    res = run("sweep", "run", tmp_path / "two", *one, "--gpus-per-node", "2", "--gpus", "0,1",
+              "--repo", root)  # fmt: skip
     assert res.code == 0, res
-    assert [r["gpus"] for r in record(tmp_path / "two")["runs"]] == ["0,1"] * 3
+    assert [r["gpus"] for r in record(tmp_path / "two")["runs"]] == ["0,1"]
     res = run("sweep", "run", out, *SELECT, "--gpus-per-node", "1", "--gpus", "0",
               "--repo", root)  # fmt: skip
     assert res.code == 0, res
