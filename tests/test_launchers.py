@@ -607,11 +607,12 @@ def test_slurm_scripts_and_the_sweep_array(make_checkout, tmp_path, stubs, run):
     wt = str(
         root / ".git" / "quantpatch" / "worktrees" / "quantpatch__linear-bf16_qk-mxfp8_pv-bf16"
     )
-    assert srun[:8] == [
+    assert srun[:9] == [
         "--nodes",
         "2",
         "--ntasks-per-node",
         "1",
+        "--cpus-per-task=24",
         "--kill-on-bad-exit=1",
         "--chdir",
         wt,
@@ -629,7 +630,7 @@ def test_slurm_scripts_and_the_sweep_array(make_checkout, tmp_path, stubs, run):
             "llama32-1b_dolma_FA_mxfp8_full-4242",
             "pretrain_gpt.py",
         ]
-        assert argv == srun[8:]
+        assert argv == srun[9:]
     # the submitting shell's variables do not change the allocation's launch (issue 54, 1)
     first = nodes[0][0]
     for path in record.iterdir():
@@ -678,9 +679,9 @@ def test_slurm_scripts_and_the_sweep_array(make_checkout, tmp_path, stubs, run):
         "pretrain_gpt.py",
     ]
     ((task_srun, _, _),) = calls(record, "srun")
-    assert task_srun[:7] == ["--nodes", "2", "--ntasks-per-node", "1", "--kill-on-bad-exit=1",
-                             "--chdir", cwd]  # fmt: skip
-    assert task_srun[8:] == argv
+    assert task_srun[:8] == ["--nodes", "2", "--ntasks-per-node", "1", "--cpus-per-task=24",
+                             "--kill-on-bad-exit=1", "--chdir", cwd]  # fmt: skip
+    assert task_srun[9:] == argv
     assert task_env["SLURM_ARRAY_TASK_ID"] == "3" and len(calls(record, "torchrun")) == 2
     values = load_registry().schemes[scheme].values()
     assert Path(cwd).name == (

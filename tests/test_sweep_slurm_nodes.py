@@ -118,10 +118,14 @@ def test_a_two_node_sweep_runs_what_it_recorded_whatever_the_shell_exports(
             assert "NODE_RANK" not in env and "PET_NNODES" not in env
             assert env["NCCL_DEBUG"] == "INFO"
         # the CPUs the run needs: 2 ranks a node, each with 2 data-loader workers
+        # (the allocation, and the srun step that runs torchrun)
         res = subprocess.run(
-            ["sacct", "-n", "-P", "-X", "-j", str(job), "-o", "AllocCPUS,NNodes"],
+            ["sacct", "-n", "-P", "-j", str(job), "-o", "JobID,AllocCPUS,NNodes"],
             capture_output=True,
             text=True,
             check=True,
         )
-        assert res.stdout.split()[0] == "12|2", res.stdout
+        rows = dict(line.split("|", 1) for line in res.stdout.split())
+        whole = [v for k, v in rows.items() if "." not in k]
+        step = [v for k, v in rows.items() if k.endswith(".0")]
+        assert whole == ["12|2"] and step == ["12|2"], res.stdout
