@@ -324,3 +324,20 @@ def test_scripts_edited_by_hand_followed(run, tmp_path, make_checkout):
     assert res.code == 2 and "--force overwrites them" in res.err, res
     res = run(*command, "--force")
     assert res.code == 0 and "# mine" not in script.read_text(), res
+
+
+def test_colliding_names_followed(run, tmp_path, make_checkout):
+    """Two combinations on one run folder: rename one of them in the --config file."""
+    root = make_checkout()
+    config = tmp_path / "odd.toml"
+    table = '[datasets.{}]\ndescription = "x"\nprefix = "{{data_root}}/x"\nsplit = "1,0,0"\n'
+    config.write_text(table.format("dolma_FA"))
+    command = ["gen-scripts", "--out", tmp_path / "s", "--config", config, "--models",
+               "llama32-1b", "--datasets", "dolma,dolma_FA", "--schemes",
+               "FA_linear_mxfp8,linear_mxfp8", "--repo", root]  # fmt: skip
+    res = run(*command)
+    said = " ".join(res.err.split())
+    assert res.code == 2 and "rename one of the datasets or schemes in the --config file" in said
+    config.write_text(table.format("dolmafa"))  # followed: the dataset renamed
+    res = run(*[w if w != "dolma,dolma_FA" else "dolma,dolmafa" for w in command])
+    assert res.code == 0, res
