@@ -147,6 +147,7 @@ def _formats_file(
         sample_row_groups,
         sample_rows,
     )
+    from quantpatch.runtime.quantpatch_formats import spec_of
     from quantpatch.runtime.quantpatch_ops import NVFP4_FORMATS
 
     path, root, fmts, sample = Path(args[0]), Path(args[1]), args[2], args[3]
@@ -159,14 +160,15 @@ def _formats_file(
         if t.dim() and not -t.dim() <= dim < t.dim():
             dim = -1
         # the whole tensor's amax, not the sample's
-        amax = nv_amax(t) if set(fmts) & {*NVFP4_FORMATS, "fp8-tensor"} else None
+        whole = [f for f in fmts if f in NVFP4_FORMATS or spec_of(f).family == "fp8-tensor"]
+        amax = nv_amax(t) if whole else None
         rht = None
         if RHT in fmts:  # along the tokens: sampled as whole groups of consecutive tokens
             wgrad = is_wgrad_operand(meta.tensor, meta.operation, meta.kind) and t.dim() >= 2
             rows = sample_row_groups(t.reshape(-1, t.shape[-1]), sample) if wgrad else t
             rht = rht_sums(rows, wgrad)
             fmts = tuple(f for f in fmts if f != RHT)
-        tiled = "nvfp4-2d" in fmts and is_tiled_weight(meta.tensor, t)
+        tiled = any(spec_of(f).tiled for f in fmts) and is_tiled_weight(meta.tensor, t)
         if tiled:  # a sample of whole tiles
             t = sample_row_groups(t, sample)
         else:
