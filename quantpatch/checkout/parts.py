@@ -37,6 +37,7 @@ SAVER_MODULE = "megatron/core/tensor_saver.py"
 OPS_PARTS = (
     "quantpatch_mx",
     "quantpatch_fp8",  # fp8-tensor and fp8-block (TE's FP8 recipes)
+    "quantpatch_delayed",  # fp8-delayed: TE's delayed scaling, its per-layer state
     "quantpatch_nvfp4",
     "quantpatch_paretoq",
     "quantpatch_quantize",

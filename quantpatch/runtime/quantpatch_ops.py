@@ -3,7 +3,7 @@ dtype), and the quantized products that fork-layout sites dispatch to.
 
 Installed by ``quantpatch init`` as ``megatron/core/quantpatch_ops.py``, with the modules it
 imports beside it, one concern each: ``quantpatch_mx.py`` (MX and HiF8), ``quantpatch_fp8.py``
-(fp8-tensor, fp8-block), ``quantpatch_nvfp4.py``
+(fp8-tensor, fp8-block), ``quantpatch_delayed.py`` (fp8-delayed), ``quantpatch_nvfp4.py``
 (NVFP4 and its stochastic rounding), ``quantpatch_paretoq.py`` (ParetoQ), ``quantpatch_quantize.py``
 (which code quantizes a tensor: the Triton kernels or the reference) and ``quantpatch_weights.py``
 (the weight cache and the GEMM choice); this module holds the dispatch, the products and flash
@@ -28,6 +28,10 @@ Formats (OCP Microscaling v1.0; Luo et al., arXiv 2409.16626 for HiFloat8):
 * ``fp8-tensor``: TE's ``Float8CurrentScaling`` (``Format.HYBRID``): one float32 scale
   ``448 / amax`` per tensor (``57344 / amax`` with ``backward=True``, E5M2), ``q =
   fp8(x * scale)``, result ``q * (1 / scale)``; ``quantpatch_fp8.py``.
+* ``fp8-delayed``, ``fp8-delayed-e4m3``: TE's ``DelayedScaling`` (Megatron's default
+  ``--fp8-recipe delayed``, ``--fp8-format hybrid`` / ``e4m3``): per-tensor float32 scales from
+  each linear layer's amax history of earlier steps, kept in the layer (linear role only;
+  ``fake_quant`` and the attention products refuse them); ``quantpatch_delayed.py``.
 * ``fp8-block``: DeepSeek-V3's blockwise FP8 (TE's ``Float8BlockScaling`` defaults): E4M3,
   one power-of-two scale ``2^floor(log2(448 / amax))`` per 1 x 128 block along ``dim``; in the
   products a weight (as ``nvfp4-2d`` decides) takes 128 x 128 tiles; ``quantpatch_fp8.py``.
@@ -101,6 +105,8 @@ from typing import Any
 import torch
 
 # the parts, one concern each (the names below are the public API, unchanged for the sites)
+from .quantpatch_delayed import DELAYED_FORMATS, add_delayed_state, delayed_matmul, is_delayed
+from .quantpatch_delayed import refuse_delayed as _refuse_delayed
 from .quantpatch_fp8 import FP8_BLOCK, fp8_tensor
 from .quantpatch_mx import BLOCK, E2M1, E4M3, E5M2, SCALE_MAX, SCALE_MIN, round_element
 from .quantpatch_nvfp4 import (
@@ -115,7 +121,6 @@ from .quantpatch_nvfp4 import (
 from .quantpatch_paretoq import (
     ALPHA_MIN,
     PARETOQ_BITS,
-    add_weight_scales,
     alpha_columns,
     grad_scale,
     is_paretoq,
@@ -130,6 +135,7 @@ from .quantpatch_paretoq import (
     paretoq_spec,
     paretoq_weight,
 )
+from .quantpatch_paretoq import add_weight_scales as _paretoq_add_weight_scales
 from .quantpatch_quantize import interpreted as _interpreted
 from .quantpatch_quantize import kernels_in_use, quantize
 from .quantpatch_weights import fused_product as _fused_product
@@ -147,6 +153,7 @@ NV_FORMATS = ("nvfp4", "nvfp4-2d", "nvfp4-rht")
 FORMATS = (
     "bf16", "mxfp8", "mxfp4", "hifp8", "nvfp4", "nvfp4-2d", "nvfp4-rht",
     "mxfp8-rceil", "mxfp8-rceil-hybrid", "mxfp4-rceil", "fp8-tensor", "fp8-block",
+    "fp8-delayed", "fp8-delayed-e4m3",
     "w1", "w1.58", "w2", "w3", "w4",
 )  # fmt: skip
 """Every base value (ParetoQ's ``w<b>`` also take a ``g<N>`` suffix: ``GROUPED_FORMATS``)."""
@@ -162,6 +169,7 @@ __all__ = [
     "ALPHA_MIN",
     "ATTENTION_PATH_LINE",
     "BLOCK",
+    "DELAYED_FORMATS",
     "E2M1",
     "E4M3",
     "E5M2",
@@ -175,6 +183,7 @@ __all__ = [
     "PARETOQ_BITS",
     "SCALE_MAX",
     "SCALE_MIN",
+    "add_delayed_state",
     "add_weight_scales",
     "alpha_columns",
     "fake_quant",
@@ -185,6 +194,7 @@ __all__ = [
     "fp8_tensor",
     "gemm_choices",
     "grad_scale",
+    "is_delayed",
     "is_paretoq",
     "kernels_in_use",
     "nv_global_scale",
@@ -214,6 +224,15 @@ __all__ = [
 ]
 
 
+def add_weight_scales(module: Any, fmt: str, *, partition_dim: int) -> None:
+    """What a linear layer's constructor site asks for its value: ParetoQ's step
+    (``quantpatch_paretoq.add_weight_scales``; ``weight_alpha = None`` for other values) and a
+    delayed value's amax history and scales (``quantpatch_delayed.add_delayed_state``)."""
+    _paretoq_add_weight_scales(module, fmt, partition_dim=partition_dim)
+    if is_delayed(fmt):
+        add_delayed_state(module, fmt)
+
+
 def fake_quant(x: torch.Tensor, fmt: str, *, dim: int = -1, backward: bool = False) -> torch.Tensor:
     """``x`` quantized to ``fmt`` and dequantized: same shape, same dtype."""
     if fmt == "bf16":
@@ -222,6 +241,7 @@ def fake_quant(x: torch.Tensor, fmt: str, *, dim: int = -1, backward: bool = Fal
         return paretoq_fake_quant(x, fmt)
     if fmt not in FORMATS:
         raise ValueError(f"unknown quantization format {fmt!r}; expected one of {FORMATS}")
+    _refuse_delayed(fmt, "fake_quant (a tensor without its layer)")
     if fmt == "nvfp4-rht" and x.numel():  # Hadamard-transformed NVFP4: quantpatch_rht.py
         from . import quantpatch_rht
 
@@ -320,6 +340,8 @@ def quant_matmul(
     function hands the weight over as a plain tensor), else a 2-D Parameter or a view of one."""
     if _bf16_layer(backward, weight):  # the BF16 layer policy: quantpatch_layers.py
         return torch.matmul(a, b)
+    if is_delayed(fmt):  # the layer's amax history and scales: quantpatch_delayed.py
+        return delayed_matmul(a, b, fmt, backward=backward, weight=weight)
     if fmt == "nvfp4-rht":  # both operands Hadamard-transformed first: quantpatch_rht.py
         from . import quantpatch_rht
 
@@ -340,6 +362,7 @@ def quant_bmm(
 ) -> torch.Tensor:
     """``torch.bmm(a, b)`` with both operands quantized along the reduction dimension (NVFP4:
     ``a`` alone stochastically under ``backward``)."""
+    _refuse_delayed(fmt, "an attention product")
     nv = fmt in GRADIENT_OPERAND_ONLY
     fused = _fused_product(a, b, fmt, backward, backward) if a.dim() == b.dim() == 3 else None
     if fused is not None:
@@ -363,6 +386,7 @@ def quant_baddbmm(
     """``torch.baddbmm`` with ``batch1`` and ``batch2`` quantized along the reduction
     dimension. With ``beta == 0`` the ``input`` buffer is never read, so uninitialised memory
     (Megatron passes a preallocated buffer) cannot leak NaN into the scores."""
+    _refuse_delayed(fmt, "an attention product")
     nv = fmt in GRADIENT_OPERAND_ONLY
     if beta == 0 and batch1.dim() == batch2.dim() == 3:
         fused = _fused_product(batch1, batch2, fmt, backward, backward)
@@ -460,6 +484,7 @@ def quant_flash_attention(
     ``g`` dividing ``h`` (query head ``i`` reads key/value head ``i // (h // g)``); the result
     is ``[sq, b, h, dv]``. ``causal``: key ``j`` is visible from query ``i`` when ``j <= i``
     (``sq == sk``). Needs the Triton kernels: CUDA tensors, or CPU ones in the interpreter."""
+    _refuse_delayed(fmt, "an attention product")
     flash = _flash()
     if flash is None:
         raise RuntimeError(f"flash attention needs its Triton kernels: {_flash_error}")
