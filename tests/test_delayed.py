@@ -229,3 +229,48 @@ def test_a_product_without_a_layer_state_is_refused_in_one_sentence() -> None:
         with pytest.raises(ValueError, match="no layer weight") as err:
             qd.delayed_matmul(torch.ones(2, 4), plain, "fp8-delayed", backward=False, weight=weight)
         assert str(err.value).count(". ") == 0 and str(err.value).endswith(".")
+
+
+# -- through the checkout: set, check --expect, a tiny GPT trains -------------------------------
+
+
+def test_the_delayed_values_are_linear_only_and_all_three_gemms_at_once(run, make_checkout):
+    """``set --qk fp8-delayed`` and a delayed value on one GEMM of three are refused in one
+    sentence, changing nothing; ``set --linear fp8-delayed`` is checked by ``check --expect``."""
+    from .conftest import snapshot
+
+    root = make_checkout("0.13.1")
+    before = snapshot(root)
+    res = run("set", "--repo", root, "--qk", "fp8-delayed")
+    assert res.code == 2 and "amax history" in res.err and snapshot(root) == before, res
+    res = run("set", "--repo", root, "--fprop", "fp8-delayed", "--dgrad", "fp8-tensor",
+              "--wgrad", "fp8-tensor")  # fmt: skip
+    assert res.code == 2 and "--linear fp8-delayed" in res.err and snapshot(root) == before, res
+    assert run("set", "--repo", root, "--linear", "fp8-delayed-e4m3", "--no-branch").code == 0
+    assert run("check", "--repo", root, "--expect", "linear=fp8-delayed-e4m3").code == 0
+
+
+@pytest.mark.slow
+def test_a_tiny_gpt_trains_under_linear_fp8_delayed(run, make_checkout):
+    """The scheme ``linear_fp8-delayed`` on an ``init``ed megatron-core 0.13.1: every linear
+    layer (qkv, proj, fc1, fc2, and the output layer) keeps its state, and the loss falls."""
+    import math
+
+    from .conftest import tiny_gpt
+
+    root = make_checkout("0.13.1", inject=False, full=True)
+    assert run("init", "--repo", root).code == 0
+    res = run("set", "--repo", root, "--scheme", "linear_fp8-delayed", "--no-branch")
+    assert res.code == 0, res
+    assert run("check", "--repo", root, "--expect", "linear=fp8-delayed,qk=bf16,pv=bf16").code == 0
+    cfg = {"device": "cpu", "steps": 12, "vocab": 256, "layers": 2, "hidden": 64, "heads": 4}
+    cfg |= {"seq": 32, "batch": 2}
+    res = tiny_gpt(root, cfg)
+    losses, scales = res["losses"], res["delayed"]
+    assert isinstance(losses, list) and len(losses) == 12
+    assert all(math.isfinite(v) for v in losses), losses
+    assert losses[-1] < losses[0] - 0.1, losses
+    # 2 layers x (qkv, proj, fc1, fc2) and the output layer (its weight the embedding's)
+    assert isinstance(scales, list) and len(scales) == 9, scales
+    for s in scales:  # every operand's scale moved from 1.0 to fp8_max / an amax
+        assert all(math.isfinite(v) and v not in (0.0, 1.0) for v in s), scales

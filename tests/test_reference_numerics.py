@@ -436,6 +436,10 @@ def test_every_mx_and_fp8_declaration_is_its_reference() -> None:
     x = _rows(128, 512, seed=10)
     checked = set()
     for v in VALUES:
+        if v["family"] == "fp8-delayed":  # a layer's state, never one tensor: test_delayed.py
+            with pytest.raises(ValueError, match="amax history"):
+                ops.fake_quant(x, v["name"])
+            continue
         for backward in (False, True):
             elem = v["element_gradient" if backward else "element_forward"]
             got = ops.fake_quant(x, v["name"], backward=backward)

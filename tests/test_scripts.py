@@ -979,13 +979,15 @@ def test_nvfp4_schemes_are_listed_chosen_by_name_and_by_all_but_not_by_default(r
         "linear_mxfp4-rceil",
         "linear_fp8-tensor",
         "linear_fp8-block",
+        "linear_fp8-delayed",  # TE's delayed scaling, Megatron's default --fp8-recipe
+        "linear_fp8-delayed-e4m3",
     ]
     assert reg.pick("schemes", ["all"]) == [*default, *nv, *paretoq, *recipe, *fp8]
     res = run("list")
     assert res.code == 0 and all(n in res.out for n in nv + fp8)
     res = run("gen-scripts", "--out", tmp_path / "all", "--schemes", "all")
     assert res.code == 0, res
-    assert len(list((tmp_path / "all").rglob("*.sh"))) == 156  # 26 schemes x 3 models x 2 sets
+    assert len(list((tmp_path / "all").rglob("*.sh"))) == 168  # 28 schemes x 3 models x 2 sets
     names = {p.name for p in (tmp_path / "all").rglob("*.sh")}
     assert "pretrain_llama32-1b_dolma_linear_fp8-block.sh" in names
     res = run("gen-scripts", "--out", tmp_path / "one", "--schemes", "linear_nvfp4")

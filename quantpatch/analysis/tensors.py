@@ -39,6 +39,8 @@ FORMATS = (
     "mxfp8-rceil-hybrid",
     "mxfp4-rceil",
     "fp8-tensor",
+    "fp8-delayed",
+    "fp8-delayed-e4m3",
     "fp8-block",
     "w1",
     "w1.58",
@@ -49,7 +51,9 @@ FORMATS = (
 """The candidates ``--formats`` takes; ParetoQ's weight values (``w<b>``, grouped ``w<b>g<N>``
 too) apply to weights only, ``nvfp4-rht`` (the Hadamard-transformed NVFP4 of NVIDIA's recipe)
 to the weight-gradient GEMM's operands only (other tensors show n/a). ``fp8-tensor`` takes
-the whole tensor's amax (before sampling); ``fp8-block`` is measured with 1 x 128 blocks on
+the whole tensor's amax (before sampling); ``fp8-delayed`` / ``fp8-delayed-e4m3`` the scale
+their history settles on when it holds that amax (``settled_quantize``: a training step uses
+earlier steps' amaxes instead); ``fp8-block`` is measured with 1 x 128 blocks on
 every tensor, weights included (a sample of rows would cut its 128 x 128 weight tiles)."""
 DEFAULT_FORMATS = ("mxfp8", "mxfp4", "hifp8")
 """The candidates when none are named (nvfp4 and nvfp4-2d are taken when named; nvfp4-2d
@@ -175,7 +179,8 @@ def _formats_file(
         if t.dim() and not -t.dim() <= dim < t.dim():
             dim = -1
         # the whole tensor's amax, not the sample's
-        amax = nv_amax(t) if set(fmts) & {*NVFP4_FORMATS, "fp8-tensor"} else None
+        whole = {*NVFP4_FORMATS, "fp8-tensor", "fp8-delayed", "fp8-delayed-e4m3"}
+        amax = nv_amax(t) if set(fmts) & whole else None
         rht = None
         if RHT in fmts:  # along the tokens: sampled as whole groups of consecutive tokens
             wgrad = is_wgrad_operand(meta.tensor, meta.operation, meta.kind) and t.dim() >= 2

@@ -30,6 +30,8 @@ QUANT_TYPES: tuple[str, ...] = (
     "mxfp8-rceil-hybrid",
     "mxfp4-rceil",
     "fp8-tensor",
+    "fp8-delayed",
+    "fp8-delayed-e4m3",
     "fp8-block",
     *PARETOQ_TYPES,
 )
@@ -40,7 +42,10 @@ is ``nvfp4`` after a random Hadamard transform of both operands along the reduct
 ``mxfp8-rceil`` / ``mxfp4-rceil`` are MXFP8 / MXFP4 with NVIDIA's RCEIL scale rule (E4M3 for
 gradients too: TE's MXFP8 default); ``mxfp8-rceil-hybrid`` keeps E5M2 gradients. ``fp8-tensor``
 (per-tensor current scaling) and ``fp8-block`` (DeepSeek-V3's 1 x 128 / 128 x 128 blocks) are
-TransformerEngine's FP8 recipes. The table of every value: :mod:`quantpatch.base.values`.
+TransformerEngine's FP8 recipes; ``fp8-delayed`` / ``fp8-delayed-e4m3`` (TE's delayed scaling,
+Megatron's default ``--fp8-recipe delayed`` with ``--fp8-format hybrid`` / ``e4m3``) keep an amax
+history per linear layer: linear role only, all three GEMMs of a layer at once. The table of
+every value: :mod:`quantpatch.base.values`.
 Besides these, the grouped ParetoQ values ``w<b>g<N>`` (:func:`is_known_value`)."""
 
 _GROUPED_RE = re.compile(r"(w1|w1\.58|w2|w3|w4)g[1-9][0-9]{0,6}")
@@ -79,6 +84,12 @@ def per_gemm(values: dict[str, str]) -> dict[str, str]:
         raise UserError(
             f"--{missing[0]}: give the value of every linear GEMM (or --linear for the "
             "ones not named), since the checkout's linear sites disagree or are missing."
+        )
+    delayed = sorted({v for v in gemms.values() if v in DELAYED_TYPES})
+    if delayed and len(set(gemms.values())) > 1:
+        raise UserError(
+            f"'{delayed[0]}' keeps one amax history for a layer's three GEMMs (the weight "
+            f"gradient uses the input gradient's scale), so give it with --linear {delayed[0]}."
         )
     if len(set(gemms.values())) == 1:
         out["linear"] = next(iter(gemms.values()))  # type: ignore[assignment]
@@ -259,6 +270,10 @@ def _branch_prefix(raw: Any, where: str) -> str:
     return raw
 
 
+DELAYED_TYPES: tuple[str, ...] = ("fp8-delayed", "fp8-delayed-e4m3")
+"""Values whose scales come from a linear layer's amax history (TE's delayed scaling): the
+layer keeps the state of its three GEMMs together, and attention has none to keep."""
+
 LINEAR_ONLY: tuple[str, ...] = ("nvfp4-2d",)
 """Values only the linear role may hold: ``nvfp4-2d`` tiles weights, which attention lacks."""
 
@@ -277,6 +292,11 @@ def validate_value(
         raise UserError(
             f"{where}: 'nvfp4-rht' transforms the operands of the linear GEMMs (the weight "
             f"gradient's in NVIDIA's recipe); use 'nvfp4' for {role}."
+        )
+    if role is not None and role != "linear" and value in DELAYED_TYPES:
+        raise UserError(
+            f"{where}: '{value}' scales each operand from its linear layer's amax history, "
+            f"which {role} does not keep; use 'fp8-tensor' (current scaling) for {role}."
         )
     if role is not None and role != "linear" and value in LINEAR_ONLY:
         raise UserError(

@@ -6,13 +6,15 @@ reference). Standard library only: the CLI reads it at start-up without torch.
 Fields of each entry:
 
 * ``name``; ``roles``: the roles (linear, qk, pv) that may hold it;
-* ``family``: ``none``, ``mx``, ``nvfp4``, ``fp8-tensor``, ``fp8-block``, ``hifp8``, ``paretoq``;
+* ``family``: ``none``, ``mx``, ``nvfp4``, ``fp8-tensor``, ``fp8-delayed``, ``fp8-block``,
+  ``hifp8``, ``paretoq``;
 * ``element_forward`` / ``element_gradient``: ``e4m3``, ``e5m2``, ``e2m1``, ``hif8`` or None
   (the element of the forward operands, and of the gradient operand under ``backward=True``);
 * ``block``: the scale block along the reduction dimension, ``[rows, cols]`` (None: no block
   scale); ``weight_block``: a weight's, where it differs (else None);
 * ``scale``: ``e8m0-floor``, ``e8m0-rceil``, ``e4m3-fp32`` (E4M3 block scales under a float32
-  tensor scale), ``fp32``, ``pow2`` or None;
+  tensor scale), ``fp32``, ``fp32-delayed`` (a float32 tensor scale from the layer's amax
+  history of earlier steps), ``pow2`` or None;
 * ``rht``: a random Hadamard transform first; ``gradient_rounding``: ``nearest`` or
   ``stochastic`` (the gradient operand's);
 * ``reference``: the library function the value is bit-identical to, in words (None: none).
@@ -24,6 +26,11 @@ from typing import Any
 
 _TORCHAO = "torchao 0.18 to_mx(..., ScaleCalculationMode.{mode}, block_size=32) + to_dtype"
 _TE_NVFP4 = "TransformerEngine 2.20.2 NVFP4QuantizerRef"
+_TE_DELAYED = (
+    "TransformerEngine's delayed-scaling update as its fused kernel computes it "
+    "(fused_amax_and_scale_update_after_reduction; 2.20.2's unfused Python update but for its "
+    "two documented differences) and its satfinite FP8 cast"
+)
 
 
 def _value(
@@ -81,6 +88,10 @@ VALUES: tuple[dict[str, Any], ...] = (
     _value("fp8-tensor", "fp8-tensor", "e4m3", "e5m2", None, "fp32",
            "TransformerEngine 2.20.2 CurrentScalingQuantizerRef (Float8CurrentScaling, "
            "Format.HYBRID) and its dequantize"),
+    _value("fp8-delayed", "fp8-delayed", "e4m3", "e5m2", None, "fp32-delayed",
+           _TE_DELAYED + " (DelayedScaling, Format.HYBRID)", roles=("linear",)),
+    _value("fp8-delayed-e4m3", "fp8-delayed", "e4m3", "e4m3", None, "fp32-delayed",
+           _TE_DELAYED + " (DelayedScaling, Format.E4M3)", roles=("linear",)),
     _value("fp8-block", "fp8-block", "e4m3", "e4m3", [1, 128], "pow2",
            "DeepSeek-V3 blockwise FP8 (TransformerEngine Float8BlockScaling defaults: "
            "pow_2_scales, eps 0): the formulas of TE's BlockwiseQuantizerReference "

@@ -178,6 +178,23 @@ def update(
     return torch.where(roll[None], rolled, history), new_scale
 
 
+def settled_quantize(
+    x: torch.Tensor, fmt: str, backward: bool = False, amax: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x`` as a delayed value quantizes it once its history holds ``x``'s own amax (``amax``:
+    the whole tensor's where ``x`` is a sample of it; default :func:`te_amax`) under Megatron's
+    defaults (history 1, ``most_recent``, margin 0): the scale the kernel's update gives a fresh
+    state from that amax, i.e. current scaling's ``fp8_max / amax`` (1 where the amax is 0 or
+    not finite). What ``quantpatch tensors formats`` measures for a delayed value; a training
+    step quantizes with the scale of earlier steps instead."""
+    recipe = recipe_for(fmt)
+    operand = GRAD if backward else INPUT
+    a = (te_amax(x) if amax is None else amax.to(torch.float32)).reshape(1).to(x.device)
+    ones = torch.ones(1, dtype=torch.float32, device=x.device)
+    _, scale = update(ones[None] * 0, ones, a, "most_recent", recipe.scaled_max(operand))
+    return quantize_with_scale(x, scale[0], recipe.element(operand))
+
+
 # -- a layer's state ------------------------------------------------------------------------------
 
 

@@ -105,7 +105,13 @@ from typing import Any
 import torch
 
 # the parts, one concern each (the names below are the public API, unchanged for the sites)
-from .quantpatch_delayed import DELAYED_FORMATS, add_delayed_state, delayed_matmul, is_delayed
+from .quantpatch_delayed import (
+    DELAYED_FORMATS,
+    add_delayed_state,
+    delayed_matmul,
+    is_delayed,
+    settled_quantize,
+)
 from .quantpatch_delayed import refuse_delayed as _refuse_delayed
 from .quantpatch_fp8 import FP8_BLOCK, fp8_tensor
 from .quantpatch_mx import BLOCK, E2M1, E4M3, E5M2, SCALE_MAX, SCALE_MIN, round_element
@@ -215,6 +221,7 @@ __all__ = [
     "quant_matmul",
     "reset_sr_generators",
     "round_element",
+    "settled_quantize",
     "sr_bits",
     "sr_seed",
     "weight_cache_clear",
