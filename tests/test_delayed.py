@@ -11,7 +11,11 @@ computes ``reciprocal(amax) * fp8_max`` instead of one division.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import types
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -274,3 +278,91 @@ def test_a_tiny_gpt_trains_under_linear_fp8_delayed(run, make_checkout):
     assert isinstance(scales, list) and len(scales) == 9, scales
     for s in scales:  # every operand's scale moved from 1.0 to fp8_max / an amax
         assert all(math.isfinite(v) and v not in (0.0, 1.0) for v in s), scales
+
+
+# -- two ranks over gloo, and a checkpoint resumed in a fresh process ---------------------------
+
+WORKER = Path(__file__).with_name("delayed_worker.py")
+
+
+def _worker(root: Path, out: Path, *args: str) -> object:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TENSOR_SAVE")}
+    env.pop("CUSTOM_QUANT_TYPE", None)
+    env["PYTHONPATH"] = str(root)
+    res = subprocess.run(
+        [sys.executable, str(WORKER), str(out), *args],
+        cwd=root, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    return torch.load(out, weights_only=False)
+
+
+@pytest.fixture
+def delayed_checkout(run, make_checkout) -> Path:  # type: ignore[no-untyped-def]
+    root = make_checkout("0.13.1", inject=False, full=True)
+    assert run("init", "--repo", root).code == 0
+    assert run("set", "--repo", root, "--linear", "fp8-delayed", "--no-branch").code == 0
+    return root  # type: ignore[no-any-return]
+
+
+@pytest.mark.slow
+def test_two_ranks_reduce_their_amaxes_to_the_max_over_both(delayed_checkout, tmp_path):
+    """DP 2 and TP 2 (two processes, gloo; history 4, max): every amax a layer records is the
+    max of the two ranks' own for that operand and step, and both ranks hold the same
+    histories and scales after every step; under ``tp_only_amax_red`` with TP 1 each rank keeps
+    its own (TE's TP x CP group is the rank alone)."""
+    results = _worker(delayed_checkout, tmp_path / "dist.pt", "dist")
+    assert isinstance(results, dict)
+    for label in ("dp2", "tp2", "dp2_tp_only"):
+        ranks = results[label]
+        differ = 0
+        for step0, step1 in zip(ranks[0], ranks[1], strict=True):
+            assert len(step0["local"]) == len(step1["local"]) == 4  # col, row; fwd, bwd
+            for (n0, a0), (n1, a1) in zip(step0["local"], step1["local"], strict=True):
+                assert n0 == n1 and a0.keys() == a1.keys()
+                differ += sum(a0[c] != a1[c] for c in a0)
+            same = all(
+                torch.equal(h0, h1) for h0, h1 in zip(step0["history"], step1["history"])
+            ) and all(torch.equal(s0, s1) for s0, s1 in zip(step0["scales"], step1["scales"]))
+            assert same == (label != "dp2_tp_only"), label
+        assert differ > 0, label  # the ranks saw different amaxes
+        # after each step, history[0] holds the step's amaxes (rolled by the next flush):
+        # the max over both ranks' own, or under tp_only_amax_red the rank's own
+        checked = 0
+        for r in (0, 1):
+            for t, step in enumerate(ranks[r]):
+                for layer, h in zip(("col", "row"), step["history"], strict=True):
+                    mine = {c: a for n, d in step["local"] if n == layer for c, a in d.items()}
+                    other = ranks[1 - r][t]["local"]
+                    theirs = {c: a for n, d in other if n == layer for c, a in d.items()}
+                    assert sorted(mine) == [0, 1, 2]  # input, weight, output gradient
+                    for c, a in mine.items():
+                        want = a if label == "dp2_tp_only" else max(a, theirs[c])
+                        assert h[0, c].item() == torch.tensor(want).item(), (label, t, layer)
+                        checked += 1
+        assert checked == 2 * 3 * 2 * 3, label
+
+
+@pytest.mark.slow
+def test_a_checkpoint_at_step_3_resumes_steps_4_to_6_identically(delayed_checkout, tmp_path):
+    """Six Adam steps uninterrupted, against three, the layers' state_dict (with ``fp8_delayed``
+    in it) and Adam's saved, and a fresh process that loads them and runs steps 4 to 6:
+    losses, outputs, histories and scales bit for bit the same. Megatron's sharded checkpoint
+    carries the state as replicated tensors."""
+    ckpt = tmp_path / "ckpt.pt"
+    whole = _worker(delayed_checkout, tmp_path / "whole.pt", "run", "6")
+    _worker(delayed_checkout, tmp_path / "first.pt", "save", "3", str(ckpt))
+    resumed = _worker(delayed_checkout, tmp_path / "resumed.pt", "resume", "6", str(ckpt))
+    assert isinstance(whole, list) and isinstance(resumed, list)
+    *steps, meta = whole
+    *later, _ = resumed
+    assert len(steps) == 6 and len(later) == 3
+    for a, b in zip(steps[3:], later, strict=True):
+        assert a["loss"] == b["loss"] and torch.equal(a["out"], b["out"])
+        for key in ("scales", "history"):
+            assert all(torch.equal(x, y) for x, y in zip(a[key], b[key], strict=True)), key
+    assert steps[5]["scales"][0].tolist() != [1.0, 1.0, 1.0]
+    assert meta["sharded"] == {
+        "col.fp8_delayed.amax_history": ("ShardedTensor", (4, 3), (0, 0, 0)),
+        "col.fp8_delayed.scale": ("ShardedTensor", (3,), (0, 0, 0)),
+    }
