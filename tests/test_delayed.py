@@ -321,9 +321,11 @@ def test_two_ranks_reduce_their_amaxes_to_the_max_over_both(delayed_checkout, tm
             for (n0, a0), (n1, a1) in zip(step0["local"], step1["local"], strict=True):
                 assert n0 == n1 and a0.keys() == a1.keys()
                 differ += sum(a0[c] != a1[c] for c in a0)
-            same = all(
-                torch.equal(h0, h1) for h0, h1 in zip(step0["history"], step1["history"])
-            ) and all(torch.equal(s0, s1) for s0, s1 in zip(step0["scales"], step1["scales"]))
+            pairs = [
+                *zip(step0["history"], step1["history"], strict=True),
+                *zip(step0["scales"], step1["scales"], strict=True),
+            ]
+            same = all(torch.equal(x0, x1) for x0, x1 in pairs)
             assert same == (label != "dp2_tp_only"), label
         assert differ > 0, label  # the ranks saw different amaxes
         # after each step, history[0] holds the step's amaxes (rolled by the next flush):
