@@ -226,6 +226,17 @@ def test_the_state_stays_float32_when_megatron_casts_the_model_to_bf16() -> None
     assert set(layer.state_dict()) >= {"fp8_delayed.amax_history", "fp8_delayed.scale"}
 
 
+def test_a_checkpoint_without_the_state_loads_as_a_fresh_state() -> None:
+    """A layer saved under another value (no ``fp8_delayed`` keys) loads strictly."""
+    plain = torch.nn.Linear(4, 2)
+    layer = torch.nn.Linear(4, 2)
+    qd.add_delayed_state(layer, "fp8-delayed")
+    layer.fp8_delayed.scale.fill_(3.0)
+    layer.load_state_dict(plain.state_dict())
+    assert torch.equal(layer.weight, plain.weight)
+    assert layer.fp8_delayed.scale.tolist() == [3.0, 3.0, 3.0]
+
+
 def test_a_product_without_a_layer_state_is_refused_in_one_sentence() -> None:
     """No layer weight, or a weight whose layer keeps no state: one sentence, a ValueError."""
     plain = torch.ones(4, 2)

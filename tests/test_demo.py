@@ -10,8 +10,11 @@ from quantpatch.base.errors import UserError
 from quantpatch.checkout.demo import build_checkout
 from quantpatch.sites.discovery import discover
 
-NEW = ("mxfp8-rceil", "mxfp8-rceil-hybrid", "mxfp4-rceil", "fp8-tensor", "fp8-block")
-"""Issue 45's values, each with its row in the demo's table."""
+NEW = (
+    "mxfp8-rceil", "mxfp8-rceil-hybrid", "mxfp4-rceil", "fp8-tensor", "fp8-block",
+    "fp8-delayed", "fp8-delayed-e4m3",
+)  # fmt: skip
+"""The TE-recipe values, each with its row in the demo's table."""
 
 
 @pytest.mark.slow  # a minute: the fast suite keeps the demo's checkout builds below
@@ -62,6 +65,11 @@ def test_demo_walks_and_restores_byte_identical(run, tmp_path):
     # rule's; E4M3 gradients (mxfp8-rceil) err less than E5M2 ones (the hybrid's)
     assert rows["mxfp8-rceil"][0] == rows["mxfp8-rceil-hybrid"][0]
     assert rows["mxfp8-rceil"][1] < rows["mxfp8-rceil-hybrid"][1]
+    # delayed scaling's second step on the same inputs scales by the first one's amaxes: what
+    # current scaling computes; E4M3 gradients err less than E5M2 ones
+    assert rows["fp8-delayed"] == rows["fp8-tensor"]
+    assert rows["fp8-delayed-e4m3"][0] == rows["fp8-tensor"][0]
+    assert rows["fp8-delayed-e4m3"][1] < rows["fp8-delayed"][1]
     assert rows["mxfp4"][0] > rows["mxfp8"][0]  # 2 mantissa bits less than E4M3
     assert rows["nvfp4"][0] < rows["mxfp4"][0]  # E4M3 scales of 16, not powers of two of 32
     # ParetoQ: the weight quantized (ternary, 2-bit) with the first forward's step, activations

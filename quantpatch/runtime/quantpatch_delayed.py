@@ -242,6 +242,7 @@ class DelayedState(torch.nn.Module):
         self.snapshots: collections.deque[torch.Tensor] = collections.deque()
         self._weight: tuple[tuple[int, int, int], torch.Tensor, torch.Tensor] | None = None
         self._merge_next = False  # an eval forward's amaxes wait for the next training step's
+        self._register_load_state_dict_pre_hook(_fresh_where_missing, with_module=True)  # type: ignore[no-untyped-call]
         _hook_optimizer()
 
     # Megatron casts its model to bf16/fp16 (``module.bfloat16()``): the state stays float32
@@ -341,6 +342,15 @@ class DelayedState(torch.nn.Module):
         wq = quantize_with_scale(w, fwd[1], self.recipe.element(WEIGHT))
         _LOCAL.backward = (self, fwd, gscale)
         return gq, wq
+
+
+def _fresh_where_missing(
+    module: DelayedState, state_dict: dict[str, Any], prefix: str, *args: Any
+) -> None:
+    """A checkpoint without the state (saved under another value) loads as a fresh state."""
+    for name, buf in module._buffers.items():
+        if buf is not None and prefix + name not in state_dict:
+            state_dict[prefix + name] = buf.detach().clone()
 
 
 def state_of(weight: torch.Tensor) -> DelayedState | None:
