@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 
+from quantpatch.analysis import tensors
 from quantpatch.runtime import quantpatch_delayed as qd
 from tests.te_reference import te_delayed_update
 
@@ -379,3 +380,26 @@ def test_a_checkpoint_at_step_3_resumes_steps_4_to_6_identically(delayed_checkou
         "col.fp8_delayed.amax_history": ("ShardedTensor", (4, 3), (0, 0, 0)),
         "col.fp8_delayed.scale": ("ShardedTensor", (3,), (0, 0, 0)),
     }
+
+
+def test_tensors_formats_measures_the_scale_a_history_settles_on() -> None:
+    """``tensors formats`` takes a delayed value as the scale its history settles on when it
+    holds the tensor's own amax: TE's cast under the kernel's ``fp8_max / amax`` (E5M2 for
+    ``fp8-delayed``'s gradient, E4M3 for ``-e4m3``'s), 1 for an all-zero tensor; the sums
+    then equal fp8-tensor's where the two agree (finite tensors)."""
+    from quantpatch.analysis.tensor_metrics import formats_sums
+
+    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(3)) * 37.0
+    amax = x.abs().max()
+    for fmt, backward, fp8_max in (
+        ("fp8-delayed", False, 448.0), ("fp8-delayed", True, 57344.0),
+        ("fp8-delayed-e4m3", True, 448.0),
+    ):  # fmt: skip
+        scale = torch.div(torch.tensor(fp8_max), amax).item()
+        got = qd.settled_quantize(x, fmt, backward)
+        assert same_bits(got, reference_quantize(x, scale, fp8_max)) == 0, (fmt, backward)
+    zeros = torch.zeros(4, 32)
+    assert torch.equal(qd.settled_quantize(zeros, "fp8-delayed"), zeros)
+    sums = formats_sums(x.bfloat16(), ("fp8-delayed", "fp8-tensor"), -1, True)
+    assert sums["fp8-delayed"].noise == sums["fp8-tensor"].noise > 0
+    assert "fp8-delayed" in tensors.FORMATS and "fp8-delayed-e4m3" in tensors.FORMATS
