@@ -9,7 +9,8 @@ checkout's ops and the step the layer's first forward takes, as Column/RowParall
 before they call the linear function (which leaves the operands as they are for that value).
 ``--delayed`` names a delayed-scaling value (``fp8-delayed``, ...): the weight gets a layer's
 amax history and scales, one step fills them, and the second step on the same inputs (scaled
-from the first one's amaxes) is the one saved.
+from the first one's amaxes; the weight written in place between them, as an optimizer step
+would, so it is quantized anew) is the one saved.
 
 torch and the standard library only; the inputs are seeded so that runs of different sources
 (one per quantization format) see identical tensors. Used by ``quantpatch demo``.
@@ -66,6 +67,8 @@ def run(
         ops.add_delayed_state(layer, delayed)
         Linear.apply(x, wq, *(values[n] for n in names)).backward(grad_y)
         x.grad = w.grad = None
+        with torch.no_grad():  # as an optimizer step would: the weight is quantized anew
+            w.mul_(1)
     y = Linear.apply(x, wq, *(values[n] for n in names))
     y.backward(grad_y)
     assert x.grad is not None and w.grad is not None
