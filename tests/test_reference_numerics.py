@@ -426,11 +426,64 @@ def test_value_table_declares_every_value_and_its_roles() -> None:
                 assert role in v["roles"], v["name"]
 
 
-def test_every_mx_and_fp8_declaration_is_its_reference() -> None:
-    """``fake_quant`` driven from the declared fields: an MX value's element (forward,
-    gradient), block and scale rule are torchao's to_mx with that element, block size and
-    mode; fp8-tensor's elements are TE's dtypes; fp8-block's block and weight block are the
-    oracle's tiles."""
+def _declared(v: dict, x: torch.Tensor, backward: bool) -> torch.Tensor | None:
+    """What the reference named by the row ``v`` computes for ``x`` (None: a direction the
+    row's rounding makes random, checked by the caller)."""
+    elem = v["element_gradient" if backward else "element_forward"]
+    family = v["family"]
+    if family == "none":
+        assert (elem, v["block"], v["scale"]) == (None, None, None)
+        return x
+    if family == "mx":
+        assert v["block"] == [1, 32]
+        rule = {"e8m0-floor": "floor", "e8m0-rceil": "rceil"}[v["scale"]]
+        return _torchao_mx(x, elem, rule, -1)
+    if family == "fp8-tensor":
+        assert v["scale"] == "fp32" and v["block"] is None
+        return _te_dequant(x, {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}[elem])
+    if family == "fp8-block":
+        assert (v["scale"], elem) == ("pow2", "e4m3")
+        from quantpatch.runtime.quantpatch_quantize import quantize
+
+        weight = quantize(x, "fp8-block-2d", backward=backward)
+        assert _mismatches(weight, _oracle_block(x, tuple(v["weight_block"]))) == 0
+        return _oracle_block(x, tuple(v["block"]))
+    if family == "hifp8":
+        from tests.test_quant_ops import hif8_oracle
+
+        assert (elem, v["scale"], v["block"]) == ("hif8", None, None)
+        return torch.from_numpy(hif8_oracle(x.float().numpy())).to(x.dtype)
+    if family == "nvfp4":
+        assert (elem, v["block"], v["scale"]) == ("e2m1", [1, 16], "e4m3-fp32")
+        if backward and v["gradient_rounding"] == "stochastic":
+            return None
+        from tests.te_reference import te_nvfp4, te_nvfp4_dequant
+
+        tile = tuple(v["weight_block"] or v["block"])
+        if v["rht"]:  # the transformed operand is TE's with_rht (fake_quant transforms back)
+            from quantpatch.runtime import quantpatch_rht
+
+            codes, scales, amax = te_nvfp4(x.t().contiguous(), (1, 16), rht=True)
+            got = quantpatch_rht.reference_rht_fake_quant(x, -1, None)
+            want = te_nvfp4_dequant(codes, scales, amax, (1, 16)).to(x.dtype)
+            assert _mismatches(got, want) == 0
+            return ops.fake_quant(ops.fake_quant(x, v["name"]), v["name"])  # idempotent
+        codes, scales, amax = te_nvfp4(x, tile)  # type: ignore[arg-type]
+        return te_nvfp4_dequant(codes, scales, amax, tile).to(x.dtype)
+    assert family == "paretoq" and v["roles"] == ["linear"], v
+    from tests.test_paretoq import oracle_forward, oracle_init
+
+    w = x.float().numpy()
+    return torch.from_numpy(oracle_forward(w, oracle_init(w, v["name"]), v["name"]))
+
+
+def test_every_declaration_is_its_reference() -> None:
+    """``fake_quant`` driven from every row's declared fields (family, element per direction,
+    block, weight block, scale rule, rounding, transform) against the reference the row names:
+    torchao's to_mx for MX, TE's dtypes and reference for fp8-tensor and NVFP4, the
+    independent oracles for fp8-block, HiF8 and ParetoQ, the identity for bf16; a gradient
+    rounded stochastically is reproducible from the seed and not the nearest-even result."""
+    from quantpatch.base.config import QUANT_TYPES
     from quantpatch.base.values import VALUES
 
     x = _rows(128, 512, seed=10)
@@ -439,42 +492,40 @@ def test_every_mx_and_fp8_declaration_is_its_reference() -> None:
         if v["family"] == "fp8-delayed":  # a layer's state, never one tensor: test_delayed.py
             with pytest.raises(ValueError, match="amax history"):
                 ops.fake_quant(x, v["name"])
+            assert v["scale"] == "fp32-delayed" and v["block"] is None
+            for backward in (False, True):  # its settled scale: TE's current scaling's
+                elem = v["element_gradient" if backward else "element_forward"]
+                want = _te_dequant(
+                    x, {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}[elem]
+                )
+                got = ops.settled_quantize(x, v["name"], backward)
+                assert _mismatches(got, want) == 0, (v["name"], backward)
+            checked.add(v["name"])
             continue
         for backward in (False, True):
-            elem = v["element_gradient" if backward else "element_forward"]
-            got = ops.fake_quant(x, v["name"], backward=backward)
-            if v["family"] == "mx":
-                assert v["block"] == [1, 32]
-                rule = {"e8m0-floor": "floor", "e8m0-rceil": "rceil"}[v["scale"]]
-                want = _torchao_mx(x, elem, rule, -1)
-            elif v["family"] == "fp8-tensor":
-                assert v["scale"] == "fp32" and v["block"] is None
-                fp8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}[elem]
-                want = _te_dequant(x, fp8)
-            elif v["family"] == "fp8-block":
-                assert (v["scale"], elem) == ("pow2", "e4m3")
-                want = _oracle_block(x, tuple(v["block"]))
-                from quantpatch.runtime.quantpatch_quantize import quantize
-
-                weight = quantize(x, "fp8-block-2d", backward=backward)
-                assert _mismatches(weight, _oracle_block(x, tuple(v["weight_block"]))) == 0
-            else:
+            xv = x.float() if v["family"] == "paretoq" else x
+            want = _declared(v, xv, backward)
+            if want is None:  # stochastic rounding: the same draws give the same result
+                ops.reset_sr_generators()
+                got = ops.fake_quant(xv, v["name"], backward=True)
+                ops.reset_sr_generators()
+                assert torch.equal(got, ops.fake_quant(xv, v["name"], backward=True))
+                assert not torch.equal(got, ops.fake_quant(xv, v["name"]))
                 continue
+            got = ops.fake_quant(xv, v["name"], backward=backward)
             assert _mismatches(got, want) == 0, (v["name"], backward)
-            checked.add(v["name"])
-    assert checked == {
-        "mxfp8", "mxfp4", "mxfp8-rceil", "mxfp8-rceil-hybrid", "mxfp4-rceil", "fp8-tensor",
-        "fp8-block",
-    }  # fmt: skip
+        checked.add(v["name"])
+    assert checked == set(QUANT_TYPES), "every declared value is driven"
 
 
 def test_docs_show_the_declared_table() -> None:
     from pathlib import Path
 
-    from quantpatch.base.values import markdown_table
+    from quantpatch.base.values import markdown_table, summary_table
 
     docs = (Path(__file__).parents[1] / "docs/formats.md").read_text(encoding="utf-8")
     assert markdown_table() in docs
+    assert summary_table() in docs
 
 
 def test_products_give_the_gradient_element_to_the_gradient_operand_only() -> None:

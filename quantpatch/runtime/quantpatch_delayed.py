@@ -62,10 +62,13 @@ from typing import Any
 
 import torch
 
-from .quantpatch_mx import E4M3, E5M2, round_element
+from . import quantpatch_formats as formats
+from .quantpatch_formats import ELEMENTS, Element
+from .quantpatch_mx import round_element
 
-DELAYED_FORMATS = ("fp8-delayed", "fp8-delayed-e4m3")
-"""The delayed-scaling values (``fp8-delayed``: TE's ``Format.HYBRID``; ``-e4m3``: ``E4M3``)."""
+DELAYED_FORMATS = formats.names(family="fp8-delayed")
+"""The delayed-scaling values, declared in the format spec (``fp8-delayed``: TE's
+``Format.HYBRID``; ``fp8-delayed-e4m3``: ``Format.E4M3``)."""
 INPUT, WEIGHT, GRAD = 0, 1, 2
 """The operands' columns in a layer's state (TE: forward input, weight; backward output
 gradient)."""
@@ -93,8 +96,8 @@ class DelayedRecipe:
         if self.algo not in ALGOS:
             raise ValueError(f"fp8_amax_compute_algo={self.algo!r}; expected most_recent or max")
 
-    def element(self, operand: int) -> tuple[int, int, float, int]:
-        return E5M2 if operand == GRAD and self.hybrid else E4M3
+    def element(self, operand: int) -> Element:
+        return ELEMENTS["e5m2" if operand == GRAD and self.hybrid else "e4m3"]
 
     def fp8_max(self, operand: int) -> float:
         return float(self.element(operand)[2])
@@ -114,7 +117,7 @@ def recipe_for(fmt: str, config: Any = None) -> DelayedRecipe:
             f"{fmt!r} is not a delayed-scaling value; expected one of {DELAYED_FORMATS}"
         )
     return DelayedRecipe(
-        hybrid=fmt == "fp8-delayed",
+        hybrid=formats.SPEC[fmt].grad_output == "e5m2",
         history_len=int(getattr(config, "fp8_amax_history_len", 1) or 1),
         algo=str(getattr(config, "fp8_amax_compute_algo", "most_recent") or "most_recent"),
         margin=int(getattr(config, "fp8_margin", 0) or 0),
@@ -134,9 +137,7 @@ def te_amax(x: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isnan(v), torch.zeros_like(v), v).amax()
 
 
-def quantize_with_scale(
-    x: torch.Tensor, scale: torch.Tensor, elem: tuple[int, int, float, int]
-) -> torch.Tensor:
+def quantize_with_scale(x: torch.Tensor, scale: torch.Tensor, elem: Element) -> torch.Tensor:
     """``x`` quantized to ``elem`` under the float32 ``scale`` and dequantized with
     ``1 / scale``, in ``x``'s dtype; NaN and +-Inf pass through unchanged."""
     v = x.detach().to(torch.float32)

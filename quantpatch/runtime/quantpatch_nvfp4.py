@@ -30,12 +30,14 @@ import os
 
 import torch
 
+from . import quantpatch_formats as formats
 from .quantpatch_mx import E2M1 as _E2M1
 from .quantpatch_mx import E4M3 as _E4M3
 from .quantpatch_mx import quantum as _quantum
 from .quantpatch_mx import round_element as _round_element
 
-NVFP4_FORMATS = ("nvfp4", "nvfp4-2d")
+NVFP4_FORMATS = formats.names(family="nvfp4", rht=False)
+"""The values this module quantizes (``nvfp4-rht`` transforms first: ``quantpatch_rht``)."""
 NV_BLOCK = 16
 TE_VERSION = "2.20.2"
 """The TransformerEngine release whose NVFP4 reference this module reproduces bit for bit."""

@@ -1,11 +1,14 @@
-"""Fake quantization for MXFP8, MXFP4 and HiFP8 (quantize, then dequantize to the working
+"""Fake quantization for every format of the spec, ``quantpatch_formats.py`` (MX, NVFP4,
+TransformerEngine's FP8 recipes, HiFP8, ParetoQ: quantize, then dequantize to the working
 dtype), and the quantized products that fork-layout sites dispatch to.
 
 Installed by ``quantpatch init`` as ``megatron/core/quantpatch_ops.py``, with the modules it
-imports beside it, one concern each: ``quantpatch_mx.py`` (MX and HiF8), ``quantpatch_fp8.py``
-(fp8-tensor, fp8-block), ``quantpatch_delayed.py`` (fp8-delayed), ``quantpatch_nvfp4.py``
-(NVFP4 and its stochastic rounding), ``quantpatch_paretoq.py`` (ParetoQ), ``quantpatch_quantize.py``
-(which code quantizes a tensor: the Triton kernels or the reference) and ``quantpatch_weights.py``
+imports beside it, one concern each: ``quantpatch_formats.py`` (the format spec: every value
+and what it quantizes with, standard library only), ``quantpatch_mx.py`` (MX and HiF8),
+``quantpatch_fp8.py`` (fp8-tensor, fp8-block), ``quantpatch_delayed.py`` (fp8-delayed, its
+per-layer state), ``quantpatch_nvfp4.py`` (NVFP4 and its
+stochastic rounding), ``quantpatch_paretoq.py`` (ParetoQ), ``quantpatch_quantize.py`` (which
+code quantizes a tensor: the Triton kernels or the reference) and ``quantpatch_weights.py``
 (the weight cache and the GEMM choice); this module holds the dispatch, the products and flash
 attention, and every public name below. Torch and the standard library only. Public API::
 
@@ -104,6 +107,8 @@ from typing import Any
 
 import torch
 
+from . import quantpatch_formats as formats
+
 # the parts, one concern each (the names below are the public API, unchanged for the sites)
 from .quantpatch_delayed import (
     DELAYED_FORMATS,
@@ -155,17 +160,14 @@ from .quantpatch_weights import (
 from .quantpatch_weights import is_weight as _is_weight
 from .quantpatch_weights import weight_fake_quant as _weight_fake_quant
 
-NV_FORMATS = ("nvfp4", "nvfp4-2d", "nvfp4-rht")
-FORMATS = (
-    "bf16", "mxfp8", "mxfp4", "hifp8", "nvfp4", "nvfp4-2d", "nvfp4-rht",
-    "mxfp8-rceil", "mxfp8-rceil-hybrid", "mxfp4-rceil", "fp8-tensor", "fp8-block",
-    "fp8-delayed", "fp8-delayed-e4m3",
-    "w1", "w1.58", "w2", "w3", "w4",
-)  # fmt: skip
+NV_FORMATS = formats.names(family="nvfp4")
+"""The NVFP4 values, ``nvfp4-rht`` included (``NVFP4_FORMATS``: those ``quantpatch_nvfp4``
+quantizes itself, without the transform)."""
+FORMATS = formats.VALUES
 """Every base value (ParetoQ's ``w<b>`` also take a ``g<N>`` suffix: ``GROUPED_FORMATS``)."""
-GROUPED_FORMATS = ("w1", "w1.58", "w2", "w3", "w4")
+GROUPED_FORMATS = formats.GROUPED
 """The ParetoQ values that accept a ``g<N>`` group suffix (all of them)."""
-GRADIENT_OPERAND_ONLY = (*NVFP4_FORMATS, "mxfp8-rceil-hybrid", "fp8-tensor")
+GRADIENT_OPERAND_ONLY = formats.names(backward="grad_output")
 """Values whose ``backward=True`` treatment (stochastic rounding, E5M2) the products give
 their first operand alone (at Megatron's dgrad and wgrad sites: the output gradient); the
 second (the weight, or the saved input) keeps the forward's element, as TE's HYBRID recipes
@@ -244,12 +246,13 @@ def fake_quant(x: torch.Tensor, fmt: str, *, dim: int = -1, backward: bool = Fal
     """``x`` quantized to ``fmt`` and dequantized: same shape, same dtype."""
     if fmt == "bf16":
         return x
-    if is_paretoq(fmt):  # a weight [out, in], with the step its layer's first forward takes
+    spec = formats.spec_of(fmt)  # an unknown name: one sentence
+    if spec.family == "paretoq":  # a weight [out, in], with its layer's initial step
         return paretoq_fake_quant(x, fmt)
-    if fmt not in FORMATS:
-        raise ValueError(f"unknown quantization format {fmt!r}; expected one of {FORMATS}")
+    if not spec.roles:
+        raise ValueError(f"{fmt!r} is an operand format of the products, not a value")
     _refuse_delayed(fmt, "fake_quant (a tensor without its layer)")
-    if fmt == "nvfp4-rht" and x.numel():  # Hadamard-transformed NVFP4: quantpatch_rht.py
+    if spec.rht and x.numel():  # Hadamard-transformed NVFP4: quantpatch_rht.py
         from . import quantpatch_rht
 
         return quantpatch_rht.fake_quant_rht(x, dim, backward=backward)
@@ -278,12 +281,11 @@ def _operand_fmt(t: torch.Tensor, fmt: str, weight: bool | None = None) -> str:
     ``fp8-block`` gives a weight 128 x 128 tiles (the operand format ``fp8-block-2d``), every
     other operand 1 x 128 blocks. ``weight``: whether the caller named ``t`` the weight
     (``None``: it did not say, and a 2-D Parameter or a view of one is taken for the weight)."""
-    if fmt not in ("nvfp4-2d", "fp8-block"):
-        return fmt
+    weight_fmt, other = formats.spec_of(fmt).operands
+    if weight_fmt == other:
+        return other
     is_weight = _is_weight(t) if weight is None else weight
-    if fmt == "fp8-block":
-        return "fp8-block-2d" if is_weight else fmt
-    return fmt if is_weight else "nvfp4"
+    return weight_fmt if is_weight else other
 
 
 def _named_weight(weight: str | None, operand: str) -> bool | None:
@@ -345,11 +347,12 @@ def quant_matmul(
     under ``backward``, and ``nvfp4-2d`` tiles only the weight operand: the one ``weight``
     names (``"a"`` or ``"b"``: init's linear sites say which, since Megatron's autograd
     function hands the weight over as a plain tensor), else a 2-D Parameter or a view of one."""
+    spec = formats.spec_of(fmt)  # an unknown name: one sentence
     if _bf16_layer(backward, weight):  # the BF16 layer policy: quantpatch_layers.py
         return torch.matmul(a, b)
     if is_delayed(fmt):  # the layer's amax history and scales: quantpatch_delayed.py
         return delayed_matmul(a, b, fmt, backward=backward, weight=weight)
-    if fmt == "nvfp4-rht":  # both operands Hadamard-transformed first: quantpatch_rht.py
+    if spec.rht:  # both operands Hadamard-transformed first: quantpatch_rht.py
         from . import quantpatch_rht
 
         return quantpatch_rht.rht_matmul(a, b, backward=backward)
@@ -360,7 +363,7 @@ def quant_matmul(
     wa, wb = _named_weight(weight, "a"), _named_weight(weight, "b")
     return torch.matmul(
         _q(a, _operand_fmt(a, fmt, wa), -1, backward, wa),
-        _q(b, _operand_fmt(b, fmt, wb), bdim, backward and fmt not in GRADIENT_OPERAND_ONLY, wb),
+        _q(b, _operand_fmt(b, fmt, wb), bdim, backward and spec.backward == "all", wb),
     )
 
 
@@ -370,7 +373,7 @@ def quant_bmm(
     """``torch.bmm(a, b)`` with both operands quantized along the reduction dimension (NVFP4:
     ``a`` alone stochastically under ``backward``)."""
     _refuse_delayed(fmt, "an attention product")
-    nv = fmt in GRADIENT_OPERAND_ONLY
+    nv = formats.spec_of(fmt).backward == "grad_output"
     fused = _fused_product(a, b, fmt, backward, backward) if a.dim() == b.dim() == 3 else None
     if fused is not None:
         return fused
@@ -394,7 +397,7 @@ def quant_baddbmm(
     dimension. With ``beta == 0`` the ``input`` buffer is never read, so uninitialised memory
     (Megatron passes a preallocated buffer) cannot leak NaN into the scores."""
     _refuse_delayed(fmt, "an attention product")
-    nv = fmt in GRADIENT_OPERAND_ONLY
+    nv = formats.spec_of(fmt).backward == "grad_output"
     if beta == 0 and batch1.dim() == batch2.dim() == 3:
         fused = _fused_product(batch1, batch2, fmt, backward, backward)
         if fused is not None:

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from . import quantpatch_formats as formats
 from .quantpatch_nvfp4 import NVFP4_FORMATS
 from .quantpatch_quantize import KERNEL_DTYPES as _KERNEL_DTYPES
 from .quantpatch_quantize import interpreted as _interpreted
@@ -150,9 +151,10 @@ def _layout_free(fmt: str, weight: torch.Tensor, backward: bool) -> bool:
     rounded to nearest even, the only rounding a cached weight takes; ``fp8-block``'s weight
     tiles, 128 x 128, E4M3 both ways; ``fp8-tensor``: one scale, elementwise, E4M3 wherever a
     product quantizes a weight, i.e. without ``backward``)."""
-    if fmt == "fp8-tensor":
+    shared = formats.spec_of(fmt).weight_cache
+    if shared == "forward":
         return not backward
-    return fmt == "hifp8" or (fmt in ("nvfp4-2d", "fp8-block-2d") and weight.dim() == 2)
+    return shared == "elementwise" or (shared == "tiles" and weight.dim() == 2)
 
 
 def _drop_collected(wid: int, _: object) -> None:
@@ -241,7 +243,7 @@ def _weight_fake_quant(x: torch.Tensor, fmt: str, dim: int, backward: bool) -> t
 # the order of its float32 sums (a few units in the last place of float32 before the output's
 # rounding), so auto's choice changes results within that.
 
-_GEMM_FORMATS = ("mxfp8", "mxfp4", "hifp8")
+_GEMM_FORMATS = formats.names(fused_gemm=True)
 _GEMM_CHOICES: dict[tuple[Any, ...], str] = {}
 
 
