@@ -233,3 +233,22 @@ def test_init_installs_every_runtime_module_the_installed_ones_import():
             reached.add(mod)
             todo += graph[mod]
     assert len(reached) > 5 and reached <= installed
+
+
+def test_only_the_env_module_reads_the_environment():
+    """The runtime reads its environment variables in ``quantpatch_env.py`` alone (the tensor
+    saver, copied into checkouts on its own, keeps its ``TENSOR_SAVE_*`` settings): read
+    statically, no other runtime module touches ``os.environ`` or ``os.getenv``."""
+    readers = []
+    for path in sorted((PACKAGE / "runtime").glob("*.py")):
+        if path.name in ("quantpatch_env.py", "tensor_saver.py"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "os"
+                and node.attr in ("environ", "getenv")
+            ):
+                readers.append(f"{path.name}:{node.lineno}")
+    assert readers == []

@@ -37,6 +37,7 @@ FORMATS_MODULE = "megatron/core/quantpatch_formats.py"
 # the parts quantpatch_ops.py imports, one concern each (see its docstring)
 OPS_PARTS = (
     "quantpatch_formats",  # the format spec every other part derives its tables from
+    "quantpatch_env",  # every environment variable the runtime reads
     "quantpatch_mx",
     "quantpatch_fp8",  # fp8-tensor and fp8-block (TE's FP8 recipes)
     "quantpatch_delayed",  # fp8-delayed: TE's delayed scaling, its per-layer state

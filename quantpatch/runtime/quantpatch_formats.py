@@ -328,6 +328,28 @@ SPECS: tuple[Format, ...] = (
         roles=(), tiled=True, weight_cache="tiles",
         reference="fp8-block's weight tiles (an operand format, not a value)",
     ),
+    Format(
+        "mxfp6-e2m3", "mx", "e2m3", "e2m3", "e2m3", (1, 32), scale="e8m0-floor",
+        summary="OCP MX with FP6 E2M3 elements (largest 7.5), blocks of 32 (FLOOR rule)",
+        reference=_TORCHAO.format(mode="FLOOR") + " with fp6_e2m3 (OCP MX v1.0), except its "
+        "2^-127 block scale (docs/formats.md)",
+    ),
+    Format(
+        "mxfp6-e3m2", "mx", "e3m2", "e3m2", "e3m2", (1, 32), scale="e8m0-floor",
+        summary="OCP MX with FP6 E3M2 elements (largest 28), blocks of 32 (FLOOR rule)",
+        reference=_TORCHAO.format(mode="FLOOR") + " with fp6_e3m2 (OCP MX v1.0), except its "
+        "2^-127 block scale (docs/formats.md)",
+    ),
+    Format(
+        "mxfp6-e2m3-rceil", "mx", "e2m3", "e2m3", "e2m3", (1, 32), scale="e8m0-rceil",
+        summary="`mxfp6-e2m3` with the RCEIL scale rule (2^ceil(log2(amax / 7.5)))",
+        reference=_TORCHAO.format(mode="RCEIL") + " with fp6_e2m3",
+    ),
+    Format(
+        "mxfp6-e3m2-rceil", "mx", "e3m2", "e3m2", "e3m2", (1, 32), scale="e8m0-rceil",
+        summary="`mxfp6-e3m2` with the RCEIL scale rule (2^ceil(log2(amax / 28)))",
+        reference=_TORCHAO.format(mode="RCEIL") + " with fp6_e3m2",
+    ),
     Format("w1", "paretoq", scale="fp32", roles=("linear",), grouped=True,
            linear_only=_PARETOQ_ROLE,
            summary=(

@@ -36,13 +36,13 @@ results are bit-identical, NaN/Inf pass through and signed zeros keep their sign
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
+from . import quantpatch_env as env
 from . import quantpatch_formats as formats
 
 # element type: (mantissa bits, minimum normal exponent, largest normal, emax_elem): the spec's
@@ -86,7 +86,7 @@ _HIFP8_CONFIGS = ((1, 4096, 4), (1, 1024, 4), (1, 2048, 4), (1, 4096, 8), (1, 81
 
 
 def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    return env.triton_interpret()
 
 
 _LAYOUTS: dict[tuple[tuple[str, int], ...], int] = {}

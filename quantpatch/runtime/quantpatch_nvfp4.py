@@ -26,10 +26,9 @@ only.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from . import quantpatch_env as env
 from . import quantpatch_formats as formats
 from .quantpatch_mx import E2M1 as _E2M1
 from .quantpatch_mx import E4M3 as _E4M3
@@ -156,7 +155,7 @@ def _stochastic_e2m1(p: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
 def sr_seed() -> int:
     """The seed of the stochastic-rounding generators: ``QUANTPATCH_SR_SEED`` (default 0)
     plus the process's ``RANK`` (default 0)."""
-    return int(os.environ.get("QUANTPATCH_SR_SEED", "0")) + int(os.environ.get("RANK", "0"))
+    return env.sr_seed()
 
 
 _SR_GENERATORS: dict[str, torch.Generator] = {}

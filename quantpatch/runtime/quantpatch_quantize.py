@@ -11,12 +11,13 @@ only.
 
 from __future__ import annotations
 
-import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from . import quantpatch_env as env
 from . import quantpatch_formats as formats
 from .quantpatch_fp8 import FP8_BLOCK, FP8_FORMATS, finite_amax, fp8_quantize
 from .quantpatch_mx import BLOCK
@@ -78,15 +79,12 @@ def _fp8_kernels() -> Any:
 
 
 def _kernel_mode() -> str:
-    mode = os.environ.get("QUANTPATCH_KERNELS", "auto")
-    if mode not in ("auto", "reference", "triton"):
-        raise ValueError(f"QUANTPATCH_KERNELS={mode!r}; expected auto, reference or triton")
-    return mode
+    return env.kernels()
 
 
 def _interpreted() -> bool:
     """Whether Triton runs its kernels in its interpreter, the only way they read CPU tensors."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    return env.triton_interpret()
 
 
 def kernels_in_use(device: str = "cuda") -> str:
@@ -104,7 +102,25 @@ def kernels_in_use(device: str = "cuda") -> str:
     return "triton"
 
 
+KERNELS_PATH_LINE = "[quantpatch] quant kernels: "
+"""How the line that says which code quantizes a run's CUDA tensors begins: printed once per
+process on rank 0 at the first CUDA tensor, ``triton`` or ``reference (why)`` (a failed Triton
+import says its error there), as the attention path announces itself."""
+_kernels_said: list[str] = []
+
+
+def say_kernels(device: str = "cuda") -> None:
+    """Print, once per process (on rank 0), which path ``fake_quant`` takes for tensors on
+    ``device`` (:func:`kernels_in_use`)."""
+    if _kernels_said or not env.first_rank():
+        return
+    _kernels_said.append(kernels_in_use(device))
+    print(f"{KERNELS_PATH_LINE}{_kernels_said[0]}", file=sys.stderr, flush=True)
+
+
 def _use_kernels(x: torch.Tensor) -> bool:
+    if x.is_cuda and not _kernels_said:
+        say_kernels(x.device.type)
     mode = _kernel_mode()
     if mode == "reference" or x.dtype not in _KERNEL_DTYPES:
         return False
@@ -124,7 +140,7 @@ def _use_kernels(x: torch.Tensor) -> bool:
     return True
 
 
-_COMPILE = os.environ.get("QUANTPATCH_COMPILE", "0") == "1"
+_COMPILE = env.compile_reference()
 _COMPILED: dict[tuple[str, bool], Callable[[torch.Tensor, int], torch.Tensor]] = {}
 
 

@@ -8,13 +8,13 @@ only.
 from __future__ import annotations
 
 import functools
-import os
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from . import quantpatch_env as env
 from . import quantpatch_formats as formats
 from .quantpatch_nvfp4 import NVFP4_FORMATS
 from .quantpatch_quantize import KERNEL_DTYPES as _KERNEL_DTYPES
@@ -95,16 +95,13 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def _weight_cache_cap() -> int:
-    mib = float(os.environ.get("QUANTPATCH_WEIGHT_CACHE_MB", _WEIGHT_CACHE_DEFAULT_MB))
+    mib = env.weight_cache_mb(_WEIGHT_CACHE_DEFAULT_MB)
     return int(mib * 2**20)
 
 
 def weight_cache_enabled() -> bool:
     """Whether weight operands are cached (``QUANTPATCH_WEIGHT_CACHE``, default 1)."""
-    value = os.environ.get("QUANTPATCH_WEIGHT_CACHE", "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"QUANTPATCH_WEIGHT_CACHE={value!r}; expected 0 or 1")
-    return value == "1"
+    return env.weight_cache()
 
 
 def weight_cache_clear() -> None:
@@ -248,10 +245,7 @@ _GEMM_CHOICES: dict[tuple[Any, ...], str] = {}
 
 
 def _gemm_mode() -> str:
-    mode = os.environ.get("QUANTPATCH_GEMM", "auto")
-    if mode not in ("auto", "fused", "separate"):
-        raise ValueError(f"QUANTPATCH_GEMM={mode!r}; expected auto, fused or separate")
-    return mode
+    return env.gemm()
 
 
 def gemm_choices() -> dict[str, str]:
