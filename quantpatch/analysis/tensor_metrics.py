@@ -286,8 +286,9 @@ def formats_sums(
     if t.dim() == 0:
         t, dim = t.reshape(1), 0
     t = t.detach()
-    if amax is None and any(f in ops.NVFP4_FORMATS or _family(f) == "fp8-tensor" for f in fmts):
-        amax = nv_amax(t)  # NVFP4's and fp8-tensor's scale: the whole tensor's
+    whole_scale = ("fp8-tensor", "fp8-delayed")  # families scaled by the whole tensor's amax
+    if amax is None and any(f in ops.NVFP4_FORMATS or _family(f) in whole_scale for f in fmts):
+        amax = nv_amax(t)  # NVFP4's, fp8-tensor's and the delayed values' scale: the whole tensor's
     out = {f: FormatSums() for f in fmts}
     weights_only = tuple(f for f in fmts if ops.is_paretoq(f))
     if weights_only:
@@ -390,6 +391,8 @@ def _add_slice(
             q = ops.nvfp4(t, dim, _tiled(fmt) and tiled, None, tensor_amax).to(f64)
         elif _family(fmt) == "fp8-tensor" and tensor_amax is not None:  # the whole tensor's
             q = ops.fp8_tensor(t, backward, tensor_amax).to(f64)
+        elif ops.is_delayed(fmt):  # the scale its history settles on: the tensor's own amax
+            q = ops.settled_quantize(t, fmt, backward, tensor_amax).to(f64)
         else:
             q = ops.fake_quant(t, fmt, dim=dim, backward=backward).to(f64)
         q0 = q if all_finite else torch.where(finite, q, zero)
