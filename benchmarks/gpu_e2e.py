@@ -71,10 +71,12 @@ if os.environ.get("TENSOR_SAVE_ENABLED") == "true":
     from megatron.core import tensor_saver
     saved = tensor_saver.flush()
 from megatron.core import quantpatch_ops
+# delayed scaling: each linear layer's scales (input, weight, output gradient) after training
+delayed = [m.scale.tolist() for n, m in model.named_modules() if n.endswith("fp8_delayed")]
 print(json.dumps({"losses": losses, "step": statistics.median(times[2:] or times),
                   "saved": saved, "kernels": quantpatch_ops.kernels_in_use(dev),
                   "alpha": {"count": len(steps_of), "first": alpha_sums[0],
-                            "last": alpha_sums[-1]}}))
+                            "last": alpha_sums[-1]}, "delayed": delayed}))
 """
 
 SCHEMES = (

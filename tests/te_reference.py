@@ -16,6 +16,11 @@ Public helpers::
                                                                          # columnwise RHT path
     te_nvfp4_dequant(codes, scales, global_amax, tile) -> float32 values as TE's GEMM reads them
     te_current_scaling(x, dtype) -> (q as float32, scale_inv)
+    te_delayed_update() -> TE's unfused delayed-scaling update (``_amax_and_scale_update``)
+
+``quantization.py`` (TE's recipe state and its delayed-scaling update) imports the compiled
+extension at its top, so its pure-Python update functions are taken out of it with libcst and
+run as TE ships them (``@jit_fuser`` standing for TorchScript's identity on CPU).
 """
 
 from __future__ import annotations
@@ -25,9 +30,10 @@ import importlib
 import sys
 import types
 import zipfile
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Union
 
 import pytest
 
@@ -35,6 +41,7 @@ from quantpatch.base.megatron_source import cache_dir, fetch_wheel, make_private
 
 TE_VERSION = "2.20.2"
 _RECIPES = "transformer_engine/pytorch/custom_recipes/"
+_QUANTIZATION = "transformer_engine/pytorch/quantization.py"
 
 
 def te_tree() -> Path:
@@ -45,11 +52,13 @@ def te_tree() -> Path:
     root = base / f"transformer_engine-{TE_VERSION}"
     with (base / ".lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (root / ".done").exists():
+        if not (root / ".done").exists() or not (root / _QUANTIZATION).exists():
             wheel = fetch_wheel(TE_VERSION, base / "wheels", "transformer-engine")
             with zipfile.ZipFile(wheel) as zf:
                 for name in zf.namelist():
-                    if name.startswith(_RECIPES) and name.endswith(".py"):
+                    if (
+                        name.startswith(_RECIPES) and name.endswith(".py")
+                    ) or name == _QUANTIZATION:
                         zf.extract(name, root)
             (root / ".done").write_text(TE_VERSION)
     return root
@@ -152,3 +161,43 @@ def te_current_scaling(x: Any, dtype: Any) -> tuple[Any, Any]:
     q = ref.CurrentScalingQuantizerRef(dtype=dtype, rowwise=True, columnwise=False)
     qx, sx, _, _ = q._quantize(x if x.dim() == 2 else x.reshape(-1, x.shape[-1]))
     return qx.to(torch.float32).reshape(x.shape), sx
+
+
+_DELAYED_FUNCTIONS = (
+    "_update_amax_history",
+    "_default_get_amax_and_update_history",
+    "_default_sf_compute",
+    "_compute_amax_and_update_history",
+    "_compute_scaling_factor",
+    "_amax_and_scale_update",
+)
+
+
+@cache
+def te_delayed_update() -> Any:
+    """TE's ``_amax_and_scale_update(amax_history, scale, fp8_max, recipe)`` (the update
+    ``NVTE_UNFUSED_FP8_UPDATE=1`` runs; ``recipe`` needs ``amax_compute_algo``, ``margin`` and
+    ``scaling_factor_compute_algo``), with the functions it calls, from TE's own source."""
+    import libcst as cst
+    import torch
+
+    source = (te_tree() / _QUANTIZATION).read_text()
+    module = cst.parse_module(source)
+    found = {
+        node.name.value: module.code_for_node(node)
+        for node in module.body
+        if isinstance(node, cst.FunctionDef) and node.name.value in _DELAYED_FUNCTIONS
+    }
+    missing = set(_DELAYED_FUNCTIONS) - set(found)
+    assert not missing, f"TE {TE_VERSION}'s quantization.py lacks {sorted(missing)}"
+    namespace: dict[str, Any] = {
+        "torch": torch,
+        "jit_fuser": lambda f: f,
+        "Tuple": tuple,
+        "Union": Union,
+        "Callable": Callable,
+        "DelayedScaling": object,
+    }
+    for name in _DELAYED_FUNCTIONS:
+        exec(compile(found[name], f"<TE {_QUANTIZATION}:{name}>", "exec"), namespace)
+    return namespace["_amax_and_scale_update"]

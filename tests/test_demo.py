@@ -48,6 +48,11 @@ def test_demo_walks_and_restores_byte_identical(run, tmp_path):
     # rule's; E4M3 gradients (mxfp8-rceil) err less than E5M2 ones (the hybrid's)
     assert rows["mxfp8-rceil"][0] == rows["mxfp8-rceil-hybrid"][0]
     assert rows["mxfp8-rceil"][1] < rows["mxfp8-rceil-hybrid"][1]
+    # delayed scaling's second step on the same inputs scales by the first one's amaxes: what
+    # current scaling computes; E4M3 gradients err less than E5M2 ones
+    assert rows["fp8-delayed"] == rows["fp8-tensor"]
+    assert rows["fp8-delayed-e4m3"][0] == rows["fp8-tensor"][0]
+    assert rows["fp8-delayed-e4m3"][1] < rows["fp8-delayed"][1]
     assert rows["mxfp4"][0] > rows["mxfp8"][0]  # 2 mantissa bits less than E4M3
     assert rows["nvfp4"][0] < rows["mxfp4"][0]  # E4M3 scales of 16, not powers of two of 32
     # ParetoQ: the weight quantized (ternary, 2-bit) with the first forward's step, activations

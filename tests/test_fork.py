@@ -538,3 +538,20 @@ def test_init_on_the_clone_keeps_check_green_and_the_roles(run, clone):
     assert res.code == 0, res
     roles = json.loads(run("check", "--json", "--repo", clone).out)["roles"]
     assert (roles["linear"], roles["qk"], roles["pv"]) == ("hifp8", "mxfp8", before["pv"])
+
+
+def test_a_delayed_value_on_the_clone_reaches_every_linear_site(run, clone):
+    """After `init` on the fork, `set --linear fp8-delayed` puts the value in the linear
+    GEMMs' sites and in the constructor sites that give each layer its amax history; Q.K^T
+    refuses it in one sentence, changing nothing."""
+    assert run("init", "--repo", clone).code == 0
+    res = run("set", "--repo", clone, "--linear", "fp8-delayed", "--no-branch")
+    assert res.code == 0, res
+    assert run("check", "--repo", clone, "--expect", "linear=fp8-delayed").code == 0
+    linear = [s for s in _sites(run, clone) if s["role"] == "linear"]
+    steps = [s for s in linear if s["function"].endswith("ParallelLinear.__init__")]
+    assert len(steps) == 2 and {s["value"] for s in linear} == {"fp8-delayed"}
+    before = (clone / ATTENTION).read_bytes()
+    res = run("set", "--repo", clone, "--qk", "fp8-delayed", "--no-branch")
+    assert res.code == 2 and "amax history" in res.err and res.err.count(". ") == 0, res
+    assert (clone / ATTENTION).read_bytes() == before

@@ -979,6 +979,8 @@ def test_nvfp4_schemes_are_listed_chosen_by_name_and_by_all_but_not_by_default(r
         "linear_mxfp4-rceil",
         "linear_fp8-tensor",
         "linear_fp8-block",
+        "linear_fp8-delayed",  # TE's delayed scaling, Megatron's default --fp8-recipe
+        "linear_fp8-delayed-e4m3",
     ]
     te = [  # Megatron's FP8 recipes as Megatron + TransformerEngine quantize (issue 52)
         "te_mxfp8_e4m3",
@@ -1037,6 +1039,8 @@ def test_list_states_every_value_with_its_reference(run):
         "mxfp8-rceil-hybrid": "--fp8-format hybrid --fp8-recipe mxfp8",
         "fp8-tensor": "--fp8-format hybrid --fp8-recipe tensorwise",
         "fp8-block": "--fp8-format e4m3 --fp8-recipe blockwise",
+        "fp8-delayed": "--fp8-format hybrid --fp8-recipe delayed",
+        "fp8-delayed-e4m3": "--fp8-format e4m3 --fp8-recipe delayed",
     }
     assert "ScaleCalculationMode.RCEIL" in values["mxfp8-rceil"]["reference"]
     assert values["fp8-block"]["weight_block"] == [128, 128]

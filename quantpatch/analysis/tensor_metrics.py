@@ -42,6 +42,17 @@ _MX_ELEMENTS = {  # (fmt, backward) -> (largest normal, emax_elem) of the floor-
 _FLOOR_MX = {fmt for fmt, _ in _MX_ELEMENTS}
 """The values whose block statistics (saturated blocks, clipped scales) are counted."""
 HIFP8_MAX = 32768.0
+
+
+def _family(fmt: str) -> str:
+    return formats.spec_of(fmt).family
+
+
+def _tiled(fmt: str) -> bool:
+    """Whether ``fmt`` quantizes a matrix in 2-D tiles (``nvfp4-2d``)."""
+    return formats.spec_of(fmt).tiled
+
+
 NOT_APPLICABLE = "n/a"
 """The cells of a candidate that applies to none of a row's tensors (ParetoQ: weights only)."""
 
@@ -275,8 +286,9 @@ def formats_sums(
     if t.dim() == 0:
         t, dim = t.reshape(1), 0
     t = t.detach()
-    if amax is None and any(f in (*ops.NVFP4_FORMATS, "fp8-tensor") for f in fmts):
-        amax = nv_amax(t)  # NVFP4's and fp8-tensor's scale: the whole tensor's
+    whole_scale = ("fp8-tensor", "fp8-delayed")  # families scaled by the whole tensor's amax
+    if amax is None and any(f in ops.NVFP4_FORMATS or _family(f) in whole_scale for f in fmts):
+        amax = nv_amax(t)  # NVFP4's, fp8-tensor's and the delayed values' scale: the whole tensor's
     out = {f: FormatSums() for f in fmts}
     weights_only = tuple(f for f in fmts if ops.is_paretoq(f))
     if weights_only:
@@ -376,9 +388,11 @@ def _add_slice(
     for fmt in fmts:
         if fmt in ops.NVFP4_FORMATS:
             assert tensor_amax is not None
-            q = ops.nvfp4(t, dim, fmt == "nvfp4-2d" and tiled, None, tensor_amax).to(f64)
-        elif fmt == "fp8-tensor" and tensor_amax is not None:  # the whole tensor's scale
+            q = ops.nvfp4(t, dim, _tiled(fmt) and tiled, None, tensor_amax).to(f64)
+        elif _family(fmt) == "fp8-tensor" and tensor_amax is not None:  # the whole tensor's
             q = ops.fp8_tensor(t, backward, tensor_amax).to(f64)
+        elif ops.is_delayed(fmt):  # the scale its history settles on: the tensor's own amax
+            q = ops.settled_quantize(t, fmt, backward, tensor_amax).to(f64)
         else:
             q = ops.fake_quant(t, fmt, dim=dim, backward=backward).to(f64)
         q0 = q if all_finite else torch.where(finite, q, zero)
@@ -401,9 +415,9 @@ def _add_slice(
         elif fmt in ops.NVFP4_FORMATS:
             assert tensor_amax is not None
             s.overflows, s.blocks, s.blocks_saturated, s.blocks_scale_clipped = _nv_blocks(
-                t, dim, tensor_amax, fmt == "nvfp4-2d" and tiled
+                t, dim, tensor_amax, _tiled(fmt) and tiled
             )
-        elif fmt == "hifp8":
+        elif _family(fmt) == "hifp8":
             s.overflows = int((x0.abs() > HIFP8_MAX).sum())
         out[fmt].merge(s)
 

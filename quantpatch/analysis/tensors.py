@@ -33,7 +33,9 @@ FORMATS = tuple(v for v in QUANT_TYPES if v != "bf16")
 """The candidates ``--formats`` takes; ParetoQ's weight values (``w<b>``, grouped ``w<b>g<N>``
 too) apply to weights only, ``nvfp4-rht`` (the Hadamard-transformed NVFP4 of NVIDIA's recipe)
 to the weight-gradient GEMM's operands only (other tensors show n/a). ``fp8-tensor`` takes
-the whole tensor's amax (before sampling); ``fp8-block`` is measured with 1 x 128 blocks on
+the whole tensor's amax (before sampling); ``fp8-delayed`` / ``fp8-delayed-e4m3`` the scale
+their history settles on when it holds that amax (``settled_quantize``: a training step uses
+earlier steps' amaxes instead); ``fp8-block`` is measured with 1 x 128 blocks on
 every tensor, weights included (a sample of rows would cut its 128 x 128 weight tiles)."""
 DEFAULT_FORMATS = ("mxfp8", "mxfp4", "hifp8")
 """The candidates when none are named (nvfp4 and nvfp4-2d are taken when named; nvfp4-2d
@@ -147,6 +149,7 @@ def _formats_file(
         sample_row_groups,
         sample_rows,
     )
+    from quantpatch.runtime.quantpatch_formats import spec_of
     from quantpatch.runtime.quantpatch_ops import NVFP4_FORMATS
 
     path, root, fmts, sample = Path(args[0]), Path(args[1]), args[2], args[3]
@@ -159,14 +162,19 @@ def _formats_file(
         if t.dim() and not -t.dim() <= dim < t.dim():
             dim = -1
         # the whole tensor's amax, not the sample's
-        amax = nv_amax(t) if set(fmts) & {*NVFP4_FORMATS, "fp8-tensor"} else None
+        whole = [
+            f
+            for f in fmts
+            if f in NVFP4_FORMATS or spec_of(f).family in ("fp8-tensor", "fp8-delayed")
+        ]
+        amax = nv_amax(t) if whole else None
         rht = None
         if RHT in fmts:  # along the tokens: sampled as whole groups of consecutive tokens
             wgrad = is_wgrad_operand(meta.tensor, meta.operation, meta.kind) and t.dim() >= 2
             rows = sample_row_groups(t.reshape(-1, t.shape[-1]), sample) if wgrad else t
             rht = rht_sums(rows, wgrad)
             fmts = tuple(f for f in fmts if f != RHT)
-        tiled = "nvfp4-2d" in fmts and is_tiled_weight(meta.tensor, t)
+        tiled = any(spec_of(f).tiled for f in fmts) and is_tiled_weight(meta.tensor, t)
         if tiled:  # a sample of whole tiles
             t = sample_row_groups(t, sample)
         else:

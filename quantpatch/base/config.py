@@ -60,6 +60,12 @@ def per_gemm(values: dict[str, str]) -> dict[str, str]:
             f"--{missing[0]}: give the value of every linear GEMM (or --linear for the "
             "ones not named), since the checkout's linear sites disagree or are missing."
         )
+    delayed = sorted({v for v in gemms.values() if v in DELAYED_TYPES})
+    if delayed and len(set(gemms.values())) > 1:
+        raise UserError(
+            f"'{delayed[0]}' keeps one amax history for a layer's three GEMMs (the weight "
+            f"gradient uses the input gradient's scale), so give it with --linear {delayed[0]}."
+        )
     if len(set(gemms.values())) == 1:
         out["linear"] = next(iter(gemms.values()))  # type: ignore[assignment]
     else:
@@ -244,6 +250,10 @@ LINEAR_ONLY: tuple[str, ...] = tuple(
     f.name for f in formats.SPECS if f.roles and "qk" not in f.roles
 )
 """Values only the linear role may hold (each says why in the spec: ``linear_only``)."""
+
+DELAYED_TYPES: tuple[str, ...] = formats.names(family="fp8-delayed")
+"""Values whose scales come from a linear layer's amax history (TE's delayed scaling): the
+layer keeps the state of its three GEMMs together, and attention has none to keep."""
 
 
 def validate_value(

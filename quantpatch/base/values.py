@@ -7,14 +7,16 @@ reference). Derived from the one format spec, ``quantpatch.runtime.quantpatch_fo
 Fields of each entry:
 
 * ``name``; ``roles``: the roles (linear, qk, pv) that may hold it;
-* ``family``: ``none``, ``mx``, ``nvfp4``, ``fp8-tensor``, ``fp8-block``, ``hifp8``, ``paretoq``;
+* ``family``: ``none``, ``mx``, ``nvfp4``, ``fp8-tensor``, ``fp8-delayed``, ``fp8-block``,
+  ``hifp8``, ``paretoq``;
 * ``element_forward`` / ``element_gradient``: ``e4m3``, ``e5m2``, ``e3m2``, ``e2m3``,
   ``e2m1``, ``hif8`` or None (the element of the forward operands, and of the gradient
   operand under ``backward=True``);
 * ``block``: the scale block along the reduction dimension, ``[rows, cols]`` (None: no block
   scale); ``weight_block``: a weight's, where it differs (else None);
 * ``scale``: ``e8m0-floor``, ``e8m0-rceil``, ``e4m3-fp32`` (E4M3 block scales under a float32
-  tensor scale), ``fp32``, ``pow2`` or None;
+  tensor scale), ``fp32``, ``fp32-delayed`` (a float32 tensor scale from the layer's amax
+  history of earlier steps), ``pow2`` or None;
 * ``rht``: a random Hadamard transform first; ``gradient_rounding``: ``nearest`` or
   ``stochastic`` (the gradient operand's);
 * ``fused_gemm``: whether the GEMM that quantizes its operands in its tile loop takes it;

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import git
 from rich.console import Console
 
-from quantpatch.base.config import QUANT_TYPES, Targets, is_paretoq
+from quantpatch.base.config import DELAYED_TYPES, QUANT_TYPES, Targets, is_paretoq
 from quantpatch.base.edits import Edit, apply_edits
 from quantpatch.base.errors import UserError
 from quantpatch.base.megatron_source import DEFAULT_VERSION, megatron_tree
@@ -108,7 +108,8 @@ DEMO_FORMATS = (
 which the probe's plain weight tensor is not, so its row would repeat nvfp4's; nvfp4-rht is
 meant for the weight-gradient GEMM alone (``--wgrad nvfp4-rht``), not a whole layer's format;
 of ParetoQ's weight values, those of the schemes ``paretoq_w1.58`` and ``paretoq_w2`` (ternary
-and 2-bit weights)."""
+and 2-bit weights). A delayed value's row is its second step on the same inputs (the first
+step's amaxes in the history)."""
 
 
 def linear_errors(
@@ -132,6 +133,8 @@ def linear_errors(
             wt = ensure_worktree(dest, {"linear": fmt, "qk": "bf16", "pv": "bf16"})
             out = Path(tmp) / f"{fmt}.pt"
             weights = ["--weights", fmt] if is_paretoq(fmt) else []
+            if fmt in DELAYED_TYPES:  # the weight keeps a layer's state: one step fills it
+                weights = ["--delayed", fmt]
             subprocess.run(
                 [sys.executable, str(probe), str(out), *weights],
                 check=True,

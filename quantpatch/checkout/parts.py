@@ -58,6 +58,7 @@ OPS_PARTS = (
     "quantpatch_env",  # every environment variable the runtime reads
     "quantpatch_mx",
     "quantpatch_fp8",  # fp8-tensor and fp8-block (TE's FP8 recipes)
+    "quantpatch_delayed",  # fp8-delayed: TE's delayed scaling, its per-layer state
     "quantpatch_nvfp4",
     "quantpatch_paretoq",
     "quantpatch_quantize",

@@ -95,7 +95,7 @@ def run_rows(record: Mapping[str, Any], schemes: Mapping[str, Any]) -> list[dict
                 "pv": values.get("pv", "?"),
                 "bf16 layers": values.get("bf16_layers", "-"),
                 # the scheme's own Megatron arguments (a native scheme: TE's recipe), as recorded
-                "scheme args": " ".join(r.get("args") or []) or "-",
+                "scheme args": " ".join(map(str, r.get("args") or [])) or "-",
                 # what the sweep asked for (the runs table says what each run's log names)
                 "attention": f"{r['attention']} (sweep: {choice})" if r.get("attention") else "-",
                 "commit": (r.get("commit") or "")[:12] or "-",

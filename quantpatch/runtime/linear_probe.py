@@ -2,11 +2,15 @@
 save the three GEMM results (forward output, input gradient, weight gradient).
 
 Usage (inside a checkout, with the checkout first on PYTHONPATH):
-    python linear_probe.py OUT.pt [TOKENS HIDDEN_IN HIDDEN_OUT] [--weights FMT]
+    python linear_probe.py OUT.pt [TOKENS HIDDEN_IN HIDDEN_OUT] [--weights FMT] [--delayed FMT]
 
 ``--weights`` names a ParetoQ value (``w2``, ...): the weight is quantized first with the
 checkout's ops and the step the layer's first forward takes, as Column/RowParallelLinear do
 before they call the linear function (which leaves the operands as they are for that value).
+``--delayed`` names a delayed-scaling value (``fp8-delayed``, ...): the weight gets a layer's
+amax history and scales, one step fills them, and the second step on the same inputs (scaled
+from the first one's amaxes; the weight written in place between them, as an optimizer step
+would, so it is quantized anew) is the one saved.
 
 torch and the standard library only; the inputs are seeded so that runs of different sources
 (one per quantization format) see identical tensors. Used by ``quantpatch demo``.
@@ -27,6 +31,7 @@ def run(
     seed: int = 0,
     *,
     weights: str | None = None,
+    delayed: str | None = None,
 ) -> dict[str, torch.Tensor]:
     from megatron.core.tensor_parallel.layers import (
         LinearWithGradAccumulationAndAsyncCommunication as Linear,
@@ -54,6 +59,16 @@ def run(
         from megatron.core import quantpatch_ops as ops
 
         wq = ops.paretoq_weight(w, ops.paretoq_init_alpha(w, weights), weights)
+    if delayed is not None:  # a layer's state for the weight, filled by one step
+        from megatron.core import quantpatch_ops as ops
+
+        layer = torch.nn.Module()
+        layer.weight = w
+        ops.add_delayed_state(layer, delayed)
+        Linear.apply(x, wq, *(values[n] for n in names)).backward(grad_y)
+        x.grad = w.grad = None
+        with torch.no_grad():  # as an optimizer step would: the weight is quantized anew
+            w.mul_(1)
     y = Linear.apply(x, wq, *(values[n] for n in names))
     y.backward(grad_y)
     assert x.grad is not None and w.grad is not None
@@ -62,10 +77,11 @@ def run(
 
 if __name__ == "__main__":
     args = sys.argv[2:]
-    fmt = None
-    if "--weights" in args:
-        i = args.index("--weights")
-        fmt = args[i + 1]
-        del args[i : i + 2]
+    named: dict[str, str | None] = {"--weights": None, "--delayed": None}
+    for flag in named:
+        if flag in args:
+            i = args.index(flag)
+            named[flag] = args[i + 1]
+            del args[i : i + 2]
     sizes = [int(a) for a in args[:3]]
-    torch.save(run(*sizes, weights=fmt), sys.argv[1])
+    torch.save(run(*sizes, weights=named["--weights"], delayed=named["--delayed"]), sys.argv[1])

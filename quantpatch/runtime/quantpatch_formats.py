@@ -52,12 +52,14 @@ ROLES = ("linear", "qk", "pv")
 OPERANDS = ("input", "weight", "grad_output")
 """The operand roles (TransformerEngine's names)."""
 
-FAMILIES = ("none", "mx", "fp8-tensor", "fp8-block", "hifp8", "nvfp4", "paretoq")
+FAMILIES = ("none", "mx", "fp8-tensor", "fp8-delayed", "fp8-block", "hifp8", "nvfp4", "paretoq")
 """Each family is one module of arithmetic in the runtime (this order is the table's)."""
-SCALES = ("e8m0-floor", "e8m0-rceil", "e4m3-fp32", "fp32", "pow2")
+SCALES = ("e8m0-floor", "e8m0-rceil", "e4m3-fp32", "fp32", "fp32-delayed", "pow2")
 """``e8m0-floor``: OCP MX's 2^(floor(log2 amax) - emax); ``e8m0-rceil``: NVIDIA's
 2^ceil(log2(amax / vmax)); ``e4m3-fp32``: E4M3 block scales under a float32 tensor scale;
 ``fp32``: one float32 scale (per tensor, or ParetoQ's learnable step per row);
+``fp32-delayed``: one float32 scale per tensor from its linear layer's amax history of earlier
+steps (TransformerEngine's delayed scaling);
 ``pow2``: a power-of-two float32 scale per block."""
 BACKWARD = ("all", "grad_output")
 """Which operands of a backward GEMM (``backward=True``) take the gradient treatment
@@ -75,6 +77,15 @@ _PARETOQ = (
     "ParetoQ's weight quantizers (Liu et al., arXiv 2502.02631), a learnable float32 step per "
     "output row (the grouped values: per row and group of N input columns); not a library's "
     "bit pattern"
+)
+_TE_DELAYED = (
+    "TransformerEngine's delayed-scaling update as its fused kernel computes it "
+    "(fused_amax_and_scale_update_after_reduction; 2.20.2's unfused Python update but for its "
+    "two documented differences) and its satfinite FP8 cast, DelayedScaling, Format.{fmt}"
+)
+_DELAYED_ROLE = (
+    "scales each operand from its linear layer's amax history, which {role} does not keep; use "
+    "'fp8-tensor' (current scaling) for {role}"
 )
 _PARETOQ_ROLE = (
     "is a ParetoQ weight format, and only the linear role has weights; {role} takes the other "
@@ -149,6 +160,7 @@ class Format:
 _ELEMENTS_OF = {
     "mx": set(ELEMENTS),
     "fp8-tensor": {"e4m3", "e5m2"},
+    "fp8-delayed": {"e4m3", "e5m2"},
     "fp8-block": {"e4m3"},
     "hifp8": {"hif8"},
     "nvfp4": {"e2m1"},
@@ -283,6 +295,23 @@ SPECS: tuple[Format, ...] = (
         reference="TransformerEngine 2.20.2 CurrentScalingQuantizerRef (Float8CurrentScaling, "
         "Format.HYBRID) and its dequantize",
         megatron="--fp8-format hybrid --fp8-recipe tensorwise",
+    ),
+    Format(
+        "fp8-delayed", "fp8-delayed", "e4m3", "e4m3", "e5m2", scale="fp32-delayed",
+        roles=("linear",), backward="grad_output", linear_only=_DELAYED_ROLE,
+        summary=(
+            "TE's delayed scaling: one float32 scale per tensor from the linear layer's amax "
+            "history of earlier steps, E4M3; the output gradient E5M2 (linear role only)"
+        ),
+        reference=_TE_DELAYED.format(fmt="HYBRID"),
+        megatron="--fp8-format hybrid --fp8-recipe delayed",
+    ),
+    Format(
+        "fp8-delayed-e4m3", "fp8-delayed", "e4m3", "e4m3", "e4m3", scale="fp32-delayed",
+        roles=("linear",), backward="grad_output", linear_only=_DELAYED_ROLE,
+        summary="`fp8-delayed` with E4M3 for the output gradient too (TE's `Format.E4M3`)",
+        reference=_TE_DELAYED.format(fmt="E4M3"),
+        megatron="--fp8-format e4m3 --fp8-recipe delayed",
     ),
     Format(
         "fp8-block", "fp8-block", "e4m3", "e4m3", "e4m3", (1, 128), (128, 128), "pow2",

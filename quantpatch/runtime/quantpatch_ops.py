@@ -6,7 +6,8 @@ Installed by ``quantpatch init`` as ``megatron/core/quantpatch_ops.py``, with th
 imports beside it, one concern each: ``quantpatch_formats.py`` (the format spec: every value
 and what it quantizes with, standard library only), ``quantpatch_env.py`` (every environment
 variable the runtime reads), ``quantpatch_mx.py`` (MX and HiF8),
-``quantpatch_fp8.py`` (fp8-tensor, fp8-block), ``quantpatch_nvfp4.py`` (NVFP4 and its
+``quantpatch_fp8.py`` (fp8-tensor, fp8-block), ``quantpatch_delayed.py`` (fp8-delayed, its
+per-layer state), ``quantpatch_nvfp4.py`` (NVFP4 and its
 stochastic rounding), ``quantpatch_paretoq.py`` (ParetoQ), ``quantpatch_quantize.py`` (which
 code quantizes a tensor: the Triton kernels or the reference) and ``quantpatch_weights.py``
 (the weight cache and the GEMM choice); this module holds the dispatch, the products and flash
@@ -22,6 +23,8 @@ block, scale rule, roles, what a backward GEMM quantizes, rounding, transform, t
 equals and the Megatron flags it emulates; ``bf16`` is the identity). The arithmetic of each
 family is in its module: ``quantpatch_mx.py`` (OCP MX's FLOOR and NVIDIA's RCEIL scale rules,
 HiFloat8), ``quantpatch_fp8.py`` (TE's current and blockwise FP8 scaling),
+``quantpatch_delayed.py`` (TE's delayed scaling: each linear layer keeps the amax history and
+scales of its operands, so ``fake_quant`` and the attention products refuse it),
 ``quantpatch_nvfp4.py`` (TE 2.20.2's NVFP4 and the stochastic rounding of gradients, seeded
 with ``QUANTPATCH_SR_SEED`` + ``RANK``; ``reset_sr_generators()``), ``quantpatch_rht.py``
 (the random Hadamard transform; ``fake_quant`` takes its result back through the inverse
@@ -69,6 +72,16 @@ import torch
 # the parts, one concern each (the names below are the public API, unchanged for the sites)
 from . import quantpatch_env as env
 from . import quantpatch_formats as formats
+
+# the parts, one concern each (the names below are the public API, unchanged for the sites)
+from .quantpatch_delayed import (
+    DELAYED_FORMATS,
+    add_delayed_state,
+    delayed_matmul,
+    is_delayed,
+    settled_quantize,
+)
+from .quantpatch_delayed import refuse_delayed as _refuse_delayed
 from .quantpatch_fp8 import FP8_BLOCK, fp8_tensor
 from .quantpatch_mx import BLOCK, E2M1, E4M3, E5M2, SCALE_MAX, SCALE_MIN, round_element
 from .quantpatch_nvfp4 import (
@@ -83,7 +96,6 @@ from .quantpatch_nvfp4 import (
 from .quantpatch_paretoq import (
     ALPHA_MIN,
     PARETOQ_BITS,
-    add_weight_scales,
     alpha_columns,
     grad_scale,
     is_paretoq,
@@ -98,6 +110,7 @@ from .quantpatch_paretoq import (
     paretoq_spec,
     paretoq_weight,
 )
+from .quantpatch_paretoq import add_weight_scales as _paretoq_add_weight_scales
 from .quantpatch_quantize import interpreted as _interpreted
 from .quantpatch_quantize import kernels_in_use, quantize, require_capability
 from .quantpatch_weights import fused_product as _fused_product
@@ -128,6 +141,7 @@ __all__ = [
     "ALPHA_MIN",
     "ATTENTION_PATH_LINE",
     "BLOCK",
+    "DELAYED_FORMATS",
     "E2M1",
     "E4M3",
     "E5M2",
@@ -141,6 +155,7 @@ __all__ = [
     "PARETOQ_BITS",
     "SCALE_MAX",
     "SCALE_MIN",
+    "add_delayed_state",
     "add_weight_scales",
     "alpha_columns",
     "fake_quant",
@@ -151,6 +166,7 @@ __all__ = [
     "fp8_tensor",
     "gemm_choices",
     "grad_scale",
+    "is_delayed",
     "is_paretoq",
     "kernels_in_use",
     "nv_global_scale",
@@ -171,6 +187,7 @@ __all__ = [
     "quant_matmul",
     "reset_sr_generators",
     "round_element",
+    "settled_quantize",
     "sr_bits",
     "sr_seed",
     "weight_cache_clear",
@@ -178,6 +195,15 @@ __all__ = [
     "weight_cache_reset_stats",
     "weight_cache_stats",
 ]
+
+
+def add_weight_scales(module: Any, fmt: str, *, partition_dim: int) -> None:
+    """What a linear layer's constructor site asks for its value: ParetoQ's step
+    (``quantpatch_paretoq.add_weight_scales``; ``weight_alpha = None`` for other values) and a
+    delayed value's amax history and scales (``quantpatch_delayed.add_delayed_state``)."""
+    _paretoq_add_weight_scales(module, fmt, partition_dim=partition_dim)
+    if is_delayed(fmt):
+        add_delayed_state(module, fmt)
 
 
 def fake_quant(x: torch.Tensor, fmt: str, *, dim: int = -1, backward: bool = False) -> torch.Tensor:
@@ -189,6 +215,7 @@ def fake_quant(x: torch.Tensor, fmt: str, *, dim: int = -1, backward: bool = Fal
         return paretoq_fake_quant(x, fmt)
     if not spec.roles:
         raise ValueError(f"{fmt!r} is an operand format of the products, not a value")
+    _refuse_delayed(fmt, "fake_quant (a tensor without its layer)")
     if spec.rht and x.numel():  # Hadamard-transformed NVFP4: quantpatch_rht.py
         from . import quantpatch_rht
 
@@ -287,6 +314,8 @@ def quant_matmul(
     spec = formats.spec_of(fmt)  # an unknown name: one sentence
     if _bf16_layer(backward, weight):  # the BF16 layer policy: quantpatch_layers.py
         return torch.matmul(a, b)
+    if is_delayed(fmt):  # the layer's amax history and scales: quantpatch_delayed.py
+        return delayed_matmul(a, b, fmt, backward=backward, weight=weight)
     if spec.rht:  # both operands Hadamard-transformed first: quantpatch_rht.py
         from . import quantpatch_rht
 
@@ -306,6 +335,7 @@ def quant_bmm(
 ) -> torch.Tensor:
     """``torch.bmm(a, b)`` with both operands quantized along the reduction dimension (NVFP4:
     ``a`` alone stochastically under ``backward``)."""
+    _refuse_delayed(fmt, "an attention product")
     nv = formats.spec_of(fmt).backward == "grad_output"
     fa, fb = _operand_fmt(a, fmt), _operand_fmt(b, fmt)
     if a.dim() == b.dim() == 3:
@@ -328,6 +358,7 @@ def quant_baddbmm(
     """``torch.baddbmm`` with ``batch1`` and ``batch2`` quantized along the reduction
     dimension. With ``beta == 0`` the ``input`` buffer is never read, so uninitialised memory
     (Megatron passes a preallocated buffer) cannot leak NaN into the scores."""
+    _refuse_delayed(fmt, "an attention product")
     nv = formats.spec_of(fmt).backward == "grad_output"
     f1, f2 = _operand_fmt(batch1, fmt), _operand_fmt(batch2, fmt)
     if beta == 0 and batch1.dim() == batch2.dim() == 3:
@@ -420,6 +451,7 @@ def quant_flash_attention(
     ``g`` dividing ``h`` (query head ``i`` reads key/value head ``i // (h // g)``); the result
     is ``[sq, b, h, dv]``. ``causal``: key ``j`` is visible from query ``i`` when ``j <= i``
     (``sq == sk``). Needs the Triton kernels: CUDA tensors, or CPU ones in the interpreter."""
+    _refuse_delayed(fmt, "an attention product")
     flash = _flash()
     if flash is None:
         raise RuntimeError(f"flash attention needs its Triton kernels: {_flash_error}")
