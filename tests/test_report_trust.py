@@ -1,0 +1,154 @@
+"""A sweep's report a researcher can share and trust (issue 53): every fact it states true
+(mock data, the attention path, the dataset's files, the tokenizer folder), paths that work
+from any directory, files colleagues can read, provenance, validation loss and the noise of
+seeds."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from .test_data_prepare import corpus, make_tokenizer, write_jsonl
+from .test_scripts import QUANTPATCH
+
+DOC = "llama32-1b_text_document"
+
+
+def run_cli(*args, env=None, cwd=None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [QUANTPATCH, "data", *map(str, args)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        cwd=cwd,
+    )
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory) -> Path:
+    return make_tokenizer(tmp_path_factory.mktemp("tok") / "bpe")
+
+
+def prepare(tok: Path | str, src: Path, root: Path, *, cwd: Path | None = None):
+    return run_cli("prepare", "wikipedia", "--input", src, "--models", "llama32-1b",
+                   "--tokenizer", f"llama32-1b={tok}", "--data-root", root,
+                   cwd=cwd)  # fmt: skip
+
+
+def status(root: Path, tokenizer: str | None, *, cwd: Path | None = None):
+    env = {"TOKENIZER_MODEL": tokenizer} if tokenizer else {}
+    return run_cli("status", "--models", "llama32-1b", "--datasets", "wikipedia",
+                   "--data-root", root, "--json", env=env, cwd=cwd)  # fmt: skip
+
+
+# -- 1c: the dataset's files against the manifest --------------------------------------------
+
+
+def test_status_and_the_launch_check_find_a_cut_or_swapped_dataset(tok, tmp_path):
+    """`.bin` cut to 0 and to 100 bytes, and `.bin`/`.idx` swapped for another tokenizer's
+    (the same sizes would pass a size check: the hash of head and tail does not): `data
+    status` says so and exits 1, the pre-launch check refuses with the same finding."""
+    from quantpatch.data_prep.layout import Need
+
+    src = write_jsonl(tmp_path / "c.jsonl", corpus(60))
+    root, other = tmp_path / "d", tmp_path / "o"
+    assert prepare(tok, src, root).returncode == 0
+    other_tok = make_tokenizer(tmp_path / "tok2", vocab=300)
+    assert prepare(other_tok, src, other).returncode == 0
+    prefix = root / "wikipedia" / DOC
+    manifest = json.loads(Path(f"{prefix}.json").read_text())
+    assert set(manifest["samples"]) == {"bin", "idx"}
+    assert manifest["sha256"]["bin"].startswith("sha256:")
+    good = {s: Path(f"{prefix}.{s}").read_bytes() for s in ("bin", "idx")}
+    res = status(root, str(tok))
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["datasets"][0]["files_match"] is True
+    need = Need("llama32-1b", "wikipedia", prefix, str(tok))
+    assert need.problem() is None
+
+    def cut(n: int) -> None:
+        Path(f"{prefix}.bin").write_bytes(good["bin"][:n])
+
+    def swapped() -> None:
+        for s in ("bin", "idx"):
+            shutil.copyfile(other / "wikipedia" / f"{DOC}.{s}", f"{prefix}.{s}")
+        # the other tokenizer's data forced to this dataset's sizes: only the hash tells
+        for s in ("bin", "idx"):
+            data = Path(f"{prefix}.{s}").read_bytes()
+            want = len(good[s])
+            Path(f"{prefix}.{s}").write_bytes((data * (want // len(data) + 1))[:want])
+
+    for damage, says in ((lambda: cut(0), "is 0 bytes"), (lambda: cut(100), "is 100 bytes"),
+                         (swapped, "content is not what its manifest recorded")):  # fmt: skip
+        damage()
+        res = status(root, str(tok))
+        row = json.loads(res.stdout)["datasets"][0]
+        assert res.returncode == 1 and row["files_match"] is False, (says, res)
+        assert says in row["files_problem"]
+        res = run_cli("status", "--models", "llama32-1b", "--datasets", "wikipedia",
+                      "--data-root", root, env={"TOKENIZER_MODEL": str(tok)})  # fmt: skip
+        assert res.returncode == 1 and "MISMATCH" in res.stdout, res
+        assert "not what data prepare made" in " ".join(res.stderr.split())
+        problem = need.problem()
+        assert problem is not None and says in problem and "replaced or cut short" in problem
+        for s, b in good.items():
+            Path(f"{prefix}.{s}").write_bytes(b)
+    assert need.problem() is None
+    # prepare makes a damaged dataset again (it is not up to date)
+    cut(100)
+    res = prepare(tok, src, root)
+    assert res.returncode == 0 and "wrote" in res.stdout, res
+    assert Path(f"{prefix}.bin").read_bytes() == good["bin"]
+
+
+# -- 1d: a tokenizer folder is known by its absolute path and all its files -------------------
+
+
+def test_a_local_folder_named_like_a_hub_id_is_recorded_local_and_never_matched_by_name(
+    tok, tmp_path
+):
+    """`meta-llama/Llama-3.2-1B` as a folder here (the model's own hub id): recorded as an
+    absolute path marked local; from another directory, where the name is the hub's, status
+    says mismatch, never "matches" by name."""
+    work = tmp_path / "work"
+    folder = work / "meta-llama" / "Llama-3.2-1B"
+    shutil.copytree(tok, folder)
+    src = write_jsonl(tmp_path / "c.jsonl", corpus(30))
+    root = tmp_path / "d"
+    assert prepare("meta-llama/Llama-3.2-1B", src, root, cwd=work).returncode == 0
+    made = json.loads((root / "wikipedia" / f"{DOC}.json").read_text())["tokenizer"]
+    assert made["name"] == str(folder) and made["local"] is True
+    # here, the folder is what the scripts' name resolves to: matched by its files
+    res = status(root, None, cwd=work)
+    assert json.loads(res.stdout)["datasets"][0]["tokenizer_matches"] is True, res
+    # elsewhere the same name is the hub's tokenizer: not the one the data was made with
+    res = status(root, None, cwd=tmp_path)
+    row = json.loads(res.stdout)["datasets"][0]
+    assert res.returncode == 1 and row["tokenizer_matches"] is False, res
+    assert row["made_with"] == str(folder)
+    # a relative TOKENIZER_MODEL is made absolute (the scripts start in the checkout)
+    res = status(root, "meta-llama/Llama-3.2-1B", cwd=work)
+    assert json.loads(res.stdout)["datasets"][0]["tokenizer"] == str(folder)
+
+
+def test_the_fingerprint_covers_every_file_of_the_folder(tmp_path):
+    from quantpatch.data_prep.layout import files_hash, legacy_files_hash
+
+    folder = tmp_path / "tok"
+    (folder / "code").mkdir(parents=True)
+    (folder / "tokenizer_config.json").write_text("{}")
+    (folder / "cl100k.tiktoken").write_text("AAAA 0\n")
+    (folder / "code" / "tokenization_mine.py").write_text("X = 1\n")
+    first, legacy = files_hash(folder), legacy_files_hash(folder)
+    for name, text in (("cl100k.tiktoken", "AAAB 0\n"), ("code/tokenization_mine.py", "X=2\n")):
+        (folder / name).write_text(text)
+        assert files_hash(folder) != first, name
+        first = files_hash(folder)
+    assert legacy_files_hash(folder) == legacy  # what the old fingerprint missed
+    os.symlink(folder / "cl100k.tiktoken", folder / "linked.tiktoken")
+    assert files_hash(folder) != first
