@@ -15,6 +15,7 @@ import pytest
 
 from .test_data_prepare import corpus, make_tokenizer, write_jsonl
 from .test_scripts import QUANTPATCH
+from .test_sweep import SELECT, calls, record, sweep_env  # noqa: F401 (a fixture)
 
 DOC = "llama32-1b_text_document"
 
@@ -152,3 +153,51 @@ def test_the_fingerprint_covers_every_file_of_the_folder(tmp_path):
     assert legacy_files_hash(folder) == legacy  # what the old fingerprint missed
     os.symlink(folder / "cl100k.tiktoken", folder / "linked.tiktoken")
     assert files_hash(folder) != first
+
+
+# -- 1a, 1b: mock data and the attention path, as the runs take them ----------------------------
+
+
+@pytest.mark.slow  # about 12 s
+def test_a_mock_data_sweep_is_recorded_and_reported_as_mock(sweep_env, run, monkeypatch, tmp_path):
+    """The smoke profile's scripts default MOCK_DATA=1 (--mock-data, NullTokenizer): with
+    DATA_ROOT and TOKENIZER_MODEL exported the record and the report still say mock data and
+    no tokenizer."""
+    root, _env, _stub, out = sweep_env
+    tok = tmp_path / "mytok"
+    tok.mkdir()
+    (tok / "tokenizer.json").write_text("{}")
+    monkeypatch.setenv("DATA_ROOT", str(tmp_path / "data"))
+    monkeypatch.setenv("TOKENIZER_MODEL", str(tok))
+    monkeypatch.delenv("MOCK_DATA", raising=False)
+    res = run("sweep", "run", out, "--models", "llama32-1b", "--datasets", "wikipedia",
+              "--profile", "smoke", "--schemes", "bf16", "--repo", root)  # fmt: skip
+    assert res.code == 0, res
+    rec = record(out)
+    assert rec["data"]["mock"] is True and rec["data"]["checked"] == []
+    html = (out / "report.html").read_text()
+    assert "mock data (MOCK_DATA=1" in html and "NullTokenizer" in html
+    assert str(tok) not in html, "the report names a tokenizer the runs never loaded"
+
+
+@pytest.mark.slow  # about 40 s
+def test_flash_runs_on_an_older_runtime_are_refused_before_anything_is_written(
+    sweep_env, run, make_checkout
+):
+    """A checkout set up by the previous release (no bf16 flash route): an FA sweep, whose
+    bf16 baseline is to take the flash path, is refused naming `quantpatch upgrade`, and
+    nothing is written; after the upgrade it is taken."""
+    from .oldrelease import make_old_release
+
+    _root, _env, stub, out = sweep_env
+    root = make_checkout(inject=False)
+    assert run("init", "--repo", root).code == 0
+    make_old_release(root)
+    res = run("sweep", "run", out, *SELECT, "--repo", root)
+    said = " ".join(res.err.split())
+    assert res.code == 2 and "run `quantpatch upgrade` there first" in said, res
+    assert "ops" in said and not out.exists() and not calls(stub)
+    assert run("upgrade", "--repo", root).code == 0
+    res = run("sweep", "run", out, *SELECT, "--repo", root)
+    assert res.code == 0, res
+    assert {r["attention"] for r in record(out)["runs"]} == {"flash"}

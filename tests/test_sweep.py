@@ -217,15 +217,16 @@ def test_a_moved_scheme_branch_runs_again_and_only_pending_keeps_failures(
 
 @pytest.mark.slow
 def test_resume_names_the_runs_an_upgrade_changed(sweep_env, run, make_checkout):
-    """A sweep finished on a checkout of the previous release; after ``quantpatch upgrade``
-    the resume runs every run again, naming the upgrade as why its source changed."""
+    """A sweep finished on a checkout of the previous release (on stock attention: its
+    runtime has no bf16 flash route); after ``quantpatch upgrade`` the resume runs every run
+    again, naming the upgrade as why its source changed."""
     from .oldrelease import make_old_release
 
     _root, _env, stub, out = sweep_env
     root = make_checkout(inject=False)
     assert run("init", "--repo", root).code == 0
     make_old_release(root)
-    res = run("sweep", "run", out, *SELECT, "--repo", root)
+    res = run("sweep", "run", out, *SELECT, "--attention", "stock", "--repo", root)
     assert res.code == 0, res
     assert run("upgrade", "--repo", root).code == 0
     res = run("sweep", "run", out, "--repo", root)

@@ -32,9 +32,10 @@ def header(sweep_dir: Path, record: Mapping[str, Any]) -> list[tuple[str, str]]:
     jobs = sorted({str(r["slurm_job"]) for r in record["runs"] if r.get("slurm_job")})
     if jobs:
         launcher += f" (job array{'s' if len(jobs) > 1 else ''} {', '.join(jobs)})"
+    mock = is_mock(record)
     data = (
-        "mock data (MOCK_DATA=1)"
-        if env.get("MOCK_DATA") == "1"
+        "mock data (MOCK_DATA=1: Megatron's --mock-data, no dataset)"
+        if mock
         else env.get("DATA_PREFIX") or env.get("DATA_ROOT") or "the registry's prefixes"
     )
     stamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
@@ -50,11 +51,25 @@ def header(sweep_dir: Path, record: Mapping[str, Any]) -> list[tuple[str, str]]:
             str(sel.get("profile") or "?") + (f", {lay}" if (lay := _layout(record)) else ""),
         ),
         ("data", data),
-        ("tokenizer", env.get("TOKENIZER_MODEL") or "each model's own (tokenizer_model)"),
+        (
+            "tokenizer",
+            "none (mock data: Megatron's NullTokenizer)"
+            if mock
+            else env.get("TOKENIZER_MODEL") or "each model's own (tokenizer_model)",
+        ),
     ]
     if sel.get("config"):
         lines.append(("config", str(sel["config"])))
     return lines
+
+
+def is_mock(record: Mapping[str, Any]) -> bool:
+    """Whether the sweep's runs trained on mock data (as their scripts decided: ``MOCK_DATA``
+    or the profile's default; a record made before ``mock`` was kept: the variable alone)."""
+    data = record.get("data") or {}
+    if "mock" in data:
+        return data["mock"] is True
+    return (data.get("env") or {}).get("MOCK_DATA") == "1"
 
 
 def _checked(record: Mapping[str, Any]) -> dict[tuple[str, str], Mapping[str, Any]]:
@@ -73,6 +88,7 @@ def run_rows(record: Mapping[str, Any], schemes: Mapping[str, Any]) -> list[dict
     """One row a run, keyed by ``RUN_COLUMNS``."""
     checked = _checked(record)
     env = (record.get("data") or {}).get("env") or {}
+    mock = is_mock(record)
     layout = _layout(record)
     choice = (record.get("attention") or {}).get("choice")
     rows = []
@@ -97,8 +113,14 @@ def run_rows(record: Mapping[str, Any], schemes: Mapping[str, Any]) -> list[dict
                 # what the sweep asked for (the runs table says what each run's log names)
                 "attention": f"{r['attention']} (sweep: {choice})" if r.get("attention") else "-",
                 "commit": (r.get("commit") or "")[:12] or "-",
-                "data": str(data["prefix"]) if data else ("mock" if not checked else "-"),
-                "tokenizer": str(data["tokenizer"]) if data else env.get("TOKENIZER_MODEL", "-"),
+                "data": "mock" if mock else str(data["prefix"]) if data else "-",
+                "tokenizer": (
+                    "-"
+                    if mock
+                    else str(data["tokenizer"])
+                    if data
+                    else env.get("TOKENIZER_MODEL", "-")
+                ),
                 "gpus": r.get("gpus") or layout or "-",
                 "slurm": slurm or "-",
             }

@@ -223,6 +223,8 @@ def prepare(
         _follow_slurm(sweep_dir, old, selection if given is not None else None)
     env = data_env((old or {}).get("data"), os.environ)
     checked = _refuse_missing_data(selection, {**os.environ, **env})
+    mock = _mock_data(selection, {**os.environ, **env})
+    _refuse_older_runtime(checkout, selection)
     done = generate_scripts(
         GenRequest(
             out=sweep_dir,
@@ -322,6 +324,7 @@ def prepare(
         "attention": scripts[0].attention.as_dict() if scripts and scripts[0].attention else None,
         "data": {
             "env": env,
+            "mock": mock,
             "checked": [
                 {
                     "model": n.model,
@@ -406,6 +409,31 @@ def _refuse_missing_data(selection: Selection, env: Mapping[str, str]) -> list[A
         selection.profile,
         env,
     )
+
+
+def _mock_data(selection: Selection, env: Mapping[str, str]) -> bool:
+    """Whether the runs train on mock data, as their scripts decide it: ``MOCK_DATA`` from the
+    environment, else the profile's default (smoke: 1), whatever ``DATA_ROOT`` says."""
+    from quantpatch.launch.data_check import mock_data
+    from quantpatch.launch.registry import load_registry
+
+    reg = load_registry(Path(selection.config) if selection.config else None)
+    return mock_data(reg, selection.profile, env)
+
+
+def _refuse_older_runtime(checkout: Any, selection: Selection) -> None:
+    """A checkout whose runtime cannot take the path the runs are to take (and the record
+    would name): refused before anything is written (``launch.attention``)."""
+    from quantpatch.launch.attention import attention_for, refuse_older_runtime
+    from quantpatch.launch.registry import load_registry
+
+    reg = load_registry(Path(selection.config) if selection.config else None)
+    try:
+        names = reg.pick("schemes", selection.schemes)
+    except UserError:
+        return  # the script generation refuses it with its own sentence
+    picked = [reg.schemes[n] for n in names]
+    refuse_older_runtime(checkout, attention_for(selection.attention, picked))
 
 
 def group_alive(pgid: object) -> bool:
