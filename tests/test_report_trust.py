@@ -15,7 +15,8 @@ import pytest
 
 from .test_data_prepare import corpus, make_tokenizer, write_jsonl
 from .test_scripts import QUANTPATCH
-from .test_sweep import SELECT, calls, record, sweep_env  # noqa: F401 (a fixture)
+from .test_sweep import SELECT, calls, record
+from .test_sweep import sweep_env as sweep_env_fixture  # noqa: F401 (the fixture)
 
 DOC = "llama32-1b_text_document"
 
@@ -201,3 +202,157 @@ def test_flash_runs_on_an_older_runtime_are_refused_before_anything_is_written(
     res = run("sweep", "run", out, *SELECT, "--repo", root)
     assert res.code == 0, res
     assert {r["attention"] for r in record(out)["runs"]} == {"flash"}
+
+
+# -- 2: paths that work from any directory and after a move -----------------------------------
+
+
+def test_status_and_report_work_from_anywhere_after_a_move_and_migrate_an_old_record(
+    run, tmp_path, monkeypatch
+):
+    """A record of the previous release keeps each log relative to the directory `sweep run`
+    ran in: read from another directory, from inside the folder (`.`) and after the folder
+    moved; the first write keeps them relative to the sweep's folder."""
+    from quantpatch.analysis import plots
+    from quantpatch.launch import sweep as sweep_mod
+
+    from .test_sweep_report import fake_sweep
+
+    monkeypatch.setattr(plots, "have_matplotlib", lambda: False)  # the tables are the test
+    work = tmp_path / "work"
+    work.mkdir()
+    sweep_dir, rec = fake_sweep(work)
+    for r in rec["runs"]:  # as that release wrote them, from `cd work && sweep run sweep`
+        r["log"] = str(Path(r["log"]).relative_to(work))
+    (sweep_dir / "sweep.json").write_text(json.dumps(rec))
+    names = [r["name"] for r in rec["runs"]]
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    moved = tmp_path / "shared" / "sweep-moved"
+    for cwd, target in ((elsewhere, sweep_dir), (sweep_dir, Path(".")), (elsewhere, moved)):
+        if target == moved and not moved.exists():
+            moved.parent.mkdir()
+            shutil.move(sweep_dir, moved)
+        monkeypatch.chdir(cwd)
+        res = run("sweep", "status", target)
+        assert res.code == 0 and "2 runs: 2 finished" in res.out, res
+        res = run("sweep", "report", target)
+        assert res.code == 0, (cwd, target, res)
+        html = (target / "report.html").read_text().replace("<wbr>", "")
+        for name in names:
+            assert f">{name}<" in html, (cwd, target, name)
+    loaded = sweep_mod.load(moved)
+    assert loaded is not None
+    sweep_mod.save(moved, loaded)
+    saved = json.loads((moved / "sweep.json").read_text())
+    assert saved["version"] == sweep_mod.VERSION == 2
+    assert [r["log"] for r in saved["runs"]] == [
+        f"runs/{n}/logs/{Path(r['log']).name}" for n, r in zip(names, rec["runs"], strict=True)
+    ]
+
+
+# -- 3: what the user shares is readable by colleagues -----------------------------------------
+
+
+@pytest.mark.parametrize(("mask", "mode"), [(0o022, 0o644), (0o027, 0o640)])
+def test_shared_files_get_the_umask_mode_and_are_still_atomic(run, tmp_path, mask, mode):
+    """report.html and sweep.json were 0600 whatever the umask (mkstemp's temp files renamed
+    into place); the figures `runs --plot` writes are checked too."""
+    from quantpatch.analysis import plots
+    from quantpatch.launch import sweep as sweep_mod
+
+    from .test_sweep_report import fake_sweep
+
+    sweep_dir, _ = fake_sweep(tmp_path)
+    old = os.umask(mask)
+    try:
+        res = run("sweep", "report", sweep_dir)
+        assert res.code == 0, res
+        loaded = sweep_mod.load(sweep_dir)
+        assert loaded is not None
+        sweep_mod.save(sweep_dir, loaded)
+        shared = [sweep_dir / "report.html", sweep_dir / "sweep.json"]
+        if plots.have_matplotlib():
+            res = run("runs", sweep_dir / "runs", "--plot", tmp_path / "figs")
+            assert res.code == 0, res
+            shared += sorted((tmp_path / "figs").glob("*.png"))
+            assert len(shared) > 2
+    finally:
+        os.umask(old)
+    for path in shared:
+        assert path.stat().st_mode & 0o777 == mode, (path, oct(path.stat().st_mode))
+    # nothing but the files themselves: no temp file left beside them
+    assert not [p for p in sweep_dir.iterdir() if p.name.startswith(".")]
+
+
+# -- 4: validation loss and perplexity ----------------------------------------------------------
+
+VALIDATION_LOG = Path(__file__).parent / "data" / "training-log-validation-core_v0.13.1.txt"
+"""core_v0.13.1's iteration lines with the validation lines ``evaluate_and_print_results``
+prints between them (framed by dashes; at the end ``on validation set`` and ``on test set``)."""
+
+
+def _validated_run(folder: Path, scheme: str, shift: float) -> Path:
+    text = VALIDATION_LOG.read_text()
+    if shift:  # the other scheme's validation losses, moved by ``shift``
+        out = []
+        for line in text.splitlines():
+            if "lm loss value: " in line:
+                head, rest = line.split("lm loss value: ", 1)
+                value, tail = rest.split(" |", 1)
+                line = f"{head}lm loss value: {float(value) + shift:.6E} |{tail}"
+            out.append(line)
+        text = "\n".join(out) + "\n"
+    log = folder / f"llama32-1b_wikipedia_{scheme}_fast" / "logs" / "20261122-112539.log"
+    log.parent.mkdir(parents=True)
+    log.write_text(
+        f"[quantpatch] llama32-1b / wikipedia / {scheme} (fast): linear=bf16 qk=bf16 pv=bf16\n"
+        + text
+        + "[quantpatch] training exited with status 0\n"
+    )
+    return log
+
+
+def test_validation_loss_and_perplexity_are_parsed_shown_and_in_runs_json(
+    run, tmp_path, monkeypatch
+):
+    from quantpatch.analysis import plots
+    from quantpatch.analysis.training_logs import parse_log
+
+    monkeypatch.setattr(plots, "have_matplotlib", lambda: False)  # the figure: its own test
+
+    folder = tmp_path / "runs"
+    log = _validated_run(folder, "bf16", 0.0)
+    _validated_run(folder, "FA_mxfp8", 0.25)
+    r = parse_log(log)
+    # each validation, the end's "on validation set" too; the test set's is not validation
+    assert [(i, round(v, 6)) for i, v, _ in r.validation] == [
+        (10, 9.730112), (20, 9.180551), (30, 8.912337), (30, 8.905512),
+    ]  # fmt: skip
+    assert round(r.validation[-1][2], 1) == 7372.5
+    assert list(r.iterations) == [10, 20, 30]  # the iteration lines read as before
+    res = run("runs", folder, "--json")
+    assert res.code == 0, res
+    rows = {row["scheme"]: row for row in json.loads(res.out)["runs"]}
+    assert rows["bf16"]["val_loss"] == pytest.approx(8.905512)
+    assert rows["bf16"]["val_ppl"] == pytest.approx(7372.499)
+    assert rows["bf16"]["val_at"] == 30
+    assert rows["FA_mxfp8"]["val_delta_vs_bf16"] == pytest.approx(0.25)
+    res = run("report", "--runs", folder, "--out", tmp_path / "r.html")
+    assert res.code == 0, res
+    html = (tmp_path / "r.html").read_text().replace("<wbr>", "")
+    assert "8.906" in html and "7372" in html  # val loss, val ppl of bf16
+
+
+@pytest.mark.slow  # about 12 s (matplotlib)
+def test_the_validation_loss_has_its_figure(tmp_path):
+    from quantpatch.analysis import plots, training_logs
+
+    pytest.importorskip("matplotlib")
+    folder = tmp_path / "runs"
+    _validated_run(folder, "bf16", 0.0)
+    _validated_run(folder, "FA_mxfp8", 0.25)
+    written = plots.plot_runs(training_logs.runs([folder]), tmp_path)
+    assert [p.name for p in written if p.name.startswith("val_loss_")] == [
+        "val_loss_llama32-1b_wikipedia_fast.png"
+    ]

@@ -35,7 +35,8 @@ _PAGE = """<!doctype html><meta charset="utf-8"><title>quantpatch report</title>
 {%- for s in sections %}
 <h2>{{ s.title }}</h2>
 {%- if s.note %}<p class="note">{{ s.note }}</p>{% endif %}
-{%- if s.columns %}<table><tr>{% for c in s.columns %}<th>{{ c | column }}</th>{% endfor %}</tr>
+{%- if s.columns %}<table><tr>{% for c in s.columns %}<th>{{ s.labels.get(c, c) | column }}</th>
+{%- endfor %}</tr>
 {%- for r in s.rows %}<tr{% if r.bad %} class="bad"{% endif %}>
 {%- for text, left in r.cells %}<td{% if left %} class="t"{% endif %}>{{ text | breakable }}</td>
 {%- endfor %}</tr>
@@ -57,6 +58,7 @@ class Section:
     rows: list[dict[str, Any]] = field(default_factory=list)  # {"bad": bool, "cells": [...]}
     images: list[tuple[str, str]] = field(default_factory=list)  # (alt, base64 PNG)
     skipped: list[tuple[str, str]] = field(default_factory=list)
+    labels: dict[str, str] = field(default_factory=dict)  # column -> its heading, if other
 
 
 def render(
@@ -126,9 +128,25 @@ RUN_COLUMNS = [
     "model", "dataset", "profile", "scheme", "attention", "iterations", "loss",
     "last_finite_iteration",
     "loss_delta_vs_bf16",
-    "rel_delta_vs_bf16", "step_ms", "step_vs_bf16", "skipped", "nan_iterations", "diverged",
-    "status",
+    "rel_delta_vs_bf16", "val_loss", "val_ppl", "val_delta_vs_bf16", "step_ms", "step_vs_bf16",
+    "skipped", "nan_iterations", "diverged", "status",
 ]  # fmt: skip
+RUN_LABELS = {
+    "loss_delta_vs_bf16": "Δloss",
+    "rel_delta_vs_bf16": "Δloss rel",
+    "matched_iterations": "matched",
+    "step_ms": "step ms",
+    "step_vs_bf16": "step/bf16",
+    "nan_iterations": "nan",
+    "last_finite_iteration": "loss at",
+    "unreadable_lines": "bad lines",
+    "val_loss": "val loss",
+    "val_ppl": "val ppl",
+    "val_at": "val at",
+    "val_delta_vs_bf16": "Δval loss",
+}
+"""The runs table's headings, as ``runs`` prints them in a terminal and the report shows them
+(JSON and CSV keep the field names)."""
 FORMAT_COLUMNS = [
     "layer", "tensor", "candidate", "sqnr_db", "rel_error", "cosine", "underflows %",
     "overflows %", "blocks saturated %", "blocks scale clipped %", "mse",
@@ -177,7 +195,10 @@ def write_report(
                     f"Runs ({rr.logs} logs)",
                     "loss: mean over the last window of logged iterations with a finite loss "
                     "(loss at: the last of them); deltas against the bf16 run of the same "
-                    "model, dataset and profile at the iterations both logged; rows in red "
+                    "model, dataset and profile at the iterations both logged; val loss and "
+                    "val ppl: the last validation Megatron printed (lm loss value and PPL, "
+                    "--eval-interval), Δval loss against bf16's at the last iteration both "
+                    "validated; rows in red "
                     "diverged (status nan: the loss went NaN, printed or left out of the log; "
                     "skips the fp16 loss scaler recovered from are counted in nan only); "
                     "attention: the path the run's attention took, as its log says (flash: "
@@ -187,6 +208,7 @@ def write_report(
                     table_rows(rr.rows, RUN_COLUMNS, bad="diverged"),
                     [_img(p) for p in plots.plot_runs(rr, figs)] if facts["figures"] else [],
                     list(rr.skipped),
+                    RUN_LABELS,
                 )
             )
         if tensors_dir is not None:

@@ -217,6 +217,12 @@ class _Args:
     """All args merged (model, profile, common)."""
 
 
+def resolved_args(reg: Registry, model: str, profile: str) -> dict[str, ArgValue]:
+    """Every pretrain_gpt.py argument a model's script passes under a profile (the model's,
+    the profile's, the model's own for that profile, the common ones), before ``-- EXTRA``."""
+    return dict(_model_args(reg, model, profile).values)
+
+
 def _model_args(reg: Registry, model: str, profile: str) -> _Args:
     m, p = reg.models[model], reg.profiles[profile]
     model_args = {**m.args}

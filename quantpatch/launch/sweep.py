@@ -30,13 +30,17 @@ from pathlib import Path
 from typing import Any
 
 from quantpatch.base import faults
+from quantpatch.base.edits import shared_mode
 from quantpatch.base.errors import UserError
 from quantpatch.launch import slurm
 from quantpatch.launch.attention import check_choice
 from quantpatch.launch.data_check import DATA_VARS, data_vars
 
 RECORD = "sweep.json"
-VERSION = 1
+VERSION = 2
+"""2: the runs' logs relative to the sweep's folder (1 kept them relative to the directory
+``sweep run`` ran in; read, and migrated on the first write)."""
+READS = (1, 2)
 STATES = ("pending", "running", "finished", "failed", "interrupted", "submitted")
 LAUNCHERS = ("local", "slurm")
 STOP_GRACE_S = 10.0
@@ -119,10 +123,44 @@ def load(sweep_dir: Path) -> dict[str, Any] | None:
         raise UserError(
             f"{path} is not a sweep record (not JSON); move it away to start a new sweep."
         ) from None
-    if not isinstance(data, dict) or data.get("version") != VERSION or "runs" not in data:
+    if not isinstance(data, dict) or data.get("version") not in READS or "runs" not in data:
         raise UserError(
             f"{path} is not a version {VERSION} sweep record; move it away to start a new sweep."
         )
+    return _migrated(sweep_dir, data)
+
+
+def stored(sweep_dir: Path, path: Path) -> str:
+    """How the record keeps a path: relative to the sweep's folder where it is inside it (the
+    folder can be moved, and read from any directory), else absolute."""
+    full = Path(os.path.abspath(path))
+    try:
+        return full.relative_to(os.path.abspath(sweep_dir)).as_posix()
+    except ValueError:
+        return str(full)
+
+
+def at(sweep_dir: Path, value: str) -> Path:
+    """A path the record keeps, for this process: relative ones are the sweep folder's."""
+    path = Path(value)
+    return path if path.is_absolute() else sweep_dir / path
+
+
+def _migrated(sweep_dir: Path, data: dict[str, Any]) -> dict[str, Any]:
+    """A record of an earlier version brought to this one's paths: each run's log (relative to
+    wherever that ``sweep run`` ran, or absolute) found in its run folder and kept relative
+    to the sweep's. Saved by the next write."""
+    for run in data["runs"]:
+        log = run.get("log") if isinstance(run, dict) else None
+        if not isinstance(log, str) or not log:
+            continue
+        own = sweep_dir / "runs" / str(run.get("name")) / "logs" / Path(log).name
+        if data.get("version") == 1 or Path(log).is_absolute():
+            if own.is_file():
+                run["log"] = stored(sweep_dir, own)
+            elif Path(log).is_file():
+                run["log"] = str(Path(log).resolve())
+    data["version"] = VERSION
     return data
 
 
@@ -131,6 +169,7 @@ def save(sweep_dir: Path, record: Mapping[str, Any]) -> None:
     sweep_dir.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".sweep-", suffix=".json", dir=sweep_dir)
     try:
+        os.fchmod(fd, shared_mode())  # colleagues read it: the umask's mode, not 0600
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             json.dump(record, fh, indent=1)
             fh.write("\n")
@@ -242,6 +281,7 @@ def prepare(
         )
     )
     scripts = done.result.scripts
+    made = provenance_of(checkout, selection, scripts, done.flags.release)
     asked = requested_nodes(scripts)
     layout = scripts[0].layout if scripts else None
     per_run = layout.plan.gpus_per_node if layout is not None else 1
@@ -322,6 +362,7 @@ def prepare(
         "created": (old or {}).get("created") or now(),
         "layout": {"gpus_per_node": asked[0], "nodes": asked[1]} if asked else None,
         "attention": scripts[0].attention.as_dict() if scripts and scripts[0].attention else None,
+        "provenance": made,
         "data": {
             "env": env,
             "mock": mock,
@@ -331,6 +372,7 @@ def prepare(
                     "dataset": n.dataset,
                     "prefix": str(n.prefix),
                     "tokenizer": n.tokenizer,
+                    **manifest_facts(n.prefix),
                 }
                 for n in checked
             ],
@@ -340,6 +382,58 @@ def prepare(
     if selection.launcher == "local":
         save(sweep_dir, record)  # a Slurm sweep's is saved once sbatch took the array
     return Prepared(record, notes, per_run)
+
+
+def manifest_facts(prefix: Path) -> dict[str, Any]:
+    """What the dataset's manifest says of it, for the report: documents, tokens, the files'
+    sha256 (``data prepare``), the tokenizer's fingerprint and vocabulary size."""
+    from quantpatch.data_prep.layout import read_manifest
+
+    manifest = read_manifest(prefix) or {}
+    tok = manifest.get("tokenizer") if isinstance(manifest.get("tokenizer"), dict) else {}
+    assert isinstance(tok, dict)
+    return {
+        "manifest": {
+            "documents": manifest.get("documents"),
+            "tokens": manifest.get("tokens"),
+            "sha256": manifest.get("sha256"),
+            "made_with": tok.get("name"),
+            "tokenizer_hash": tok.get("hash"),
+            "vocab_size": tok.get("vocab_size"),
+        }
+        if manifest
+        else None
+    }
+
+
+def provenance_of(
+    checkout: Any, selection: Selection, scripts: Sequence[Any], release: str
+) -> dict[str, Any]:
+    """What the report says the runs were made from, as ``sweep run`` found it: quantpatch's
+    version, the checkout's Megatron release (its own argument parser's) and base commit, and
+    each model's resolved pretrain_gpt.py arguments under the profile (``-- EXTRA`` after)."""
+    from quantpatch import __version__
+    from quantpatch.launch.registry import load_registry
+    from quantpatch.launch.scripts import resolved_args
+
+    reg = load_registry(Path(selection.config) if selection.config else None)
+    base: dict[str, Any] = {"commit": None, "branch": None}
+    repo = checkout.repo
+    if repo is not None:
+        with suppress(ValueError, TypeError):  # a repository without commits, a detached head
+            base["commit"] = str(repo.head.commit.hexsha)
+            base["branch"] = None if repo.head.is_detached else str(repo.active_branch.name)
+    models = sorted({s.model for s in scripts})
+    return {
+        "quantpatch": __version__,
+        "megatron": release,
+        "base": base,
+        "args": {
+            m: {k: v for k, v in resolved_args(reg, m, selection.profile).items()}
+            for m in models
+            if m in reg.models and selection.profile in reg.profiles
+        },
+    }
 
 
 def _follow_slurm(sweep_dir: Path, old: dict[str, Any], asked: Selection | None) -> None:
@@ -521,7 +615,7 @@ def _finish(run: dict[str, Any], sweep_dir: Path, code: int, started: float) -> 
     )
     fresh = [p for p in logs if p.stat().st_mtime >= started - 1]
     log = fresh[-1] if fresh else None
-    run["log"] = str(log) if log else None
+    run["log"] = stored(sweep_dir, log) if log else None
     if log is not None:
         found = _COMMIT.search(log.read_text(encoding="utf-8", errors="replace")[:65536])
         run["commit"] = found[1] if found else None
@@ -684,7 +778,7 @@ def run_logs(sweep_dir: Path, record: Mapping[str, Any]) -> list[Path]:
     out: list[Path] = []
     for run in record["runs"]:
         if run.get("log"):
-            out.append(Path(run["log"]))
+            out.append(at(sweep_dir, str(run["log"])))
             continue
         logs = sorted((sweep_dir / "runs" / run["name"] / "logs").glob("*.log"))
         out.extend(logs[-1:])
