@@ -356,3 +356,110 @@ def test_the_validation_loss_has_its_figure(tmp_path):
     assert [p.name for p in written if p.name.startswith("val_loss_")] == [
         "val_loss_llama32-1b_wikipedia_fast.png"
     ]
+
+
+# -- 4: provenance ------------------------------------------------------------------------------
+
+
+def provenance_sweep(tmp_path: Path) -> tuple[Path, str]:
+    """The fake Slurm sweep of test_sweep_report with what `sweep run` now records: its
+    provenance, the manifest's facts, an nvfp4_recipe run."""
+    from quantpatch.launch.sweep import manifest_facts
+
+    from .test_sweep_report import fake_sweep
+
+    sweep_dir, rec = fake_sweep(tmp_path)
+    rec["runs"][1]["scheme"] = "nvfp4_recipe"  # nvfp4-2d and nvfp4-rht, recipe layers
+    prefix = Path(rec["data"]["checked"][0]["prefix"])
+    prefix.parent.mkdir(parents=True)
+    Path(f"{prefix}.json").write_text(json.dumps({
+        "documents": 1234, "tokens": 567890,
+        "tokenizer": {"name": str(tmp_path / "tok"), "local": True, "hash": "sha256:" + "ab" * 32,
+                      "vocab_size": 128256},
+        "sha256": {"bin": "sha256:" + "cd" * 32, "idx": "sha256:" + "ef" * 32},
+    }))  # fmt: skip
+    rec["data"]["checked"][0].update(manifest_facts(prefix))
+    base = "f" * 40
+    rec["provenance"] = {
+        "quantpatch": "0.0.9",
+        "megatron": "0.13.1",
+        "base": {"commit": base, "branch": "main"},
+        "args": {"llama32-1b": {"seq-length": 2048, "global-batch-size": 32, "lr": 0.0003,
+                                "train-iters": 200, "num-layers": 16}},
+    }  # fmt: skip
+    (sweep_dir / "sweep.json").write_text(json.dumps(rec))
+    return sweep_dir, base
+
+
+def test_the_report_states_where_everything_came_from_made_from_another_directory(
+    run, tmp_path, monkeypatch
+):
+    """Release and base commit, quantpatch's version, each model's hyperparameters, the data
+    manifest's counts and hashes, the tokenizer's fingerprint and vocabulary, a legend of
+    every value used (its values-table row and reference), the BF16 layer policy resolved to
+    layer numbers and what the step times are; from a directory that is not the sweep's."""
+    from quantpatch import __version__
+    from quantpatch.analysis import plots
+    from quantpatch.base.values import value_table
+
+    monkeypatch.setattr(plots, "have_matplotlib", lambda: False)
+    sweep_dir, base = provenance_sweep(tmp_path)
+    monkeypatch.chdir(tmp_path.parent)
+    res = run("sweep", "report", sweep_dir)
+    assert res.code == 0, res
+    from html import unescape
+
+    text = unescape((sweep_dir / "report.html").read_text().replace("<wbr>", ""))
+    for fact in (
+        f"0.0.9 ran the sweep; {__version__} wrote this report",
+        f"0.13.1; base commit {base} (main)",
+        "seq-length 2048, global-batch-size 32, train-iters 200, lr 0.0003, num-layers 16",
+        "emulation's, not the format's",
+        ">1234<", ">567890<", ">" + "cd" * 8 + "<", ">" + "ab" * 8 + "<", ">128256<",
+        # the recipe's 2 and 8 of 62 layers, scaled to 16: layers 1 and 15-16
+        "nvfp4_recipe (llama32-1b, 16 layers): recipe = layers 1, 15-16 in BF16",
+    ):  # fmt: skip
+        assert fact in text, fact
+    for value in ("bf16", "nvfp4-2d", "nvfp4-rht"):
+        assert f">{value}<" in text and value_table()[value]["reference"] in text, value
+
+
+def test_bf16_layer_numbers_are_the_runtimes():
+    from quantpatch.base.config import bf16_layer_numbers
+    from quantpatch.runtime import quantpatch_layers
+
+    for spec in ("recipe", "first:2,last:8", "1,2,25-32", "last:40", "3-5,recipe"):
+        for n in (2, 16, 32, 62):
+            want = sorted(quantpatch_layers.resolve(spec, n))
+            assert bf16_layer_numbers(spec, n) == want, (spec, n)
+
+
+@pytest.mark.parametrize("width", [1000, 1280])
+def test_the_report_with_its_provenance_fits_the_page(run, tmp_path, width):
+    """The header, legend and data tables in headless Chromium: nothing past the right edge
+    (a screenshot kept under /tmp for the reader)."""
+    from .test_sweep_report import _PROBE, CHROMIUM
+
+    if CHROMIUM is None:
+        pytest.skip("needs Debian's chromium (apt-get install chromium)")
+    sweep_dir, _ = provenance_sweep(tmp_path)
+    assert run("sweep", "report", sweep_dir, "--title", "NVFP4 recipe ablation").code == 0
+    probe = tmp_path / "probe.html"
+    probe.write_text((sweep_dir / "report.html").read_text() + _PROBE)
+    base = [str(CHROMIUM), "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+            f"--window-size={width},1600", f"--user-data-dir={tmp_path / 'profile'}"]  # fmt: skip
+    dom = subprocess.run(
+        [*base, "--dump-dom", probe.as_uri()], capture_output=True, text=True, timeout=120
+    )
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    from html import unescape
+
+    seen = json.loads(unescape(dom.stdout.split("<title>", 1)[1].split("</title>", 1)[0]))
+    assert seen["width"] == width and seen["cut"] == [] and seen["scroll"] <= width, seen
+    shot = tmp_path / f"report-{width}.png"
+    subprocess.run([*base, f"--screenshot={shot}", (sweep_dir / "report.html").as_uri()],
+                   capture_output=True, timeout=120, check=True)  # fmt: skip
+    assert shot.stat().st_size > 0
+    html = (sweep_dir / "report.html").read_text()
+    assert "<h1>NVFP4 recipe ablation</h1>" in html
+    assert "<title>NVFP4 recipe ablation - quantpatch report</title>" in html

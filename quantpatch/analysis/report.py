@@ -25,8 +25,9 @@ img{max-width:100%;border:1px solid #eee;margin:.5em 0}
 .note{color:#666;font-size:13px}
 """
 
-_PAGE = """<!doctype html><meta charset="utf-8"><title>quantpatch report</title>
-<style>{{ style }}</style><h1>quantpatch report</h1>
+_PAGE = """<!doctype html><meta charset="utf-8">
+<title>{% if title %}{{ title }} - {% endif %}quantpatch report</title>
+<style>{{ style }}</style><h1>{{ title or "quantpatch report" }}</h1>
 {%- for line in notes %}<p class="note">{{ line }}</p>{% endfor %}
 {%- if header %}<table class="prov">
 {%- for label, text in header %}<tr><th>{{ label }}</th><td>{{ text | breakable }}</td></tr>
@@ -65,6 +66,7 @@ def render(
     sections: list[Section],
     notes: list[str] | None = None,
     header: list[tuple[str, str]] | None = None,
+    title: str | None = None,
 ) -> str:
     """The page, every text escaped (jinja2 with autoescape on); ``breakable`` lets the
     tables' long names and paths wrap, so a wide table fits the page."""
@@ -76,7 +78,13 @@ def render(
     env.filters["column"] = lambda name: Markup(str(escape(name)).replace("_", "_<wbr>"))
     page = env.from_string(_PAGE)
     return (
-        page.render(style=Markup(_STYLE), sections=sections, notes=notes or [], header=header or [])
+        page.render(
+            style=Markup(_STYLE),
+            sections=sections,
+            notes=notes or [],
+            header=header or [],
+            title=title,
+        )
         + "\n"
     )
 
@@ -162,6 +170,7 @@ def write_report(
     names: Any = None,
     header: list[tuple[str, str]] | None = None,
     lead: list[Section] | None = None,
+    title: str | None = None,
 ) -> dict[str, Any]:
     """Build the report; returns what went into it (counts). ``out`` is checked before any
     work and written atomically (``outputs.atomic_file``). ``header`` (label, text) lines and
@@ -233,7 +242,7 @@ def write_report(
                     [(s.path, s.reason) for s in inv.skipped],
                 )
             )
-        data = render(sections, notes, header).encode("utf-8")
+        data = render(sections, notes, header, title).encode("utf-8")
         dest.write(data)
         dest.commit()
     facts["bytes"] = len(data)

@@ -147,7 +147,9 @@ def sweep_run(
         raise CheckFailed(f"{total - c['finished']} run(s) did not finish (see sweep status).")
 
 
-def _sweep_report(sweep_dir: Path, record: dict[str, Any], out_file: Path) -> dict[str, Any]:
+def _sweep_report(
+    sweep_dir: Path, record: dict[str, Any], out_file: Path, title: str | None = None
+) -> dict[str, Any]:
     from quantpatch.analysis.report import Section, table_rows, write_report
     from quantpatch.launch import provenance, sweep
     from quantpatch.launch.registry import load_registry
@@ -167,13 +169,38 @@ def _sweep_report(sweep_dir: Path, record: dict[str, Any], out_file: Path) -> di
         provenance.RUN_COLUMNS,
         table_rows(provenance.run_rows(record, reg.schemes), provenance.RUN_COLUMNS),
     )
+    layers = provenance.bf16_layer_lines(record, reg.schemes)
+    legend = Section(
+        "What each value computes",
+        "each value the sweep's schemes use: its row of the values table (quantpatch list; "
+        "docs/formats.md) and the library reference it is bit-identical to"
+        + (f". BF16 layers: {'; '.join(layers)}" if layers else "")
+        + ".",
+        provenance.LEGEND_COLUMNS,
+        table_rows(provenance.legend_rows(record, reg.schemes), provenance.LEGEND_COLUMNS),
+    )
+    lead = [where, legend]
+    data_rows = provenance.data_rows(record)
+    if data_rows:
+        lead.append(
+            Section(
+                "The data",
+                "each dataset the runs read, as its manifest (data prepare) records it: "
+                "documents, tokens, the .bin's sha256 (sha256sum checks it), the tokenizer it "
+                "was made with, its fingerprint (every file of a tokenizer folder) and "
+                "vocabulary size; hashes cut to 16 hex digits.",
+                provenance.DATA_COLUMNS,
+                table_rows(data_rows, provenance.DATA_COLUMNS),
+            )
+        )
     return write_report(
         out_file,
         tensors[0] if tensors else None,
         logs,
         names=(reg.models, reg.datasets),
         header=provenance.header(sweep_dir, record),
-        lead=[where],
+        lead=lead,
+        title=title,
     )
 
 
@@ -228,6 +255,9 @@ def sweep_report(
     out_file: Path | None = typer.Option(
         None, "--out", help="The HTML file (default DIR/report.html)."
     ),
+    title: str | None = typer.Option(
+        None, "--title", help="The report's title (its heading and the browser tab's)."
+    ),
 ) -> None:
     """`runs` and `tensors formats` over exactly the sweep's runs, in one HTML file."""
     from quantpatch.cli import render_analysis
@@ -239,7 +269,7 @@ def sweep_report(
     record = sweep.load(sweep_dir)
     assert record is not None
     target = out_file or sweep_dir / "report.html"
-    facts = _sweep_report(sweep_dir, record, target)
+    facts = _sweep_report(sweep_dir, record, target, title)
     out.print(
         f"wrote {target} ({facts['bytes'] / 1e3:.0f} kB){render_analysis.nan_note(facts)}",
         markup=False,
