@@ -15,8 +15,12 @@ import pytest
 
 from .test_data_prepare import corpus, make_tokenizer, write_jsonl
 from .test_scripts import QUANTPATCH
-from .test_sweep import SELECT, calls, record
-from .test_sweep import sweep_env as sweep_env_fixture  # noqa: F401 (the fixture)
+from .test_sweep import (
+    SELECT,
+    calls,
+    record,
+    sweep_env,  # noqa: F401 (the fixture)
+)
 
 DOC = "llama32-1b_text_document"
 
@@ -160,7 +164,12 @@ def test_the_fingerprint_covers_every_file_of_the_folder(tmp_path):
 
 
 @pytest.mark.slow  # about 12 s
-def test_a_mock_data_sweep_is_recorded_and_reported_as_mock(sweep_env, run, monkeypatch, tmp_path):
+def test_a_mock_data_sweep_is_recorded_and_reported_as_mock(
+    sweep_env,  # noqa: F811 - the fixture imported above
+    run,
+    monkeypatch,
+    tmp_path,
+):
     """The smoke profile's scripts default MOCK_DATA=1 (--mock-data, NullTokenizer): with
     DATA_ROOT and TOKENIZER_MODEL exported the record and the report still say mock data and
     no tokenizer."""
@@ -183,7 +192,9 @@ def test_a_mock_data_sweep_is_recorded_and_reported_as_mock(sweep_env, run, monk
 
 @pytest.mark.slow  # about 40 s
 def test_flash_runs_on_an_older_runtime_are_refused_before_anything_is_written(
-    sweep_env, run, make_checkout
+    sweep_env,  # noqa: F811 - the fixture imported above
+    run,
+    make_checkout,
 ):
     """A checkout set up by the previous release (no bf16 flash route): an FA sweep, whose
     bf16 baseline is to take the flash path, is refused naming `quantpatch upgrade`, and
@@ -463,3 +474,148 @@ def test_the_report_with_its_provenance_fits_the_page(run, tmp_path, width):
     html = (sweep_dir / "report.html").read_text()
     assert "<h1>NVFP4 recipe ablation</h1>" in html
     assert "<title>NVFP4 recipe ablation - quantpatch report</title>" in html
+
+
+# -- 5: noise: every scheme over several seeds ----------------------------------------------------
+
+SEEDED_TORCHRUN = r"""#!/usr/bin/env bash
+set -u
+seed=none
+prev=""
+for a in "$@"; do
+    if [[ "$prev" == "--seed" ]]; then seed="$a"; fi
+    prev="$a"
+done
+echo "$$ $(basename "$PWD") seed=$seed $OUTPUT_ROOT start" >> "$STUB_DIR/calls"
+off=$(( ${seed/none/1234} - 1234 ))
+case "$PWD" in
+    *linear-mxfp4*) loss=5.30 ;;           # outside bf16's 5.00 to 5.02
+    *qk-mxfp8*) loss=5.01 ;;               # within it
+    *) loss="5.0$(( 2 * off ))" ;;         # bf16: 5.00 and 5.02
+esac
+LINE=' [2026-11-22 11:25:3%d] iteration %9d/%8d | consumed samples: %12d | '
+LINE+='elapsed time per iteration (ms): 96.9 | learning rate: 6.666667E-05 | '
+LINE+='global batch size: %5d | lm loss: %s | loss scale: 1.0 | grad norm: 2.105 | '
+LINE+='number of skipped iterations: %3d | number of nan iterations: %3d |\n'
+for i in 1 2 3 4; do
+    # shellcheck disable=SC2059
+    printf "$LINE" "$i" "$i" 4 "$((2 * i))" 2 "$loss" 0 0
+done
+echo " validation loss at iteration 4 | lm loss value: $loss | lm loss PPL: 150.0 | "
+"""
+
+
+@pytest.mark.slow  # about 40 s
+def test_seeds_give_each_scheme_a_mean_and_spread_against_bf16s(
+    sweep_env,  # noqa: F811 - the fixture imported above
+    run,
+    monkeypatch,
+    tmp_path,
+):
+    """`sweep run --seeds 2`: each scheme twice, with Megatron's --seed 1234 and 1235, in its
+    own folder; the report's noise table gives each scheme's mean and spread and marks
+    FA_mxfp8 (5.01) within and linear_mxfp4 (5.30) outside bf16's 5.00 to 5.02."""
+    root, _env, stub, out = sweep_env
+    (tmp_path / "bin" / "torchrun").write_text(SEEDED_TORCHRUN)
+    res = run("sweep", "run", out, *SELECT, "--seeds", "2", "--parallel", "2", "--gpus", "0,1",
+              "--repo", root)  # fmt: skip
+    assert res.code == 0, res
+    rec = record(out)
+    assert rec["selection"]["seeds"] == 2 and len(rec["runs"]) == 6
+    started = [c for c in calls(stub) if c[-1] == "start"]
+    assert sorted(c[2] for c in started) == ["seed=1234"] * 3 + ["seed=1235"] * 3
+    assert {c[3] for c in started if c[2] == "seed=1235"} == {str(out.resolve() / "runs/seed1235")}
+    for r in rec["runs"]:
+        assert (out / r["log"]).is_file() and (out / r["log"]).is_relative_to(out / r["folder"])
+    html = (out / "report.html").read_text().replace("<wbr>", "")
+    assert "Noise: each scheme over its seeds" in html
+    rows = html.split("Noise: each scheme over its seeds", 1)[1].split("</table>", 1)[0]
+    cells = {
+        row.split('class="t">', 5)[4].split("<", 1)[0]: row for row in rows.split("<tr")[2:]
+    }  # scheme -> its row
+    assert "within" in cells["FA_mxfp8"] and "outside" in cells["linear_mxfp4"], cells
+    assert ">validation loss<" in cells["bf16"] and ">0.02<" in cells["bf16"]  # the spread
+    assert ">5.01<" in cells["bf16"] and ">0.29<" in cells["linear_mxfp4"]  # mean, Δ
+
+
+# -- 6: readable -----------------------------------------------------------------------------------
+
+
+@pytest.mark.slow  # 5 to 25 s: a CLI subprocess polling
+def test_watch_without_a_terminal_prints_only_changes(tmp_path):
+    """`sweep status --watch` into a pipe: the table once, then one line per change of
+    state (never the whole table again), then the counts."""
+    from .test_sweep_report import fake_sweep
+
+    sweep_dir, rec = fake_sweep(tmp_path)
+    for r in rec["runs"]:  # a local sweep, both runs still going
+        r.update(state="running", slurm_job=None, slurm_state=None, exit_code=None)
+    rec["launcher"] = "local"
+    (sweep_dir / "sweep.json").write_text(json.dumps(rec))
+    proc = subprocess.Popen(
+        [QUANTPATCH, "sweep", "status", str(sweep_dir), "--watch", "--interval", "0.2"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    first = []
+    while not (line := proc.stdout.readline()).startswith("2 runs:"):  # the first table
+        assert line, proc.stderr.read() if proc.stderr else ""
+        first.append(line)
+    names = [r["name"] for r in rec["runs"]]
+    rec["runs"][0].update(state="finished", exit_code=0)
+    (sweep_dir / "sweep.json").write_text(json.dumps(rec))
+    line = proc.stdout.readline()  # a barrier: the change seen
+    assert line.split()[1:] == [f"{names[0]}:", "running", "->", "finished"], line
+    rec["runs"][1].update(state="failed", exit_code=1)
+    (sweep_dir / "sweep.json").write_text(json.dumps(rec))
+    rest, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0
+    assert rest.splitlines()[0].split()[1:] == [f"{names[1]}:", "running", "->", "failed"]
+    assert rest.splitlines()[1:] == ["2 runs: 1 finished, 1 failed"], rest
+    assert "run" not in rest.split()[0] and rest.count("│") == 0  # no table redrawn
+
+
+def test_the_run_log_header_names_the_bf16_layer_policy(run, tmp_path):
+    out = tmp_path / "scripts"
+    res = run("gen-scripts", "--out", out, "--models", "llama32-1b", "--datasets", "wikipedia",
+              "--schemes", "nvfp4_recipe,bf16", "--profile", "fast",
+              "--megatron-release", "core_v0.13.1")  # fmt: skip
+    assert res.code == 0, res
+    recipe = (out / "llama32-1b/pretrain_llama32-1b_wikipedia_nvfp4_recipe.sh").read_text()
+    bf16 = (out / "llama32-1b/pretrain_llama32-1b_wikipedia_bf16.sh").read_text()
+    # llama32-1b's 16 layers: the recipe's 2 and 8 of 62 are its first 1 and last 2
+    assert "echo '[quantpatch] BF16 layers: recipe = layers 1, 15-16 of 16 in BF16'" in recipe
+    assert "[quantpatch] BF16 layers: none" in bf16
+
+
+@pytest.mark.parametrize("width", [80, 100])
+def test_list_wraps_instead_of_cutting(width):
+    """At 80 and 100 columns `list` showed `mxfp8-…`, `e8m0-fl…`, and `nvfp4_recipe` and
+    `nvfp4_recipe_no_rht` alike: every value, scheme and model name, and every value's
+    scale, is whole now, and no line is wider than the terminal."""
+    import io
+    import re
+
+    from rich.console import Console
+
+    from quantpatch.base.values import value_table
+    from quantpatch.cli.launch import list_tables
+    from quantpatch.launch.registry import load_registry
+
+    reg = load_registry(None)
+    console = Console(width=width, file=io.StringIO(), emoji=False, highlight=False)
+    for table in list_tables(reg):
+        console.print(table)
+    text = console.file.getvalue()
+    assert "…" not in text
+    assert max(len(line) for line in text.splitlines()) <= width
+    words = set(re.findall(r"[^\s,]+", text))
+    for name in [*value_table(), *reg.schemes, *reg.models]:
+        assert name in words, (name, width)
+    for v in value_table().values():
+        assert v["scale"] is None or v["scale"] in words, (v["name"], v["scale"])
+    for scheme in reg.schemes.values():  # fprop:X, dgrad:Y, wgrad:Z: each whole
+        for part in scheme.linear_text.split(","):
+            assert part in words, (scheme.name, part)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from quantpatch.analysis.noise import NOISE_COLUMNS, NOISE_LABELS, noise_rows
 from quantpatch.base.errors import UserError
 
 _STYLE = """
@@ -30,7 +31,8 @@ _PAGE = """<!doctype html><meta charset="utf-8">
 <style>{{ style }}</style><h1>{{ title or "quantpatch report" }}</h1>
 {%- for line in notes %}<p class="note">{{ line }}</p>{% endfor %}
 {%- if header %}<table class="prov">
-{%- for label, text in header %}<tr><th>{{ label }}</th><td>{{ text | breakable }}</td></tr>
+{%- for label, text, full in header %}<tr><th>{{ label }}</th>
+<td{% if full %} title="{{ full }}"{% endif %}>{{ text | breakable }}</td></tr>
 {%- endfor %}
 </table>{% endif %}
 {%- for s in sections %}
@@ -39,7 +41,8 @@ _PAGE = """<!doctype html><meta charset="utf-8">
 {%- if s.columns %}<table><tr>{% for c in s.columns %}<th>{{ s.labels.get(c, c) | column }}</th>
 {%- endfor %}</tr>
 {%- for r in s.rows %}<tr{% if r.bad %} class="bad"{% endif %}>
-{%- for text, left in r.cells %}<td{% if left %} class="t"{% endif %}>{{ text | breakable }}</td>
+{%- for text, left, full in r.cells %}<td{% if left %} class="t"{% endif %}
+{%- if full %} title="{{ full }}"{% endif %}>{{ text | breakable }}</td>
 {%- endfor %}</tr>
 {%- endfor %}</table>{% endif %}
 {%- for alt, data in s.images %}
@@ -65,7 +68,7 @@ class Section:
 def render(
     sections: list[Section],
     notes: list[str] | None = None,
-    header: list[tuple[str, str]] | None = None,
+    header: list[tuple[str, Any]] | None = None,
     title: str | None = None,
 ) -> str:
     """The page, every text escaped (jinja2 with autoescape on); ``breakable`` lets the
@@ -82,7 +85,7 @@ def render(
             style=Markup(_STYLE),
             sections=sections,
             notes=notes or [],
-            header=header or [],
+            header=[(h[0], str(h[1]), getattr(h[1], "full", "")) for h in header or []],
             title=title,
         )
         + "\n"
@@ -110,6 +113,35 @@ def no_figures_note() -> str:
     return f"No figures: matplotlib is not installed ({MATPLOTLIB_INSTALL} adds them)."
 
 
+@dataclass(frozen=True)
+class Short:
+    """A cell's short text (a path relative to the sweep or checkout, or its last parts), the
+    full text shown on hover."""
+
+    text: str
+    full: str
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def short_path(path: object, *roots: Path) -> Short | str:
+    """``path`` relative to the first of ``roots`` it lies in, else ``…/`` and its last two
+    parts; the full path on hover. Not a path (``-``, a hub name): as it is."""
+    text = str(path)
+    if not text.startswith("/"):
+        return text
+    full = Path(text)
+    for root in roots:
+        try:
+            return Short(full.relative_to(root).as_posix() or ".", text)
+        except ValueError:
+            continue
+    if len(full.parts) <= 3:
+        return text
+    return Short("…/" + "/".join(full.parts[-2:]), text)
+
+
 def table_rows(
     rows: list[dict[str, Any]], columns: list[str], bad: str | None = None
 ) -> list[dict[str, Any]]:
@@ -120,7 +152,11 @@ def table_rows(
         {
             "bad": bool(bad and r.get(bad)),
             "cells": [
-                (format_value(r.get(c)), isinstance(r.get(c), str) or r.get(c) is None)
+                (
+                    format_value(str(r[c]) if isinstance(r.get(c), Short) else r.get(c)),
+                    isinstance(r.get(c), str | Short) or r.get(c) is None,
+                    r[c].full if isinstance(r.get(c), Short) else "",
+                )
                 for c in columns
             ],
         }
@@ -171,6 +207,7 @@ def write_report(
     header: list[tuple[str, str]] | None = None,
     lead: list[Section] | None = None,
     title: str | None = None,
+    seeds: dict[str, int | None] | None = None,
 ) -> dict[str, Any]:
     """Build the report; returns what went into it (counts). ``out`` is checked before any
     work and written atomically (``outputs.atomic_file``). ``header`` (label, text) lines and
@@ -220,6 +257,22 @@ def write_report(
                     RUN_LABELS,
                 )
             )
+            noise = noise_rows(rr.rows, seeds or {})
+            if noise:
+                sections.append(
+                    Section(
+                        "Noise: each scheme over its seeds",
+                        "mean, spread (highest minus lowest) and standard deviation of each "
+                        "scheme's losses over its seeds (Megatron's --seed); Δ mean against "
+                        "bf16's mean, marked outside where the mean lies beyond the bf16 "
+                        "seeds' lowest to highest loss and within where it does not (seed "
+                        "noise cannot tell it from bf16); validation losses where every run "
+                        "has one, else final training losses (docs/analysis.md).",
+                        NOISE_COLUMNS,
+                        table_rows(noise, NOISE_COLUMNS, bad=None),
+                        labels=NOISE_LABELS,
+                    )
+                )
         if tensors_dir is not None:
             fr = tensors.formats(tensors_dir, by=("layer", "tensor"), sample=sample, jobs=jobs)
             inv = fr.inventory

@@ -198,7 +198,9 @@ def bf16_layer_lines(record: Mapping[str, Any], schemes: Mapping[str, Any]) -> l
     seen: set[tuple[str, str]] = set()
     for r in record["runs"]:
         scheme = schemes.get(r.get("scheme"))
-        policy = scheme.values().get("bf16_layers") if scheme is not None else None
+        if scheme is None:
+            continue
+        policy = scheme.values().get("bf16_layers")
         model = str(r.get("model"))
         if not policy or (scheme.name, model) in seen:
             continue

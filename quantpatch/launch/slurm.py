@@ -205,7 +205,7 @@ def query(sweep_dir: Path, tasks: Sequence[tuple[str, int]]) -> dict[tuple[str, 
 
 
 def _log_of(sweep_dir: Path, run: Mapping[str, Any], task: Task) -> Path | None:
-    logs = sweep_dir / "runs" / str(run["name"]) / "logs"
+    logs = sweep_dir / str(run.get("folder") or f"runs/{run['name']}") / "logs"
     if task.job_id:
         named = sorted(logs.glob(f"*_job{task.job_id}.log"))
         if named:

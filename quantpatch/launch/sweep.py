@@ -46,6 +46,9 @@ LAUNCHERS = ("local", "slurm")
 STOP_GRACE_S = 10.0
 """How long a stopped run's processes get between SIGTERM and SIGKILL."""
 _COMMIT = re.compile(r"\[quantpatch\] source commit ([0-9a-f]{40})")
+FIRST_SEED = 1234
+"""Megatron's default ``--seed``: a sweep's first seed (``--seeds N``: this and the next N-1)."""
+MAX_SEEDS = 32
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,8 @@ class Selection:
     """Over the profile's (``--nodes``); None: the profile's."""
     attention: str = "auto"
     """The attention path of every run (``launch.attention``: auto, flash or stock)."""
+    seeds: int = 1
+    """Runs of each combination, with Megatron's ``--seed`` ``FIRST_SEED``, the next, ..."""
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -82,6 +87,7 @@ class Selection:
             "gpus_per_node": self.gpus_per_node,
             "nodes": self.nodes,
             "attention": self.attention,
+            "seeds": self.seeds,
         }
 
     @classmethod
@@ -154,7 +160,7 @@ def _migrated(sweep_dir: Path, data: dict[str, Any]) -> dict[str, Any]:
         log = run.get("log") if isinstance(run, dict) else None
         if not isinstance(log, str) or not log:
             continue
-        own = sweep_dir / "runs" / str(run.get("name")) / "logs" / Path(log).name
+        own = sweep_dir / "runs" / str(run.get("name")) / "logs" / Path(log).name  # no seeds
         if data.get("version") == 1 or Path(log).is_absolute():
             if own.is_file():
                 run["log"] = stored(sweep_dir, own)
@@ -254,6 +260,7 @@ def prepare(
     check_choice(selection.attention)
     if not 1 <= selection.parallel <= 64:
         raise UserError(f"--parallel must be from 1 to 64 (got {selection.parallel}).")
+    _check_seeds(selection)
     checkout = gitrepo.find_checkout(repo, need_git=True)
     _refuse_live_runs(old)
     if selection.launcher == "slurm":
@@ -301,12 +308,18 @@ def prepare(
     previous = {r["name"]: r for r in (old or {}).get("runs", [])}
     notes: list[str] = []
     runs = []
-    for s in scripts:
-        name = f"{s.model}_{s.dataset}_{s.scheme.name}_{s.profile}"
+    seeded = [(s, seed) for s in scripts for seed in seeds_of(selection)]
+    for s, seed in seeded:
+        base_name = f"{s.model}_{s.dataset}_{s.scheme.name}_{s.profile}"
+        first = seed is None or seed == FIRST_SEED
+        name = base_name if first else f"{base_name}_seed{seed}"
         commit = commits[json.dumps(s.scheme.values(), sort_keys=True)]
         path = s.attention.path if s.attention is not None else None
         run: dict[str, Any] = {
             "name": name,
+            "seed": seed,
+            # where its script's RUN_NAME folder goes (OUTPUT_ROOT): another seed's apart
+            "folder": f"runs/{base_name}" if first else f"runs/seed{seed}/{base_name}",
             "model": s.model,
             "dataset": s.dataset,
             "scheme": s.scheme.name,
@@ -434,6 +447,36 @@ def provenance_of(
             if m in reg.models and selection.profile in reg.profiles
         },
     }
+
+
+def seeds_of(selection: Selection) -> list[int | None]:
+    """Each combination's seeds: None (the script's own, Megatron's default) for one run,
+    else ``FIRST_SEED`` and the next ``seeds - 1``."""
+    if selection.seeds <= 1:
+        return [None]
+    return [FIRST_SEED + k for k in range(selection.seeds)]
+
+
+def _check_seeds(selection: Selection) -> None:
+    if not 1 <= selection.seeds <= MAX_SEEDS:
+        raise UserError(f"--seeds must be from 1 to {MAX_SEEDS} (got {selection.seeds}).")
+    if selection.seeds > 1 and any(
+        a == "--seed" or a.startswith("--seed=") for a in selection.extra
+    ):
+        raise UserError(
+            "--seeds gives each run its --seed: drop --seed from the arguments after --."
+        )
+    if selection.seeds > 1 and selection.launcher != "local":
+        raise UserError(
+            "--seeds runs on the local launcher only (a Slurm job array runs each script once); "
+            "give --launcher local, or one seed."
+        )
+
+
+def run_folder(sweep_dir: Path, run: Mapping[str, Any]) -> Path:
+    """The run's folder (logs, checkpoints, tensors): ``runs/<name>``, another seed's
+    ``runs/seed<N>/<name>`` (a record made before seeds: ``runs/<name>``)."""
+    return at(sweep_dir, str(run.get("folder") or f"runs/{run['name']}"))
 
 
 def _follow_slurm(sweep_dir: Path, old: dict[str, Any], asked: Selection | None) -> None:
@@ -610,7 +653,7 @@ def _stop(procs: Sequence[subprocess.Popen[bytes]]) -> None:
 
 def _finish(run: dict[str, Any], sweep_dir: Path, code: int, started: float) -> None:
     logs = sorted(
-        (p for p in (sweep_dir / "runs" / run["name"] / "logs").glob("*.log")),
+        (p for p in (run_folder(sweep_dir, run) / "logs").glob("*.log")),
         key=lambda p: p.stat().st_mtime,
     )
     fresh = [p for p in logs if p.stat().st_mtime >= started - 1]
@@ -677,10 +720,21 @@ def run_local(
                 while queue and len(active) < slots and free:
                     run = queue.pop(0)
                     slot = free.pop(0)
-                    env = {**env_base, "CUDA_VISIBLE_DEVICES": ",".join(slices[slot])}
+                    env = {
+                        **env_base,
+                        "CUDA_VISIBLE_DEVICES": ",".join(slices[slot]),
+                        "OUTPUT_ROOT": str(run_folder(sweep_dir.resolve(), run).parent),
+                    }
+                    seed = ["--seed", str(run["seed"])] if run.get("seed") is not None else []
                     with (console / f"{run['name']}.out").open("ab") as out:
                         proc = subprocess.Popen(
-                            ["bash", str(sweep_dir.resolve() / run["script"]), "--", *sel.extra],
+                            [
+                                "bash",
+                                str(sweep_dir.resolve() / run["script"]),
+                                "--",
+                                *sel.extra,
+                                *seed,
+                            ],
                             cwd=checkout,
                             env=env,
                             stdin=subprocess.DEVNULL,
@@ -780,7 +834,7 @@ def run_logs(sweep_dir: Path, record: Mapping[str, Any]) -> list[Path]:
         if run.get("log"):
             out.append(at(sweep_dir, str(run["log"])))
             continue
-        logs = sorted((sweep_dir / "runs" / run["name"] / "logs").glob("*.log"))
+        logs = sorted((run_folder(sweep_dir, run) / "logs").glob("*.log"))
         out.extend(logs[-1:])
     return [p for p in out if p.is_file()]
 
@@ -789,5 +843,5 @@ def tensor_dirs(sweep_dir: Path, record: Mapping[str, Any]) -> list[Path]:
     return [
         d
         for run in record["runs"]
-        if (d := sweep_dir / "runs" / run["name"] / "tensor_logs").is_dir() and any(d.rglob("*.pt"))
+        if (d := run_folder(sweep_dir, run) / "tensor_logs").is_dir() and any(d.rglob("*.pt"))
     ]
