@@ -55,6 +55,34 @@ def status(root: Path, tokenizer: str | None, *, cwd: Path | None = None):
 # -- 1c: the dataset's files against the manifest --------------------------------------------
 
 
+def test_a_file_cut_or_replaced_differs_from_its_manifest(tmp_path):
+    """The comparison itself, on files written here: the size first, then the hash of head
+    and tail (a file of the same size with other content at its end)."""
+    from quantpatch.data_prep.layout import SAMPLE_BYTES, files_problem, sample_hash
+
+    prefix = tmp_path / "doc"
+    data = {"bin": os.urandom(3 * SAMPLE_BYTES + 5), "idx": os.urandom(300)}
+    for s, b in data.items():
+        Path(f"{prefix}.{s}").write_bytes(b)
+    manifest = {
+        "files": {s: len(b) for s, b in data.items()},
+        "samples": {s: sample_hash(Path(f"{prefix}.{s}")) for s in data},
+    }
+    assert files_problem(prefix, manifest) is None
+    Path(f"{prefix}.bin").write_bytes(data["bin"][:100])
+    assert "doc.bin is 100 bytes, its manifest says 3,145,733" in str(
+        files_problem(prefix, manifest)
+    )
+    Path(f"{prefix}.bin").write_bytes(data["bin"][:-1] + bytes([data["bin"][-1] ^ 1]))
+    assert "doc.bin's content is not what its manifest recorded" in str(
+        files_problem(prefix, manifest)
+    )
+    Path(f"{prefix}.bin").write_bytes(data["bin"])
+    del manifest["samples"]  # a manifest of the previous release: sizes only
+    assert files_problem(prefix, manifest) is None
+
+
+@pytest.mark.slow  # 9 s alone, 40 s on a busy machine: three data prepare runs
 def test_status_and_the_launch_check_find_a_cut_or_swapped_dataset(tok, tmp_path):
     """`.bin` cut to 0 and to 100 bytes, and `.bin`/`.idx` swapped for another tokenizer's
     (the same sizes would pass a size check: the hash of head and tail does not): `data
@@ -541,7 +569,6 @@ def test_seeds_give_each_scheme_a_mean_and_spread_against_bf16s(
 # -- 6: readable -----------------------------------------------------------------------------------
 
 
-@pytest.mark.slow  # 5 to 25 s: a CLI subprocess polling
 def test_watch_without_a_terminal_prints_only_changes(tmp_path):
     """`sweep status --watch` into a pipe: the table once, then one line per change of
     state (never the whole table again), then the counts."""
