@@ -688,7 +688,8 @@ def test_your_own_tokenizer_names_every_fix_and_a_resume_remembers_it(
     assert (stub / "sbatch.data").read_text().split() == [str(data), str(tok)]
     rec = record(out)
     assert rec["data"]["env"] == {"DATA_ROOT": str(data), "TOKENIZER_MODEL": str(tok)}
-    assert rec["data"]["checked"] == [
+    checked = [{k: v for k, v in c.items() if k != "manifest"} for c in rec["data"]["checked"]]
+    assert checked == [
         {
             "model": "llama32-1b",
             "dataset": "wikipedia",
@@ -696,6 +697,7 @@ def test_your_own_tokenizer_names_every_fix_and_a_resume_remembers_it(
             "tokenizer": str(tok),
         }
     ]
+    assert rec["data"]["checked"][0]["manifest"]["made_with"] == "./tok"  # for the report
     # a new shell: nothing exported, the resume uses what the sweep recorded
     monkeypatch.delenv("TOKENIZER_MODEL")
     monkeypatch.delenv("DATA_ROOT")
