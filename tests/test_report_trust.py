@@ -555,7 +555,16 @@ def test_seeds_give_each_scheme_a_mean_and_spread_against_bf16s(
     assert {c[3] for c in started if c[2] == "seed=1235"} == {str(out.resolve() / "runs/seed1235")}
     for r in rec["runs"]:
         assert (out / r["log"]).is_file() and (out / r["log"]).is_relative_to(out / r["folder"])
+    parsed = json.loads(
+        subprocess.run(
+            [QUANTPATCH, "runs", "--json", str(out / "runs")], capture_output=True, text=True
+        ).stdout
+    )["runs"]
+    assert sorted((r["scheme"], r["seed"]) for r in parsed) == [
+        (s, seed) for s in ("FA_mxfp8", "bf16", "linear_mxfp4") for seed in (1234, 1235)
+    ]
     html = (out / "report.html").read_text().replace("<wbr>", "")
+    assert "<th>seed</th>" in html  # the runs table tells the seeds apart
     assert "Noise: each scheme over its seeds" in html
     rows = html.split("Noise: each scheme over its seeds", 1)[1].split("</table>", 1)[0]
     cells = {

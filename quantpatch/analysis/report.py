@@ -236,6 +236,9 @@ def write_report(
             rr = training_logs.runs(run_paths, jobs=jobs, names=names)
             facts["runs"] = len(rr.rows)
             facts["nan"] = sum(1 for r in rr.rows if r["status"] == "nan")
+            columns = list(RUN_COLUMNS)
+            if any(r.get("seed") is not None for r in rr.rows):  # sweep run --seeds
+                columns.insert(columns.index("scheme") + 1, "seed")
             sections.append(
                 Section(
                     f"Runs ({rr.logs} logs)",
@@ -250,8 +253,8 @@ def write_report(
                     "attention: the path the run's attention took, as its log says (flash: "
                     "quantpatch's flash kernel; stock: Megatron's unfused attention; "
                     "(asked): what its script asked for, where the log names no path).",
-                    RUN_COLUMNS,
-                    table_rows(rr.rows, RUN_COLUMNS, bad="diverged"),
+                    columns,
+                    table_rows(rr.rows, columns, bad="diverged"),
                     [_img(p) for p in plots.plot_runs(rr, figs)] if facts["figures"] else [],
                     list(rr.skipped),
                     RUN_LABELS,

@@ -52,6 +52,8 @@ _EXIT = re.compile(rb"\[quantpatch\] training exited with status (\d+)")
 _ASKED = re.compile(
     rb"\[quantpatch\] attention: QUANTPATCH_FLASH=(\S*) QUANTPATCH_FLASH_BF16=(\S*)"
 )
+_SEED = re.compile(rb"\[quantpatch\] extra arguments:[^\n]*? --seed[ =]([0-9]{1,18})\b")
+"""A run's ``--seed`` (``sweep run --seeds``), from the script's line of extra arguments."""
 _PATH_LINE = b"[quantpatch] attention path: "  # quantpatch_ops.ATTENTION_PATH_LINE
 _VALIDATION = re.compile(
     rb" validation loss at iteration (\d{1,18})( on [a-z]+ set)? \|(?P<rest>[^\n]*)"
@@ -95,6 +97,7 @@ class Run:
     constant: dict[str, float] = field(default_factory=dict)
     paths: list[str] = field(default_factory=list)  # the attention paths the runtime said
     asked: tuple[str, str] | None = None  # the script's QUANTPATCH_FLASH, QUANTPATCH_FLASH_BF16
+    seed: int | None = None  # the --seed its script was given, where it was
     # (iteration, lm loss, perplexity) of each validation Megatron printed, in log order
     validation: list[tuple[int, float, float]] = field(default_factory=list)
 
@@ -260,6 +263,9 @@ def parse_log(path: Path, chunk: int = 0) -> Run:
             g["model"], g["dataset"], g["scheme"], g["profile"],
         )  # fmt: skip
         run.values = {r: g[r] for r in ("linear", "qk", "pv")}
+    seed = _SEED.search(head)
+    if seed:
+        run.seed = int(seed.group(1))
     asked = _ASKED.search(head)
     if asked:
         run.asked = (
@@ -1038,6 +1044,7 @@ def runs(
                 "scheme": r.scheme,
                 "profile": r.profile,
                 "attention": r.attention,
+                "seed": r.seed,
                 "iterations": r.iterations[-1] if r.iterations else 0,
                 "of": r.total_iterations,
                 "loss": last_window_loss(r),

@@ -183,7 +183,7 @@ def runs_display(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     # the validation columns only where a run validated (a terminal table has no room to spare)
     unused = {
         k
-        for k in ("val_loss", "val_ppl", "val_at", "val_delta_vs_bf16")
+        for k in ("seed", "val_loss", "val_ppl", "val_at", "val_delta_vs_bf16")
         if all(r.get(k) is None or r.get(k) != r.get(k) for r in rows)
     }
     rows = [{k: v for k, v in r.items() if k not in unused} for r in rows]
