@@ -655,3 +655,50 @@ def test_list_wraps_instead_of_cutting(width):
     for scheme in reg.schemes.values():  # fprop:X, dgrad:Y, wgrad:Z: each whole
         for part in scheme.linear_text.split(","):
             assert part in words, (scheme.name, part)
+
+
+def test_sweep_run_refuses_a_dataset_that_is_not_its_manifests(
+    sweep_env,  # noqa: F811 - the fixture imported above
+    run,
+    monkeypatch,
+    tmp_path,
+):
+    """The pre-launch check of `sweep run` (item 1c): a `.bin` cut to 0 or 100 bytes, or
+    replaced by another of the same size, is refused before anything is written."""
+    from quantpatch.data_prep.layout import data_prefix, files_hash, sample_hash
+    from quantpatch.launch.registry import load_registry
+
+    root, _env, stub, out = sweep_env
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    (tok / "tokenizer.json").write_text('{"model": "mine"}')
+    data = tmp_path / "data"
+    prefix = data_prefix(
+        load_registry(None).datasets["wikipedia"].prefix, "llama32-1b", {}, data_root=str(data)
+    )
+    prefix.parent.mkdir(parents=True)
+    good = {"bin": os.urandom(4096), "idx": os.urandom(512)}
+    for s, b in good.items():
+        Path(f"{prefix}.{s}").write_bytes(b)
+    Path(f"{prefix}.json").write_text(json.dumps({
+        "documents": 3, "tokens": 2048,
+        "tokenizer": {"name": str(tok), "local": True, "hash": files_hash(tok),
+                      "fingerprint": "every-file/1"},
+        "files": {s: len(b) for s, b in good.items()},
+        "samples": {s: sample_hash(Path(f"{prefix}.{s}")) for s in good},
+    }))  # fmt: skip
+    monkeypatch.setenv("DATA_ROOT", str(data))
+    monkeypatch.setenv("TOKENIZER_MODEL", str(tok))
+    select = ("--models", "llama32-1b", "--datasets", "wikipedia", "--schemes", "bf16",
+              "--profile", "fast", "--repo", root)  # fmt: skip
+    for damaged, says in (
+        (b"", "is 0 bytes, its manifest says 4,096"),
+        (good["bin"][:100], "is 100 bytes, its manifest says 4,096"),
+        (os.urandom(4096), "content is not what its manifest recorded"),
+    ):
+        Path(f"{prefix}.bin").write_bytes(damaged)
+        res = run("sweep", "run", out, *select)
+        said = " ".join(res.err.split())
+        assert res.code == 2 and says in said and "replaced or cut short" in said, res
+        assert "quantpatch data prepare wikipedia --input CORPUS --models llama32-1b" in said
+        assert not out.exists() and not calls(stub)
