@@ -139,7 +139,7 @@ def test_a_local_queue_two_at_once_on_their_own_gpus_then_the_report(sweep_env, 
     assert "; 1 run went NaN (status nan in its runs table)" in res.out  # exit 0, yet NaN
     assert "[1/3 finished, 0 failed, 2 running, 0 pending]" in res.err
     rec = record(out)
-    assert rec["version"] == 1 and rec["launcher"] == "local"
+    assert rec["version"] == 2 and rec["launcher"] == "local"
     assert rec["checkout"] == str(root) and rec["selection"]["extra"] == ["--eval-iters", "0"]
     runs = {r["scheme"]: r for r in rec["runs"]}
     assert {s: r["state"] for s, r in runs.items()} == {
@@ -152,7 +152,7 @@ def test_a_local_queue_two_at_once_on_their_own_gpus_then_the_report(sweep_env, 
         assert r["name"] == f"llama32-1b_wikipedia_{r['scheme']}_smoke"
         assert r["gpus"] in ("0", "1") and r["started"] and r["ended"]
     for s in ("bf16", "FA_mxfp8"):
-        log = Path(runs[s]["log"])
+        log = out / runs[s]["log"]  # the sweep folder's
         assert log.is_file() and log.is_relative_to(out / "runs")
         assert f"source commit {runs[s]['commit']}" in log.read_text()
         assert "--eval-iters 0" in log.read_text()  # the extra arguments reached the run
@@ -217,15 +217,16 @@ def test_a_moved_scheme_branch_runs_again_and_only_pending_keeps_failures(
 
 @pytest.mark.slow
 def test_resume_names_the_runs_an_upgrade_changed(sweep_env, run, make_checkout):
-    """A sweep finished on a checkout of the previous release; after ``quantpatch upgrade``
-    the resume runs every run again, naming the upgrade as why its source changed."""
+    """A sweep finished on a checkout of the previous release (on stock attention: its
+    runtime has no bf16 flash route); after ``quantpatch upgrade`` the resume runs every run
+    again, naming the upgrade as why its source changed."""
     from .oldrelease import make_old_release
 
     _root, _env, stub, out = sweep_env
     root = make_checkout(inject=False)
     assert run("init", "--repo", root).code == 0
     make_old_release(root)
-    res = run("sweep", "run", out, *SELECT, "--repo", root)
+    res = run("sweep", "run", out, *SELECT, "--attention", "stock", "--repo", root)
     assert res.code == 0, res
     assert run("upgrade", "--repo", root).code == 0
     res = run("sweep", "run", out, "--repo", root)
@@ -688,7 +689,8 @@ def test_your_own_tokenizer_names_every_fix_and_a_resume_remembers_it(
     assert (stub / "sbatch.data").read_text().split() == [str(data), str(tok)]
     rec = record(out)
     assert rec["data"]["env"] == {"DATA_ROOT": str(data), "TOKENIZER_MODEL": str(tok)}
-    assert rec["data"]["checked"] == [
+    checked = [{k: v for k, v in c.items() if k != "manifest"} for c in rec["data"]["checked"]]
+    assert checked == [
         {
             "model": "llama32-1b",
             "dataset": "wikipedia",
@@ -696,6 +698,7 @@ def test_your_own_tokenizer_names_every_fix_and_a_resume_remembers_it(
             "tokenizer": str(tok),
         }
     ]
+    assert rec["data"]["checked"][0]["manifest"]["made_with"] == "./tok"  # for the report
     # a new shell: nothing exported, the resume uses what the sweep recorded
     monkeypatch.delenv("TOKENIZER_MODEL")
     monkeypatch.delenv("DATA_ROOT")
@@ -753,7 +756,9 @@ def test_the_attention_choice_is_recorded_kept_on_resume_and_a_new_one_reruns(sw
     assert rec["attention"] == {"choice": "stock", "path": "stock", "why": "--attention stock"}
     assert [r["attention"] for r in rec["runs"]] == ["stock", "stock"]
     for r in rec["runs"]:
-        assert "attention: QUANTPATCH_FLASH=0 QUANTPATCH_FLASH_BF16=0" in Path(r["log"]).read_text()
+        assert (
+            "attention: QUANTPATCH_FLASH=0 QUANTPATCH_FLASH_BF16=0" in (out / r["log"]).read_text()
+        )
     html = (out / "report.html").read_text()
     assert html.count(">stock (asked)<") == 2 and html.count(">stock (sweep: stock)<") == 2
 
@@ -778,5 +783,6 @@ def test_the_attention_choice_is_recorded_kept_on_resume_and_a_new_one_reruns(sw
     for r in rec["runs"]:
         assert r["attention"] == "flash"
         assert (
-            "attention: QUANTPATCH_FLASH=auto QUANTPATCH_FLASH_BF16=1" in Path(r["log"]).read_text()
+            "attention: QUANTPATCH_FLASH=auto QUANTPATCH_FLASH_BF16=1"
+            in (out / r["log"]).read_text()
         )

@@ -95,13 +95,16 @@ def test_the_report_says_where_each_run_came_from(run, tmp_path):
     cells = [c.split(">", 1)[1].split("</td", 1)[0] for c in mx.split("<td")[1:]]
     # attention "-": a record from before sweeps kept the attention path; scheme args "-":
     # none (and a record from before they were recorded)
+    # the data prefix and tokenizer folder shortened, their full paths on hover
+    prefix, tok = (Path(record["data"]["checked"][0][k]) for k in ("prefix", "tokenizer"))
     assert cells == [
         "llama32-1b_wikipedia_FA_linear_mxfp8_fast", "finished", "FA_linear_mxfp8", "mxfp8",
-        "mxfp8", "bf16", "-", "-", "-", COMMIT[:12], record["data"]["checked"][0]["prefix"],
-        record["data"]["checked"][0]["tokenizer"], "1 node x 2 GPUs", "4242_1 COMPLETED",
+        "mxfp8", "bf16", "-", "-", "-", COMMIT[:12], "…/" + "/".join(prefix.parts[-2:]),
+        "…/" + "/".join(tok.parts[-2:]), "1 node x 2 GPUs", "4242_1 COMPLETED",
     ]  # fmt: skip
-    # the wide runs table's names may break after an underscore: it fits the page
-    assert "<th>loss_<wbr>delta_<wbr>vs_<wbr>bf16</th>" in html
+    assert f'title="{prefix}"' in mx and f'title="{tok}"' in mx
+    # the runs table's headings are the CLI's own words, not field names
+    assert "<th>Δloss</th>" in html and "loss_delta_vs_bf16" not in html
 
 
 def test_the_report_without_matplotlib_has_no_figures_and_says_how(run, tmp_path, monkeypatch):

@@ -198,12 +198,12 @@ def test_a_study_on_a_real_one_node_slurm(real_slurm, make_checkout, tmp_path, m
     repo = git.Repo(root)
     for scheme, values in (("bf16", "bf16_qk-bf16_pv-bf16"), ("FA_mxfp8", "bf16_qk-mxfp8_pv-bf16")):
         r = rec[scheme]
-        log = Path(r["log"])
+        log = out / r["log"]  # the sweep folder's
         assert log.is_file() and log.is_relative_to(out / "runs"), r
         assert r["commit"] == repo.commit(f"quantpatch/linear-{values}").hexsha
         started, ended = datetime.fromisoformat(r["started"]), datetime.fromisoformat(r["ended"])
         assert started <= ended
-        assert Path(r["slurm_output"]).parent == out / "slurm"
+        assert (out / r["slurm_output"]).parent == out / "slurm"
     # nothing in the checkout: the tasks' output went under the sweep folder
     assert repo.git.status("--porcelain") == ""
     assert len(list((out / "slurm").glob(f"{job}_*.out"))) == 4
@@ -229,7 +229,7 @@ def test_a_study_on_a_real_one_node_slurm(real_slurm, make_checkout, tmp_path, m
     html = (out / "report.html").read_text()
     final = json.loads((out / "sweep.json").read_text())
     logs = run_logs(out, final)  # the report's: each run's last log, not the failed attempts'
-    assert sorted(logs) == sorted(Path(r["log"]) for r in final["runs"])
+    assert sorted(logs) == sorted(out / r["log"] for r in final["runs"])
     assert len(logs) == 4 and len(list((out / "runs").rglob("*.log"))) == 6
     for scheme in ("bf16", "FA_mxfp8", "linear_mxfp4", "FA_hifp8"):
         assert scheme in html

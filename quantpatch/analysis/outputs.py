@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from quantpatch.base.edits import shared_mode
 from quantpatch.base.errors import UserError
 
 
@@ -140,6 +141,7 @@ def atomic_file(
     created = _make_dirs(out.parent, what)
     try:
         fd, name = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
+        os.fchmod(fd, shared_mode())  # a report is shared: the umask's mode, not mkstemp's 0600
     except OSError as exc:
         remove_dirs(created)
         raise UserError(f"{what} {out}: cannot write there ({exc.strerror or exc}).") from None

@@ -263,6 +263,20 @@ def plot_runs(result: Any, out: Path) -> list[Path]:
         fig.savefig(path, dpi=80)
         plt.close(fig)
         written.append(path)
+        validated = [r for r in sorted(rs, key=lambda r: str(r.scheme)) if r.validation]
+        if validated:  # Megatron's validation (lm loss value) at each --eval-interval
+            fig, ax = plt.subplots(figsize=(9, 3.6))
+            for r in validated:
+                its, losses = [v[0] for v in r.validation], [v[1] for v in r.validation]
+                ax.plot(its, losses, marker="o", ms=3, label=run_label(r, status), lw=1)
+            ax.set_title(f"{model} / {dataset} ({profile}): validation lm loss")
+            ax.set_xlabel("iteration")
+            ax.legend(fontsize=7)
+            fig.tight_layout()
+            path = out / f"val_loss_{_safe(f'{model}_{dataset}_{profile}')}.png"
+            fig.savefig(path, dpi=80)
+            plt.close(fig)
+            written.append(path)
     ratios = [
         (f"{r['model']}/{r['dataset']}/{r['scheme']}", r["step_vs_bf16"])
         for r in result.rows

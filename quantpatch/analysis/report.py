@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from quantpatch.analysis.noise import NOISE_COLUMNS, NOISE_LABELS, noise_rows
 from quantpatch.base.errors import UserError
 
 _STYLE = """
@@ -25,19 +26,23 @@ img{max-width:100%;border:1px solid #eee;margin:.5em 0}
 .note{color:#666;font-size:13px}
 """
 
-_PAGE = """<!doctype html><meta charset="utf-8"><title>quantpatch report</title>
-<style>{{ style }}</style><h1>quantpatch report</h1>
+_PAGE = """<!doctype html><meta charset="utf-8">
+<title>{% if title %}{{ title }} - {% endif %}quantpatch report</title>
+<style>{{ style }}</style><h1>{{ title or "quantpatch report" }}</h1>
 {%- for line in notes %}<p class="note">{{ line }}</p>{% endfor %}
 {%- if header %}<table class="prov">
-{%- for label, text in header %}<tr><th>{{ label }}</th><td>{{ text | breakable }}</td></tr>
+{%- for label, text, full in header %}<tr><th>{{ label }}</th>
+<td{% if full %} title="{{ full }}"{% endif %}>{{ text | breakable }}</td></tr>
 {%- endfor %}
 </table>{% endif %}
 {%- for s in sections %}
 <h2>{{ s.title }}</h2>
 {%- if s.note %}<p class="note">{{ s.note }}</p>{% endif %}
-{%- if s.columns %}<table><tr>{% for c in s.columns %}<th>{{ c | column }}</th>{% endfor %}</tr>
+{%- if s.columns %}<table><tr>{% for c in s.columns %}<th>{{ s.labels.get(c, c) | column }}</th>
+{%- endfor %}</tr>
 {%- for r in s.rows %}<tr{% if r.bad %} class="bad"{% endif %}>
-{%- for text, left in r.cells %}<td{% if left %} class="t"{% endif %}>{{ text | breakable }}</td>
+{%- for text, left, full in r.cells %}<td{% if left %} class="t"{% endif %}
+{%- if full %} title="{{ full }}"{% endif %}>{{ text | breakable }}</td>
 {%- endfor %}</tr>
 {%- endfor %}</table>{% endif %}
 {%- for alt, data in s.images %}
@@ -57,12 +62,14 @@ class Section:
     rows: list[dict[str, Any]] = field(default_factory=list)  # {"bad": bool, "cells": [...]}
     images: list[tuple[str, str]] = field(default_factory=list)  # (alt, base64 PNG)
     skipped: list[tuple[str, str]] = field(default_factory=list)
+    labels: dict[str, str] = field(default_factory=dict)  # column -> its heading, if other
 
 
 def render(
     sections: list[Section],
     notes: list[str] | None = None,
-    header: list[tuple[str, str]] | None = None,
+    header: list[tuple[str, Any]] | None = None,
+    title: str | None = None,
 ) -> str:
     """The page, every text escaped (jinja2 with autoescape on); ``breakable`` lets the
     tables' long names and paths wrap, so a wide table fits the page."""
@@ -74,7 +81,13 @@ def render(
     env.filters["column"] = lambda name: Markup(str(escape(name)).replace("_", "_<wbr>"))
     page = env.from_string(_PAGE)
     return (
-        page.render(style=Markup(_STYLE), sections=sections, notes=notes or [], header=header or [])
+        page.render(
+            style=Markup(_STYLE),
+            sections=sections,
+            notes=notes or [],
+            header=[(h[0], str(h[1]), getattr(h[1], "full", "")) for h in header or []],
+            title=title,
+        )
         + "\n"
     )
 
@@ -100,6 +113,35 @@ def no_figures_note() -> str:
     return f"No figures: matplotlib is not installed ({MATPLOTLIB_INSTALL} adds them)."
 
 
+@dataclass(frozen=True)
+class Short:
+    """A cell's short text (a path relative to the sweep or checkout, or its last parts), the
+    full text shown on hover."""
+
+    text: str
+    full: str
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def short_path(path: object, *roots: Path) -> Short | str:
+    """``path`` relative to the first of ``roots`` it lies in, else ``…/`` and its last two
+    parts; the full path on hover. Not a path (``-``, a hub name): as it is."""
+    text = str(path)
+    if not text.startswith("/"):
+        return text
+    full = Path(text)
+    for root in roots:
+        try:
+            return Short(full.relative_to(root).as_posix() or ".", text)
+        except ValueError:
+            continue
+    if len(full.parts) <= 3:
+        return text
+    return Short("…/" + "/".join(full.parts[-2:]), text)
+
+
 def table_rows(
     rows: list[dict[str, Any]], columns: list[str], bad: str | None = None
 ) -> list[dict[str, Any]]:
@@ -110,7 +152,11 @@ def table_rows(
         {
             "bad": bool(bad and r.get(bad)),
             "cells": [
-                (format_value(r.get(c)), isinstance(r.get(c), str) or r.get(c) is None)
+                (
+                    format_value(str(r[c]) if isinstance(r.get(c), Short) else r.get(c)),
+                    isinstance(r.get(c), str | Short) or r.get(c) is None,
+                    r[c].full if isinstance(r.get(c), Short) else "",
+                )
                 for c in columns
             ],
         }
@@ -126,9 +172,25 @@ RUN_COLUMNS = [
     "model", "dataset", "profile", "scheme", "attention", "iterations", "loss",
     "last_finite_iteration",
     "loss_delta_vs_bf16",
-    "rel_delta_vs_bf16", "step_ms", "step_vs_bf16", "skipped", "nan_iterations", "diverged",
-    "status",
+    "rel_delta_vs_bf16", "val_loss", "val_ppl", "val_delta_vs_bf16", "step_ms", "step_vs_bf16",
+    "skipped", "nan_iterations", "diverged", "status",
 ]  # fmt: skip
+RUN_LABELS = {
+    "loss_delta_vs_bf16": "Δloss",
+    "rel_delta_vs_bf16": "Δloss rel",
+    "matched_iterations": "matched",
+    "step_ms": "step ms",
+    "step_vs_bf16": "step/bf16",
+    "nan_iterations": "nan",
+    "last_finite_iteration": "loss at",
+    "unreadable_lines": "bad lines",
+    "val_loss": "val loss",
+    "val_ppl": "val ppl",
+    "val_at": "val at",
+    "val_delta_vs_bf16": "Δval loss",
+}
+"""The runs table's headings, as ``runs`` prints them in a terminal and the report shows them
+(JSON and CSV keep the field names)."""
 FORMAT_COLUMNS = [
     "layer", "tensor", "candidate", "sqnr_db", "rel_error", "cosine", "underflows %",
     "overflows %", "blocks saturated %", "blocks scale clipped %", "mse",
@@ -144,6 +206,8 @@ def write_report(
     names: Any = None,
     header: list[tuple[str, str]] | None = None,
     lead: list[Section] | None = None,
+    title: str | None = None,
+    seeds: dict[str, int | None] | None = None,
     twins: list[tuple[str, str]] | None = None,
 ) -> dict[str, Any]:
     """Build the report; returns what went into it (counts). ``out`` is checked before any
@@ -174,23 +238,46 @@ def write_report(
             rr = training_logs.runs(run_paths, jobs=jobs, names=names)
             facts["runs"] = len(rr.rows)
             facts["nan"] = sum(1 for r in rr.rows if r["status"] == "nan")
+            columns = list(RUN_COLUMNS)
+            if any(r.get("seed") is not None for r in rr.rows):  # sweep run --seeds
+                columns.insert(columns.index("scheme") + 1, "seed")
             sections.append(
                 Section(
                     f"Runs ({rr.logs} logs)",
                     "loss: mean over the last window of logged iterations with a finite loss "
                     "(loss at: the last of them); deltas against the bf16 run of the same "
-                    "model, dataset and profile at the iterations both logged; rows in red "
+                    "model, dataset and profile at the iterations both logged; val loss and "
+                    "val ppl: the last validation Megatron printed (lm loss value and PPL, "
+                    "--eval-interval), Δval loss against bf16's at the last iteration both "
+                    "validated; rows in red "
                     "diverged (status nan: the loss went NaN, printed or left out of the log; "
                     "skips the fp16 loss scaler recovered from are counted in nan only); "
                     "attention: the path the run's attention took, as its log says (flash: "
                     "quantpatch's flash kernel; stock: Megatron's unfused attention; "
                     "(asked): what its script asked for, where the log names no path).",
-                    RUN_COLUMNS,
-                    table_rows(rr.rows, RUN_COLUMNS, bad="diverged"),
+                    columns,
+                    table_rows(rr.rows, columns, bad="diverged"),
                     [_img(p) for p in plots.plot_runs(rr, figs)] if facts["figures"] else [],
                     list(rr.skipped),
+                    RUN_LABELS,
                 )
             )
+            noise = noise_rows(rr.rows, seeds or {})
+            if noise:
+                sections.append(
+                    Section(
+                        "Noise: each scheme over its seeds",
+                        "mean, spread (highest minus lowest) and standard deviation of each "
+                        "scheme's losses over its seeds (Megatron's --seed); Δ mean against "
+                        "bf16's mean, marked outside where the mean lies beyond the bf16 "
+                        "seeds' lowest to highest loss and within where it does not (seed "
+                        "noise cannot tell it from bf16); validation losses where every run "
+                        "has one, else final training losses (docs/analysis.md).",
+                        NOISE_COLUMNS,
+                        table_rows(noise, NOISE_COLUMNS, bad=None),
+                        labels=NOISE_LABELS,
+                    )
+                )
             paired = training_logs.twin_rows(rr, twins or [])
             facts["twins"] = len(paired)
             if paired:
@@ -228,7 +315,7 @@ def write_report(
                     [(s.path, s.reason) for s in inv.skipped],
                 )
             )
-        data = render(sections, notes, header).encode("utf-8")
+        data = render(sections, notes, header, title).encode("utf-8")
         dest.write(data)
         dest.commit()
     facts["bytes"] = len(data)

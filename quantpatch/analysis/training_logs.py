@@ -52,7 +52,15 @@ _EXIT = re.compile(rb"\[quantpatch\] training exited with status (\d+)")
 _ASKED = re.compile(
     rb"\[quantpatch\] attention: QUANTPATCH_FLASH=(\S*) QUANTPATCH_FLASH_BF16=(\S*)"
 )
+_SEED = re.compile(rb"\[quantpatch\] extra arguments:[^\n]*? --seed[ =]([0-9]{1,18})\b")
+"""A run's ``--seed`` (``sweep run --seeds``), from the script's line of extra arguments."""
 _PATH_LINE = b"[quantpatch] attention path: "  # quantpatch_ops.ATTENTION_PATH_LINE
+_VALIDATION = re.compile(
+    rb" validation loss at iteration (\d{1,18})( on [a-z]+ set)? \|(?P<rest>[^\n]*)"
+)
+"""Megatron's ``evaluate_and_print_results``: `` validation loss at iteration N | lm loss
+value: X | lm loss PPL: Y |`` (at the end of training ``... on validation set`` and ``on test
+set``; the test set's is not validation and is passed over)."""
 ATTENTION_PATHS = ("flash", "stock")
 _CRASH = re.compile(rb"Traceback \(most recent call last\)|\b\w*Error: |Segmentation fault|Killed")
 FIELDS = {  # Megatron's field name -> ours
@@ -89,6 +97,9 @@ class Run:
     constant: dict[str, float] = field(default_factory=dict)
     paths: list[str] = field(default_factory=list)  # the attention paths the runtime said
     asked: tuple[str, str] | None = None  # the script's QUANTPATCH_FLASH, QUANTPATCH_FLASH_BF16
+    seed: int | None = None  # the --seed its script was given, where it was
+    # (iteration, lm loss, perplexity) of each validation Megatron printed, in log order
+    validation: list[tuple[int, float, float]] = field(default_factory=list)
 
     @property
     def attention(self) -> str | None:
@@ -236,6 +247,7 @@ def parse_log(path: Path, chunk: int = 0) -> Run:
                 elif ITERATION.search(piece):  # a last line still being written: not read
                     run.garbage += 1
                 _said_paths(piece, run.paths)
+                _validations(piece, run.validation)
                 if len(head) < _EDGE:
                     head += piece[: _EDGE - len(head)]
                 last = (last + piece[-_EDGE:])[-_EDGE:]
@@ -251,6 +263,9 @@ def parse_log(path: Path, chunk: int = 0) -> Run:
             g["model"], g["dataset"], g["scheme"], g["profile"],
         )  # fmt: skip
         run.values = {r: g[r] for r in ("linear", "qk", "pv")}
+    seed = _SEED.search(head)
+    if seed:
+        run.seed = int(seed.group(1))
     asked = _ASKED.search(head)
     if asked:
         run.asked = (
@@ -263,6 +278,22 @@ def parse_log(path: Path, chunk: int = 0) -> Run:
     _merge(run, parts)
     run.crashed = run.exit_status is None and bool(_CRASH.search(since_iteration))
     return run
+
+
+def _validations(piece: bytes, out: list[tuple[int, float, float]]) -> None:
+    """The validation losses (``lm loss value``) and perplexities (``lm loss PPL``) of the
+    validation lines in ``piece``, added to ``out``; a test-set line is not validation."""
+    if b"validation loss at" not in piece:
+        return
+    for m in _VALIDATION.finditer(piece):
+        if m.group(2) is not None and m.group(2) != b" on validation set":
+            continue
+        fields = _fields_of(m.group("rest"))
+        loss = fields.get("lm loss value")
+        if loss is None:
+            continue
+        ppl = fields.get("lm loss PPL")
+        out.append((int(m.group(1)), number(loss), number(ppl) if ppl is not None else math.nan))
 
 
 def _said_paths(piece: bytes, paths: list[str]) -> None:
@@ -956,6 +987,25 @@ def _parse_many(paths: list[Path], jobs: int) -> list[Run | tuple[str, str]]:
         return list(pool.map(parse_or_skip, paths, chunksize=1))
 
 
+def validation_row(run: Run, ref: Run | None) -> dict[str, Any]:
+    """The run's last validation (lm loss, perplexity, iteration) and its difference from the
+    bf16 run's validation at the last iteration both validated (NaN where either has none)."""
+    if not run.validation:
+        return {"val_loss": math.nan, "val_ppl": math.nan, "val_at": None,
+                "val_delta_vs_bf16": math.nan}  # fmt: skip
+    at, loss, ppl = run.validation[-1]
+    delta = math.nan
+    if ref is not None and ref is not run and ref.validation:
+        theirs = {i: v for i, v, _ in ref.validation}
+        both = [(i, v) for i, v, _ in run.validation if i in theirs]
+        if both:
+            i, v = both[-1]
+            delta = v - theirs[i]
+    elif ref is run:
+        delta = 0.0
+    return {"val_loss": loss, "val_ppl": ppl, "val_at": at, "val_delta_vs_bf16": delta}
+
+
 def runs(
     paths: list[Path] | None = None,
     jobs: int = 1,
@@ -994,6 +1044,7 @@ def runs(
                 "scheme": r.scheme,
                 "profile": r.profile,
                 "attention": r.attention,
+                "seed": r.seed,
                 "iterations": r.iterations[-1] if r.iterations else 0,
                 "of": r.total_iterations,
                 "loss": last_window_loss(r),
@@ -1005,6 +1056,7 @@ def runs(
                 "step_vs_bf16": st / base_st if base_st and math.isfinite(base_st) else math.nan,
                 "skipped": _count(r.column("skipped")),
                 "nan_iterations": nan_iterations,
+                **validation_row(r, base),
                 "diverged": diverged(r, base),
                 "status": "nan" if nan_seen(r) else r.status,
                 "unreadable_lines": r.garbage,

@@ -125,6 +125,36 @@ def recipe_layers(num_layers: int) -> tuple[int, int]:
     return first, last
 
 
+def bf16_layer_numbers(spec: str, num_layers: int) -> list[int]:
+    """The layer numbers (1-based) a BF16 layer policy keeps in BF16 in a model of
+    ``num_layers`` (as the runtime's ``quantpatch_layers.resolve`` does; numbers beyond the
+    model dropped); ``spec`` as ``validate_bf16_layers`` returns it."""
+    out: set[int] = set()
+    for part in filter(None, spec.replace(" ", "").split(",")):
+        if part == "recipe":
+            first, last = recipe_layers(num_layers)
+            out |= set(range(1, first + 1)) | set(range(num_layers - last + 1, num_layers + 1))
+        elif part.startswith("first:"):
+            out |= set(range(1, int(part[6:]) + 1))
+        elif part.startswith("last:"):
+            out |= set(range(max(1, num_layers - int(part[5:]) + 1), num_layers + 1))
+        else:
+            lo, _, hi = part.partition("-")
+            out |= set(range(int(lo), int(hi or lo) + 1))
+    return sorted(n for n in out if 1 <= n <= num_layers)
+
+
+def layer_ranges(numbers: list[int]) -> str:
+    """``[1, 2, 3, 7]`` as ``1-3, 7``."""
+    spans: list[list[int]] = []
+    for n in numbers:
+        if spans and n == spans[-1][1] + 1:
+            spans[-1][1] = n
+        else:
+            spans.append([n, n])
+    return ", ".join(f"{a}-{b}" if b > a else str(a) for a, b in spans)
+
+
 SITE_NAME = "custom_quant_type"
 """The variable whose assignments are sites."""
 

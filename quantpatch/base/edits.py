@@ -60,6 +60,26 @@ def unified_diff(edits: Iterable[Edit]) -> str:
     return "".join(e.diff() for e in edits if e.changed)
 
 
+def umask() -> int:
+    """The process's umask, read without changing it where Linux says it
+    (``/proc/self/status``); elsewhere set and put back at once."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def shared_mode() -> int:
+    """The mode a new file the user shares gets, as ``open`` would make it: 0o666 under the
+    umask (0644 under 022). ``mkstemp``'s temp files are 0600 whatever the umask."""
+    return 0o666 & ~umask()
+
+
 def _write_temp(target: Path, text: str, mode: int | None = None) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(

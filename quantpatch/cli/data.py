@@ -194,6 +194,8 @@ def data_status(
     for r in rows:
         if r["manifest"] and not r["manifest_well_formed"]:
             tok = "malformed manifest (edited?): data prepare rewrites it"
+        elif r["files_match"] is False:
+            tok = "MISMATCH: the files are not those data prepare made (see below)"
         elif r["tokenizer_matches"] is None:
             tok = "no manifest" if r["exists"] else "-"
         elif r["tokenizer_matches"]:
@@ -220,6 +222,14 @@ def _refuse_mismatch(rows: list[dict[str, Any]]) -> None:
     ``data prepare`` rewrites it)."""
     from quantpatch.base.errors import CheckFailed
 
+    changed = [r for r in rows if r["files_match"] is False]
+    if changed:
+        r = changed[0]
+        raise CheckFailed(
+            f"{len(changed)} dataset(s) are not what data prepare made: "
+            f"{r['files_problem']} ({r['model']} on {r['dataset']}); make it again with "
+            f"`quantpatch data prepare {r['dataset']} --input CORPUS --models {r['model']}`."
+        )
     bad = [r for r in rows if r["tokenizer_matches"] is False and r["manifest_well_formed"]]
     if bad:
         r = bad[0]

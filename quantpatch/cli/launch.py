@@ -41,17 +41,61 @@ def csv_list(value: str | None) -> list[str]:
 def list_(config: Path | None = ConfigOpt, json_: bool = JsonOpt) -> None:
     """Models, datasets, schemes (with their role values), run profiles, and every value a
     site may hold (its element, block, scale and reference: docs/formats.md)."""
-    from rich.table import Table
-
-    from quantpatch.base.values import TEXT_COLUMNS, text_rows
     from quantpatch.launch.registry import load_registry
-    from quantpatch.launch.scripts import describe, scheme_megatron
+    from quantpatch.launch.scripts import describe
 
     reg = load_registry(config)
     if json_ or OPTS.json:
         emit_json(describe(reg))
         return
-    for title, cols, rows in (
+    for table in list_tables(reg):
+        out.print(table)
+
+
+_LIST_HEADINGS = {
+    "element_forward": "forward",
+    "element_gradient": "gradient",
+    "weight_block": "weight block",
+    "gradient_rounding": "gradient rounding",
+}
+
+
+_WHOLE = {
+    "tokenizer", "prefix", "qk", "pv", "BF16 layers", "family", "element_forward",
+    "element_gradient", "scale", "rht", "gradient_rounding",
+}  # fmt: skip
+"""``list``'s columns whose cells are one word each, kept whole (the others wrap at spaces)."""
+_SCALING = ("block", "weight_block", "scale", "gradient_rounding")
+
+
+def _value_tables(
+    columns: tuple[str, ...], rows: list[tuple[str, ...]]
+) -> list[tuple[str, tuple[str, ...], list[tuple[str, ...]]]]:
+    """The values table as two, each narrow enough for 80 columns: the elements, then the
+    scaling (the name first in both)."""
+    out = []
+    for title, keep in (
+        ("values: elements (references: list --json, docs/formats.md)",
+         [c for c in columns if c not in _SCALING]),
+        ("values: scaling", [columns[0], *(c for c in columns if c in _SCALING)]),
+    ):  # fmt: skip
+        at = [columns.index(c) for c in keep]
+        out.append((title, tuple(keep), [tuple(r[i] for i in at) for r in rows]))
+    return out
+
+
+def list_tables(reg: Any) -> list[Any]:
+    """``list``'s tables. The first column (the names) is never cut or folded, the others
+    wrap, and a word too long for its column folds onto the next line rather than being cut
+    (``mxfp8-…``): at 80 columns every name and value is still whole."""
+    from rich import box
+    from rich.table import Table
+
+    from quantpatch.base.values import TEXT_COLUMNS, text_rows
+    from quantpatch.launch.scripts import scheme_megatron
+
+    tables = []
+    listed: list[tuple[str, tuple[str, ...], list[tuple[str, ...]]]] = [
         (
             "models",
             ("name", "description", "tokenizer", "recipe BF16 layers"),
@@ -69,7 +113,14 @@ def list_(config: Path | None = ConfigOpt, json_: bool = JsonOpt) -> None:
             "schemes",
             ("name", "linear", "qk", "pv", "BF16 layers", "Megatron (emulates / runs)"),
             [
-                (s.name, s.linear_text, s.qk, s.pv, s.policy() or "-", scheme_megatron(s))
+                (
+                    s.name,
+                    s.linear_text.replace(",", ", "),
+                    s.qk,
+                    s.pv,
+                    s.policy() or "-",
+                    scheme_megatron(s),
+                )
                 for s in reg.schemes.values()
             ],
         ),
@@ -81,14 +132,23 @@ def list_(config: Path | None = ConfigOpt, json_: bool = JsonOpt) -> None:
                 for p in reg.profiles.values()
             ],
         ),
-        ("values (references: list --json, docs/formats.md)", TEXT_COLUMNS, text_rows()),
-    ):
-        table = Table(title=title, title_justify="left")
-        for col in cols:
-            table.add_column(col)
+        *_value_tables(TEXT_COLUMNS, text_rows()),
+    ]
+    for title, cols, rows in listed:
+        table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+        for i, col in enumerate(cols):
+            # values wrap at their spaces, never inside a value (the longest one fits)
+            words = [len(w) for row in rows for w in str(row[i]).split()] or [1]
+            table.add_column(
+                _LIST_HEADINGS.get(col, col),
+                no_wrap=i == 0 or col in _WHOLE,
+                min_width=max(words) if col in ("linear", "roles") else None,
+                overflow="fold",
+            )
         for row in rows:
             table.add_row(*row)
-        out.print(table)
+        tables.append(table)
+    return tables
 
 
 def recipe_bf16_layers(model: Any) -> str:

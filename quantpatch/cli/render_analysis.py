@@ -163,18 +163,6 @@ def print_skipped_logs(err: Console, res: Any) -> None:
         err.print(f"  ... and {len(res.skipped) - 20} more", style="yellow", markup=False)
 
 
-_RUN_LABELS = {
-    "loss_delta_vs_bf16": "Δloss",
-    "rel_delta_vs_bf16": "Δloss rel",
-    "matched_iterations": "matched",
-    "step_ms": "step ms",
-    "step_vs_bf16": "step/bf16",
-    "nan_iterations": "nan",
-    "last_finite_iteration": "loss at",
-    "unreadable_lines": "bad lines",
-}
-
-
 def nan_note(facts: dict[str, Any]) -> str:
     """What ``write_report``'s facts add to the line that names the report: how many runs
     went NaN (``runs``' status ``nan``), which a sweep's finished count does not say (a
@@ -190,4 +178,13 @@ def nan_note(facts: dict[str, Any]) -> str:
 
 def runs_display(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The runs rows with short column names for a terminal (JSON and CSV keep the long)."""
-    return [{_RUN_LABELS.get(k, k): v for k, v in r.items() if k != "path"} for r in rows]
+    from quantpatch.analysis.report import RUN_LABELS
+
+    # the validation columns only where a run validated (a terminal table has no room to spare)
+    unused = {
+        k
+        for k in ("seed", "val_loss", "val_ppl", "val_at", "val_delta_vs_bf16")
+        if all(r.get(k) is None or r.get(k) != r.get(k) for r in rows)
+    }
+    rows = [{k: v for k, v in r.items() if k not in unused} for r in rows]
+    return [{RUN_LABELS.get(k, k): v for k, v in r.items() if k != "path"} for r in rows]

@@ -50,6 +50,13 @@ def sweep_run(
     attention: str | None = typer.Option(
         None, "--attention", help=f"{AttentionHelp} Recorded: a resume keeps it.", metavar="PATH"
     ),
+    seeds: int | None = typer.Option(
+        None,
+        "--seeds",
+        help="Runs of each combination, with Megatron's --seed 1234, 1235, ... (local); the "
+        "report shows each scheme's mean and spread.",
+        metavar="N",
+    ),
     only_pending: bool = typer.Option(
         False, "--only-pending", help="On resume, keep failed runs as they are."
     ),
@@ -72,6 +79,7 @@ def sweep_run(
         "gpus_per_node": gpus_per_node,
         "nodes": nodes,
         "attention": attention,
+        "seeds": seeds,
     }
     selection = sweep.selection_for(sweep.load(sweep_dir), given)
     prepared = sweep.prepare(
@@ -147,7 +155,9 @@ def sweep_run(
         raise CheckFailed(f"{total - c['finished']} run(s) did not finish (see sweep status).")
 
 
-def _sweep_report(sweep_dir: Path, record: dict[str, Any], out_file: Path) -> dict[str, Any]:
+def _sweep_report(
+    sweep_dir: Path, record: dict[str, Any], out_file: Path, title: str | None = None
+) -> dict[str, Any]:
     from quantpatch.analysis.report import Section, table_rows, write_report
     from quantpatch.launch import provenance, sweep
     from quantpatch.launch.registry import load_registry, twin_pairs
@@ -158,6 +168,7 @@ def _sweep_report(sweep_dir: Path, record: dict[str, Any], out_file: Path) -> di
     if not logs:
         raise UserError(f"{sweep_dir}: no run of the sweep has written a log yet.")
     tensors = sweep.tensor_dirs(sweep_dir, record)
+    roots = (sweep_dir.resolve(), Path(str(record.get("checkout", "/"))))
     where = Section(
         f"Where the runs came from ({len(record['runs'])} runs)",
         "each run's scheme values (linear, Q.K^T, P.V, the BF16 layer policy) and its own "
@@ -166,62 +177,131 @@ def _sweep_report(sweep_dir: Path, record: dict[str, Any], out_file: Path) -> di
         "commit its log names, the data prefix and tokenizer the sweep checked, its GPUs and "
         "its Slurm job (array task and Slurm's state); from sweep.json.",
         provenance.RUN_COLUMNS,
-        table_rows(provenance.run_rows(record, reg.schemes), provenance.RUN_COLUMNS),
+        table_rows(
+            _shortened(provenance.run_rows(record, reg.schemes), roots), provenance.RUN_COLUMNS
+        ),
     )
+    layers = provenance.bf16_layer_lines(record, reg.schemes)
+    legend = Section(
+        "What each value computes",
+        "each value the sweep's schemes use: its row of the values table (quantpatch list; "
+        "docs/formats.md) and the library reference it is bit-identical to"
+        + (f". BF16 layers: {'; '.join(layers)}" if layers else "")
+        + ".",
+        provenance.LEGEND_COLUMNS,
+        table_rows(provenance.legend_rows(record, reg.schemes), provenance.LEGEND_COLUMNS),
+    )
+    lead = [where, legend]
+    data_rows = provenance.data_rows(record)
+    if data_rows:
+        lead.append(
+            Section(
+                "The data",
+                "each dataset the runs read, as its manifest (data prepare) records it: "
+                "documents, tokens, the .bin's sha256 (sha256sum checks it), the tokenizer it "
+                "was made with, its fingerprint (every file of a tokenizer folder) and "
+                "vocabulary size; hashes cut to 16 hex digits.",
+                provenance.DATA_COLUMNS,
+                table_rows(_shortened(data_rows, roots), provenance.DATA_COLUMNS),
+            )
+        )
     return write_report(
         out_file,
         tensors[0] if tensors else None,
         logs,
         names=(reg.models, reg.datasets),
         header=provenance.header(sweep_dir, record),
-        lead=[where],
+        lead=lead,
+        title=title,
+        seeds={
+            str(sweep.at(sweep_dir, str(r["log"]))): r.get("seed")
+            for r in record["runs"]
+            if r.get("log")
+        },
         twins=twin_pairs(reg.schemes, [r["scheme"] for r in record["runs"]]),
     )
+
+
+def _shortened(rows: list[dict[str, Any]], roots: tuple[Path, ...]) -> list[dict[str, Any]]:
+    """The rows' paths (data prefix, tokenizer folder) shortened, the full path on hover."""
+    from quantpatch.analysis.report import short_path
+
+    keys = ("data", "prefix", "tokenizer")
+    return [{k: short_path(v, *roots) if k in keys else v for k, v in r.items()} for r in rows]
 
 
 @sweep_app.command("status")
 def sweep_status(
     sweep_dir: Path = SweepDirArg,
-    watch: bool = typer.Option(False, "--watch", help="Redraw every 5 s until every run ended."),
+    watch: bool = typer.Option(
+        False,
+        "--watch",
+        help="Follow the sweep until every run ended: the table redrawn on a terminal; "
+        "elsewhere (a file, a pipe) the table once, then one line per change of state.",
+    ),
+    interval: float = typer.Option(
+        5.0, "--interval", help="Seconds between looks (--watch).", metavar="S", min=0.1
+    ),
     json_: bool = JsonOpt,
 ) -> None:
     """The sweep's runs and their states (with Slurm's, for a submitted sweep)."""
+    import sys
+
     from quantpatch.launch import sweep
 
+    changes_only = watch and not (json_ or OPTS.json) and not sys.stdout.isatty()
+    seen: dict[str, str] | None = None
     while True:
         data = sweep.status(sweep_dir)
+        states = {str(r["name"]): _state_text(r) for r in data["runs"]}
         if json_ or OPTS.json:
             emit_json({"counts": data["counts"], "runs": data["runs"]})
+        elif changes_only and seen is not None:
+            stamp = time.strftime("%H:%M:%S")
+            for name, state in states.items():
+                if seen.get(name) != state:
+                    out.print(f"{stamp} {name}: {seen.get(name, '-')} -> {state}", markup=False)
         else:
-            from rich.markup import escape as escape_markup
-            from rich.table import Table
-
-            table = Table(title=escape_markup(f"sweep {sweep_dir}"))
-            for col in ("run", "state", "exit", "gpus", "started", "ended", "commit"):
-                table.add_column(col)
-            for r in data["runs"]:
-                state = r["state"] + (f" ({r['slurm_state']})" if r.get("slurm_state") else "")
-                table.add_row(
-                    *(
-                        escape_markup(str(v))
-                        for v in (
-                            r["name"],
-                            state,
-                            "" if r["exit_code"] is None else r["exit_code"],
-                            r["gpus"] or "",
-                            r["started"] or "",
-                            r["ended"] or "",
-                            (r["commit"] or "")[:10],
-                        )
-                    )
-                )
-            out.print(table)
-            shown = ", ".join(f"{n} {k}" for k, n in data["counts"].items() if n)
-            out.print(f"{len(data['runs'])} runs: {shown}", markup=False)
+            _status_table(sweep_dir, data)
+        followed, seen = seen is not None, states
         busy = sum(data["counts"][k] for k in ("pending", "running", "submitted"))
         if not watch or not busy:
+            if changes_only and followed:
+                shown = ", ".join(f"{n} {k}" for k, n in data["counts"].items() if n)
+                out.print(f"{len(data['runs'])} runs: {shown}", markup=False)
             return
-        time.sleep(5)
+        time.sleep(interval)
+
+
+def _state_text(r: dict[str, Any]) -> str:
+    return str(r["state"]) + (f" ({r['slurm_state']})" if r.get("slurm_state") else "")
+
+
+def _status_table(sweep_dir: Path, data: dict[str, Any]) -> None:
+    from rich.markup import escape as escape_markup
+    from rich.table import Table
+
+    table = Table(title=escape_markup(f"sweep {sweep_dir}"))
+    for col in ("run", "state", "exit", "gpus", "started", "ended", "commit"):
+        table.add_column(col)
+    for r in data["runs"]:
+        table.add_row(
+            *(
+                escape_markup(str(v))
+                for v in (
+                    r["name"],
+                    _state_text(r),
+                    "" if r["exit_code"] is None else r["exit_code"],
+                    r["gpus"] or "",
+                    r["started"] or "",
+                    r["ended"] or "",
+                    (r["commit"] or "")[:10],
+                )
+            )
+        )
+    out.print(table)
+    shown = ", ".join(f"{n} {k}" for k, n in data["counts"].items() if n)
+    out.print(f"{len(data['runs'])} runs: {shown}", markup=False)
 
 
 @sweep_app.command("report")
@@ -229,6 +309,9 @@ def sweep_report(
     sweep_dir: Path = SweepDirArg,
     out_file: Path | None = typer.Option(
         None, "--out", help="The HTML file (default DIR/report.html)."
+    ),
+    title: str | None = typer.Option(
+        None, "--title", help="The report's title (its heading and the browser tab's)."
     ),
 ) -> None:
     """`runs` and `tensors formats` over exactly the sweep's runs, in one HTML file."""
@@ -241,7 +324,7 @@ def sweep_report(
     record = sweep.load(sweep_dir)
     assert record is not None
     target = out_file or sweep_dir / "report.html"
-    facts = _sweep_report(sweep_dir, record, target)
+    facts = _sweep_report(sweep_dir, record, target, title)
     out.print(
         f"wrote {target} ({facts['bytes'] / 1e3:.0f} kB){render_analysis.nan_note(facts)}",
         markup=False,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ DEFAULT_DATA_ROOT = "/data"
 HUB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?\Z")
 """A Hugging Face hub name (``org/name`` or ``name``); the scripts use the same expression."""
 
-TOKENIZER_FILES = (
+LEGACY_TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",
@@ -29,7 +30,12 @@ TOKENIZER_FILES = (
     "tokenizer.model",
     "spiece.model",
 )
-"""The files of a tokenizer folder that decide its token ids (weights and configs are not)."""
+"""The files the fingerprint of manifests made before ``FINGERPRINT`` covered."""
+FINGERPRINT = "every-file/1"
+"""How a manifest's tokenizer hash was made: every regular file of the folder."""
+SAMPLE_BYTES = 1 << 20
+"""How much of a dataset file's head and of its tail the check of ``data status`` and of the
+launches hashes (with its size)."""
 
 
 def data_prefix(
@@ -44,8 +50,18 @@ def data_prefix(
 
 
 def tokenizer_for(default: str, env: Mapping[str, str]) -> str:
-    """The tokenizer a script passes: ``TOKENIZER_MODEL`` when set, else the model's."""
-    return env.get("TOKENIZER_MODEL") or default
+    """The tokenizer a script passes: ``TOKENIZER_MODEL`` when set (a folder made absolute:
+    the scripts start in the checkout, not here), else the model's."""
+    given = env.get("TOKENIZER_MODEL")
+    if given:
+        return local_path(given) or given
+    return default
+
+
+def local_path(tokenizer: str) -> str | None:
+    """A tokenizer that is a folder here, as an absolute path; None for anything else."""
+    path = Path(tokenizer).expanduser()
+    return str(path.resolve()) if path.is_dir() else None
 
 
 def is_local(tokenizer: str) -> bool:
@@ -61,15 +77,78 @@ def tokenizer_problem(tokenizer: str) -> str | None:
 
 
 def files_hash(folder: Path) -> str:
-    """sha256 over the tokenizer files of a folder (name and content, in name order)."""
+    """sha256 over every regular file of a tokenizer folder, its subfolders' too (symlinks
+    followed, as the tokenizer loads them): relative name and content, in name order. Any file
+    may decide the token ids (a ``*.tiktoken`` vocabulary, custom tokenizer code)."""
     h = hashlib.sha256()
-    for name in TOKENIZER_FILES:
+    files = sorted((p.relative_to(folder).as_posix(), p) for p in folder.rglob("*") if p.is_file())
+    for name, path in files:
+        h.update(name.encode() + b"\0")
+        with open(path, "rb") as fh:
+            while chunk := fh.read(1 << 22):
+                h.update(chunk)
+        h.update(b"\0")
+    return "sha256:" + h.hexdigest()
+
+
+def legacy_files_hash(folder: Path) -> str:
+    """The fingerprint manifests made before ``FINGERPRINT`` recorded (a fixed list of files)."""
+    h = hashlib.sha256()
+    for name in LEGACY_TOKENIZER_FILES:
         path = folder / name
         if path.is_file():
             h.update(name.encode() + b"\0")
             h.update(path.read_bytes())
             h.update(b"\0")
     return "sha256:" + h.hexdigest()
+
+
+def sample_hash(path: Path) -> str:
+    """sha256 of a file's size, its first and its last ``SAMPLE_BYTES`` (all of a small one):
+    a truncated file, or another dataset's, differs, at the cost of two short reads."""
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        size = os.fstat(fh.fileno()).st_size
+        h.update(str(size).encode() + b"\0")
+        h.update(fh.read(SAMPLE_BYTES))
+        if size > SAMPLE_BYTES:
+            fh.seek(max(SAMPLE_BYTES, size - SAMPLE_BYTES))
+            h.update(fh.read(SAMPLE_BYTES))
+    return "sha256:" + h.hexdigest()
+
+
+def files_problem(prefix: Path, manifest: Mapping[str, Any]) -> str | None:
+    """How the dataset's ``.bin`` and ``.idx`` differ from what its manifest recorded (size,
+    then the hash of head and tail where recorded), in words; None where they agree."""
+    sizes = manifest.get("files")
+    samples = manifest.get("samples")
+    if not isinstance(sizes, dict):
+        return None
+    out = []
+    for suffix in ("bin", "idx"):
+        path = Path(f"{prefix}.{suffix}")
+        try:
+            size = path.stat().st_size
+        except OSError:
+            continue  # missing: said as such
+        want = sizes.get(suffix)
+        if count(want) and size != want:
+            out.append(f"{path.name} is {size:,} bytes, its manifest says {want:,}")
+            continue
+        sample = samples.get(suffix) if isinstance(samples, dict) else None
+        if isinstance(sample, str):
+            try:
+                same = sample_hash(path) == sample
+            except OSError:
+                continue
+            if not same:
+                out.append(f"{path.name}'s content is not what its manifest recorded")
+    if not out:
+        return None
+    return (
+        f"{prefix} does not match its manifest ({'; '.join(out)}): replaced or cut short since "
+        "data prepare made it"
+    )
 
 
 def manifest_path(prefix: Path) -> Path:
@@ -115,9 +194,19 @@ def tokenizer_matches(manifest: Mapping[str, Any], tokenizer: str) -> bool:
     made = manifest.get("tokenizer") or {}
     if not isinstance(made, dict):
         return False
-    if is_local(tokenizer):
-        return made.get("hash") == files_hash(Path(tokenizer))
-    return made.get("name") == tokenizer
+    name = made.get("name")
+    # a folder is known by its files, never by a name that may also be a hub id
+    recorded_local = made.get("local") is True or (
+        isinstance(name, str) and Path(name).is_absolute()
+    )
+    here = local_path(tokenizer)
+    if here is not None:
+        if made.get("fingerprint") == FINGERPRINT:
+            return made.get("hash") == files_hash(Path(here))
+        return made.get("hash") == legacy_files_hash(Path(here))
+    if recorded_local:
+        return False
+    return name == tokenizer
 
 
 @dataclass(frozen=True)
@@ -150,6 +239,9 @@ class Need:
         if bad is not None:
             return f"{bad} ({self.model} on {self.dataset})"
         manifest = read_manifest(self.prefix)
+        changed = None if manifest is None else files_problem(self.prefix, manifest)
+        if changed is not None:
+            return f"{changed} ({self.model} on {self.dataset})"
         if manifest is not None and not tokenizer_matches(manifest, self.tokenizer):
             tok = manifest.get("tokenizer")
             made = tok.get("name", "?") if isinstance(tok, dict) else "?"

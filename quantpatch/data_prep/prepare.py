@@ -35,12 +35,16 @@ from quantpatch.data_prep.inputs import (
     documents,
 )
 from quantpatch.data_prep.layout import (
+    FINGERPRINT,
     HUB_NAME,
     count,
     files_hash,
+    files_problem,
     is_local,
+    local_path,
     manifest_path,
     read_manifest,
+    sample_hash,
     well_formed,
 )
 
@@ -84,10 +88,12 @@ class Outcome:
 @dataclass
 class Tokenizer:
     name: str
+    """As recorded: a folder's absolute path, else the hub name."""
     backend: Any  # tokenizers.Tokenizer, as transformers configured it
     vocab_size: int
     eod: int
     hash: str
+    local: bool = False
 
 
 def load_tokenizer(name: str, workers: int) -> Tokenizer:
@@ -127,10 +133,12 @@ def load_tokenizer(name: str, workers: int) -> Tokenizer:
         )
     backend.no_truncation()  # as transformers encodes one text without truncation or padding
     backend.no_padding()
-    if is_local(name):
-        digest = files_hash(Path(name))
-    else:
-        digest = "sha256:" + hashlib.sha256(backend.to_str().encode()).hexdigest()
+    folder = local_path(name)
+    if folder is not None:
+        return Tokenizer(
+            folder, backend, len(tok), int(tok.eos_token_id), files_hash(Path(folder)), True
+        )
+    digest = "sha256:" + hashlib.sha256(backend.to_str().encode()).hexdigest()
     return Tokenizer(name, backend, len(tok), int(tok.eos_token_id), digest)
 
 
@@ -346,7 +354,9 @@ def _expected(
         "text_key": key,
         "tokenizer": {
             "name": tok.name,
+            "local": tok.local,
             "hash": tok.hash,
+            **({"fingerprint": FINGERPRINT} if tok.local else {}),
             "vocab_size": tok.vocab_size,
             "eod": tok.eod,
         },
@@ -367,9 +377,10 @@ def up_to_date(prefix: Path, expected: dict[str, Any]) -> dict[str, Any] | None:
     if any(manifest.get(k) != expected[k] for k in SAME):
         return None
     for suffix in ("bin", "idx"):
-        path = Path(f"{prefix}.{suffix}")
-        if not path.is_file() or path.stat().st_size != manifest.get("files", {}).get(suffix):
+        if not Path(f"{prefix}.{suffix}").is_file():
             return None
+    if files_problem(prefix, manifest) is not None:
+        return None
     return manifest
 
 
@@ -377,6 +388,10 @@ def _install(temp: Path, prefix: Path, manifest: dict[str, Any]) -> None:
     """The temporary dataset renamed into place: the old ``.idx`` removed first (the old
     dataset is then no dataset), the ``.bin`` and the manifest, the ``.idx`` last."""
     manifest["files"] = {s: Path(f"{temp}.{s}").stat().st_size for s in ("bin", "idx")}
+    # the size and the hash of head and tail are what data status and the launches compare
+    # (two short reads); the full sha256 is for the record (sha256sum checks it)
+    manifest["samples"] = {s: sample_hash(Path(f"{temp}.{s}")) for s in ("bin", "idx")}
+    manifest["sha256"] = {s: content_hash(Path(f"{temp}.{s}"))[1] for s in ("bin", "idx")}
     try:
         Path(f"{temp}.json").write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
     except OSError as exc:
@@ -517,6 +532,7 @@ def status(needs: Sequence[tuple[str, str, Path, str]]) -> list[dict[str, Any]]:
         manifest = read_manifest(prefix)
         made = (manifest or {}).get("tokenizer") or {}
         documents, tokens = ((manifest or {}).get(k) for k in ("documents", "tokens"))
+        changed = files_problem(prefix, manifest) if manifest is not None and present else None
         rows.append(
             {
                 "model": model,
@@ -532,6 +548,9 @@ def status(needs: Sequence[tuple[str, str, Path, str]]) -> list[dict[str, Any]]:
                 "tokenizer_matches": (
                     None if manifest is None else tokenizer_matches(manifest, tokenizer)
                 ),
+                # the .bin/.idx against the manifest's sizes and hashes of head and tail
+                "files_match": None if manifest is None or not present else changed is None,
+                "files_problem": changed,
             }
         )
     return rows

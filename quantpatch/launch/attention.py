@@ -65,3 +65,33 @@ def attention_for(choice: str, schemes: Sequence[Scheme]) -> Attention:
     if fa:
         return Attention(choice, "flash", f"auto: Q.K^T quantized by {', '.join(fa)}")
     return Attention(choice, "stock", "auto: no scheme quantizes Q.K^T")
+
+
+FLASH_PARTS = ("ops", "flash", "sites")
+"""The installed parts the flash path of every run needs at this version (the runtime's bf16
+flash route, ``QUANTPATCH_FLASH_BF16``, and the attention site that asks it)."""
+
+
+def refuse_older_runtime(checkout: object, attention: Attention) -> None:
+    """Refused where the runs are to take the flash path and the checkout's runtime is older
+    than that needs (set up by an earlier quantpatch, not upgraded: its bf16 Q.K^T takes the
+    stock attention, and the record would say flash): ``quantpatch upgrade`` first."""
+    if attention.path != "flash":
+        return
+    from quantpatch.base.config import load_targets
+    from quantpatch.checkout.parts import parts_status
+    from quantpatch.git import repo as gitrepo
+
+    assert isinstance(checkout, gitrepo.Checkout)
+    older = [
+        p.part
+        for p in parts_status(checkout, load_targets(checkout.root), set_active=False)
+        if p.part in FLASH_PARTS and p.status == "older"
+    ]
+    if older:
+        raise UserError(
+            f"{checkout.root}: its installed {', '.join(older)} part(s) are older than the "
+            f"flash attention path of these runs needs ({attention.why}; the installed runtime "
+            "would run the bf16 baseline on stock attention): run `quantpatch upgrade` there "
+            "first (or give --attention stock)."
+        )

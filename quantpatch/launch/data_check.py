@@ -23,8 +23,7 @@ def needs(
     env: Mapping[str, str],
 ) -> list[Need]:
     """Every distinct dataset the runs read; none where they train on mock data."""
-    mock = env.get("MOCK_DATA") or ("1" if reg.profiles[profile].mock_data else "0")
-    if mock == "1":
+    if mock_data(reg, profile, env):
         return []
     out: dict[tuple[str, str], Need] = {}
     for model in models:
@@ -34,6 +33,16 @@ def needs(
             tokenizer = tokenizer_for(m.tokenizer_model, env)
             out.setdefault((str(prefix), tokenizer), Need(model, dataset, prefix, tokenizer))
     return list(out.values())
+
+
+def mock_data(reg: Registry, profile: str, env: Mapping[str, str]) -> bool:
+    """Whether a profile's scripts train on mock data: ``MOCK_DATA`` from the environment,
+    else the profile's default (``--mock-data``, Megatron's NullTokenizer: no dataset, no
+    tokenizer, whatever ``DATA_ROOT`` or ``TOKENIZER_MODEL`` say)."""
+    if profile not in reg.profiles:
+        return False
+    mock = env.get("MOCK_DATA") or ("1" if reg.profiles[profile].mock_data else "0")
+    return mock == "1"
 
 
 def problems(found: Sequence[Need]) -> list[str]:

@@ -32,9 +32,10 @@ def header(sweep_dir: Path, record: Mapping[str, Any]) -> list[tuple[str, str]]:
     jobs = sorted({str(r["slurm_job"]) for r in record["runs"] if r.get("slurm_job")})
     if jobs:
         launcher += f" (job array{'s' if len(jobs) > 1 else ''} {', '.join(jobs)})"
+    mock = is_mock(record)
     data = (
-        "mock data (MOCK_DATA=1)"
-        if env.get("MOCK_DATA") == "1"
+        "mock data (MOCK_DATA=1: Megatron's --mock-data, no dataset)"
+        if mock
         else env.get("DATA_PREFIX") or env.get("DATA_ROOT") or "the registry's prefixes"
     )
     stamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
@@ -50,11 +51,179 @@ def header(sweep_dir: Path, record: Mapping[str, Any]) -> list[tuple[str, str]]:
             str(sel.get("profile") or "?") + (f", {lay}" if (lay := _layout(record)) else ""),
         ),
         ("data", data),
-        ("tokenizer", env.get("TOKENIZER_MODEL") or "each model's own (tokenizer_model)"),
+        (
+            "tokenizer",
+            "none (mock data: Megatron's NullTokenizer)"
+            if mock
+            else env.get("TOKENIZER_MODEL") or "each model's own (tokenizer_model)",
+        ),
     ]
     if sel.get("config"):
         lines.append(("config", str(sel["config"])))
+    lines += _made_from(record)
+    lines.append(("step times", EMULATION))
     return lines
+
+
+EMULATION = (
+    "emulation's, not the format's: each quantized product is quantized and dequantized in "
+    "software and multiplied in BF16, so step times say what the emulation costs, and losses "
+    "what the format's numerics do"
+)
+HYPERPARAMETERS = (
+    "seq-length", "global-batch-size", "micro-batch-size", "train-iters", "lr", "min-lr",
+    "lr-decay-style", "lr-warmup-iters", "weight-decay", "clip-grad", "adam-beta1",
+    "adam-beta2", "num-layers", "eval-interval", "eval-iters", "seed",
+)  # fmt: skip
+"""The resolved arguments the header names (the profile's, with each model's own)."""
+
+
+def _made_from(record: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """quantpatch's version, the checkout's Megatron release and base commit, and each
+    model's hyperparameters, as ``sweep run`` recorded them (nothing for an older record)."""
+    from quantpatch import __version__
+
+    made = record.get("provenance") or {}
+    sel = record.get("selection") or {}
+    lines = [
+        (
+            "quantpatch",
+            f"{made.get('quantpatch', '?')} ran the sweep; {__version__} wrote this report",
+        )
+    ]
+    if made:
+        base = made.get("base") or {}
+        commit = base.get("commit") or "?"
+        branch = f" ({base['branch']})" if base.get("branch") else ""
+        lines.append(
+            ("Megatron-LM", f"{made.get('megatron') or '?'}; base commit {commit}{branch}")
+        )
+    for model, args in sorted((made.get("args") or {}).items()):
+        shown = [f"{k} {_arg(args[k])}" for k in HYPERPARAMETERS if k in args]
+        extra = " ".join(str(e) for e in sel.get("extra") or [])
+        text = ", ".join(shown) + (f"; then {extra}" if extra else "")
+        lines.append((f"hyperparameters: {model}", text))
+    return lines
+
+
+def _arg(value: Any) -> str:
+    if value is True:
+        return "(on)"
+    if isinstance(value, list):
+        return " ".join(str(v) for v in value)
+    return str(value)
+
+
+DATA_COLUMNS = ["model", "dataset", "prefix", "documents", "tokens", ".bin sha256",
+                "tokenizer", "fingerprint", "vocabulary"]  # fmt: skip
+
+
+def data_rows(record: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """One row a dataset the runs read: its manifest's counts and hashes, the tokenizer it
+    was made with, its fingerprint and vocabulary size (none for mock data)."""
+    if is_mock(record):
+        return []
+    rows = []
+    for c in (record.get("data") or {}).get("checked") or []:
+        m = c.get("manifest") or {}
+        sha = (m.get("sha256") or {}).get("bin") if isinstance(m.get("sha256"), dict) else None
+        rows.append(
+            {
+                "model": c.get("model"),
+                "dataset": c.get("dataset"),
+                "prefix": str(c.get("prefix")),
+                "documents": m.get("documents"),
+                "tokens": m.get("tokens"),
+                ".bin sha256": _short_hash(sha),
+                "tokenizer": str(c.get("tokenizer")),
+                "fingerprint": _short_hash(m.get("tokenizer_hash")),
+                "vocabulary": m.get("vocab_size"),
+            }
+        )
+    return rows
+
+
+def _short_hash(value: object) -> str:
+    if not isinstance(value, str):
+        return "-"
+    return value.removeprefix("sha256:")[:16]
+
+
+LEGEND_COLUMNS = ["value", "family", "forward", "gradient", "block", "weight block", "scale",
+                  "rht", "rounding", "reference"]  # fmt: skip
+
+
+def legend_rows(record: Mapping[str, Any], schemes: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Every value the sweep's schemes use, its row of the values table and the reference it
+    is bit-identical to (``quantpatch.base.values``)."""
+    from quantpatch.base.values import TEXT_COLUMNS, text_rows, value_table
+
+    table = value_table()
+    cells = {row[0]: dict(zip(TEXT_COLUMNS, row, strict=True)) for row in text_rows()}
+    used: list[str] = []
+    for r in record["runs"]:
+        scheme = schemes.get(r.get("scheme"))
+        if scheme is None:
+            continue
+        for role, value in scheme.values().items():
+            if role != "bf16_layers" and value in table and value not in used:
+                used.append(value)
+    rows = []
+    for name in used:
+        c = cells[name]
+        rows.append(
+            {
+                "value": name,
+                "family": c["family"],
+                "forward": c["element_forward"],
+                "gradient": c["element_gradient"],
+                "block": c["block"],
+                "weight block": c["weight_block"],
+                "scale": c["scale"],
+                "rht": c["rht"],
+                "rounding": c["gradient_rounding"],
+                "reference": table[name]["reference"] or "-",
+            }
+        )
+    return rows
+
+
+def bf16_layer_lines(record: Mapping[str, Any], schemes: Mapping[str, Any]) -> list[str]:
+    """Each scheme's BF16 layer policy resolved to each model's layer numbers (its
+    ``num-layers`` under the profile), one line a scheme and model."""
+    from quantpatch.base.config import bf16_layer_numbers, layer_ranges
+
+    args = (record.get("provenance") or {}).get("args") or {}
+    out: list[str] = []
+    seen: set[tuple[str, str]] = set()
+    for r in record["runs"]:
+        scheme = schemes.get(r.get("scheme"))
+        if scheme is None:
+            continue
+        policy = scheme.values().get("bf16_layers")
+        model = str(r.get("model"))
+        if not policy or (scheme.name, model) in seen:
+            continue
+        seen.add((scheme.name, model))
+        layers = (args.get(model) or {}).get("num-layers")
+        if not isinstance(layers, int):
+            out.append(f"{scheme.name} ({model}): {policy} (the model's layers unknown)")
+            continue
+        numbers = bf16_layer_numbers(str(policy), layers)
+        out.append(
+            f"{scheme.name} ({model}, {layers} layers): {policy} = layers "
+            f"{layer_ranges(numbers) or 'none'} in BF16"
+        )
+    return out
+
+
+def is_mock(record: Mapping[str, Any]) -> bool:
+    """Whether the sweep's runs trained on mock data (as their scripts decided: ``MOCK_DATA``
+    or the profile's default; a record made before ``mock`` was kept: the variable alone)."""
+    data = record.get("data") or {}
+    if "mock" in data:
+        return data["mock"] is True
+    return (data.get("env") or {}).get("MOCK_DATA") == "1"
 
 
 def _checked(record: Mapping[str, Any]) -> dict[tuple[str, str], Mapping[str, Any]]:
@@ -73,6 +242,7 @@ def run_rows(record: Mapping[str, Any], schemes: Mapping[str, Any]) -> list[dict
     """One row a run, keyed by ``RUN_COLUMNS``."""
     checked = _checked(record)
     env = (record.get("data") or {}).get("env") or {}
+    mock = is_mock(record)
     layout = _layout(record)
     choice = (record.get("attention") or {}).get("choice")
     rows = []
@@ -99,8 +269,14 @@ def run_rows(record: Mapping[str, Any], schemes: Mapping[str, Any]) -> list[dict
                 # what the sweep asked for (the runs table says what each run's log names)
                 "attention": f"{r['attention']} (sweep: {choice})" if r.get("attention") else "-",
                 "commit": (r.get("commit") or "")[:12] or "-",
-                "data": str(data["prefix"]) if data else ("mock" if not checked else "-"),
-                "tokenizer": str(data["tokenizer"]) if data else env.get("TOKENIZER_MODEL", "-"),
+                "data": "mock" if mock else str(data["prefix"]) if data else "-",
+                "tokenizer": (
+                    "-"
+                    if mock
+                    else str(data["tokenizer"])
+                    if data
+                    else env.get("TOKENIZER_MODEL", "-")
+                ),
                 "gpus": r.get("gpus") or layout or "-",
                 "slurm": slurm or "-",
             }

@@ -235,6 +235,25 @@ class _Args:
     """All args merged (model, profile, common)."""
 
 
+def bf16_layers_text(policy: str | None, num_layers: object) -> str:
+    """The BF16 layer policy as the run log's header names it: the policy and, where the
+    model's layers are known, the layer numbers it keeps in BF16."""
+    from quantpatch.base.config import bf16_layer_numbers, layer_ranges
+
+    if not policy:
+        return "none (every layer quantized as its values say)"
+    if not isinstance(num_layers, int) or isinstance(num_layers, bool):
+        return policy
+    numbers = bf16_layer_numbers(policy, num_layers)
+    return f"{policy} = layers {layer_ranges(numbers) or 'none'} of {num_layers} in BF16"
+
+
+def resolved_args(reg: Registry, model: str, profile: str) -> dict[str, ArgValue]:
+    """Every pretrain_gpt.py argument a model's script passes under a profile (the model's,
+    the profile's, the model's own for that profile, the common ones), before ``-- EXTRA``."""
+    return dict(_model_args(reg, model, profile).values)
+
+
 def _model_args(reg: Registry, model: str, profile: str) -> _Args:
     m, p = reg.models[model], reg.profiles[profile]
     model_args = {**m.args}
@@ -592,6 +611,7 @@ def render_script(
                 persist_off=args.values.get("no-persist-layer-norm") is True,
                 blocked=stop,
                 attention=attention,
+                bf16_layers=bf16_layers_text(s.policy(), args.values.get("num-layers")),
             )
         )
     header = _header(

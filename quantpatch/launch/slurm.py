@@ -210,7 +210,7 @@ def query(sweep_dir: Path, tasks: Sequence[tuple[str, int]]) -> dict[tuple[str, 
 
 
 def _log_of(sweep_dir: Path, run: Mapping[str, Any], task: Task) -> Path | None:
-    logs = sweep_dir / "runs" / str(run["name"]) / "logs"
+    logs = sweep_dir / str(run.get("folder") or f"runs/{run['name']}") / "logs"
     if task.job_id:
         named = sorted(logs.glob(f"*_job{task.job_id}.log"))
         if named:
@@ -261,8 +261,10 @@ def refresh(sweep_dir: Path, record: dict[str, Any]) -> bool:
             run["reason"] = None if state == "finished" else task.state
         log = _log_of(sweep_dir, run, task)
         if log is not None:
-            run["log"] = str(log)
-        run["slurm_output"] = str(out) if out.is_file() else run.get("slurm_output")
+            run["log"] = log.relative_to(sweep_dir).as_posix()  # the sweep folder's
+        run["slurm_output"] = (
+            out.relative_to(sweep_dir).as_posix() if out.is_file() else run.get("slurm_output")
+        )
         run["commit"] = _commit_of(log, out) or run.get("commit")
         changed = changed or run != before
     return changed

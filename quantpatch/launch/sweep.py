@@ -30,18 +30,25 @@ from pathlib import Path
 from typing import Any
 
 from quantpatch.base import faults
+from quantpatch.base.edits import shared_mode
 from quantpatch.base.errors import UserError
 from quantpatch.launch import script_env, slurm
 from quantpatch.launch.attention import check_choice
 from quantpatch.launch.data_check import DATA_VARS, data_vars
 
 RECORD = "sweep.json"
-VERSION = 1
+VERSION = 2
+"""2: the runs' logs relative to the sweep's folder (1 kept them relative to the directory
+``sweep run`` ran in; read, and migrated on the first write)."""
+READS = (1, 2)
 STATES = ("pending", "running", "finished", "failed", "interrupted", "submitted")
 LAUNCHERS = ("local", "slurm")
 STOP_GRACE_S = 10.0
 """How long a stopped run's processes get between SIGTERM and SIGKILL."""
 _COMMIT = re.compile(r"\[quantpatch\] source commit ([0-9a-f]{40})")
+FIRST_SEED = 1234
+"""Megatron's default ``--seed``: a sweep's first seed (``--seeds N``: this and the next N-1)."""
+MAX_SEEDS = 32
 
 
 @dataclass(frozen=True)
@@ -63,6 +70,8 @@ class Selection:
     """Over the profile's (``--nodes``); None: the profile's."""
     attention: str = "auto"
     """The attention path of every run (``launch.attention``: auto, flash or stock)."""
+    seeds: int = 1
+    """Runs of each combination, with Megatron's ``--seed`` ``FIRST_SEED``, the next, ..."""
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -78,6 +87,7 @@ class Selection:
             "gpus_per_node": self.gpus_per_node,
             "nodes": self.nodes,
             "attention": self.attention,
+            "seeds": self.seeds,
         }
 
     @classmethod
@@ -119,7 +129,7 @@ def load(sweep_dir: Path) -> dict[str, Any] | None:
         raise UserError(
             f"{path} is not a sweep record (not JSON); move it away to start a new sweep."
         ) from None
-    if not isinstance(data, dict) or data.get("version") != VERSION or "runs" not in data:
+    if not isinstance(data, dict) or data.get("version") not in READS or "runs" not in data:
         raise UserError(
             f"{path} is not a version {VERSION} sweep record; move it away to start a new sweep."
         )
@@ -129,6 +139,40 @@ def load(sweep_dir: Path) -> dict[str, Any] | None:
             f"{path}: {why}, which quantpatch never writes (edited by hand?); put it back, or "
             "move the file away to start a new sweep."
         )
+    return _migrated(sweep_dir, data)
+
+
+def stored(sweep_dir: Path, path: Path) -> str:
+    """How the record keeps a path: relative to the sweep's folder where it is inside it (the
+    folder can be moved, and read from any directory), else absolute."""
+    full = Path(os.path.abspath(path))
+    try:
+        return full.relative_to(os.path.abspath(sweep_dir)).as_posix()
+    except ValueError:
+        return str(full)
+
+
+def at(sweep_dir: Path, value: str) -> Path:
+    """A path the record keeps, for this process: relative ones are the sweep folder's."""
+    path = Path(value)
+    return path if path.is_absolute() else sweep_dir / path
+
+
+def _migrated(sweep_dir: Path, data: dict[str, Any]) -> dict[str, Any]:
+    """A record of an earlier version brought to this one's paths: each run's log (relative to
+    wherever that ``sweep run`` ran, or absolute) found in its run folder and kept relative
+    to the sweep's. Saved by the next write."""
+    for run in data["runs"]:
+        log = run.get("log") if isinstance(run, dict) else None
+        if not isinstance(log, str) or not log:
+            continue
+        own = sweep_dir / "runs" / str(run.get("name")) / "logs" / Path(log).name  # no seeds
+        if data.get("version") == 1 or Path(log).is_absolute():
+            if own.is_file():
+                run["log"] = stored(sweep_dir, own)
+            elif Path(log).is_file():
+                run["log"] = str(Path(log).resolve())
+    data["version"] = VERSION
     return data
 
 
@@ -145,6 +189,7 @@ _TOP: dict[str, tuple[type, ...]] = {
     "layout": _OPT_DICT,
     "attention": _OPT_DICT,
     "data": _OPT_DICT,
+    "provenance": _OPT_DICT,
     "runs": (list,),
 }
 _SELECTION: dict[str, tuple[type, ...]] = {
@@ -160,6 +205,7 @@ _SELECTION: dict[str, tuple[type, ...]] = {
     "gpus_per_node": _OPT_INT,
     "nodes": _OPT_INT,
     "attention": _STR,
+    "seeds": (int,),
 }
 _RUN: dict[str, tuple[type, ...]] = {
     "name": _STR,
@@ -184,6 +230,8 @@ _RUN: dict[str, tuple[type, ...]] = {
     "slurm_output": _OPT_STR,
     "reason": _OPT_STR,
     "env": _OPT_DICT,
+    "seed": _OPT_INT,
+    "folder": _OPT_STR,
 }
 _KINDS = {str: "a string", int: "an integer", list: "a list", dict: "a table"}
 
@@ -254,6 +302,7 @@ def save(sweep_dir: Path, record: Mapping[str, Any]) -> None:
     sweep_dir.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".sweep-", suffix=".json", dir=sweep_dir)
     try:
+        os.fchmod(fd, shared_mode())  # colleagues read it: the umask's mode, not 0600
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             json.dump(record, fh, indent=1)
             fh.write("\n")
@@ -338,6 +387,7 @@ def prepare(
     check_choice(selection.attention)
     if not 1 <= selection.parallel <= 64:
         raise UserError(f"--parallel must be from 1 to 64 (got {selection.parallel}).")
+    _check_seeds(selection)
     checkout = gitrepo.find_checkout(repo, need_git=True)
     _refuse_live_runs(old)
     if selection.launcher == "slurm":
@@ -346,6 +396,8 @@ def prepare(
         _follow_slurm(sweep_dir, old, selection if given is not None else None)
     env = data_env((old or {}).get("data"), os.environ)
     checked = _refuse_missing_data(selection, {**os.environ, **env})
+    mock = _mock_data(selection, {**os.environ, **env})
+    _refuse_older_runtime(checkout, selection)
     if selection.launcher == "local":
         _refuse_unrunnable_local(selection)
     done = generate_scripts(
@@ -366,6 +418,7 @@ def prepare(
         )
     )
     scripts = done.result.scripts
+    made = provenance_of(checkout, selection, scripts, done.flags.release)
     asked = requested_nodes(scripts)
     layout = scripts[0].layout if scripts else None
     per_run = layout.plan.gpus_per_node if layout is not None else 1
@@ -385,12 +438,18 @@ def prepare(
     previous = {r["name"]: r for r in (old or {}).get("runs", [])}
     notes: list[str] = []
     runs = []
-    for s in scripts:
-        name = f"{s.model}_{s.dataset}_{s.scheme.name}_{s.profile}"
+    seeded = [(s, seed) for s in scripts for seed in seeds_of(selection)]
+    for s, seed in seeded:
+        base_name = f"{s.model}_{s.dataset}_{s.scheme.name}_{s.profile}"
+        first = seed is None or seed == FIRST_SEED
+        name = base_name if first else f"{base_name}_seed{seed}"
         commit = commits[json.dumps(s.scheme.values(), sort_keys=True)]
         path = s.attention.path if s.attention is not None else None
         run: dict[str, Any] = {
             "name": name,
+            "seed": seed,
+            # where its script's RUN_NAME folder goes (OUTPUT_ROOT): another seed's apart
+            "folder": f"runs/{base_name}" if first else f"runs/seed{seed}/{base_name}",
             "model": s.model,
             "dataset": s.dataset,
             "scheme": s.scheme.name,
@@ -447,14 +506,17 @@ def prepare(
         "created": (old or {}).get("created") or now(),
         "layout": {"gpus_per_node": asked[0], "nodes": asked[1]} if asked else None,
         "attention": scripts[0].attention.as_dict() if scripts and scripts[0].attention else None,
+        "provenance": made,
         "data": {
             "env": env,
+            "mock": mock,
             "checked": [
                 {
                     "model": n.model,
                     "dataset": n.dataset,
                     "prefix": str(n.prefix),
                     "tokenizer": n.tokenizer,
+                    **manifest_facts(n.prefix),
                 }
                 for n in checked
             ],
@@ -464,6 +526,88 @@ def prepare(
     if selection.launcher == "local":
         save(sweep_dir, record)  # a Slurm sweep's is saved once sbatch took the array
     return Prepared(record, notes, per_run)
+
+
+def manifest_facts(prefix: Path) -> dict[str, Any]:
+    """What the dataset's manifest says of it, for the report: documents, tokens, the files'
+    sha256 (``data prepare``), the tokenizer's fingerprint and vocabulary size."""
+    from quantpatch.data_prep.layout import read_manifest
+
+    manifest = read_manifest(prefix) or {}
+    tok = manifest.get("tokenizer") if isinstance(manifest.get("tokenizer"), dict) else {}
+    assert isinstance(tok, dict)
+    return {
+        "manifest": {
+            "documents": manifest.get("documents"),
+            "tokens": manifest.get("tokens"),
+            "sha256": manifest.get("sha256"),
+            "made_with": tok.get("name"),
+            "tokenizer_hash": tok.get("hash"),
+            "vocab_size": tok.get("vocab_size"),
+        }
+        if manifest
+        else None
+    }
+
+
+def provenance_of(
+    checkout: Any, selection: Selection, scripts: Sequence[Any], release: str
+) -> dict[str, Any]:
+    """What the report says the runs were made from, as ``sweep run`` found it: quantpatch's
+    version, the checkout's Megatron release (its own argument parser's) and base commit, and
+    each model's resolved pretrain_gpt.py arguments under the profile (``-- EXTRA`` after)."""
+    from quantpatch import __version__
+    from quantpatch.launch.registry import load_registry
+    from quantpatch.launch.scripts import resolved_args
+
+    reg = load_registry(Path(selection.config) if selection.config else None)
+    base: dict[str, Any] = {"commit": None, "branch": None}
+    repo = checkout.repo
+    if repo is not None:
+        with suppress(ValueError, TypeError):  # a repository without commits, a detached head
+            base["commit"] = str(repo.head.commit.hexsha)
+            base["branch"] = None if repo.head.is_detached else str(repo.active_branch.name)
+    models = sorted({s.model for s in scripts})
+    return {
+        "quantpatch": __version__,
+        "megatron": release,
+        "base": base,
+        "args": {
+            m: {k: v for k, v in resolved_args(reg, m, selection.profile).items()}
+            for m in models
+            if m in reg.models and selection.profile in reg.profiles
+        },
+    }
+
+
+def seeds_of(selection: Selection) -> list[int | None]:
+    """Each combination's seeds: None (the script's own, Megatron's default) for one run,
+    else ``FIRST_SEED`` and the next ``seeds - 1``."""
+    if selection.seeds <= 1:
+        return [None]
+    return [FIRST_SEED + k for k in range(selection.seeds)]
+
+
+def _check_seeds(selection: Selection) -> None:
+    if not 1 <= selection.seeds <= MAX_SEEDS:
+        raise UserError(f"--seeds must be from 1 to {MAX_SEEDS} (got {selection.seeds}).")
+    if selection.seeds > 1 and any(
+        a == "--seed" or a.startswith("--seed=") for a in selection.extra
+    ):
+        raise UserError(
+            "--seeds gives each run its --seed: drop --seed from the arguments after --."
+        )
+    if selection.seeds > 1 and selection.launcher != "local":
+        raise UserError(
+            "--seeds runs on the local launcher only (a Slurm job array runs each script once); "
+            "give --launcher local, or one seed."
+        )
+
+
+def run_folder(sweep_dir: Path, run: Mapping[str, Any]) -> Path:
+    """The run's folder (logs, checkpoints, tensors): ``runs/<name>``, another seed's
+    ``runs/seed<N>/<name>`` (a record made before seeds: ``runs/<name>``)."""
+    return at(sweep_dir, str(run.get("folder") or f"runs/{run['name']}"))
 
 
 def _refuse_unrunnable_local(selection: Selection) -> None:
@@ -564,6 +708,31 @@ def _refuse_missing_data(selection: Selection, env: Mapping[str, str]) -> list[A
     )
 
 
+def _mock_data(selection: Selection, env: Mapping[str, str]) -> bool:
+    """Whether the runs train on mock data, as their scripts decide it: ``MOCK_DATA`` from the
+    environment, else the profile's default (smoke: 1), whatever ``DATA_ROOT`` says."""
+    from quantpatch.launch.data_check import mock_data
+    from quantpatch.launch.registry import load_registry
+
+    reg = load_registry(Path(selection.config) if selection.config else None)
+    return mock_data(reg, selection.profile, env)
+
+
+def _refuse_older_runtime(checkout: Any, selection: Selection) -> None:
+    """A checkout whose runtime cannot take the path the runs are to take (and the record
+    would name): refused before anything is written (``launch.attention``)."""
+    from quantpatch.launch.attention import attention_for, refuse_older_runtime
+    from quantpatch.launch.registry import load_registry
+
+    reg = load_registry(Path(selection.config) if selection.config else None)
+    try:
+        names = reg.pick("schemes", selection.schemes)
+    except UserError:
+        return  # the script generation refuses it with its own sentence
+    picked = [reg.schemes[n] for n in names]
+    refuse_older_runtime(checkout, attention_for(selection.attention, picked))
+
+
 def group_alive(pgid: object) -> bool:
     """Whether a process of the group still runs (zombies, which an init that never reaps
     keeps, do not count); ``kill(-pgid, 0)`` where there is no ``/proc``."""
@@ -644,12 +813,12 @@ def _stop(procs: Sequence[subprocess.Popen[bytes]]) -> None:
 
 def _finish(run: dict[str, Any], sweep_dir: Path, code: int, started: float) -> None:
     logs = sorted(
-        (p for p in (sweep_dir / "runs" / run["name"] / "logs").glob("*.log")),
+        (p for p in (run_folder(sweep_dir, run) / "logs").glob("*.log")),
         key=lambda p: p.stat().st_mtime,
     )
     fresh = [p for p in logs if p.stat().st_mtime >= started - 1]
     log = fresh[-1] if fresh else None
-    run["log"] = str(log) if log else None
+    run["log"] = stored(sweep_dir, log) if log else None
     if log is not None:
         found = _COMMIT.search(log.read_text(encoding="utf-8", errors="replace")[:65536])
         run["commit"] = found[1] if found else None
@@ -715,10 +884,21 @@ def run_local(
                 while queue and len(active) < slots and free:
                     run = queue.pop(0)
                     slot = free.pop(0)
-                    env = {**env_base, "CUDA_VISIBLE_DEVICES": ",".join(slices[slot])}
+                    env = {
+                        **env_base,
+                        "CUDA_VISIBLE_DEVICES": ",".join(slices[slot]),
+                        "OUTPUT_ROOT": str(run_folder(sweep_dir.resolve(), run).parent),
+                    }
+                    seed = ["--seed", str(run["seed"])] if run.get("seed") is not None else []
                     with (console / f"{run['name']}.out").open("ab") as out:
                         proc = subprocess.Popen(
-                            ["bash", str(sweep_dir.resolve() / run["script"]), "--", *sel.extra],
+                            [
+                                "bash",
+                                str(sweep_dir.resolve() / run["script"]),
+                                "--",
+                                *sel.extra,
+                                *seed,
+                            ],
                             cwd=checkout,
                             env=env,
                             stdin=subprocess.DEVNULL,
@@ -817,9 +997,9 @@ def run_logs(sweep_dir: Path, record: Mapping[str, Any]) -> list[Path]:
     out: list[Path] = []
     for run in record["runs"]:
         if run.get("log"):
-            out.append(Path(run["log"]))
+            out.append(at(sweep_dir, str(run["log"])))
             continue
-        logs = sorted((sweep_dir / "runs" / run["name"] / "logs").glob("*.log"))
+        logs = sorted((run_folder(sweep_dir, run) / "logs").glob("*.log"))
         out.extend(logs[-1:])
     return [p for p in out if p.is_file()]
 
@@ -828,5 +1008,5 @@ def tensor_dirs(sweep_dir: Path, record: Mapping[str, Any]) -> list[Path]:
     return [
         d
         for run in record["runs"]
-        if (d := sweep_dir / "runs" / run["name"] / "tensor_logs").is_dir() and any(d.rglob("*.pt"))
+        if (d := run_folder(sweep_dir, run) / "tensor_logs").is_dir() and any(d.rglob("*.pt"))
     ]
