@@ -131,6 +131,8 @@ def bf16_layer_numbers(spec: str, num_layers: int) -> list[int]:
     model dropped); ``spec`` as ``validate_bf16_layers`` returns it."""
     out: set[int] = set()
     for part in filter(None, spec.replace(" ", "").split(",")):
+        if part == "output":
+            continue  # the GEMMs outside every transformer layer: no layer number
         if part == "recipe":
             first, last = recipe_layers(num_layers)
             out |= set(range(1, first + 1)) | set(range(num_layers - last + 1, num_layers + 1))

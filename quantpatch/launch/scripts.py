@@ -245,7 +245,8 @@ def bf16_layers_text(policy: str | None, num_layers: object) -> str:
     if not isinstance(num_layers, int) or isinstance(num_layers, bool):
         return policy
     numbers = bf16_layer_numbers(policy, num_layers)
-    return f"{policy} = layers {layer_ranges(numbers) or 'none'} of {num_layers} in BF16"
+    output = " and the output layer" if "output" in policy.split(",") else ""
+    return f"{policy} = layers {layer_ranges(numbers) or 'none'} of {num_layers}{output} in BF16"
 
 
 def resolved_args(reg: Registry, model: str, profile: str) -> dict[str, ArgValue]:
