@@ -555,7 +555,8 @@ def set_values(path: Path | None, req: SetRequest) -> SetResult:
     checkout = gitrepo.find_checkout(path, need_git=req.branch, no_branch_hint=True)
     targets = load_targets(checkout.root)
     if req.dry_run:
-        return _set_unlocked(checkout, targets, req)
+        with checkout:  # its git processes end with it, as the lock's end does below
+            return _set_unlocked(checkout, targets, req)
     with gitrepo.locked(checkout):
         gitrepo.recover(checkout)
         return _set_unlocked(checkout, targets, req)

@@ -59,6 +59,21 @@ class Checkout:
             raise UserError(f"{self.root}: not a git repository.")
         return self.repo
 
+    def close(self) -> None:
+        """End the ``Repo``'s git processes and memory maps now (a later use opens it
+        again). A ``Repo`` holds descriptors (its ``git cat-file`` pipes, mapped pack files)
+        that only the garbage collector would free otherwise: a process that runs many
+        commands, a test suite or a sweep, would run out of them."""
+        repo, self._repo = self._repo, None
+        if repo is not None:
+            repo.close()
+
+    def __enter__(self) -> Checkout:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
 
 def _user_state_home() -> Path:
     base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
@@ -540,4 +555,5 @@ def locked(checkout: Checkout, wait: float = 0.0) -> Iterator[None]:
             os.pwrite(fd, f"{os.getpid()} {os.uname().nodename}\n".encode(), 0)
         yield
     finally:
+        checkout.close()  # the command's git work is done: its descriptors with it
         os.close(fd)  # releases the flock
