@@ -258,7 +258,6 @@ def readable(fd: int, timeout: float) -> bool:
     return bool(poller.poll(max(0, int(timeout * 1000))))
 
 
-
 class Pipe:
     """A named pipe that processes under test write lines into at the moments a test waits
     for (a stub's start, ``faults.pause``). Held open for reading and writing by the test, so
