@@ -4,9 +4,9 @@ for the formats): TransformerEngine's two FP8 recipes besides MXFP8.
 * ``fp8-tensor`` (TE ``Float8CurrentScaling``, ``Format.HYBRID``): one scale per tensor from
   its current amax: ``scale = fp8_max / amax`` (448 for E4M3, 57344 for E5M2 gradients) in
   float32, the dtype's largest finite value (float32's for float64) where that overflows, 1
-  where amax is 0;
-  ``scale_inv = 1 / scale`` (float32); ``q = fp8(x.float() * scale)`` (nearest even, the
-  float32 product rounded once); the result ``(q * scale_inv)`` cast to ``x``'s dtype:
+  where amax is 0; ``scale_inv = 1 / scale`` (float32); ``q = fp8(x.float() * scale)``
+  (nearest even, the float32 product rounded once); the result ``(q * scale_inv)`` cast to
+  ``x``'s dtype:
   bit for bit TE 2.20.2's ``CurrentScalingQuantizerRef`` and its ``dequantize``.
 * ``fp8-block`` (DeepSeek-V3's recipe, TE ``Float8BlockScaling`` defaults): E4M3 everywhere,
   one power-of-two scale per 1 x 128 block along the reduction dimension (activations,
