@@ -19,6 +19,7 @@ from quantpatch.base import faults
 from quantpatch.base.edits import (
     Edit,
     apply_edits,
+    journal_record,
     journaled,
     read_exact,
     sha256_text,
@@ -347,6 +348,15 @@ UPGRADE_RECORD = "upgrade.json"
 
 def upgrade_record(checkout: gitrepo.Checkout) -> Path:
     return checkout.state_dir / UPGRADE_RECORD
+
+
+def upgrade_interrupted(checkout: gitrepo.Checkout) -> bool:
+    """Whether a ``quantpatch upgrade`` was killed before it finished: while writing its files
+    (its journal's commit point is the upgrade's record) or after (the record is there). Its
+    files then differ from the install records until ``quantpatch upgrade`` completes it."""
+    if upgrade_record(checkout).exists():
+        return True
+    return journal_record(gitrepo.journal_dir(checkout)) == upgrade_record(checkout)
 
 
 def upgrade_record_text(
