@@ -73,3 +73,59 @@ def test_check_after_an_upgrade_killed_mid_way_names_it_and_upgrade_finishes_it(
     report = json.loads(res.out)
     assert {p["status"] for p in report["parts"]} == {"current"}
     assert not report["warnings"], report["warnings"]
+
+
+@pytest.mark.slow
+def test_a_value_the_previous_releases_ops_lacks_names_upgrade_and_upgrade_teaches_it(
+    run, make_checkout
+):
+    """The previous release's quantpatch_ops.py knows no fp8-tensor: the refusal said "'quantpatch
+    init' teaches it the quantpatch values", and init then refused (already initialised)."""
+    root = _old_checkout(run, make_checkout)
+    for args in (("set", "--linear", "fp8-tensor"), ("set", "--wgrad", "nvfp4-rht")):
+        res = run(*args, "--repo", root)
+        assert res.code == 2, res
+        said = " ".join(res.err.split())
+        assert "'quantpatch upgrade' brings it to this version's values" in said, said
+        assert "quantpatch init" not in said, said
+    assert run("upgrade", "--repo", root).code == 0  # the advice, followed
+    res = run("set", "--linear", "fp8-tensor", "--repo", root)
+    assert res.code == 0, res
+    assert run("set", "--wgrad", "nvfp4-rht", "--repo", root).code == 0
+
+
+def test_a_value_unknown_to_a_forks_own_chain_still_names_init_and_init_teaches_it(run, tmp_path):
+    """A fork's explicit chain that hands nothing on to quantpatch_ops.py: init is what
+    teaches it the values (upgrade would find nothing installed)."""
+    from .test_dispatch_knows import _fork
+
+    root = _fork(tmp_path)
+    res = run("set", "--repo", root, "--linear", "nvfp4")
+    assert res.code == 2, res
+    said = " ".join(res.err.split())
+    assert "'quantpatch init' teaches it the quantpatch values" in said and "upgrade" not in said
+    assert run("init", "--repo", root).code == 0  # the advice, followed
+    assert run("set", "--repo", root, "--linear", "nvfp4").code == 0
+
+
+@pytest.mark.slow
+def test_init_remove_under_the_saver_names_saver_remove_and_that_is_accepted(run, make_checkout):
+    """The saver rewrites files init wrote: init --remove said "layers.py changed since
+    'quantpatch init'; revert it first", and a revert by hand would bypass the saver's
+    record. It names 'saver remove', after which init --remove restores the stock files."""
+    root = make_checkout(inject=False, extra=(LAYER,))
+    stock = {p: p.read_bytes() for p in root.rglob("*.py")}
+    assert run("init", "--repo", root).code == 0
+    assert run("saver", "install", "--repo", root).code == 0
+    before = git.Repo(root).head.commit.hexsha
+    res = run("init", "--remove", "--repo", root)
+    assert res.code == 2, res
+    said = " ".join(res.err.split())
+    assert said == (
+        "error: megatron/core/tensor_parallel/layers.py was changed since 'quantpatch init' by "
+        "'quantpatch saver install'; run 'quantpatch saver remove' first."
+    ), said
+    assert git.Repo(root).head.commit.hexsha == before and not git.Repo(root).is_dirty()
+    assert run("saver", "remove", "--repo", root).code == 0  # the advice, followed
+    assert run("init", "--remove", "--repo", root).code == 0
+    assert {p: p.read_bytes() for p in root.rglob("*.py")} == stock

@@ -191,6 +191,33 @@ def run_amend(
         return result
 
 
+def _install_command(name: str) -> str:
+    return "init" if name == "init" else f"{name} install"
+
+
+def _remove_command(name: str) -> str:
+    return "init --remove" if name == "init" else f"{name} remove"
+
+
+def _written_by_another(
+    checkout: gitrepo.Checkout, name: str, rel: str, current: str | None
+) -> str | None:
+    """The other recorded install whose last write ``rel`` holds (the saver's over init's),
+    or None."""
+    if current is None:
+        return None
+    for path in sorted(checkout.state_dir.glob("*/record.json")):
+        other = path.parent.name
+        try:
+            record = record_of(checkout, other) if other != name else None
+        except UserError:  # unreadable: not the one to name
+            continue
+        info = (record or {}).get("files", {}).get(rel)
+        if isinstance(info, dict) and info.get("written") == sha256_text(current):
+            return other
+    return None
+
+
 def run_remove(
     path: Path | None, name: str, message: str, *, missing_ok: bool = False
 ) -> InstallResult:
@@ -211,6 +238,13 @@ def run_remove(
         for rel, info in record["files"].items():
             current = read_exact(checkout.root / rel)
             if current is None or sha256_text(current) != info["written"]:
+                by = _written_by_another(checkout, name, rel, current)
+                if by is not None:  # reverting it by hand would bypass that install's record
+                    raise UserError(
+                        f"{rel} was changed since 'quantpatch {name.replace('-', ' ')}' by "
+                        f"'quantpatch {_install_command(by)}'; run 'quantpatch "
+                        f"{_remove_command(by)}' first."
+                    )
                 raise UserError(
                     f"{rel} changed since 'quantpatch {name.replace('-', ' ')}'; revert it first."
                 )
