@@ -129,3 +129,55 @@ def test_init_remove_under_the_saver_names_saver_remove_and_that_is_accepted(run
     assert run("saver", "remove", "--repo", root).code == 0  # the advice, followed
     assert run("init", "--remove", "--repo", root).code == 0
     assert {p: p.read_bytes() for p in root.rglob("*.py")} == stock
+
+
+# -- data prepare on a read-only file system ---------------------------------------------------
+
+_RO = 'mount --bind "$1" "$1" && mount -o remount,bind,ro "$1" && shift && exec "$@"'
+
+
+def _read_only(folder: Path, *cmd: object) -> subprocess.CompletedProcess[str]:
+    """``cmd`` run with ``folder`` a read-only file system (a bind mount remounted read-only
+    in a mount namespace of its own, as an unprivileged user may make one)."""
+    return subprocess.run(
+        ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", _RO, "sh", folder,
+         *map(str, cmd)],
+        capture_output=True, text=True,
+    )  # fmt: skip
+
+
+@pytest.mark.slow  # about 25 s: a tokenizer trained, four CLI runs
+def test_data_prepare_on_a_read_only_file_system(tmp_path):
+    """An up-to-date dataset on a read-only file system: "up to date", exit 0 (it said
+    "permission denied", exit 2: its lock file could not be made). A dataset to write there:
+    one sentence naming the folder and the reason, exit 2; its advice, another --data-root,
+    followed and accepted."""
+    from .test_data_prepare import make_tokenizer
+
+    probe = _read_only(tmp_path, "true")
+    if probe.returncode != 0:
+        pytest.skip(f"no unprivileged mount namespace here: {probe.stderr.strip()}")
+    tok = make_tokenizer(tmp_path / "tok")
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(f'{{"text": "document {i}"}}\n' for i in range(50)))
+    data, other = tmp_path / "data", tmp_path / "other"
+    args = ["data", "prepare", "wikipedia", "--input", src, "--models", "llama32-1b",
+            "--tokenizer", f"llama32-1b={tok}"]  # fmt: skip
+    made = subprocess.run([QUANTPATCH, *map(str, args), "--data-root", data], capture_output=True)
+    assert made.returncode == 0, made
+    before = {p: p.read_bytes() for p in data.rglob("*") if p.is_file()}
+    res = _read_only(data, QUANTPATCH, *args, "--data-root", data)
+    assert res.returncode == 0, res
+    assert "up to date" in res.stdout, res
+    assert {p: p.read_bytes() for p in data.rglob("*") if p.is_file()} == before
+
+    src.write_text(src.read_text() + '{"text": "one more"}\n')  # now it must be written
+    res = _read_only(data, QUANTPATCH, *args, "--data-root", data)
+    said = " ".join(res.stderr.split())
+    assert res.returncode == 2, res
+    assert said == (
+        f"error: {data / 'wikipedia'} is not writable (read-only file system): choose --data-root."
+    ), said
+    res = _read_only(data, QUANTPATCH, *args, "--data-root", other)  # the advice, followed
+    assert res.returncode == 0, res
+    assert (other / "wikipedia" / "llama32-1b_text_document.idx").is_file()
