@@ -96,12 +96,14 @@ def open_repo(path: Path, *, search_parent_directories: bool = False) -> git.Rep
 def git_plain(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
     """``git <args>`` run directly in ``cwd`` (taken literally), for read-only facts: no
     GitPython import, no optional index lock (``--no-optional-locks``, so a read never
-    competes with the user's own git)."""
+    competes with the user's own git). Its output is decoded as the file system's names are
+    (``surrogateescape``): a path or branch that is not UTF-8 keeps its bytes."""
     return subprocess.run(
         ["git", "--no-optional-locks", *args],
         cwd=cwd,
         capture_output=True,
         text=True,
+        errors="surrogateescape",
         check=False,
     )
 
@@ -148,15 +150,26 @@ class GitInfo:
         return {"branch": self.branch, "head": self.head, "clean": self.clean}
 
 
+_NOT_UTF8_BRANCH = (
+    "the checked-out branch's name is not UTF-8, which quantpatch cannot record; rename it "
+    "('git branch -m <new name>') and run this again."
+)
+
+
 def head_commit(repo: git.Repo) -> str | None:
     try:
         return repo.head.commit.hexsha
+    except UnicodeDecodeError:  # GitPython reads the symbolic ref as UTF-8
+        raise UserError(_NOT_UTF8_BRANCH) from None
     except ValueError:  # no commit yet
         return None
 
 
 def active_branch(repo: git.Repo) -> str | None:
-    return None if repo.head.is_detached else repo.active_branch.name
+    try:
+        return None if repo.head.is_detached else repo.active_branch.name
+    except UnicodeDecodeError:
+        raise UserError(_NOT_UTF8_BRANCH) from None
 
 
 def git_info(checkout: Checkout) -> GitInfo:
@@ -176,6 +189,7 @@ def git_info_started(checkout: Checkout) -> Iterator[Callable[[], GitInfo]]:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        errors="surrogateescape",  # a branch name that is not UTF-8 keeps its bytes
     )  # fmt: skip
 
     def result() -> GitInfo:
