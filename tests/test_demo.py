@@ -5,13 +5,10 @@ from __future__ import annotations
 import git
 import pytest
 
-from quantpatch.base.config import Targets
+from quantpatch.base.config import Targets, is_paretoq
 from quantpatch.base.errors import UserError
-from quantpatch.checkout.demo import build_checkout
+from quantpatch.checkout.demo import DEMO_FORMATS, build_checkout
 from quantpatch.sites.discovery import discover
-
-NEW = ("mxfp8-rceil", "mxfp8-rceil-hybrid", "mxfp4-rceil", "fp8-tensor", "fp8-block")
-"""Issue 45's values, each with its row in the demo's table."""
 
 
 @pytest.mark.slow  # a minute: the fast suite keeps the demo's checkout builds below
@@ -28,10 +25,7 @@ def test_demo_walks_and_restores_byte_identical(run, tmp_path):
         "quantpatch/linear-mxfp8_qk-mxfp8_pv-bf16",
         "quantpatch/linear-hifp8_qk-mxfp4_pv-mxfp8",
     }
-    per_format = {
-        f"quantpatch/linear-{f}_qk-bf16_pv-bf16"
-        for f in ("bf16", "mxfp8", "mxfp4", "hifp8", "nvfp4", "w1.58", "w2", *NEW)
-    }
+    per_format = {f"quantpatch/linear-{f}_qk-bf16_pv-bf16" for f in DEMO_FORMATS}
     assert {h.name for h in repo.heads} == {"main"} | walked | per_format
     # the whole package tree is there, not only the two target files
     assert len(list((dest / "megatron" / "core").rglob("*.py"))) > 200
@@ -44,19 +38,11 @@ def test_demo_walks_and_restores_byte_identical(run, tmp_path):
     rows = {}
     for line in res.out.splitlines():
         cells = [c.strip() for c in line.strip("│ ").split("│")]
-        if len(cells) == 4 and cells[0] in (
-            "bf16",
-            "mxfp8",
-            "mxfp4",
-            "hifp8",
-            "nvfp4",
-            "w1.58",
-            "w2",
-            *NEW,
-        ):
+        if len(cells) == 4 and cells[0] in DEMO_FORMATS:
             rows[cells[0]] = [float(c) for c in cells[1:]]
+    assert set(rows) == set(DEMO_FORMATS), "a row per format the demo runs"
     assert rows["bf16"] == [0.0, 0.0, 0.0]
-    for fmt in ("mxfp8", "mxfp4", "hifp8", "nvfp4", *NEW):
+    for fmt in (f for f in DEMO_FORMATS if f != "bf16" and not is_paretoq(f)):
         assert all(0.001 < e < 0.5 for e in rows[fmt]), (fmt, rows[fmt])
     # RCEIL never saturates a block's largest element: E4M3 forward no worse than the floor
     # rule's; E4M3 gradients (mxfp8-rceil) err less than E5M2 ones (the hybrid's)

@@ -119,8 +119,22 @@ def test_chain_forms(branches, knows):
     assert site.knows == (None if knows is None else (tuple(sorted(knows)),))
 
 
+def _spec_source() -> str:
+    from quantpatch.checkout.parts import FORMATS_MODULE, runtime_source
+
+    return runtime_source(FORMATS_MODULE)
+
+
 def test_the_ops_module_is_read_never_imported():
-    assert read_ops_values(ops_source()).formats >= {"bf16", "mxfp8", "nvfp4", "nvfp4-2d"}
+    from quantpatch.base.config import QUANT_TYPES
+    from quantpatch.runtime.quantpatch_formats import GROUPED
+
+    shipped = read_ops_values(ops_source(), _spec_source())  # its values are the spec's
+    assert shipped == OpsValues(frozenset(QUANT_TYPES), frozenset(GROUPED))
+    assert read_ops_values(ops_source()).readable is False  # the spec missing: nothing refused
+    assert read_ops_values(ops_source(), "Format(name)\n").readable is False
+    half = 'Format("x", "mx")\nFormat("fp8-block-2d", "fp8-block", roles=())\n'
+    assert read_ops_values(ops_source(), half) == OpsValues(frozenset({"x"}))
     ops = read_ops_values(
         "import torch\nBASE = ('bf16', 'mxfp8')\nW: tuple = ('w1', 'w2')\n"
         "FORMATS = (*BASE, 'nvfp4') + W\nGROUPED_FORMATS = W\nraise SystemExit\n"
@@ -154,7 +168,10 @@ def _fork(tmp_path, pv: str = PV_STOCK, ops: bool = False, generic: bool = False
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         (root / rel).write_text(text)
     if ops:
+        from quantpatch.checkout.parts import FORMATS_MODULE
+
         (root / OPS_MODULE).write_text(ops_source())
+        (root / FORMATS_MODULE).write_text(_spec_source())
     repo = git.Repo.init(root, initial_branch="quant")
     with repo.config_writer() as cw:
         cw.set_value("user", "name", "Test")

@@ -13,6 +13,7 @@ import git
 import pytest
 
 from quantpatch.checkout.worktrees import ensure_worktree
+from quantpatch.launch.registry import load_registry
 from quantpatch.sites.codemods.init_sites import Layout
 
 from .conftest import git_out, snapshot
@@ -368,7 +369,14 @@ def test_before_init_every_script_is_written_and_mla_ones_stop_before_torchrun(
     before = snapshot(clone)
     res = run("gen-scripts", "--repo", clone, "--out", out)
     assert res.code == 0, res
-    assert len(sorted(out.rglob("*.sh"))) == 60
+    reg = load_registry()
+    default = len(reg.pick("schemes", None))
+    written = len(sorted(out.rglob("*.sh")))
+    models, datasets = len(reg.pick("models", None)), len(reg.pick("datasets", None))
+    assert written == default * models * datasets, (
+        f"{written} scripts, not one per scheme ({default}), default model ({models}) and "
+        f"dataset ({datasets})"
+    )
     (warning,) = _warnings(res)
     assert MLA_SENTENCE.removesuffix(".") in " ".join(warning.split())
     assert "20 scripts stop before torchrun" in warning
@@ -402,7 +410,14 @@ def test_before_init_every_script_is_written_and_mla_ones_stop_before_torchrun(
     assert len(list(stub_dir.glob("argv.*"))) == 1
     res = run("gen-scripts", "--repo", clone, "--out", out)
     assert res.code == 0 and _warnings(res) == [], res
-    assert len(sorted(out.rglob("*.sh"))) == 60
+    reg = load_registry()
+    default = len(reg.pick("schemes", None))
+    written = len(sorted(out.rglob("*.sh")))
+    models, datasets = len(reg.pick("models", None)), len(reg.pick("datasets", None))
+    assert written == default * models * datasets, (
+        f"{written} scripts, not one per scheme ({default}), default model ({models}) and "
+        f"dataset ({datasets})"
+    )
     assert "k_channels" not in script.read_text()
 
 

@@ -147,6 +147,10 @@ LAYERS = {
 import everything, and nothing may import ``cli``."""
 
 
+SPEC_MODULE = "quantpatch.runtime.quantpatch_formats"
+"""The one runtime module every package may import: the format spec, standard library only
+(installed into checkouts with the runtime, read by the CLI without torch)."""
+
 TOP = ("quantpatch", "quantpatch.__main__", "quantpatch.cli")
 """The package's own module (``__version__``), ``python -m quantpatch`` and the CLI."""
 
@@ -162,7 +166,7 @@ def upward(graph: dict[str, set[str]]) -> list[str]:
         here = _package(mod)
         for dep in sorted(deps):
             there = _package(dep)
-            if there in (here, "quantpatch") or here in TOP:
+            if there in (here, "quantpatch") or here in TOP or dep == SPEC_MODULE:
                 continue
             if here not in LAYERS or there not in LAYERS[here]:
                 out.append(f"{mod} -> {dep}")
@@ -184,6 +188,26 @@ def test_the_upward_finder_finds_an_upward_import():
 def test_no_package_imports_one_above_it():
     graph, _ = _graph()
     assert upward(graph) == []
+
+
+def test_the_format_spec_imports_the_standard_library_only():
+    """Every package may import the spec (``SPEC_MODULE``) because it imports nothing but the
+    standard library: read statically, every top-level name it imports is a stdlib module."""
+    import sys
+
+    path = PACKAGE / "runtime" / "quantpatch_formats.py"
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    imported = {
+        a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names
+    }
+    imported |= {
+        (n.module or "").split(".")[0]
+        for n in ast.walk(tree)
+        if isinstance(n, ast.ImportFrom) and n.level == 0
+    }
+    relative = [n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level]
+    assert imported and relative == []
+    assert imported - {"__future__"} <= set(sys.stdlib_module_names), imported
 
 
 def test_every_runtime_module_but_the_saver_stays_under_1200_lines():
@@ -209,3 +233,22 @@ def test_init_installs_every_runtime_module_the_installed_ones_import():
             reached.add(mod)
             todo += graph[mod]
     assert len(reached) > 5 and reached <= installed
+
+
+def test_only_the_env_module_reads_the_environment():
+    """The runtime reads its environment variables in ``quantpatch_env.py`` alone (the tensor
+    saver, copied into checkouts on its own, keeps its ``TENSOR_SAVE_*`` settings): read
+    statically, no other runtime module touches ``os.environ`` or ``os.getenv``."""
+    readers = []
+    for path in sorted((PACKAGE / "runtime").glob("*.py")):
+        if path.name in ("quantpatch_env.py", "tensor_saver.py"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "os"
+                and node.attr in ("environ", "getenv")
+            ):
+                readers.append(f"{path.name}:{node.lineno}")
+    assert readers == []

@@ -21,6 +21,7 @@ pytest.importorskip("triton")
 np = pytest.importorskip("numpy")
 ml_dtypes = pytest.importorskip("ml_dtypes")
 
+from quantpatch.runtime import quantpatch_formats as formats  # noqa: E402
 from quantpatch.runtime import quantpatch_ops as ops  # noqa: E402
 from quantpatch.runtime import quantpatch_quantize as qz  # noqa: E402
 
@@ -28,7 +29,19 @@ from quantpatch.runtime import quantpatch_quantize as qz  # noqa: E402
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
-MX = [("mxfp8", False), ("mxfp8", True), ("mxfp4", False), ("mxfp4", True)]
+MX = [  # every OCP (FLOOR rule) MX value of the spec, in both directions
+    (f.name, backward)
+    for f in formats.SPECS
+    if f.family == "mx" and f.scale == "e8m0-floor"
+    for backward in (False, True)
+]
+ML_DTYPES = {  # the spec's element types as ml_dtypes names them (the oracle's own tables)
+    "e4m3": ml_dtypes.float8_e4m3fn,
+    "e5m2": ml_dtypes.float8_e5m2,
+    "e2m1": ml_dtypes.float4_e2m1fn,
+    "e2m3": ml_dtypes.float6_e2m3fn,
+    "e3m2": ml_dtypes.float6_e3m2fn,
+}
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
@@ -70,14 +83,16 @@ def check(kernels, x: torch.Tensor, fmt: str, dim: int = -1, backward: bool = Fa
 # -- the oracle set -----------------------------------------------------------------------------
 
 
+def _element(fmt: str, backward: bool) -> str:
+    spec = formats.SPEC[fmt]
+    return str(spec.grad_output if backward else spec.input)
+
+
 def _element_grid(fmt: str, backward: bool) -> np.ndarray:
     """Every finite value of the element type, every midpoint, and a neighbour either side."""
-    if fmt == "mxfp4":
-        vals = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], dtype=np.float64)
-    else:
-        dtype = ml_dtypes.float8_e5m2 if backward else ml_dtypes.float8_e4m3fn
-        vals = np.arange(256, dtype=np.uint8).view(dtype).astype(np.float64)
-        vals = np.unique(vals[np.isfinite(vals) & (vals >= 0)])
+    dtype = ML_DTYPES[_element(fmt, backward)]
+    vals = np.arange(256, dtype=np.uint8).view(dtype).astype(np.float64)  # bits beyond: ignored
+    vals = np.unique(vals[np.isfinite(vals) & (vals >= 0)])
     mids = (vals[1:] + vals[:-1]) / 2
     vals = np.concatenate([vals, mids, mids * (1 + 2**-12), mids * (1 - 2**-12), [vals[-1] * 1.2]])
     return np.concatenate([vals, -vals])
@@ -85,7 +100,7 @@ def _element_grid(fmt: str, backward: bool) -> np.ndarray:
 
 @pytest.mark.parametrize(("fmt", "backward"), MX)
 def test_mx_every_code_midpoint_and_tie_at_every_kind_of_scale(kernels, fmt, backward):
-    emax = {"mxfp4": 2}.get(fmt, 15 if backward else 8)
+    emax = formats.ELEMENTS[_element(fmt, backward)].emax
     grid = _element_grid(fmt, backward)
     pad = (-len(grid)) % 31
     rows = np.concatenate([grid, np.zeros(pad)]).reshape(-1, 31)
@@ -230,6 +245,28 @@ def test_forced_kernels_refuse_cpu_tensors_they_cannot_read(monkeypatch):
     monkeypatch.setenv("QUANTPATCH_KERNELS", "auto")  # auto: CPU tensors take the reference
     x = torch.randn(4, 64)
     assert torch.equal(ops.fake_quant(x, "mxfp8"), qz._fake_quant(x, "mxfp8", -1, False))
+
+
+def test_the_kernel_path_is_announced_once_with_why(monkeypatch, capsys):
+    """Which code quantizes CUDA tensors is printed once per process on rank 0, as the
+    attention path is: a Triton import that failed says its error instead of falling back to
+    the reference in silence."""
+    monkeypatch.setenv("QUANTPATCH_KERNELS", "auto")
+    monkeypatch.setattr(qz, "_kernels_said", [])
+    monkeypatch.setattr(qz, "_kernels_module", None)
+    monkeypatch.setattr(qz, "_kernels_error", "ImportError: No module named 'triton'")
+    qz.say_kernels("cuda")
+    qz.say_kernels("cuda")
+    line = qz.KERNELS_PATH_LINE + "reference (no Triton kernels: ImportError: No module named "
+    assert capsys.readouterr().err == line + "'triton')\n"
+    monkeypatch.setattr(qz, "_kernels_said", [])
+    monkeypatch.setenv("RANK", "1")  # other ranks say nothing
+    qz.say_kernels("cuda")
+    assert capsys.readouterr().err == ""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(qz, "_kernels_module", object())
+    qz.say_kernels("cuda")
+    assert capsys.readouterr().err == qz.KERNELS_PATH_LINE + "triton\n"
 
 
 def test_kernel_mode_switch_and_fallback(monkeypatch):

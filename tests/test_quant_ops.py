@@ -310,6 +310,43 @@ def test_unknown_format_is_refused():
         fake_quant(torch.ones(2), "fp8")
 
 
+def test_an_unknown_or_half_declared_format_is_refused_at_every_entry_point(monkeypatch, run):
+    """One sentence naming the value, never another format's result: ``fake_quant``, the
+    products, the quantizer beneath them, ``set`` and ``tensors formats``; a name added to
+    ``FORMATS`` without a spec entry (which once returned hifp8's result) and an entry whose
+    fields do not make a format are refused too."""
+    from quantpatch.runtime import quantpatch_formats as formats
+    from quantpatch.runtime import quantpatch_ops as ops
+    from quantpatch.runtime import quantpatch_quantize as qq
+
+    x = torch.randn(4, 64)
+    calls = {
+        "fake_quant": lambda f: fake_quant(x, f),
+        "quant_matmul": lambda f: quant_matmul(x, x.t(), f),
+        "quant_bmm": lambda f: quant_bmm(x[None], x.t()[None], f),
+        "quant_baddbmm": lambda f: quant_baddbmm(x[None], x[None], x.t()[None], beta=0, fmt=f),
+        "quantize": lambda f: qq.quantize(x, f),
+    }
+    monkeypatch.setattr(ops, "FORMATS", (*ops.FORMATS, "mxfp6"))  # half declared: no entry
+    for name, call in calls.items():
+        for fmt in ("nope", "mxfp6"):
+            with pytest.raises(ValueError, match=f"unknown quantization format '{fmt}'"):
+                call(fmt)
+                pytest.fail(f"{name} computed {fmt!r}")
+    for entry in (
+        dict(name="mxfp6", family="mx"),  # no elements, no block, no scale rule
+        dict(name="mxfp6", family="mx", input="e2m3", weight="e2m3", grad_output="e2m3"),
+        dict(name="fp7", family="fp7"),
+        dict(name="x", family="mx", input="e2m3", weight="e2m3", grad_output="e2m3",
+             block=(1, 32), scale="e8m0-floor"),  # no summary: half declared
+    ):  # fmt: skip
+        with pytest.raises(ValueError, match="is declared incompletely"):
+            formats.Format(**entry)
+    for argv in (("set", "--linear", "nope"), ("tensors", "formats", ".", "--formats", "nope")):
+        res = run(*argv)
+        assert res.code == 2 and "unknown" in res.err and "'nope'" in res.err, res
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
 def test_cuda_matches_cpu():  # pragma: no cover - runs on a GPU machine
     x = torch.randn(64, 256) * 100

@@ -985,7 +985,13 @@ def test_nvfp4_schemes_are_listed_chosen_by_name_and_by_all_but_not_by_default(r
     assert res.code == 0 and all(n in res.out for n in nv + fp8)
     res = run("gen-scripts", "--out", tmp_path / "all", "--schemes", "all")
     assert res.code == 0, res
-    assert len(list((tmp_path / "all").rglob("*.sh"))) == 156  # 26 schemes x 3 models x 2 sets
+    n_schemes = len(reg.pick("schemes", ["all"]))
+    written = len(list((tmp_path / "all").rglob("*.sh")))
+    models, datasets = len(reg.pick("models", None)), len(reg.pick("datasets", None))
+    assert written == n_schemes * models * datasets, (
+        f"{written} scripts, not one per scheme ({n_schemes}), default model ({models}) and "
+        f"dataset ({datasets})"
+    )
     names = {p.name for p in (tmp_path / "all").rglob("*.sh")}
     assert "pretrain_llama32-1b_dolma_linear_fp8-block.sh" in names
     res = run("gen-scripts", "--out", tmp_path / "one", "--schemes", "linear_nvfp4")
@@ -1015,7 +1021,16 @@ def test_list_states_every_value_with_its_reference(run):
         "scale": "e8m0-rceil",
         "rht": False,
         "gradient_rounding": "nearest",
+        "fused_gemm": False,
         "reference": values["mxfp8-rceil"]["reference"],
+        "megatron": "--fp8-format e4m3 --fp8-recipe mxfp8",
+    }
+    # the Megatron flags each value emulates, as TE's recipes name them (none for the others)
+    assert {n: v["megatron"] for n, v in values.items() if v["megatron"]} == {
+        "mxfp8-rceil": "--fp8-format e4m3 --fp8-recipe mxfp8",
+        "mxfp8-rceil-hybrid": "--fp8-format hybrid --fp8-recipe mxfp8",
+        "fp8-tensor": "--fp8-format hybrid --fp8-recipe tensorwise",
+        "fp8-block": "--fp8-format e4m3 --fp8-recipe blockwise",
     }
     assert "ScaleCalculationMode.RCEIL" in values["mxfp8-rceil"]["reference"]
     assert values["fp8-block"]["weight_block"] == [128, 128]

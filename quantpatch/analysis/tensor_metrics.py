@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from quantpatch.runtime import quantpatch_formats as formats
 from quantpatch.runtime import quantpatch_nvfp4 as nvq
 from quantpatch.runtime import quantpatch_ops as ops
 
@@ -29,12 +30,17 @@ REDUCTION: dict[str, tuple[int, bool]] = {
     "value": (0, False),  # P.V: value [sk, b, np, hn] reduced along sk
     "attention_probs": (-1, False),  # P [b, np, sq, sk] reduced along sk
 }
-_MX_ELEMENTS = {  # (fmt, backward) -> (largest normal, emax_elem)
-    ("mxfp8", False): (ops.E4M3[2], ops.E4M3[3]),
-    ("mxfp8", True): (ops.E5M2[2], ops.E5M2[3]),
-    ("mxfp4", False): (ops.E2M1[2], ops.E2M1[3]),
-    ("mxfp4", True): (ops.E2M1[2], ops.E2M1[3]),
+_MX_ELEMENTS = {  # (fmt, backward) -> (largest normal, emax_elem) of the floor-rule MX values
+    (f.name, backward): (
+        formats.ELEMENTS[str(f.grad_output if backward else f.input)].vmax,
+        formats.ELEMENTS[str(f.grad_output if backward else f.input)].emax,
+    )
+    for f in formats.SPECS
+    if f.family == "mx" and f.scale == "e8m0-floor"
+    for backward in (False, True)
 }
+_FLOOR_MX = {fmt for fmt, _ in _MX_ELEMENTS}
+"""The values whose block statistics (saturated blocks, clipped scales) are counted."""
 HIFP8_MAX = 32768.0
 NOT_APPLICABLE = "n/a"
 """The cells of a candidate that applies to none of a row's tensors (ParetoQ: weights only)."""
@@ -360,7 +366,7 @@ def _add_slice(
     n_finite, n_nonzero = int(finite.sum()), int(nonzero.sum())
     signal = total(x0 * x0)
     blocks = amax = None
-    if any(f in ("mxfp8", "mxfp4") for f in fmts):
+    if any(f in _FLOOR_MX for f in fmts):
         v = x0.abs().movedim(dim, -1)
         pad = (-v.shape[-1]) % ops.BLOCK
         if pad:
@@ -386,7 +392,7 @@ def _add_slice(
             dot=total(x0 * q0),
             quant_sq=total(q0 * q0),
         )
-        if fmt in ("mxfp8", "mxfp4"):
+        if fmt in _FLOOR_MX:
             assert blocks is not None and amax is not None
             vmax, emax = _MX_ELEMENTS[(fmt, backward)]
             s.overflows, s.blocks, s.blocks_saturated, s.blocks_scale_clipped = _mx_blocks(

@@ -26,26 +26,10 @@ from quantpatch.analysis.tensor_files import (
     meta_of,
     read_stats_lines,
 )
+from quantpatch.base.config import QUANT_TYPES
 from quantpatch.base.errors import UserError
 
-FORMATS = (
-    "mxfp8",
-    "mxfp4",
-    "hifp8",
-    "nvfp4",
-    "nvfp4-2d",
-    "nvfp4-rht",
-    "mxfp8-rceil",
-    "mxfp8-rceil-hybrid",
-    "mxfp4-rceil",
-    "fp8-tensor",
-    "fp8-block",
-    "w1",
-    "w1.58",
-    "w2",
-    "w3",
-    "w4",
-)
+FORMATS = tuple(v for v in QUANT_TYPES if v != "bf16")
 """The candidates ``--formats`` takes; ParetoQ's weight values (``w<b>``, grouped ``w<b>g<N>``
 too) apply to weights only, ``nvfp4-rht`` (the Hadamard-transformed NVFP4 of NVIDIA's recipe)
 to the weight-gradient GEMM's operands only (other tensors show n/a). ``fp8-tensor`` takes

@@ -2,4 +2,5 @@
 target files (``config``), fault-injection points, the exact all-or-nothing multi-file writer
 (``edits``), and megatron-core's sources from its PyPI wheel (``megatron_source``).
 
-Imports: nothing of quantpatch but ``quantpatch.__version__``."""
+Imports: nothing of quantpatch but ``quantpatch.__version__`` and the format spec
+(``quantpatch.runtime.quantpatch_formats``, standard library only)."""

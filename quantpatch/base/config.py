@@ -12,47 +12,27 @@ from pathlib import Path
 from typing import Any
 
 from quantpatch.base.errors import UserError
+from quantpatch.runtime import quantpatch_formats as formats
 
-PARETOQ_TYPES: tuple[str, ...] = ("w1", "w1.58", "w2", "w3", "w4")
+PARETOQ_TYPES: tuple[str, ...] = formats.names(family="paretoq")
 """ParetoQ's extremely low-bit weights (binary, ternary, 2, 3, 4 bits, a learnable step per
 output row), linear role only; each also takes a group suffix ``g<N>`` (``w2g128``: one step
 per row and 128 input columns)."""
 
-QUANT_TYPES: tuple[str, ...] = (
-    "bf16",
-    "mxfp8",
-    "mxfp4",
-    "hifp8",
-    "nvfp4",
-    "nvfp4-2d",
-    "nvfp4-rht",
-    "mxfp8-rceil",
-    "mxfp8-rceil-hybrid",
-    "mxfp4-rceil",
-    "fp8-tensor",
-    "fp8-block",
-    *PARETOQ_TYPES,
-)
-"""Values a site may hold: bf16 is the unquantized PyTorch path. ``nvfp4-2d`` is ``nvfp4``
-with 16 x 16 weight tiles: it differs from ``nvfp4`` at the linear role only. ``nvfp4-rht``
-is ``nvfp4`` after a random Hadamard transform of both operands along the reduction dimension
-(NVIDIA's recipe puts it on the weight-gradient GEMM: ``--wgrad nvfp4-rht``); linear only.
-``mxfp8-rceil`` / ``mxfp4-rceil`` are MXFP8 / MXFP4 with NVIDIA's RCEIL scale rule (E4M3 for
-gradients too: TE's MXFP8 default); ``mxfp8-rceil-hybrid`` keeps E5M2 gradients. ``fp8-tensor``
-(per-tensor current scaling) and ``fp8-block`` (DeepSeek-V3's 1 x 128 / 128 x 128 blocks) are
-TransformerEngine's FP8 recipes. The table of every value: :mod:`quantpatch.base.values`.
-Besides these, the grouped ParetoQ values ``w<b>g<N>`` (:func:`is_known_value`)."""
-
-_GROUPED_RE = re.compile(r"(w1|w1\.58|w2|w3|w4)g[1-9][0-9]{0,6}")
+QUANT_TYPES: tuple[str, ...] = formats.VALUES
+"""Values a site may hold, one entry each in the format spec
+(:mod:`quantpatch.runtime.quantpatch_formats`, standard library only); bf16 is the
+unquantized PyTorch path. The table of every value: :mod:`quantpatch.base.values`. Besides
+these, the grouped ParetoQ values ``w<b>g<N>`` (:func:`is_known_value`)."""
 
 
 def is_paretoq(value: str) -> bool:
     """A ParetoQ weight value, grouped or not."""
-    return value in PARETOQ_TYPES or _GROUPED_RE.fullmatch(value) is not None
+    return formats.base_of(value) in PARETOQ_TYPES
 
 
 def is_known_value(value: str) -> bool:
-    return value in QUANT_TYPES or is_paretoq(value)
+    return formats.base_of(value) in QUANT_TYPES
 
 
 ROLES: tuple[str, ...] = ("linear", "qk", "pv")
@@ -259,8 +239,10 @@ def _branch_prefix(raw: Any, where: str) -> str:
     return raw
 
 
-LINEAR_ONLY: tuple[str, ...] = ("nvfp4-2d",)
-"""Values only the linear role may hold: ``nvfp4-2d`` tiles weights, which attention lacks."""
+LINEAR_ONLY: tuple[str, ...] = tuple(
+    f.name for f in formats.SPECS if f.roles and "qk" not in f.roles
+)
+"""Values only the linear role may hold (each says why in the spec: ``linear_only``)."""
 
 
 def validate_value(
@@ -268,21 +250,9 @@ def validate_value(
 ) -> str:
     """Refuse a quant type that is not known (unless allowed), cannot sit in a literal, or
     (given the ``role``) does not belong to that role."""
-    if role is not None and role != "linear" and is_paretoq(value):
-        raise UserError(
-            f"{where}: '{value}' is a ParetoQ weight format, and only the linear role has "
-            f"weights; {role} takes the other values."
-        )
-    if role is not None and role != "linear" and value == "nvfp4-rht":
-        raise UserError(
-            f"{where}: 'nvfp4-rht' transforms the operands of the linear GEMMs (the weight "
-            f"gradient's in NVIDIA's recipe); use 'nvfp4' for {role}."
-        )
-    if role is not None and role != "linear" and value in LINEAR_ONLY:
-        raise UserError(
-            f"{where}: '{value}' tiles weights 16 x 16, and only the linear role has weights; "
-            f"use '{value.removesuffix('-2d')}' for {role}."
-        )
+    spec = formats.SPEC.get(formats.base_of(value))
+    if role is not None and spec is not None and spec.roles and role not in spec.roles:
+        raise UserError(f"{where}: '{value}' {spec.linear_only.format(role=role)}.")
     if not _VALUE_RE.fullmatch(value):
         raise UserError(
             f"{where}: {value!r} is not a valid quant type name (letters, digits, '_.+-' only)."

@@ -33,8 +33,11 @@ FLASH_MODULE = "megatron/core/quantpatch_flash.py"
 RHT_KERNELS_MODULE = "megatron/core/quantpatch_rht_kernels.py"
 FP8_KERNELS_MODULE = "megatron/core/quantpatch_fp8_kernels.py"
 SAVER_MODULE = "megatron/core/tensor_saver.py"
+FORMATS_MODULE = "megatron/core/quantpatch_formats.py"
 # the parts quantpatch_ops.py imports, one concern each (see its docstring)
 OPS_PARTS = (
+    "quantpatch_formats",  # the format spec every other part derives its tables from
+    "quantpatch_env",  # every environment variable the runtime reads
     "quantpatch_mx",
     "quantpatch_fp8",  # fp8-tensor and fp8-block (TE's FP8 recipes)
     "quantpatch_nvfp4",

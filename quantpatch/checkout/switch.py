@@ -110,7 +110,7 @@ class CheckReport:
                 read_ops_values,  # libcst: only where it is needed
             )
 
-            ops = read_ops_values(ops_text_in(self.root))
+            ops = read_ops_values(*ops_text_in(self.root))
         found = unknown_to_dispatch(doubtful, expect, ops)
         if found is None:
             return []
@@ -453,25 +453,36 @@ def _discover_text(text: str, rel: str, targets: Targets) -> FileSites:
     return discover_source(text, rel, targets.kind_of(rel))
 
 
-def ops_text_at(repo: Any, commit: str) -> str | None:
-    """The checkout's installed ``quantpatch_ops.py`` at ``commit`` (None: not there)."""
-    from quantpatch.checkout.parts import OPS_MODULE
-
-    try:
-        return gitrepo.read_at(repo, commit, OPS_MODULE)
-    except (UserError, UnicodeDecodeError):
-        return None
+OpsTexts = tuple[str | None, str | None]
+"""The checkout's installed ``quantpatch_ops.py`` and ``quantpatch_formats.py`` (the format
+spec it takes its values from), each None where it is not there."""
 
 
-def ops_text_in(root: Path) -> str | None:
-    """The checkout's installed ``quantpatch_ops.py`` in the work tree (None: not there)."""
-    from quantpatch.checkout.parts import OPS_MODULE
+def ops_text_at(repo: Any, commit: str) -> OpsTexts:
+    """The checkout's installed ops module and format spec at ``commit``."""
+    from quantpatch.checkout.parts import FORMATS_MODULE, OPS_MODULE
 
-    return read_exact(root / OPS_MODULE) if (root / OPS_MODULE).is_file() else None
+    def read(rel: str) -> str | None:
+        try:
+            return gitrepo.read_at(repo, commit, rel)
+        except (UserError, UnicodeDecodeError):
+            return None
+
+    return read(OPS_MODULE), read(FORMATS_MODULE)
+
+
+def ops_text_in(root: Path) -> OpsTexts:
+    """The checkout's installed ops module and format spec in the work tree."""
+    from quantpatch.checkout.parts import FORMATS_MODULE, OPS_MODULE
+
+    def read(rel: str) -> str | None:
+        return read_exact(root / rel) if (root / rel).is_file() else None
+
+    return read(OPS_MODULE), read(FORMATS_MODULE)
 
 
 def refuse_unknown_to_dispatch(
-    files: Sequence[FileSites], values: Mapping[str, str], ops_text: str | None
+    files: Sequence[FileSites], values: Mapping[str, str], ops_texts: OpsTexts
 ) -> None:
     """Refuse (before anything changes) a value that a site's dispatch has no branch for:
     in a fork's explicit ``if custom_quant_type == 'mxfp8': ... else: <stock>`` chain it
@@ -485,7 +496,7 @@ def refuse_unknown_to_dispatch(
     if any(OPS_VALUES in chain for s in sites for chain in s.knows or ()):
         from quantpatch.sites.discovery import read_ops_values
 
-        ops = read_ops_values(ops_text)
+        ops = read_ops_values(*ops_texts)
     found = unknown_to_dispatch(sites, values, ops)
     if found is not None:
         site, role = found

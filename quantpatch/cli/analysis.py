@@ -5,6 +5,7 @@ from pathlib import Path
 
 import typer
 
+from quantpatch.base.values import value_list
 from quantpatch.cli.app import (
     OPTS,
     JsonOpt,
@@ -68,9 +69,8 @@ def tensors_formats(
     formats: str = typer.Option(
         "mxfp8,mxfp4,hifp8",
         "--formats",
-        help="Candidate formats, comma-separated (of mxfp8, mxfp4, hifp8, nvfp4, nvfp4-2d, "
-        "mxfp8-rceil, mxfp8-rceil-hybrid, mxfp4-rceil, fp8-tensor, fp8-block; for "
-        "weights only: w1, w1.58, w2, w3, w4 and grouped w<b>g<N>).",
+        help=f"Candidate formats, comma-separated (of {value_list(with_bf16=False)}; the "
+        "ParetoQ values apply to weights only).",
     ),
     by: str = typer.Option(
         "layer,kind,operation,tensor",
@@ -107,8 +107,7 @@ def tensors_plot(
     formats: str = typer.Option(
         "mxfp8,mxfp4,hifp8",
         "--formats",
-        help="Candidate formats (of mxfp8, mxfp4, hifp8, nvfp4, mxfp8-rceil, mxfp4-rceil, "
-        "fp8-tensor, fp8-block, ...: as tensors formats).",
+        help=f"Candidate formats (of {value_list(with_bf16=False)}: as tensors formats).",
     ),
     sample: int | None = SampleOpt,
     jobs: int = JobsOpt,

@@ -7,6 +7,7 @@ from pathlib import Path
 import typer
 
 from quantpatch.base.errors import CheckFailed, UserError
+from quantpatch.base.values import value_list
 from quantpatch.cli.app import (
     OPTS,
     VALUES,
@@ -69,14 +70,12 @@ def set_(
     qk: str | None = typer.Option(
         None,
         "--qk",
-        help="Value of the Q.K^T site(s): bf16, mxfp8, mxfp4, hifp8, nvfp4, "
-        "mxfp8-rceil, fp8-tensor, fp8-block, ... (every value: quantpatch list).",
+        help=f"Value of the Q.K^T site(s): {value_list('qk')} (the table: quantpatch list).",
     ),
     pv: str | None = typer.Option(
         None,
         "--pv",
-        help="Value of the P.V site(s): bf16, mxfp8, mxfp4, hifp8, nvfp4, "
-        "mxfp8-rceil, fp8-tensor, fp8-block, ... (every value: quantpatch list).",
+        help=f"Value of the P.V site(s): {value_list('pv')} (the table: quantpatch list).",
     ),
     bf16_layers: str | None = typer.Option(
         None,

@@ -8,6 +8,7 @@ from typing import Any
 import typer
 
 from quantpatch.base.errors import CheckFailed, UserError
+from quantpatch.base.values import value_list
 from quantpatch.cli.app import (
     OPTS,
     JsonOpt,
@@ -355,8 +356,7 @@ def worktree(
     linear: str | None = typer.Option(
         None,
         "--linear",
-        help="Linear value: bf16, mxfp8, mxfp4, hifp8, nvfp4, nvfp4-2d, "
-        "mxfp8-rceil, fp8-tensor, fp8-block, ... (every value: quantpatch list).",
+        help=f"Linear value: {value_list('linear')} (the table: quantpatch list).",
     ),
     fprop: str | None = typer.Option(None, "--fprop", help="The linear forward GEMM's value."),
     dgrad: str | None = typer.Option(None, "--dgrad", help="The input-gradient GEMM's value."),
@@ -367,14 +367,12 @@ def worktree(
     qk: str | None = typer.Option(
         None,
         "--qk",
-        help="Q.K^T value: bf16, mxfp8, mxfp4, hifp8, nvfp4, "
-        "mxfp8-rceil, fp8-tensor, fp8-block, ... (every value: quantpatch list).",
+        help=f"Q.K^T value: {value_list('qk')} (the table: quantpatch list).",
     ),
     pv: str | None = typer.Option(
         None,
         "--pv",
-        help="P.V value: bf16, mxfp8, mxfp4, hifp8, nvfp4, "
-        "mxfp8-rceil, fp8-tensor, fp8-block, ... (every value: quantpatch list).",
+        help=f"P.V value: {value_list('pv')} (the table: quantpatch list).",
     ),
     scheme: str | None = typer.Option(
         None, "--scheme", help="A named scheme (see `list`); --linear/--qk/--pv override it."

@@ -27,10 +27,13 @@ from __future__ import annotations
 
 import torch
 
+from . import quantpatch_formats as formats
 from .quantpatch_mx import E4M3, E5M2, round_element
 
 FP8_BLOCK = 128
-FP8_FORMATS = ("fp8-tensor", "fp8-block", "fp8-block-2d")
+FP8_FORMATS = formats.names(family="fp8-tensor") + formats.names(
+    family="fp8-block", values_only=False
+)
 """The values this module quantizes (``fp8-block-2d``: ``fp8-block``'s weight tiles, the
 operand format the products give a weight; not a value of its own)."""
 
@@ -133,10 +136,9 @@ def fp8_quantize(
     amax: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x`` in ``fmt`` (of :data:`FP8_FORMATS`), dequantized to its dtype."""
-    if fmt == "fp8-tensor":
+    spec = formats.spec_of(fmt)
+    if spec.family == "fp8-tensor":
         return fp8_tensor(x, backward, amax)
-    if fmt == "fp8-block":
-        return fp8_block(x, dim)
-    if fmt == "fp8-block-2d":
-        return fp8_block_2d(x)
+    if spec.family == "fp8-block":
+        return fp8_block_2d(x) if spec.tiled else fp8_block(x, dim)
     raise ValueError(f"not an FP8 format: {fmt!r}")

@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import quantpatch_formats as formats
 from .quantpatch_fp8 import FP8_BLOCK, finite_amax, tensor_scales
 from .quantpatch_kernels import (
     as_3d,
@@ -35,9 +36,6 @@ from .quantpatch_kernels import (
     store_as,
 )
 
-# (mantissa bits, minimum normal exponent, largest normal)
-_E4M3 = (3, -6, 448.0)
-_E5M2 = (2, -14, 57344.0)
 _ELEMENTWISE_BLOCK = 2048
 
 
@@ -170,12 +168,13 @@ def fake_quant(x: torch.Tensor, fmt: str, dim: int = -1, backward: bool = False)
         x = x.contiguous()
     bf16 = x.dtype == torch.bfloat16
     big = float(torch.finfo(x.dtype).max)
-    if fmt == "fp8-tensor":
+    spec = formats.spec_of(fmt)
+    if spec.family == "fp8-tensor":
         y = torch.empty_like(x)
         if y.stride() != x.stride():
             x = x.contiguous()
             y = torch.empty_like(x)
-        mbits, emin, vmax = _E5M2 if backward else _E4M3
+        mbits, emin, vmax, _ = formats.ELEMENTS[str(spec.grad_output if backward else spec.input)]
         scale, scale_inv = tensor_scales(finite_amax(x), vmax, x.dtype)
         scales = torch.stack([scale.reshape(()), scale_inv.reshape(())]).to(torch.float32)
         numel = x.numel()
@@ -185,7 +184,7 @@ def fake_quant(x: torch.Tensor, fmt: str, dim: int = -1, backward: bool = False)
             MBITS=mbits, EMIN=emin, VMAX=vmax, BLOCK_SIZE=_ELEMENTWISE_BLOCK, BF16=bf16,
         )  # fmt: skip
         return y
-    if fmt == "fp8-block-2d" and x.dim() >= 2:
+    if spec.family == "fp8-block" and spec.tiled and x.dim() >= 2:
         xc = x.contiguous()
         y = torch.empty_like(xc)
         rows, cols = xc.shape[-2:]
@@ -193,9 +192,9 @@ def fake_quant(x: torch.Tensor, fmt: str, dim: int = -1, backward: bool = False)
         grid2 = (triton.cdiv(rows, FP8_BLOCK), triton.cdiv(cols, FP8_BLOCK), batch)
         _fp8_tile_kernel[grid2](xc, y, rows, cols, BIG=big, TILE=FP8_BLOCK, BF16=bf16)
         return y
-    if fmt not in ("fp8-block", "fp8-block-2d"):
+    if spec.family != "fp8-block":
         raise ValueError(f"not an FP8 format: {fmt!r}")
-    x, (b, rows, n), (sb, sr, sn) = as_3d(x, dim if x.dim() > 1 or fmt == "fp8-block" else -1)
+    x, (b, rows, n), (sb, sr, sn) = as_3d(x, dim if x.dim() > 1 or not spec.tiled else -1)
     y = torch.empty_like(x)
     if y.stride() != x.stride():
         x = x.contiguous()

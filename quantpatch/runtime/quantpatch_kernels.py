@@ -7,8 +7,8 @@ builds of torch. With ``TRITON_INTERPRET=1`` set before import the same kernels 
 tensors (Triton's interpreter), which is how they are tested bit for bit against the
 PyTorch reference without a GPU.
 
-* MX (``mxfp8`` E4M3 forward / E5M2 backward, ``mxfp4`` E2M1, and their RCEIL forms
-  ``mxfp8-rceil``, ``mxfp8-rceil-hybrid``, ``mxfp4-rceil``): one kernel. Each program loads
+* MX (every value of the spec's ``mx`` family: its element per direction, FLOOR or RCEIL
+  scale rule): one kernel. Each program loads
   a tile of rows x (a multiple of 32) elements along the reduction dimension, takes each
   block's amax, derives the E8M0 scale (floor or RCEIL), rounds (nearest even) and saturates
   each element and multiplies the scale back, all in registers, and stores once. The tensor
@@ -36,24 +36,23 @@ results are bit-identical, NaN/Inf pass through and signed zeros keep their sign
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
-# element type: (mantissa bits, minimum normal exponent, largest normal, emax_elem), as in
-# quantpatch_ops
-_ELEMENTS = {"e4m3": (3, -6, 448.0, 8), "e5m2": (2, -14, 57344.0, 15), "e2m1": (1, 0, 6.0, 2)}
+from . import quantpatch_env as env
+from . import quantpatch_formats as formats
+
+# element type: (mantissa bits, minimum normal exponent, largest normal, emax_elem): the spec's
+_ELEMENTS = formats.ELEMENTS
 BLOCK = 32
-# MX value: (forward element, gradient element, RCEIL scale rule), as quantpatch_quantize's
+# MX value: (forward element, gradient element, RCEIL scale rule), from the spec
 MX_VALUES = {
-    "mxfp8": ("e4m3", "e5m2", False),
-    "mxfp4": ("e2m1", "e2m1", False),
-    "mxfp8-rceil": ("e4m3", "e4m3", True),
-    "mxfp8-rceil-hybrid": ("e4m3", "e5m2", True),
-    "mxfp4-rceil": ("e2m1", "e2m1", True),
+    f.name: (str(f.input), str(f.grad_output), f.scale == "e8m0-rceil")
+    for f in formats.SPECS
+    if f.family == "mx"
 }
 
 
@@ -87,7 +86,7 @@ _HIFP8_CONFIGS = ((1, 4096, 4), (1, 1024, 4), (1, 2048, 4), (1, 4096, 8), (1, 81
 
 
 def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    return env.triton_interpret()
 
 
 _LAYOUTS: dict[tuple[tuple[str, int], ...], int] = {}
@@ -420,9 +419,9 @@ def fake_quant(
     backward: bool = False,
     rand: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``quantpatch_ops.fake_quant`` in one kernel (``fmt`` in mxfp8, mxfp4, hifp8, nvfp4,
-    nvfp4-2d; ``rand``: the 8 random bits per element (uint8) of NVFP4's stochastic rounding,
-    the shape of ``x``)."""
+    """``quantpatch_ops.fake_quant`` in one kernel (``fmt`` of the spec's MX, HiF8 or NVFP4
+    families, ``nvfp4-rht`` aside; ``rand``: the 8 random bits per element (uint8) of NVFP4's
+    stochastic rounding, the shape of ``x``)."""
     if x.numel() == 0:
         return x.clone()
     if not _non_overlapping_and_dense(x):
@@ -432,7 +431,8 @@ def fake_quant(
     if y.stride() != x.stride():
         x = x.contiguous()
         y = torch.empty_like(x)
-    if fmt == "hifp8":
+    spec = formats.spec_of(fmt)
+    if spec.family == "hifp8":
         numel = x.numel()
         # the same strides in and out: the elementwise pass walks storage order
         _hifp8_kernel[lambda meta: (triton.cdiv(numel, meta["BLOCK_SIZE"]),)](
@@ -442,8 +442,8 @@ def fake_quant(
     if x.dim() == 0:  # a scalar is a block of one
         r = None if rand is None else rand.reshape(1)
         return fake_quant(x.reshape(1), fmt, 0, backward, r).reshape(())
-    if fmt in ("nvfp4", "nvfp4-2d"):
-        two_d = fmt == "nvfp4-2d" and x.dim() >= 2
+    if spec.family == "nvfp4" and not spec.rht:
+        two_d = spec.tiled and x.dim() >= 2
         return _nvfp4(x, two_d, dim, y, rand if backward else None)
     forward_elem, gradient_elem, rceil = MX_VALUES[fmt]
     elem = _ELEMENTS[gradient_elem if backward else forward_elem]
@@ -680,11 +680,13 @@ def gemm_operand(fmt: str, backward: bool) -> tuple[int, int, int, float, int]:
     (kind, mantissa bits, minimum normal exponent, largest normal, emax)."""
     if fmt in ("bf16", "none"):
         return (GEMM_NONE, 0, 0, 0.0, 0)
-    if fmt == "hifp8":
+    spec = formats.spec_of(fmt)
+    if spec.fused_gemm and spec.family == "hifp8":
         return (GEMM_HIFP8, 0, 0, 0.0, 0)
-    if fmt in ("mxfp8", "mxfp4"):
-        return (GEMM_MX, *_ELEMENTS["e2m1" if fmt == "mxfp4" else "e5m2" if backward else "e4m3"])
-    raise ValueError(f"the quantized GEMM takes mxfp8, mxfp4, hifp8 or bf16 operands, not {fmt!r}")
+    if spec.fused_gemm and spec.family == "mx":
+        return (GEMM_MX, *_ELEMENTS[str(spec.grad_output if backward else spec.input)])
+    fused = ", ".join(formats.names(fused_gemm=True))
+    raise ValueError(f"the quantized GEMM takes {fused} or bf16 operands, not {fmt!r}")
 
 
 def quant_gemm(

@@ -4,10 +4,11 @@ per block of 32, and HiFloat8's per-element tapered precision.
 
 Two rules derive a block's E8M0 scale exponent from its amax (``rule``):
 
-* ``floor`` (OCP Microscaling v1.0; ``mxfp8``, ``mxfp4``): ``floor(log2 amax) - emax_elem``,
-  so the largest elements may saturate; torchao's ``ScaleCalculationMode.FLOOR``.
+* ``floor`` (OCP Microscaling v1.0; scale ``e8m0-floor`` in the spec):
+  ``floor(log2 amax) - emax_elem``, so the largest elements may saturate; torchao's
+  ``ScaleCalculationMode.FLOOR``.
 * ``rceil`` (NVIDIA's: TransformerEngine's ``MXFP8BlockScaling``, cuBLAS, Blackwell's
-  ``cvt.rp.satfinite.ue8m0x2.f32``; ``mxfp8-rceil``, ``mxfp8-rceil-hybrid``, ``mxfp4-rceil``):
+  ``cvt.rp.satfinite.ue8m0x2.f32``; scale ``e8m0-rceil`` in the spec):
   ``ceil(log2(amax / max_elem))`` with ``amax / max_elem`` one float32 division, the ceiling
   taken exactly on its bits, clamped to [-127, 127]. The elements are ``x * 2^-e`` clamped to
   +-max_elem and rounded; where ``e`` is -127 (a zero block, or amax <= max_elem * 2^-127) the
@@ -22,12 +23,13 @@ from __future__ import annotations
 
 import torch
 
+from .quantpatch_formats import E2M1 as _E2M1
+from .quantpatch_formats import E4M3 as _E4M3
+from .quantpatch_formats import E5M2 as _E5M2
+from .quantpatch_formats import Element
+
 BLOCK = 32
 
-# element type: (mantissa bits, minimum normal exponent, largest normal, emax_elem)
-_E4M3 = (3, -6, 448.0, 8)
-_E5M2 = (2, -14, 57344.0, 15)
-_E2M1 = (1, 0, 6.0, 2)
 _SCALE_MIN, _SCALE_MAX = -127, 127
 
 
@@ -58,7 +60,7 @@ def _quantum(a: torch.Tensor, mbits: int, emin: int) -> torch.Tensor:
     return _pow2(e - mbits)
 
 
-def _round_element(p: torch.Tensor, elem: tuple[int, int, float, int]) -> torch.Tensor:
+def _round_element(p: torch.Tensor, elem: Element) -> torch.Tensor:
     """Round float32 ``p`` to the element type (nearest, ties to even), saturating."""
     mbits, emin, vmax, _ = elem
     a = p.abs()
@@ -76,9 +78,7 @@ def _ceil_log2(a: torch.Tensor) -> torch.Tensor:
     return f + (a != _pow2(f.clamp(-149, 127))).to(torch.int32)
 
 
-def _mx(
-    x: torch.Tensor, dim: int, elem: tuple[int, int, float, int], rule: str = "floor"
-) -> torch.Tensor:
+def _mx(x: torch.Tensor, dim: int, elem: Element, rule: str = "floor") -> torch.Tensor:
     if rule not in RULES:
         raise ValueError(f"MX scale rule {rule!r}; expected one of {RULES}")
     if x.dim() == 0:  # a scalar is a block of one

@@ -26,16 +26,17 @@ only.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from . import quantpatch_env as env
+from . import quantpatch_formats as formats
 from .quantpatch_mx import E2M1 as _E2M1
 from .quantpatch_mx import E4M3 as _E4M3
 from .quantpatch_mx import quantum as _quantum
 from .quantpatch_mx import round_element as _round_element
 
-NVFP4_FORMATS = ("nvfp4", "nvfp4-2d")
+NVFP4_FORMATS = formats.names(family="nvfp4", rht=False)
+"""The values this module quantizes (``nvfp4-rht`` transforms first: ``quantpatch_rht``)."""
 NV_BLOCK = 16
 TE_VERSION = "2.20.2"
 """The TransformerEngine release whose NVFP4 reference this module reproduces bit for bit."""
@@ -154,7 +155,7 @@ def _stochastic_e2m1(p: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
 def sr_seed() -> int:
     """The seed of the stochastic-rounding generators: ``QUANTPATCH_SR_SEED`` (default 0)
     plus the process's ``RANK`` (default 0)."""
-    return int(os.environ.get("QUANTPATCH_SR_SEED", "0")) + int(os.environ.get("RANK", "0"))
+    return env.sr_seed()
 
 
 _SR_GENERATORS: dict[str, torch.Generator] = {}

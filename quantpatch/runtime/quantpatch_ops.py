@@ -1,11 +1,14 @@
-"""Fake quantization for MXFP8, MXFP4 and HiFP8 (quantize, then dequantize to the working
+"""Fake quantization for every format of the spec, ``quantpatch_formats.py`` (MX, NVFP4,
+TransformerEngine's FP8 recipes, HiFP8, ParetoQ: quantize, then dequantize to the working
 dtype), and the quantized products that fork-layout sites dispatch to.
 
 Installed by ``quantpatch init`` as ``megatron/core/quantpatch_ops.py``, with the modules it
-imports beside it, one concern each: ``quantpatch_mx.py`` (MX and HiF8), ``quantpatch_fp8.py``
-(fp8-tensor, fp8-block), ``quantpatch_nvfp4.py``
-(NVFP4 and its stochastic rounding), ``quantpatch_paretoq.py`` (ParetoQ), ``quantpatch_quantize.py``
-(which code quantizes a tensor: the Triton kernels or the reference) and ``quantpatch_weights.py``
+imports beside it, one concern each: ``quantpatch_formats.py`` (the format spec: every value
+and what it quantizes with, standard library only), ``quantpatch_env.py`` (every environment
+variable the runtime reads), ``quantpatch_mx.py`` (MX and HiF8),
+``quantpatch_fp8.py`` (fp8-tensor, fp8-block), ``quantpatch_nvfp4.py`` (NVFP4 and its
+stochastic rounding), ``quantpatch_paretoq.py`` (ParetoQ), ``quantpatch_quantize.py`` (which
+code quantizes a tensor: the Triton kernels or the reference) and ``quantpatch_weights.py``
 (the weight cache and the GEMM choice); this module holds the dispatch, the products and flash
 attention, and every public name below. Torch and the standard library only. Public API::
 
@@ -14,61 +17,25 @@ attention, and every public name below. Torch and the standard library only. Pub
     quant_baddbmm(input, batch1, batch2, *, beta=1.0, alpha=1.0, fmt, backward=False) -> Tensor
     quant_bmm(a, b, fmt, *, backward=False) -> Tensor
 
-Formats (OCP Microscaling v1.0; Luo et al., arXiv 2409.16626 for HiFloat8):
+Formats: one entry each in ``quantpatch_formats.py`` (its family, element per operand role,
+block, scale rule, roles, what a backward GEMM quantizes, rounding, transform, the reference it
+equals and the Megatron flags it emulates; ``bf16`` is the identity). The arithmetic of each
+family is in its module: ``quantpatch_mx.py`` (OCP MX's FLOOR and NVIDIA's RCEIL scale rules,
+HiFloat8), ``quantpatch_fp8.py`` (TE's current and blockwise FP8 scaling),
+``quantpatch_nvfp4.py`` (TE 2.20.2's NVFP4 and the stochastic rounding of gradients, seeded
+with ``QUANTPATCH_SR_SEED`` + ``RANK``; ``reset_sr_generators()``), ``quantpatch_rht.py``
+(the random Hadamard transform; ``fake_quant`` takes its result back through the inverse
+transform) and ``quantpatch_paretoq.py`` (ParetoQ's weights: the layer holds the step and
+quantizes its weight itself, so the products leave ParetoQ operands as they are).
 
-* ``mxfp8``: blocks of 32 along ``dim`` share an E8M0 scale 2^(floor(log2 amax) - emax);
-  elements are E4M3 (E5M2 with ``backward=True``), rounded to nearest even and saturated.
-* ``mxfp4``: the same with E2M1 elements (also for backward).
-* ``mxfp8-rceil``, ``mxfp8-rceil-hybrid``, ``mxfp4-rceil``: the same blocks with NVIDIA's RCEIL
-  scale rule (TransformerEngine's ``MXFP8BlockScaling``, cuBLAS, Blackwell's
-  ``cvt.rp.satfinite.ue8m0x2``): exponent ``ceil(log2(amax / max_elem))`` of the float32
-  quotient, elements ``x * 2^-e`` clamped and rounded to nearest even (``x * 1`` where ``e`` is
-  -127); ``quantpatch_mx.py``. ``mxfp8-rceil`` is E4M3 for gradients too (TE's default recipe,
-  Megatron's ``--fp8-recipe mxfp8``); ``mxfp8-rceil-hybrid`` E5M2 for the gradient operand.
-* ``fp8-tensor``: TE's ``Float8CurrentScaling`` (``Format.HYBRID``): one float32 scale
-  ``448 / amax`` per tensor (``57344 / amax`` with ``backward=True``, E5M2), ``q =
-  fp8(x * scale)``, result ``q * (1 / scale)``; ``quantpatch_fp8.py``.
-* ``fp8-block``: DeepSeek-V3's blockwise FP8 (TE's ``Float8BlockScaling`` defaults): E4M3,
-  one power-of-two scale ``2^floor(log2(448 / amax))`` per 1 x 128 block along ``dim``; in the
-  products a weight (as ``nvfp4-2d`` decides) takes 128 x 128 tiles; ``quantpatch_fp8.py``.
-* The products give ``backward=True``'s treatment to their first operand alone (the output
-  gradient at Megatron's backward sites) for NVFP4, ``mxfp8-rceil-hybrid`` and ``fp8-tensor``
-  (``GRADIENT_OPERAND_ONLY``); ``mxfp8`` quantizes both operands of a backward GEMM as E5M2.
-* ``nvfp4`` (NVIDIA's Blackwell FP4): E2M1 elements in blocks of 16 along ``dim``, each with
-  an E4M3 scale, and one float32 scale per tensor, bit for bit as TransformerEngine 2.20.2's
-  ``NVFP4QuantizerRef`` computes them (the order of the float32 steps is in
-  ``quantpatch_nvfp4.py``): ``g = 448 * 6 / amax|x|``, ``s = E4M3(amax_block * (g * (1/6)))``,
-  ``q = E2M1(x * (1 / (s * (1/g))))`` (nearest even, saturating at +-6), result
-  ``q * (s * (amax / 2688))``; a length that is not a multiple of 16 is padded with zeros.
-  ``backward=True`` rounds the elements stochastically instead (NVIDIA's recipe for
-  gradients) with the hardware's granularity: 8 random bits ``r`` per element, up iff
-  ``r < floor(256 * f)`` (``f`` the fraction of the way from the E2M1 value below), the bits
-  ``torch.randint(0, 256)`` from a generator per device
-  seeded with ``sr_seed()`` = ``QUANTPATCH_SR_SEED`` (default 0) + ``RANK`` (default 0), so a
-  run is reproducible and every rank draws its own bits; ``reset_sr_generators()`` restarts
-  them. The products round only their first operand stochastically (``backward=True`` at
-  Megatron's dgrad and wgrad sites: the output gradient); the other one keeps nearest even.
-* ``nvfp4-2d``: ``nvfp4`` with 16 x 16 tiles over the last two dimensions (any ``dim`` among
-  them gives the same tiles), so a matrix and its transpose quantize alike. In the products
-  only a weight takes the tiles: the operand ``quant_matmul``'s ``weight=`` names (init's
-  linear forward and dgrad sites name it), or where none is named a 2-D
-  ``torch.nn.Parameter`` or a view of one such as ``weight.t()``; every other operand is
-  ``nvfp4``.
-* ``nvfp4-rht``: ``nvfp4`` after a random Hadamard transform of both operands along the
-  reduction dimension (NVIDIA's recipe for the weight-gradient GEMM), TE 2.20.2's transform
-  bit for bit: ``quantpatch_rht.py``, installed beside this file. The reduction length must be
-  a multiple of 16 (a ``ValueError`` names the shape otherwise, as TE refuses it).
-  ``fake_quant`` returns the quantized values taken back through the inverse transform (same
-  shape, comparable with the input).
-* ``hifp8``: per tensor, no scale: 3/2/1 mantissa bits for |e| <= 3/7/15, powers of two
-  2^-22..2^-16 below 2^-15, zero below, saturation at 2^15, ties away from zero.
-* ``bf16``: the identity.
-* ``w1``, ``w1.58``, ``w2``, ``w3``, ``w4`` and their grouped forms ``w<b>g<N>``: ParetoQ's
-  weight quantizers with a learnable step per output row (or row and group of N columns);
-  linear role only, activations unquantized. The layer holds the step (``add_weight_scales``)
-  and quantizes its weight itself (``paretoq_linear``), so the products here leave operands
-  as they are; ``fake_quant(w, 'w2')`` quantizes a weight ``[out, in]`` with the initial step.
-  See the ParetoQ section below.
+The products quantize both operands along the reduction dimension. ``backward=True`` (at
+Megatron's dgrad and wgrad sites, whose first operand is the output gradient) gives the
+gradient element and rounding to both operands where an entry's ``backward`` is ``all``, and
+to the first alone where it is ``grad_output`` (``GRADIENT_OPERAND_ONLY``), the other keeping
+its forward element and nearest-even rounding. A value with an operand format of its own for
+weights (``nvfp4-2d``'s 16 x 16 tiles, ``fp8-block``'s 128 x 128) gives it to the weight
+alone: the operand ``quant_matmul``'s ``weight=`` names (init's linear sites name it), else a
+2-D ``torch.nn.Parameter`` or a view of one such as ``weight.t()``.
 
 The MX and HiF8 arithmetic is exact float32 work on powers of two (``frexp``/``ldexp``), so
 the result is the same on CPU and CUDA and for bf16, fp16 and fp32 inputs; NVFP4's divisions
@@ -93,7 +60,6 @@ format instead of ~30 elementwise passes; bit-identical results, tested).
 
 from __future__ import annotations
 
-import os
 import sys
 import weakref
 from typing import Any
@@ -101,6 +67,8 @@ from typing import Any
 import torch
 
 # the parts, one concern each (the names below are the public API, unchanged for the sites)
+from . import quantpatch_env as env
+from . import quantpatch_formats as formats
 from .quantpatch_fp8 import FP8_BLOCK, fp8_tensor
 from .quantpatch_mx import BLOCK, E2M1, E4M3, E5M2, SCALE_MAX, SCALE_MIN, round_element
 from .quantpatch_nvfp4 import (
@@ -143,16 +111,14 @@ from .quantpatch_weights import (
 from .quantpatch_weights import is_weight as _is_weight
 from .quantpatch_weights import weight_fake_quant as _weight_fake_quant
 
-NV_FORMATS = ("nvfp4", "nvfp4-2d", "nvfp4-rht")
-FORMATS = (
-    "bf16", "mxfp8", "mxfp4", "hifp8", "nvfp4", "nvfp4-2d", "nvfp4-rht",
-    "mxfp8-rceil", "mxfp8-rceil-hybrid", "mxfp4-rceil", "fp8-tensor", "fp8-block",
-    "w1", "w1.58", "w2", "w3", "w4",
-)  # fmt: skip
+NV_FORMATS = formats.names(family="nvfp4")
+"""The NVFP4 values, ``nvfp4-rht`` included (``NVFP4_FORMATS``: those ``quantpatch_nvfp4``
+quantizes itself, without the transform)."""
+FORMATS = formats.VALUES
 """Every base value (ParetoQ's ``w<b>`` also take a ``g<N>`` suffix: ``GROUPED_FORMATS``)."""
-GROUPED_FORMATS = ("w1", "w1.58", "w2", "w3", "w4")
+GROUPED_FORMATS = formats.GROUPED
 """The ParetoQ values that accept a ``g<N>`` group suffix (all of them)."""
-GRADIENT_OPERAND_ONLY = (*NVFP4_FORMATS, "mxfp8-rceil-hybrid", "fp8-tensor")
+GRADIENT_OPERAND_ONLY = formats.names(backward="grad_output")
 """Values whose ``backward=True`` treatment (stochastic rounding, E5M2) the products give
 their first operand alone (at Megatron's dgrad and wgrad sites: the output gradient); the
 second (the weight, or the saved input) keeps the forward's element, as TE's HYBRID recipes
@@ -218,11 +184,12 @@ def fake_quant(x: torch.Tensor, fmt: str, *, dim: int = -1, backward: bool = Fal
     """``x`` quantized to ``fmt`` and dequantized: same shape, same dtype."""
     if fmt == "bf16":
         return x
-    if is_paretoq(fmt):  # a weight [out, in], with the step its layer's first forward takes
+    spec = formats.spec_of(fmt)  # an unknown name: one sentence
+    if spec.family == "paretoq":  # a weight [out, in], with its layer's initial step
         return paretoq_fake_quant(x, fmt)
-    if fmt not in FORMATS:
-        raise ValueError(f"unknown quantization format {fmt!r}; expected one of {FORMATS}")
-    if fmt == "nvfp4-rht" and x.numel():  # Hadamard-transformed NVFP4: quantpatch_rht.py
+    if not spec.roles:
+        raise ValueError(f"{fmt!r} is an operand format of the products, not a value")
+    if spec.rht and x.numel():  # Hadamard-transformed NVFP4: quantpatch_rht.py
         from . import quantpatch_rht
 
         return quantpatch_rht.fake_quant_rht(x, dim, backward=backward)
@@ -251,12 +218,11 @@ def _operand_fmt(t: torch.Tensor, fmt: str, weight: bool | None = None) -> str:
     ``fp8-block`` gives a weight 128 x 128 tiles (the operand format ``fp8-block-2d``), every
     other operand 1 x 128 blocks. ``weight``: whether the caller named ``t`` the weight
     (``None``: it did not say, and a 2-D Parameter or a view of one is taken for the weight)."""
-    if fmt not in ("nvfp4-2d", "fp8-block"):
-        return fmt
+    weight_fmt, other = formats.spec_of(fmt).operands
+    if weight_fmt == other:
+        return other
     is_weight = _is_weight(t) if weight is None else weight
-    if fmt == "fp8-block":
-        return "fp8-block-2d" if is_weight else fmt
-    return fmt if is_weight else "nvfp4"
+    return weight_fmt if is_weight else other
 
 
 def _named_weight(weight: str | None, operand: str) -> bool | None:
@@ -318,9 +284,10 @@ def quant_matmul(
     under ``backward``, and ``nvfp4-2d`` tiles only the weight operand: the one ``weight``
     names (``"a"`` or ``"b"``: init's linear sites say which, since Megatron's autograd
     function hands the weight over as a plain tensor), else a 2-D Parameter or a view of one."""
+    spec = formats.spec_of(fmt)  # an unknown name: one sentence
     if _bf16_layer(backward, weight):  # the BF16 layer policy: quantpatch_layers.py
         return torch.matmul(a, b)
-    if fmt == "nvfp4-rht":  # both operands Hadamard-transformed first: quantpatch_rht.py
+    if spec.rht:  # both operands Hadamard-transformed first: quantpatch_rht.py
         from . import quantpatch_rht
 
         return quantpatch_rht.rht_matmul(a, b, backward=backward)
@@ -331,7 +298,7 @@ def quant_matmul(
     wa, wb = _named_weight(weight, "a"), _named_weight(weight, "b")
     return torch.matmul(
         _q(a, _operand_fmt(a, fmt, wa), -1, backward, wa),
-        _q(b, _operand_fmt(b, fmt, wb), bdim, backward and fmt not in GRADIENT_OPERAND_ONLY, wb),
+        _q(b, _operand_fmt(b, fmt, wb), bdim, backward and spec.backward == "all", wb),
     )
 
 
@@ -340,7 +307,7 @@ def quant_bmm(
 ) -> torch.Tensor:
     """``torch.bmm(a, b)`` with both operands quantized along the reduction dimension (NVFP4:
     ``a`` alone stochastically under ``backward``)."""
-    nv = fmt in GRADIENT_OPERAND_ONLY
+    nv = formats.spec_of(fmt).backward == "grad_output"
     fused = _fused_product(a, b, fmt, backward, backward) if a.dim() == b.dim() == 3 else None
     if fused is not None:
         return fused
@@ -363,7 +330,7 @@ def quant_baddbmm(
     """``torch.baddbmm`` with ``batch1`` and ``batch2`` quantized along the reduction
     dimension. With ``beta == 0`` the ``input`` buffer is never read, so uninitialised memory
     (Megatron passes a preallocated buffer) cannot leak NaN into the scores."""
-    nv = fmt in GRADIENT_OPERAND_ONLY
+    nv = formats.spec_of(fmt).backward == "grad_output"
     if beta == 0 and batch1.dim() == batch2.dim() == 3:
         fused = _fused_product(batch1, batch2, fmt, backward, backward)
         if fused is not None:
@@ -415,18 +382,12 @@ def _flash() -> Any:
 
 
 def _flash_mode() -> str:
-    mode = os.environ.get("QUANTPATCH_FLASH", "auto")
-    if mode not in FLASH_MODES:
-        raise ValueError(f"QUANTPATCH_FLASH={mode!r}; expected auto, 0 or 1")
-    return mode
+    return env.flash()
 
 
 def flash_bf16() -> bool:
     """Whether ``QUANTPATCH_FLASH_BF16=1`` asks for a bf16 Q.K^T on the flash kernel."""
-    value = os.environ.get("QUANTPATCH_FLASH_BF16", "0") or "0"
-    if value not in ("0", "1"):
-        raise ValueError(f"QUANTPATCH_FLASH_BF16={value!r}; expected 0 or 1")
-    return value == "1"
+    return env.flash_bf16()
 
 
 ATTENTION_PATH_LINE = "[quantpatch] attention path: "
@@ -437,7 +398,7 @@ _paths_said: set[str] = set()
 def _say_path(qk: str, pv: str, why: str | None) -> None:
     """Print, once per process and kind of path (on rank 0), which path attention took."""
     path = "stock" if why is not None else "flash"
-    if path in _paths_said or os.environ.get("RANK", "0") != "0":
+    if path in _paths_said or not env.first_rank():
         return
     _paths_said.add(path)
     detail = why if why is not None else f"Q.K^T {qk}, P.V {pv}"
@@ -469,7 +430,6 @@ def quant_flash_attention(
     return out
 
 
-_FLAG_TRUE = ("1", "true", "yes", "on")
 _causal_seen: list[Any] = []  # [(weakref to a mask, its version, whether it is causal)]
 
 
@@ -522,7 +482,7 @@ def flash_refusal(
         return f"P.V is quantized ({pv}): the flash kernel keeps P.V in bf16"
     if qk not in FORMATS:
         return f"unknown format {qk!r}"
-    if os.environ.get("TENSOR_SAVE_ENABLED", "").strip().lower() in _FLAG_TRUE:
+    if env.tensor_save():
         return "the tensor saver is on (it saves the attention probabilities)"
     if not query.is_cuda:
         if mode == "auto":

@@ -11,18 +11,17 @@ only.
 
 from __future__ import annotations
 
-import os
+import sys
 import types
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from . import quantpatch_env as env
+from . import quantpatch_formats as formats
 from .quantpatch_fp8 import FP8_BLOCK, FP8_FORMATS, finite_amax, fp8_quantize
 from .quantpatch_mx import BLOCK
-from .quantpatch_mx import E2M1 as _E2M1
-from .quantpatch_mx import E4M3 as _E4M3
-from .quantpatch_mx import E5M2 as _E5M2
 from .quantpatch_mx import hifp8 as _hifp8
 from .quantpatch_mx import mx as _mx
 from .quantpatch_nvfp4 import NV_BLOCK, NVFP4_FORMATS, sr_bits
@@ -30,14 +29,17 @@ from .quantpatch_nvfp4 import nvfp4 as _nvfp4
 
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
-MX_ELEMENTS = {  # value: (forward element, gradient element, scale rule)
-    "mxfp8": (_E4M3, _E5M2, "floor"),
-    "mxfp4": (_E2M1, _E2M1, "floor"),
-    "mxfp8-rceil": (_E4M3, _E4M3, "rceil"),
-    "mxfp8-rceil-hybrid": (_E4M3, _E5M2, "rceil"),
-    "mxfp4-rceil": (_E2M1, _E2M1, "rceil"),
+MX_ELEMENTS = {
+    f.name: (
+        formats.ELEMENTS[str(f.input)],
+        formats.ELEMENTS[str(f.grad_output)],
+        str(f.scale).removeprefix("e8m0-"),
+    )
+    for f in formats.SPECS
+    if f.family == "mx"
 }
-"""The MX values: their elements (forward, ``backward=True``) and E8M0 scale rule."""
+"""The MX values of the spec: their elements (forward, ``backward=True``) and E8M0 scale rule
+(``floor`` or ``rceil``)."""
 _kernels_module: Any = None
 _kernels_error: str | None = None
 
@@ -78,15 +80,12 @@ def _fp8_kernels() -> Any:
 
 
 def _kernel_mode() -> str:
-    mode = os.environ.get("QUANTPATCH_KERNELS", "auto")
-    if mode not in ("auto", "reference", "triton"):
-        raise ValueError(f"QUANTPATCH_KERNELS={mode!r}; expected auto, reference or triton")
-    return mode
+    return env.kernels()
 
 
 def _interpreted() -> bool:
     """Whether Triton runs its kernels in its interpreter, the only way they read CPU tensors."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    return env.triton_interpret()
 
 
 def kernels_in_use(device: str = "cuda") -> str:
@@ -104,7 +103,25 @@ def kernels_in_use(device: str = "cuda") -> str:
     return "triton"
 
 
+KERNELS_PATH_LINE = "[quantpatch] quant kernels: "
+"""How the line that says which code quantizes a run's CUDA tensors begins: printed once per
+process on rank 0 at the first CUDA tensor, ``triton`` or ``reference (why)`` (a failed Triton
+import says its error there), as the attention path announces itself."""
+_kernels_said: list[str] = []
+
+
+def say_kernels(device: str = "cuda") -> None:
+    """Print, once per process (on rank 0), which path ``fake_quant`` takes for tensors on
+    ``device`` (:func:`kernels_in_use`)."""
+    if _kernels_said or not env.first_rank():
+        return
+    _kernels_said.append(kernels_in_use(device))
+    print(f"{KERNELS_PATH_LINE}{_kernels_said[0]}", file=sys.stderr, flush=True)
+
+
 def _use_kernels(x: torch.Tensor) -> bool:
+    if x.is_cuda and not _kernels_said:
+        say_kernels(x.device.type)
     mode = _kernel_mode()
     if mode == "reference" or x.dtype not in _KERNEL_DTYPES:
         return False
@@ -124,7 +141,7 @@ def _use_kernels(x: torch.Tensor) -> bool:
     return True
 
 
-_COMPILE = os.environ.get("QUANTPATCH_COMPILE", "0") == "1"
+_COMPILE = env.compile_reference()
 _COMPILED: dict[tuple[str, bool], Callable[[torch.Tensor, int], torch.Tensor]] = {}
 
 
@@ -133,6 +150,7 @@ def quantize(x: torch.Tensor, fmt: str, dim: int = -1, backward: bool = False) -
     kernels or the reference; ``fmt`` checked by the caller (``quantpatch_ops.fake_quant``)."""
     if fmt == "bf16":
         return x
+    formats.spec_of(fmt)  # an unknown name: one sentence, never another format's result
     if x.numel() == 0:
         return x.clone()
     rand = sr_bits(x) if backward and fmt in NVFP4_FORMATS else None
@@ -182,7 +200,7 @@ def _fake_quant(
             return _fp8_sliced(x, fmt, dim, backward)
         return fp8_quantize(x, fmt, dim, backward)
     if fmt in NVFP4_FORMATS:
-        two_d, r = fmt == "nvfp4-2d", rand if backward else None
+        two_d, r = formats.spec_of(fmt).tiled, rand if backward else None
         if x.device.type == "cpu" and x.numel() > 2 * _CHUNK and x.dim() >= 1:
             return _nv_sliced(x, dim, two_d, r)
         return _nvfp4(x, dim, two_d, r)
@@ -245,10 +263,11 @@ def _fp8_sliced(x: torch.Tensor, fmt: str, dim: int, backward: bool) -> torch.Te
     """FP8 slice by slice (:func:`_by_slices`): ``fp8-tensor`` with the whole tensor's amax;
     slices never cut an ``fp8-block`` block or tile (along a dimension it spans, multiples of
     128)."""
-    amax = finite_amax(x) if fmt == "fp8-tensor" else None
+    spec = formats.spec_of(fmt)
+    amax = finite_amax(x) if spec.family == "fp8-tensor" else None
     d = dim % x.dim()
-    spanned = {d} if fmt == "fp8-block" else set()
-    if fmt == "fp8-block-2d":
+    spanned = {d} if spec.family == "fp8-block" else set()
+    if spec.tiled:
         spanned = {x.dim() - 2, x.dim() - 1} if x.dim() >= 2 else {d}
     return _by_slices(
         x,
@@ -259,12 +278,17 @@ def _fp8_sliced(x: torch.Tensor, fmt: str, dim: int, backward: bool) -> torch.Te
 
 
 def _whole(x: torch.Tensor, fmt: str, dim: int, backward: bool) -> torch.Tensor:
-    if fmt in MX_ELEMENTS:
+    """An MX, FP8 or HiF8 tensor by the reference; any other name is an error (never another
+    format's result)."""
+    family = formats.spec_of(fmt).family
+    if family == "mx":
         forward_elem, gradient_elem, rule = MX_ELEMENTS[fmt]
         return _mx(x, dim, gradient_elem if backward else forward_elem, rule)
     if fmt in FP8_FORMATS:
         return fp8_quantize(x, fmt, dim, backward)
-    return _hifp8(x)
+    if family == "hifp8":
+        return _hifp8(x)
+    raise ValueError(f"{fmt!r} (family {family}) is not an element format the reference quantizes")
 
 
 # the names the other runtime modules use (nothing outside this module takes its private names)

@@ -40,11 +40,11 @@ the first operand (the output gradient at the wgrad site) rounds stochastically 
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 
+from . import quantpatch_env as env
 from .quantpatch_nvfp4 import nvfp4, sr_bits
 
 RHT_BLOCK = 16
@@ -72,10 +72,10 @@ def _kernels() -> Any:
 def _use_kernels(x: torch.Tensor) -> bool:
     """The fused kernel for CUDA tensors (and CPU tensors in Triton's interpreter with
     ``QUANTPATCH_KERNELS=triton``), as ``quantpatch_ops`` chooses its own kernels."""
-    mode = os.environ.get("QUANTPATCH_KERNELS", "auto")
+    mode = env.kernels()
     if mode == "reference" or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return False
-    if not x.is_cuda and (mode == "auto" or os.environ.get("TRITON_INTERPRET") != "1"):
+    if not x.is_cuda and (mode == "auto" or not env.triton_interpret()):
         return False
     if _kernels() is None:
         if mode == "triton":

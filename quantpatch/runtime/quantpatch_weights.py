@@ -8,13 +8,14 @@ only.
 from __future__ import annotations
 
 import functools
-import os
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from . import quantpatch_env as env
+from . import quantpatch_formats as formats
 from .quantpatch_nvfp4 import NVFP4_FORMATS
 from .quantpatch_quantize import KERNEL_DTYPES as _KERNEL_DTYPES
 from .quantpatch_quantize import interpreted as _interpreted
@@ -94,16 +95,13 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def _weight_cache_cap() -> int:
-    mib = float(os.environ.get("QUANTPATCH_WEIGHT_CACHE_MB", _WEIGHT_CACHE_DEFAULT_MB))
+    mib = env.weight_cache_mb(_WEIGHT_CACHE_DEFAULT_MB)
     return int(mib * 2**20)
 
 
 def weight_cache_enabled() -> bool:
     """Whether weight operands are cached (``QUANTPATCH_WEIGHT_CACHE``, default 1)."""
-    value = os.environ.get("QUANTPATCH_WEIGHT_CACHE", "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"QUANTPATCH_WEIGHT_CACHE={value!r}; expected 0 or 1")
-    return value == "1"
+    return env.weight_cache()
 
 
 def weight_cache_clear() -> None:
@@ -150,9 +148,10 @@ def _layout_free(fmt: str, weight: torch.Tensor, backward: bool) -> bool:
     rounded to nearest even, the only rounding a cached weight takes; ``fp8-block``'s weight
     tiles, 128 x 128, E4M3 both ways; ``fp8-tensor``: one scale, elementwise, E4M3 wherever a
     product quantizes a weight, i.e. without ``backward``)."""
-    if fmt == "fp8-tensor":
+    shared = formats.spec_of(fmt).weight_cache
+    if shared == "forward":
         return not backward
-    return fmt == "hifp8" or (fmt in ("nvfp4-2d", "fp8-block-2d") and weight.dim() == 2)
+    return shared == "elementwise" or (shared == "tiles" and weight.dim() == 2)
 
 
 def _drop_collected(wid: int, _: object) -> None:
@@ -241,15 +240,12 @@ def _weight_fake_quant(x: torch.Tensor, fmt: str, dim: int, backward: bool) -> t
 # the order of its float32 sums (a few units in the last place of float32 before the output's
 # rounding), so auto's choice changes results within that.
 
-_GEMM_FORMATS = ("mxfp8", "mxfp4", "hifp8")
+_GEMM_FORMATS = formats.names(fused_gemm=True)
 _GEMM_CHOICES: dict[tuple[Any, ...], str] = {}
 
 
 def _gemm_mode() -> str:
-    mode = os.environ.get("QUANTPATCH_GEMM", "auto")
-    if mode not in ("auto", "fused", "separate"):
-        raise ValueError(f"QUANTPATCH_GEMM={mode!r}; expected auto, fused or separate")
-    return mode
+    return env.gemm()
 
 
 def gemm_choices() -> dict[str, str]:

@@ -556,9 +556,54 @@ def _tuple_strings(
     return None
 
 
-def read_ops_values(text: str | None) -> OpsValues:
+def _spec_values(text: str | None) -> OpsValues:
+    """The values an installed format spec (``quantpatch_formats.py``) declares: the name (first
+    argument, a string literal) of every ``Format(...)`` entry that some role may hold, and of
+    those with ``grouped=True``, read with libcst, never imported."""
+    if text is None:
+        return OpsValues(readable=False)
+    try:
+        module = cst.parse_module(text)
+    except cst.ParserSyntaxError:
+        return OpsValues(readable=False)
+    names: set[str] = set()
+    grouped: set[str] = set()
+    for call in _calls_named(module, "Format"):
+        if not call.args or call.args[0].keyword is not None:
+            return OpsValues(readable=False)
+        name = _literal_strings(call.args[0].value)
+        if name is None:
+            return OpsValues(readable=False)
+        keywords = {a.keyword.value: a.value for a in call.args if a.keyword is not None}
+        roles = keywords.get("roles")
+        if isinstance(roles, cst.Tuple) and not roles.elements:
+            continue  # an operand format, not a value
+        names.update(name)
+        flag = keywords.get("grouped")
+        if isinstance(flag, cst.Name) and flag.value == "True":
+            grouped.update(name)
+    if not names:
+        return OpsValues(readable=False)
+    return OpsValues(frozenset(names), frozenset(grouped))
+
+
+def _calls_named(module: cst.Module, name: str) -> list[cst.Call]:
+    found: list[cst.Call] = []
+
+    class _Finder(cst.CSTVisitor):
+        def visit_Call(self, node: cst.Call) -> None:
+            if isinstance(node.func, cst.Name) and node.func.value == name:
+                found.append(node)
+
+    module.visit(_Finder())
+    return found
+
+
+def read_ops_values(text: str | None, formats_text: str | None = None) -> OpsValues:
     """What an installed ``quantpatch_ops.py`` declares (``FORMATS``, ``GROUPED_FORMATS``),
-    read with libcst, never imported. ``None`` (no module): nothing."""
+    read with libcst, never imported; where those are taken from the format spec installed
+    beside it (``formats_text``: ``quantpatch_formats.py``), the spec's entries. ``None`` (no
+    module): nothing."""
     if text is None:
         return NO_OPS
     try:
@@ -583,6 +628,8 @@ def read_ops_values(text: str | None) -> OpsValues:
         return OpsValues(readable=False)
     formats = _tuple_strings(names["FORMATS"], names)
     grouped = _tuple_strings(names["GROUPED_FORMATS"], names) if "GROUPED_FORMATS" in names else []
+    if formats is None and formats_text is not None:
+        return _spec_values(formats_text)
     if formats is None or grouped is None:
         return OpsValues(readable=False)
     return OpsValues(frozenset(formats), frozenset(grouped))
