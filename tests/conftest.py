@@ -127,13 +127,13 @@ def make_checkout(tmp_path: Path, trees: dict[str, Path]) -> MakeCheckout:
             for installed in OPS_MODULES:  # quantpatch_ops.py and the parts it imports
                 (root / installed).write_text(runtime_source(installed), encoding="utf-8")
         (root / "README.md").write_text("not a target\n")
-        if use_git:
-            repo = git.Repo.init(root, initial_branch="main")
-            with repo.config_writer() as cw:
-                cw.set_value("user", "name", "Test")
-                cw.set_value("user", "email", "test@example.com")
-            repo.git.add("-A")
-            repo.git.commit("-qm", "fixture")
+        if use_git:  # closed at once: a test process makes hundreds (their descriptors)
+            with git.Repo.init(root, initial_branch="main") as repo:
+                with repo.config_writer() as cw:
+                    cw.set_value("user", "name", "Test")
+                    cw.set_value("user", "email", "test@example.com")
+                repo.git.add("-A")
+                repo.git.commit("-qm", "fixture")
         return root
 
     return make
@@ -148,8 +148,8 @@ def snapshot(root: Path) -> dict[str, object]:
     }
     snap: dict[str, object] = {"files": files}
     if (root / ".git").exists():
-        repo = git.Repo(root)
-        snap["refs"] = repo.git.for_each_ref()
+        with git.Repo(root) as repo:
+            snap["refs"] = repo.git.for_each_ref()
         snap["head"] = (root / ".git" / "HEAD").read_text()
         state = root / ".git" / "quantpatch" / "state.json"
         snap["state"] = state.read_text() if state.exists() else None
