@@ -50,7 +50,6 @@ def _compiled(limit: int, values: list[str]) -> subprocess.CompletedProcess[str]
     )
 
 
-@pytest.mark.slow  # about 10 s: importing torch._dynamo
 def test_each_value_and_direction_gets_one_function_with_its_own_code_object():
     """Made once and kept; compiled lazily (nothing is traced here)."""
     from quantpatch.runtime import quantpatch_quantize as qz
