@@ -61,14 +61,15 @@ if args["variant"] == "sync_reference":
     saver._SAVER.save = reference_save
 in_save = [0.0]  # the training thread's time inside the saver's save(), this step
 if args["variant"] in ("enabled", "stats_only"):
-    real_save = saver._Saver.save
+    from megatron.core.quantpatch_saver import writer
+    real_save = writer.Saver.save
     def timed_save(self, *a, **k):
         s0 = time.perf_counter()
         try:
             return real_save(self, *a, **k)
         finally:
             in_save[0] += time.perf_counter() - s0
-    saver._Saver.save = timed_save
+    writer.Saver.save = timed_save
 torch.manual_seed(0)
 ws = [(torch.randn(h, h, device=dev) * h ** -0.5).to(torch.bfloat16).requires_grad_()
       for _ in range(n)]

@@ -55,7 +55,9 @@ and safetensors when it is installed (neither of which the fork's readers can lo
 statistics alone are timed too: quantpatch's (by its one-pass kernel, compiled on first use
 where a C compiler and an x86-64 CPU are there; what that first use cost is printed), the
 same with torch's operators only, and the fork's four reductions, each on its own float
-copy. ``TENSOR_SAVE_STATS_KERNEL=false`` runs every variant without the kernel.
+copy. ``TENSOR_SAVE_ACCELERATORS`` (``none`` by default, ``stats-kernel``, ``pickler`` or
+``all``) decides what the end-to-end quantpatch variants use; the statistics and format
+timings name what each used.
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from quantpatch.runtime import tensor_saver
+from quantpatch.runtime.quantpatch_saver import ondisk, settings, stats, stats_kernel
 
 
 def _tensors(n: int, side: int, steps: int) -> list[list[torch.Tensor]]:
@@ -198,19 +201,25 @@ def _stats_fork(t: torch.Tensor) -> list[float]:
     ]
 
 
+def _with(accelerators: set[str], work: Callable[[], Any]) -> Any:
+    """``work()`` with exactly ``accelerators`` on (whatever the environment asked for)."""
+    cfg = settings.CFG
+    cfg.accelerators, kept = frozenset(accelerators), cfg.accelerators
+    try:
+        return work()
+    finally:
+        cfg.accelerators = kept
+
+
 def _stats_quantpatch(t: torch.Tensor) -> list[float]:
-    return tensor_saver._host_stats(t)
+    """quantpatch's statistics by the one-pass kernel (the stats-kernel accelerator), where
+    it can run here."""
+    return list(_with({"stats-kernel"}, lambda: stats.host_stats(t)))
 
 
 def _stats_operators(t: torch.Tensor) -> list[float]:
-    """quantpatch's statistics without the one-pass kernel (torch's operators only, as on a
-    host with no C compiler or not x86-64)."""
-    cfg = tensor_saver._CFG
-    cfg.stats_kernel, kept = False, cfg.stats_kernel
-    try:
-        return tensor_saver._host_stats(t)
-    finally:
-        cfg.stats_kernel = kept
+    """quantpatch's statistics by torch's operators (the default)."""
+    return list(_with(set(), lambda: stats.host_stats(t)))
 
 
 def kernel_first_use() -> tuple[float, float, str]:
@@ -222,18 +231,18 @@ def kernel_first_use() -> tuple[float, float, str]:
     try:
         os.environ["TENSOR_SAVE_KERNEL_DIR"] = scratch
         for _ in range(2):
-            tensor_saver._forget_stats_kernel()
+            stats_kernel.forget()
             start = time.perf_counter()
-            tensor_saver._stats_kernel(wait=True)
+            stats_kernel.kernel(wait=True)
             times.append(time.perf_counter() - start)
     finally:
         if kept is None:
             os.environ.pop("TENSOR_SAVE_KERNEL_DIR", None)
         else:
             os.environ["TENSOR_SAVE_KERNEL_DIR"] = kept
-        tensor_saver._forget_stats_kernel()
+        stats_kernel.forget()
         shutil.rmtree(scratch, ignore_errors=True)
-    return times[0], times[1], tensor_saver.stats_kernel_status()
+    return times[0], times[1], stats_kernel.status()
 
 
 def _fmt_torch_zip(t: torch.Tensor, info: dict[str, Any], path: Path) -> None:
@@ -245,13 +254,16 @@ def _fmt_torch_legacy(t: torch.Tensor, info: dict[str, Any], path: Path) -> None
     torch.save(obj, path, _use_new_zipfile_serialization=False)
 
 
-def _fmt_quantpatch(t: torch.Tensor, info: dict[str, Any], path: Path) -> None:
-    obj = {"tensor": t, "tensor_info": info, "metadata": {}}
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        tensor_saver._write_all(fd, tensor_saver._torch_bytes(obj, t))
-    finally:
-        os.close(fd)
+def _fmt_quantpatch(accelerators: set[str]) -> Callable[[torch.Tensor, dict[str, Any], Path], None]:
+    def write(t: torch.Tensor, info: dict[str, Any], path: Path) -> None:
+        obj = {"tensor": t, "tensor_info": info, "metadata": {}}
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            ondisk.write_all(fd, _with(accelerators, lambda: ondisk.torch_bytes(obj, t)))
+        finally:
+            os.close(fd)
+
+    return write
 
 
 def _fmt_raw(t: torch.Tensor, info: dict[str, Any], path: Path) -> None:
@@ -265,7 +277,8 @@ def _formats() -> dict[str, Callable[[torch.Tensor, dict[str, Any], Path], None]
     formats = {
         "torch.save zip (fork's)": _fmt_torch_zip,
         "torch.save non-zip": _fmt_torch_legacy,
-        "non-zip, plain pickler (kept)": _fmt_quantpatch,
+        "non-zip, quantpatch's torch.save path": _fmt_quantpatch(set()),
+        "non-zip, plain pickler (accelerator)": _fmt_quantpatch({"pickler"}),
         "raw + JSON header": _fmt_raw,
     }
     try:
@@ -404,8 +417,8 @@ def main() -> None:
             start = rep % len(variants)
             for run in variants[start:] + variants[:start]:
                 run()
-            add("stats quantpatch", stats_time(data, _stats_quantpatch))
-            add("stats quantpatch, torch operators only", stats_time(data, _stats_operators))
+            add("stats quantpatch, stats-kernel", stats_time(data, _stats_quantpatch))
+            add("stats quantpatch, torch operators", stats_time(data, _stats_operators))
             add("stats fork (4 reductions)", stats_time(data, _stats_fork))
         med = {k: statistics.median(v) for k, v in rows.items()}
     finally:

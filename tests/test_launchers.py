@@ -333,7 +333,10 @@ def test_gen_scripts_refuses_a_bad_profile_layout_and_writes_nothing(run, tmp_pa
     config.write_text("[profiles.full.parallel]\nnodes = 2\npp = 3\n")
     res = run("gen-scripts", "--out", out, "--config", config)
     assert res.code == 2 and not out.exists()
-    assert "not divisible by TP 1 x PP 3 x CP 1 = 3; PP 2 would work." in res.err
+    assert (
+        "not divisible by TP 1 x PP 3 x CP 1 = 3; PP 2 would work (pp = 2 in the "
+        "[profiles.full.parallel] table of a --config)."
+    ) in " ".join(res.err.split())
     config.write_text("[profiles.full.parallel]\nnodes = 2\nwarp = 3\n")
     res = run("gen-scripts", "--out", out, "--config", config)
     assert res.code == 2 and "parallel.warp is unknown" in res.err
@@ -565,6 +568,7 @@ def test_slurm_scripts_and_the_sweep_array(make_checkout, tmp_path, stubs, run):
         "--array=0-9%4",
         "--nodes=2",
         "--ntasks-per-node=1",
+        "--cpus-per-task=24",  # 8 ranks, each with Megatron's 2 data-loader workers
         "--gpus-per-node=8",
         "--output=%x-%A_%a.out",
         "--partition=gpu",
@@ -603,11 +607,12 @@ def test_slurm_scripts_and_the_sweep_array(make_checkout, tmp_path, stubs, run):
     wt = str(
         root / ".git" / "quantpatch" / "worktrees" / "quantpatch__linear-bf16_qk-mxfp8_pv-bf16"
     )
-    assert srun[:8] == [
+    assert srun[:9] == [
         "--nodes",
         "2",
         "--ntasks-per-node",
         "1",
+        "--cpus-per-task=24",
         "--kill-on-bad-exit=1",
         "--chdir",
         wt,
@@ -625,7 +630,30 @@ def test_slurm_scripts_and_the_sweep_array(make_checkout, tmp_path, stubs, run):
             "llama32-1b_dolma_FA_mxfp8_full-4242",
             "pretrain_gpt.py",
         ]
-        assert argv == srun[8:]
+        assert argv == srun[9:]
+    # the submitting shell's variables do not change the allocation's launch (issue 54, 1)
+    first = nodes[0][0]
+    for path in record.iterdir():
+        path.unlink()
+    hostile = {"GPUS_PER_NODE": "3", "MASTER_ADDR": "oldnode07", "NNODES": "1",
+               "NODE_RANK": "5", "MASTER_PORT": "1234", "RDZV_ID": "old",
+               "PET_NODE_RANK": "5", "PET_MAX_RESTARTS": "7"}  # fmt: skip
+    res = subprocess.run(
+        ["sbatch", str(one)], cwd=root, env={**env, **hostile}, capture_output=True, text=True
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    hosts = calls(record, "torchrun")
+    assert [a for a, _, _ in hosts] == [first, first]
+    assert all("NODE_RANK" not in e for _, _, e in hosts)
+    # an allocation other than the one generated for: refused before srun, saying so
+    for path in record.iterdir():
+        path.unlink()
+    res = subprocess.run(
+        ["sbatch", str(one)], cwd=root, env={**env, "STUB_GPUS": "4"}, capture_output=True,
+        text=True,
+    )  # fmt: skip
+    assert res.returncode == 2 and "has 4 GPU(s) a node but" in res.stderr
+    assert "generated for 8" in res.stderr and not calls(record, "srun")
     # the array: task 3 runs row 3 of the index
     for path in record.iterdir():
         path.unlink()
@@ -651,9 +679,9 @@ def test_slurm_scripts_and_the_sweep_array(make_checkout, tmp_path, stubs, run):
         "pretrain_gpt.py",
     ]
     ((task_srun, _, _),) = calls(record, "srun")
-    assert task_srun[:7] == ["--nodes", "2", "--ntasks-per-node", "1", "--kill-on-bad-exit=1",
-                             "--chdir", cwd]  # fmt: skip
-    assert task_srun[8:] == argv
+    assert task_srun[:8] == ["--nodes", "2", "--ntasks-per-node", "1", "--cpus-per-task=24",
+                             "--kill-on-bad-exit=1", "--chdir", cwd]  # fmt: skip
+    assert task_srun[9:] == argv
     assert task_env["SLURM_ARRAY_TASK_ID"] == "3" and len(calls(record, "torchrun")) == 2
     values = load_registry().schemes[scheme].values()
     assert Path(cwd).name == (

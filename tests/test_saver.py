@@ -17,9 +17,23 @@ from pathlib import Path
 import git
 import pytest
 
+from quantpatch.checkout.parts import SAVER_MODULES, runtime_source
 from quantpatch.checkout.saver import SAVER_MODULE, saver_source
 
 from .conftest import ATTENTION, LINEAR, VERSIONS, run_probe, snapshot
+
+
+class _SaverParts:
+    """The saver's parts (``quantpatch/runtime/quantpatch_saver/``), each imported (with
+    torch) on first use."""
+
+    def __getattr__(self, name: str):
+        import importlib
+
+        return importlib.import_module(f"quantpatch.runtime.quantpatch_saver.{name}")
+
+
+sp = _SaverParts()
 
 LAYER_FILE = "megatron/core/transformer/transformer_layer.py"
 PROBE = Path(__file__).with_name("saver_probe.py")
@@ -44,6 +58,8 @@ def test_install_remove_idempotent_and_byte_identical(run, make_checkout, versio
         text = (root / rel).read_text()
         assert "# quantpatch: saver" in text and "from megatron.core import tensor_saver" in text
     assert (root / SAVER_MODULE).read_text() == saver_source()
+    for rel in SAVER_MODULES:  # the API and its parts, recorded
+        assert (root / rel).read_text() == runtime_source(rel), rel
     assert (
         "_qp_saver.save_linear_tensors(total_input, weight, custom_quant_type, 'forward'"
         in (root / LINEAR).read_text()
@@ -72,8 +88,18 @@ def test_install_remove_idempotent_and_byte_identical(run, make_checkout, versio
 
 def test_install_refuses_a_different_saver_unless_forced(run, make_checkout):
     root = _tree_checkout(make_checkout)
-    (root / SAVER_MODULE).write_text("# the fork's own saver\n")
     repo = git.Repo(root)
+    # a file of the saver's parts that is there already: refused by name, nothing written
+    part = root / SAVER_MODULES[-1]
+    part.parent.mkdir(parents=True)
+    part.write_text("# someone's own\n")
+    repo.git.add("-A")
+    repo.git.commit("-qm", "a part of its own")
+    before = snapshot(root)
+    res = run("saver", "install", "--repo", root)
+    assert res.code == 2 and f"{SAVER_MODULES[-1]}: a different file is already there" in res.err
+    assert snapshot(root) == before
+    (root / SAVER_MODULE).write_text("# the fork's own saver\n")
     repo.git.add("-A")
     repo.git.commit("-qm", "fork saver")
     before = snapshot(root)
@@ -82,6 +108,7 @@ def test_install_refuses_a_different_saver_unless_forced(run, make_checkout):
     assert snapshot(root) == before
     assert run("saver", "install", "--repo", root, "--force").code == 0
     assert (root / SAVER_MODULE).read_text() == saver_source()
+    assert part.read_text() == runtime_source(SAVER_MODULES[-1])
     assert run("saver", "remove", "--repo", root).code == 0
     assert snapshot(root)["files"] == before["files"]
 
@@ -325,9 +352,9 @@ def test_drops_are_counted_and_reported(saver_module, capsys):
     import torch
 
     ts = saver_module(TENSOR_SAVE_QUEUE="1", TENSOR_SAVE_DROP="true")
-    ts._SAVER.pool = ts._HostPool(ts._POOL_BYTES)
+    ts._SAVER.snapshots.pool = sp.capture.HostPool(sp.capture.POOL_BYTES)
     gate = threading.Event()
-    real_write, real_measure = ts._Saver._write, ts._measure
+    real_write, real_measure = sp.writer.Saver._write, sp.writer._measure
 
     def slow_write(self, item):
         gate.wait(10)
@@ -337,18 +364,18 @@ def test_drops_are_counted_and_reported(saver_module, capsys):
         gate.wait(10)
         real_measure(item)
 
-    ts._Saver._write, ts._measure = slow_write, slow_measure
+    sp.writer.Saver._write, sp.writer._measure = slow_write, slow_measure
     try:
         for i in range(6):
             ts.save_tensor(torch.ones(8, 3, 5), "linear", "forward", "bf16", "input", i)
         gate.set()
         report = ts.flush()
     finally:
-        ts._Saver._write, ts._measure = real_write, real_measure
+        sp.writer.Saver._write, sp.writer._measure = real_write, real_measure
     assert report["dropped"] in (4, 5) and report["files"] + report["dropped"] == 6
     assert f"dropped {report['dropped']} tensor(s)" in capsys.readouterr().err
     # the written tensors' buffers, and one more: the dropped ones' one buffer, used again
-    assert len(ts._SAVER.pool.free[(torch.float32, (8, 3, 5))]) == report["files"] + 1
+    assert len(ts._SAVER.snapshots.pool.free[(torch.float32, (8, 3, 5))]) == report["files"] + 1
     assert ts._SAVER.pending_bytes == 0
 
 
@@ -365,14 +392,24 @@ def test_disabled_saver_does_nothing(saver_module, monkeypatch, tmp_path):
 
 def test_selection_parsing_and_kind_names():
     pytest.importorskip("torch")
-    from quantpatch.runtime import tensor_saver as ts
 
-    assert ts._ranges("0-1,5, 7-8") == ((0, 1), (5, 5), (7, 8)) and ts._ranges("") is None
-    assert [x for x in range(10) if ts._in(ts._ranges("0-1,5, 7-8"), x)] == [0, 1, 5, 7, 8]
-    assert ts._kind_from_name("self_attention.linear_qkv.weight") == "qkv"
-    assert ts._kind_from_name("mlp.linear_fc2.weight") == "fc2"
-    assert ts._kind_from_name("mlp.experts.local_experts.3.linear_fc1.weight") == "expert_fc1"
-    assert ts._kind_from_name("mlp.shared_experts.linear_fc2.weight") == "shared_expert_fc2"
+    assert (
+        sp.settings._ranges("0-1,5, 7-8") == ((0, 1), (5, 5), (7, 8))
+        and sp.settings._ranges("") is None
+    )
+    assert [x for x in range(10) if sp.settings.in_spans(sp.settings._ranges("0-1,5, 7-8"), x)] == [
+        0,
+        1,
+        5,
+        7,
+        8,
+    ]
+    assert sp.capture.kind_from_name("self_attention.linear_qkv.weight") == "qkv"
+    assert sp.capture.kind_from_name("mlp.linear_fc2.weight") == "fc2"
+    assert (
+        sp.capture.kind_from_name("mlp.experts.local_experts.3.linear_fc1.weight") == "expert_fc1"
+    )
+    assert sp.capture.kind_from_name("mlp.shared_experts.linear_fc2.weight") == "shared_expert_fc2"
 
 
 def test_linear_meta_finds_the_layer_of_a_weight():
@@ -398,7 +435,7 @@ def test_rank_in_names_and_stats_only_in_process(saver_module, monkeypatch, tmp_
     import torch
 
     ts = saver_module(TENSOR_SAVE_STATS_ONLY="true")
-    monkeypatch.setattr(ts, "_rank_info", lambda: (3, 8))
+    monkeypatch.setattr(sp.settings, "rank_info", lambda: (3, 8))
     t = torch.arange(12, dtype=torch.float32).reshape(3, 4)
     ts.save_attention_tensors(t, None, t * 2, "hifp8", "forward", 5, {"module_kind": "x"})
     assert ts.flush()["files"] == 2
@@ -443,6 +480,8 @@ def test_byte_cap_and_selection_in_process(saver_module, capsys):
         ("TENSOR_SAVE_NICE", "20"),
         ("TENSOR_SAVE_STATS_ONLY", "maybe"),
         ("TENSOR_SAVE_ENABLED", "ture"),
+        ("TENSOR_SAVE_ACCELERATORS", "turbo"),
+        ("TENSOR_SAVE_ACCELERATORS", "all,pickler"),
     ],
 )
 def test_a_bad_variable_turns_saving_off_in_one_line(saver_module, capsys, tmp_path, name, value):
@@ -459,6 +498,24 @@ def test_a_bad_variable_turns_saving_off_in_one_line(saver_module, capsys, tmp_p
     ts.save_tensor(torch.ones(4), "linear", "forward", None, "input", 1)
     assert ts.flush()["files"] == 0 and not (tmp_path / "t").exists()
     assert capsys.readouterr().err == ""  # said once, at configuration
+
+
+@pytest.mark.parametrize(
+    ("value", "on"),
+    [
+        ("none", set()),
+        ("stats-kernel", {"stats-kernel"}),
+        (" Pickler , stats-kernel ", {"pickler", "stats-kernel"}),
+        ("all", {"pickler", "stats-kernel"}),
+    ],
+)
+def test_accelerators_are_asked_for_by_name(saver_module, value, on):
+    ts = saver_module(TENSOR_SAVE_ACCELERATORS=value)
+    status = ts.accelerator_status()
+    assert {name for name, said in status.items() if said != "off"} == on
+    assert set(status) == {"stats-kernel", "pickler"}
+    if "pickler" in on:
+        assert status["pickler"] == "on: pickler"  # this torch is one it was checked on
 
 
 def test_bad_variables_are_quiet_while_saving_is_off(saver_module, capsys):
@@ -536,7 +593,7 @@ def test_a_full_disk_leaves_no_partial_file_and_counts_no_bytes(
     import torch
 
     ts = saver_module(TENSOR_SAVE_MAX_BYTES="1000")
-    monkeypatch.setattr(ts, "os", _OsWithFullDisk())
+    monkeypatch.setattr(sp.ondisk, "os", _OsWithFullDisk())
     for layer in range(3):
         ts.save_tensor(torch.ones(100), "linear", "forward", None, "input", layer)  # 400 bytes
         report = ts.flush()
@@ -544,7 +601,7 @@ def test_a_full_disk_leaves_no_partial_file_and_counts_no_bytes(
     assert sorted(p.name for p in (tmp_path / "t").iterdir()) == []
     assert "No space left on device" in capsys.readouterr().err
     # the failed writes did not use up the cap: once the disk has room, saving goes on
-    monkeypatch.setattr(ts, "os", os)
+    monkeypatch.setattr(sp.ondisk, "os", os)
     for layer in range(2):
         ts.save_tensor(torch.ones(100), "linear", "forward", None, "input", layer)
     assert ts.flush()["files"] == 2 and "MAX_BYTES" not in capsys.readouterr().err
@@ -568,7 +625,7 @@ def test_a_full_disk_cuts_a_partial_stats_line(saver_module, monkeypatch, tmp_pa
             os.write(fd, data[:10])
             raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(ts, "os", _Os())
+    monkeypatch.setattr(sp.ondisk, "os", _Os())
     ts.save_tensor(torch.ones(4), "linear", "forward", None, "input", 2)
     assert ts.flush()["failed"] == 1
     assert path.read_bytes() == whole
@@ -582,7 +639,7 @@ def test_an_error_inside_the_saver_turns_saving_off(saver_module, monkeypatch, c
     def broken(self, *args):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(ts._Saver, "_capture", broken)
+    monkeypatch.setattr(sp.writer.Saver, "_capture", broken)
     for layer in range(3):
         ts.save_tensor(torch.ones(4), "linear", "forward", None, "input", layer)
     err = capsys.readouterr().err.splitlines()
@@ -597,7 +654,7 @@ def test_a_new_tensor_at_a_freed_address_is_saved(saver_module, monkeypatch):
     import torch
 
     ts = saver_module()
-    monkeypatch.setattr(ts, "_identity", lambda t: ("one address",))
+    monkeypatch.setattr(sp.capture, "identity", lambda t: ("one address",))
     first = torch.ones(8)
     ts.save_tensor(first, "linear", "forward", None, "input", 0)
     assert ts.flush()["files"] == 1
@@ -623,7 +680,7 @@ def test_cuda_tensor_written_after_the_call_is_saved_as_it_was(saver_module):
         t.add_(1.0)  # queued on the training stream right behind the call
         want_now = want.clone()
         report = ts.flush()
-        saved = sorted(Path(ts._CFG.save_dir).glob("*_input.pt"))[-1]
+        saved = sorted(Path(sp.settings.CFG.save_dir).glob("*_input.pt"))[-1]
         assert torch.equal(torch.load(saved)["tensor"], want_now), report
         want = want + 1.0
 
@@ -640,11 +697,13 @@ def test_cuda_pinned_buffers_made_by_either_thread(saver_module, monkeypatch, ha
     import torch
 
     ts = saver_module()
-    monkeypatch.setattr(ts, "_HANDOVER_BYTES", handover)
-    ts._SAVER.pinned = ts._HostPool(ts._PINNED_POOL_BYTES)
+    monkeypatch.setattr(sp.capture, "HANDOVER_BYTES", handover)
+    ts._SAVER.snapshots.pinned = sp.capture.HostPool(sp.capture.PINNED_POOL_BYTES)
     copies = []
-    real = ts._Saver._copy_to_host
-    monkeypatch.setattr(ts._Saver, "_copy_to_host", lambda s, i: copies.append(1) or real(s, i))
+    real = sp.capture.Snapshots.copy_to_host
+    monkeypatch.setattr(
+        sp.capture.Snapshots, "copy_to_host", lambda s, i: copies.append(1) or real(s, i)
+    )
     gen = torch.Generator(device="cuda").manual_seed(2)
     for step in range(3):
         ts_ = [torch.randn(257, 1000, device="cuda", generator=gen) for _ in range(6)]
@@ -653,13 +712,13 @@ def test_cuda_pinned_buffers_made_by_either_thread(saver_module, monkeypatch, ha
             ts.save_tensor(t, "linear", "forward", None, f"input{i}", step)
             t.zero_()  # queued right behind the call
         assert ts.flush()["failed"] == 0
-        assert ts._SAVER.handed_over == 0
+        assert ts._SAVER.snapshots.handed_over == 0
         # six buffers made in the first step, by the statistics thread where allowed, and
         # taken again (none made) in the next ones
         assert len(copies) == (6 if handover else 0)
-        assert ts._SAVER.pinned.bytes == 6 * 257 * 1000 * 4
+        assert ts._SAVER.snapshots.pinned.bytes == 6 * 257 * 1000 * 4
         for i, w in enumerate(want):
-            (path,) = Path(ts._CFG.save_dir).glob(f"*_L{step}_forward_*_input{i}.pt")
+            (path,) = Path(sp.settings.CFG.save_dir).glob(f"*_L{step}_forward_*_input{i}.pt")
             assert torch.equal(torch.load(path, weights_only=True)["tensor"], w)
 
 
@@ -685,7 +744,7 @@ def test_writer_threads_pool_and_format(saver_module, tmp_path):
     ts.save_tensor(odd, "linear", "forward", "mxfp8", "weight", 99)
     report = ts.flush()
     assert report["files"] == 13 and report["failed"] == 0
-    assert len(ts._SAVER.threads) == 3 and ts._SAVER.pool.bytes > 0
+    assert len(ts._SAVER.threads) == 3 and ts._SAVER.snapshots.pool.bytes > 0
     for path in sorted((tmp_path / "t").glob("*.pt")):
         assert not zipfile.is_zipfile(path)
         obj = torch.load(path, weights_only=True)
@@ -724,11 +783,11 @@ def test_the_saver_threads_yield_to_training(saver_module, nice, lower):
     later.start()
     later.join()
     assert seen["n"] == threads
-    if ts._openmp() is not None:
+    if sp.writer._openmp() is not None:
         one: dict[str, int] = {}
 
         def probe() -> None:
-            ts._one_core()
+            sp.writer._one_core()
             one["n"] = torch.get_num_threads()
 
         prober = threading.Thread(target=probe)
@@ -742,12 +801,12 @@ def test_configure_keeps_the_host_snapshot_buffers(saver_module, tmp_path):
     import torch
 
     ts = saver_module()
-    ts._SAVER.pool = pool = ts._HostPool(ts._POOL_BYTES)
+    ts._SAVER.snapshots.pool = pool = sp.capture.HostPool(sp.capture.POOL_BYTES)
     ts.save_tensor(torch.ones(1000), "linear", "forward", None, "input", 1)
     assert ts.flush()["files"] == 1 and pool.bytes == 4000
     (buffer,) = pool.free[(torch.float32, (1000,))]
     ts.configure()
-    assert ts._SAVER.pool is pool
+    assert ts._SAVER.snapshots.pool is pool
     ts.save_tensor(torch.full((1000,), 2.0), "linear", "forward", None, "input", 2)
     assert ts.flush()["files"] == 1
     assert pool.free[(torch.float32, (1000,))] == [buffer]  # used again, and back
@@ -760,16 +819,18 @@ def test_a_failure_in_the_statistics_is_counted_and_saving_goes_on(
     import torch
 
     ts = saver_module()
-    ts._SAVER.pool = ts._HostPool(ts._POOL_BYTES)  # configure() keeps the last one's buffers
-    real = ts._host_stats
-    monkeypatch.setattr(ts, "_host_stats", lambda t: 1 / 0)
+    ts._SAVER.snapshots.pool = sp.capture.HostPool(
+        sp.capture.POOL_BYTES
+    )  # configure() keeps the last one's buffers
+    real = sp.stats.host_stats
+    monkeypatch.setattr(sp.stats, "host_stats", lambda t: 1 / 0)
     for layer in range(3):
         ts.save_tensor(torch.ones(256), "linear", "forward", None, "input", layer)
     report = ts.flush()
     assert report["failed"] == 3 and report["files"] == 0 and report["bytes"] == 0
     assert "ZeroDivisionError" in capsys.readouterr().err
-    assert 256 * 4 <= ts._SAVER.pool.bytes <= 3 * 256 * 4  # snapshots back in the pool
-    monkeypatch.setattr(ts, "_host_stats", real)
+    assert 256 * 4 <= ts._SAVER.snapshots.pool.bytes <= 3 * 256 * 4  # snapshots back in the pool
+    monkeypatch.setattr(sp.stats, "host_stats", real)
     ts.save_tensor(torch.arange(256.0), "linear", "forward", None, "input", 7)
     assert ts.flush()["files"] == 1
     (path,) = (tmp_path / "t").glob("*.pt")
@@ -779,7 +840,7 @@ def test_a_failure_in_the_statistics_is_counted_and_saving_goes_on(
     ours, theirs = tmp_path / "ours.pt", tmp_path / "theirs.pt"
     fd = os.open(ours, os.O_WRONLY | os.O_CREAT)
     try:
-        ts._write_all(fd, ts._torch_bytes(obj, obj["tensor"]))
+        sp.ondisk.write_all(fd, sp.ondisk.torch_bytes(obj, obj["tensor"]))
     finally:
         os.close(fd)
     torch.save(obj, theirs, _use_new_zipfile_serialization=False)
@@ -787,7 +848,7 @@ def test_a_failure_in_the_statistics_is_counted_and_saving_goes_on(
 
 
 @pytest.mark.parametrize(
-    ("scratch_max", "kernel"), [(1 << 24, "false"), (64, "false"), (1 << 24, "true")]
+    ("scratch_max", "kernel"), [(1 << 24, "none"), (64, "none"), (1 << 24, "stats-kernel")]
 )
 def test_stats_never_write_the_tensor_and_match_torch(
     saver_module, monkeypatch, scratch_max, kernel
@@ -797,9 +858,9 @@ def test_stats_never_write_the_tensor_and_match_torch(
     hands what it cannot do exactly (not finite, offset, strided, float64) to those."""
     import torch
 
-    ts = saver_module(TENSOR_SAVE_STATS_KERNEL=kernel)
-    ts._stats_kernel(wait=True)  # compiled by now, where it can be
-    monkeypatch.setattr(ts, "_SCRATCH_MAX", scratch_max)
+    saver_module(TENSOR_SAVE_ACCELERATORS=kernel)
+    sp.stats_kernel.kernel(wait=True)  # compiled by now, where it can be
+    monkeypatch.setattr(sp.stats, "_SCRATCH_MAX", scratch_max)
     cases = [
         torch.randn(300, 7) * 3 + 5,  # float32: the copy must be a real copy
         (torch.randn(1000) * 40).to(torch.bfloat16),
@@ -815,7 +876,7 @@ def test_stats_never_write_the_tensor_and_match_torch(
     ]
     for t in cases:
         before = t.clone()
-        got = ts._host_stats(t)
+        got = sp.stats.host_stats(t)
         assert torch.equal(t, before) or torch.isnan(before).any()
         f = t.float()
         if t.numel() == 0:
@@ -837,13 +898,13 @@ def test_host_std_in_one_pass_only_where_it_is_exact(saver_module, monkeypatch, 
     result is within 1e-6 of float64's on 1M bf16 values."""
     import torch
 
-    ts = saver_module(TENSOR_SAVE_STATS_KERNEL="false")
+    saver_module()
     calls = []
-    real = ts._deviation_host
-    monkeypatch.setattr(ts, "_deviation_host", lambda *a: calls.append(1) or real(*a))
+    real = sp.stats._deviation_host
+    monkeypatch.setattr(sp.stats, "_deviation_host", lambda *a: calls.append(1) or real(*a))
     gen = torch.Generator().manual_seed(3)
     t = (torch.randn(1 << 20, generator=gen) + shift).to(torch.bfloat16)
-    got = ts._host_stats(t)
+    got = sp.stats.host_stats(t)
     exact = t.double()
     assert got[2] == pytest.approx(exact.mean().item(), rel=1e-6, abs=1e-9)
     assert got[3] == pytest.approx(exact.std().item(), rel=1e-6)
@@ -861,11 +922,11 @@ def test_either_thread_writes_the_files(saver_module, monkeypatch, tmp_path, beh
     import torch
 
     ts = saver_module(TENSOR_SAVE_STATS_ONLY=stats_only)
-    monkeypatch.setattr(ts, "_BEHIND", behind)
+    monkeypatch.setattr(sp.writer, "_BEHIND", behind)
     writers: list[str] = []
-    real = ts._Saver._write
+    real = sp.writer.Saver._write
     monkeypatch.setattr(
-        ts._Saver,
+        sp.writer.Saver,
         "_write",
         lambda self, item: writers.append(threading.current_thread().name) or real(self, item),
     )
@@ -905,8 +966,8 @@ def test_a_file_the_statistics_thread_fails_to_write_is_counted_once(
     import torch
 
     ts = saver_module()
-    monkeypatch.setattr(ts, "_BEHIND", 0)
-    real = ts._write_all
+    monkeypatch.setattr(sp.writer, "_BEHIND", 0)
+    real = sp.ondisk.write_all
     calls = []
 
     def flaky(fd, parts):
@@ -915,7 +976,7 @@ def test_a_file_the_statistics_thread_fails_to_write_is_counted_once(
             raise OSError(28, "No space left on device")
         real(fd, parts)
 
-    monkeypatch.setattr(ts, "_write_all", flaky)
+    monkeypatch.setattr(sp.ondisk, "write_all", flaky)
     for layer in range(4):
         ts.save_tensor(torch.ones(64, 64) * layer, "linear", "forward", None, "input", layer)
     report = ts.flush()
@@ -935,13 +996,13 @@ def test_only_the_one_storage_after_the_pickles_is_kept_as_a_view(saver_module, 
 
     import torch
 
-    ts = saver_module()
+    saver_module()
     host = torch.arange(1 << 16, dtype=torch.int16)
     nbytes = host.numel() * 2
     data = bytes(memoryview(host.numpy()).cast("B"))
     keys = pickle.dumps([str(k) for k in range(storages)], protocol=2)
     size = (1 << 16).to_bytes(8, "little")
-    rec = ts._Recorder(host)
+    rec = sp.ondisk._Recorder(host)
     rec.write(b"p" * nbytes)  # a pickle of exactly the storage's size
     rec.write(keys)
     rec.flush()
@@ -970,7 +1031,7 @@ def test_std_of_any_magnitude_on_the_host_and_on_the_device(saver_module, case, 
     CPU: the same operators, no synchronisation in it)."""
     import torch
 
-    ts = saver_module()
+    saver_module()
     gen = torch.Generator().manual_seed(5)
     base = torch.randn(1 << 16, generator=gen, dtype=torch.float64)
     values = {
@@ -983,8 +1044,8 @@ def test_std_of_any_magnitude_on_the_host_and_on_the_device(saver_module, case, 
     t = values.to(getattr(torch, dtype))
     exact = t.double()
     mean, std = exact.mean().item(), exact.std().item()
-    host = ts._host_stats(t)
-    _, _, dev_mean, dev_std = ts._combine(ts._device_moments(t).tolist(), t.numel())
+    host = sp.stats.host_stats(t)
+    _, _, dev_mean, dev_std = sp.stats.combine(sp.stats.device_moments(t).tolist(), t.numel())
     for got_mean, got_std in ((host[2], host[3]), (dev_mean, dev_std)):
         assert got_std == pytest.approx(std, rel=1e-6)
         assert got_mean == pytest.approx(mean, rel=1e-6, abs=1e-6 * std)
@@ -997,8 +1058,8 @@ def test_device_moments_combine_to_the_host_statistics(saver_module, monkeypatch
     the same inf / NaN where a value is not."""
     import torch
 
-    ts = saver_module()
-    monkeypatch.setattr(ts, "_DEVICE_CHUNK", chunk)
+    saver_module()
+    monkeypatch.setattr(sp.stats, "DEVICE_CHUNK", chunk)
     gen = torch.Generator().manual_seed(8)
     nan, inf = float("nan"), float("inf")
     cases = [
@@ -1020,8 +1081,8 @@ def test_device_moments_combine_to_the_host_statistics(saver_module, monkeypatch
         torch.tensor([nan]),
     ]
     for t in cases:
-        got = ts._combine(ts._device_moments(t).tolist(), t.numel())
-        host = ts._host_stats(t)
+        got = sp.stats.combine(sp.stats.device_moments(t).tolist(), t.numel())
+        host = sp.stats.host_stats(t)
         assert got == pytest.approx(host, rel=1e-6, abs=1e-6, nan_ok=True), t
         if t.numel() and bool(t.double().isfinite().all()):
             exact = t.double()
@@ -1036,7 +1097,7 @@ def test_device_moments_queue_few_operators(saver_module):
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    ts = saver_module()
+    saver_module()
 
     class Count(TorchDispatchMode):
         def __init__(self) -> None:
@@ -1051,7 +1112,7 @@ def test_device_moments_queue_few_operators(saver_module):
 
     t = torch.randn(64, 128).to(torch.bfloat16)
     with Count() as count:
-        ts._device_moments(t)
+        sp.stats.device_moments(t)
     assert len(count.kernels) <= 6, count.kernels
 
 
@@ -1073,7 +1134,7 @@ def test_the_plain_pickler_writes_torch_saves_bytes(saver_module, case):
     into its storage or values around it."""
     import torch
 
-    ts = saver_module()
+    saver_module()
     base = torch.arange(4096, dtype=torch.float32).reshape(64, 64)
     tensor = {
         "bf16": base.to(torch.bfloat16),
@@ -1090,7 +1151,7 @@ def test_the_plain_pickler_writes_torch_saves_bytes(saver_module, case):
     if case == "values":
         meta.update(pair=(1, 2.5), nested={"a": [1, {"b": "c"}]}, hooks=collections.OrderedDict())
     obj = {"tensor": tensor, "tensor_info": {"min": -1.5, "max": 2.0}, "metadata": meta}
-    parts = ts._plain_bytes(obj, tensor)
+    parts = sp.pickler.plain_bytes(obj, tensor)
     assert parts is not None  # not torch.save's path
     assert b"".join(bytes(p) for p in parts) == _legacy_torch_save(obj)
     loaded = torch.load(io.BytesIO(b"".join(bytes(p) for p in parts)), weights_only=True)
@@ -1103,7 +1164,7 @@ def test_what_the_plain_pickler_does_not_know_goes_to_torch_save(saver_module, c
     set in the metadata: the plain pickler declines, and the file is torch.save's own."""
     import torch
 
-    ts = saver_module()
+    saver_module()
     tensor = torch.randn(256, 256)
     extra = {
         "other_tensor": torch.ones(3),
@@ -1113,8 +1174,8 @@ def test_what_the_plain_pickler_does_not_know_goes_to_torch_save(saver_module, c
         "set": {1, 2},
     }[case]
     obj = {"tensor": tensor, "tensor_info": {}, "metadata": {"extra": extra}}
-    assert ts._plain_bytes(obj, tensor) is None
-    assert b"".join(bytes(p) for p in ts._torch_bytes(obj, tensor)) == _legacy_torch_save(obj)
+    assert sp.pickler.plain_bytes(obj, tensor) is None
+    assert b"".join(bytes(p) for p in sp.ondisk.torch_bytes(obj, tensor)) == _legacy_torch_save(obj)
 
 
 @pytest.mark.filterwarnings("ignore:TypedStorage is deprecated")
@@ -1124,19 +1185,19 @@ def test_a_storage_alone_is_plain_only_in_the_tensors_own_dtype(saver_module, dt
     host's memory in another dtype goes to torch.save (its count would be 4x off)."""
     import torch
 
-    ts = saver_module()
+    saver_module()
     host = torch.arange(16.0)
     storage = torch.storage.TypedStorage(
         wrap_storage=host.untyped_storage(), dtype=getattr(torch, dtype), _internal=True
     )
     obj = {"storage": storage}
-    assert (ts._plain_bytes(obj, host) is None) is (dtype == "uint8")
-    ours = b"".join(bytes(p) for p in ts._torch_bytes(obj, host))
+    assert (sp.pickler.plain_bytes(obj, host) is None) is (dtype == "uint8")
+    ours = b"".join(bytes(p) for p in sp.ondisk.torch_bytes(obj, host))
     assert ours == _legacy_torch_save(obj)
     assert torch.load(io.BytesIO(ours), weights_only=True)["storage"].nbytes() == 64
 
 
-@pytest.mark.parametrize("kernel", ["true", "false"])
+@pytest.mark.parametrize("kernel", ["stats-kernel", "none"])
 @pytest.mark.parametrize(
     "case",
     ["constant", "two_close", "integers_near_1e7", "float32_subnormals", "float64_subnormal"],
@@ -1148,8 +1209,8 @@ def test_host_stats_are_float64s_rounded_where_float32_std_is_off(saver_module, 
     overflows a Python float)."""
     import torch
 
-    ts = saver_module(TENSOR_SAVE_STATS_KERNEL=kernel)
-    ts._stats_kernel(wait=True)
+    saver_module(TENSOR_SAVE_ACCELERATORS=kernel)
+    sp.stats_kernel.kernel(wait=True)
     gen = torch.Generator().manual_seed(11)
     t = {
         "constant": torch.full((1000,), 3.3),
@@ -1161,18 +1222,26 @@ def test_host_stats_are_float64s_rounded_where_float32_std_is_off(saver_module, 
     exact = t.double()
     truth = [exact.min(), exact.max(), exact.mean(), exact.std()]
     want = torch.tensor([float(v) for v in truth], dtype=torch.float32).tolist()
-    assert ts._host_stats(t) == pytest.approx(want, rel=1e-6, abs=1e-44)
+    assert sp.stats.host_stats(t) == pytest.approx(want, rel=1e-6, abs=1e-44)
     # the device path (its operators, run here on the CPU)
-    got = ts._combine(ts._device_moments(t).tolist(), t.numel())
+    got = sp.stats.combine(sp.stats.device_moments(t).tolist(), t.numel())
     assert got == pytest.approx(want, rel=1e-6, abs=1e-44)
 
 
-def test_saved_files_do_not_go_through_torch_save(saver_module, monkeypatch, tmp_path):
-    """The saver's files are pickled by the plain pickler: torch.save is not called."""
+@pytest.mark.parametrize(("accelerators", "torch_saves"), [("none", 4), ("pickler", 0)])
+def test_files_are_torch_saves_whichever_path_writes_them(
+    saver_module, monkeypatch, tmp_path, accelerators, torch_saves
+):
+    """By default each file goes through torch.save; with the pickler accelerator torch.save
+    is not called. Either way the bytes are torch.save's own (non-zip format) and load with
+    ``weights_only=True``."""
     import torch
 
-    ts = saver_module()
-    ts._legacy_header()  # taken from torch.save once per process
+    ts = saver_module(TENSOR_SAVE_ACCELERATORS=accelerators)
+    sp.pickler._legacy_header()  # taken from torch.save once per process
+    assert ts.accelerator_status()["pickler"] == (
+        "off" if accelerators == "none" else "on: pickler"
+    )
     calls = []
     real = torch.save
     monkeypatch.setattr(torch, "save", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -1180,10 +1249,56 @@ def test_saved_files_do_not_go_through_torch_save(saver_module, monkeypatch, tmp
     for layer, tensor in enumerate(tensors):
         ts.save_tensor(tensor, "linear", "forward", None, "input", layer)
     assert ts.flush()["files"] == 4
-    assert calls == []
+    assert len(calls) == torch_saves
+    monkeypatch.setattr(torch, "save", real)
     for path in (tmp_path / "t").glob("*.pt"):
         obj = torch.load(path, weights_only=True)
         assert torch.equal(obj["tensor"], tensors[obj["metadata"]["layer_idx"]])
+        assert obj["tensor_info"]["shape"] == [128, 64] and obj["metadata"]["micro_step"] == 0
+
+
+@pytest.mark.parametrize("missing", ["rebuild", "storage_type", "version"])
+def test_the_pickler_falls_back_to_torch_save_without_the_private_names(
+    saver_module, monkeypatch, tmp_path, missing
+):
+    """The pickler needs torch-private names; on a torch without one of them (or one it was
+    not checked on) it declines, says why, and torch.save writes the file. The names are
+    taken away while the pickler looks for them (torch.save itself needs them)."""
+    import torch
+
+    ts = saver_module(TENSOR_SAVE_ACCELERATORS="pickler")
+    sp.pickler.why_not.cache_clear()
+    assert sp.pickler.why_not() == ""  # the normal path on this torch
+    tensor = torch.randn(64, 32)
+    calls = []
+    real = torch.save
+    try:
+        with monkeypatch.context() as m:
+            if missing == "rebuild":
+                m.delattr(torch._utils, "_rebuild_tensor_v2")
+            elif missing == "storage_type":
+                m.delattr(torch.storage.TypedStorage, "_pickle_storage_type")
+            else:
+                m.setattr(torch, "__version__", "9.0.0")
+            sp.pickler.why_not.cache_clear()
+            sp.pickler.why_not()  # looked for once per process
+        why = ts.accelerator_status()["pickler"]
+        want = {
+            "rebuild": "this torch has no torch._utils._rebuild_tensor_v2",
+            "storage_type": "this torch has no TypedStorage._pickle_storage_type",
+            "version": "torch 9.0.0 is not one it was checked on (2.1 to 2.13)",
+        }[missing]
+        assert why == f"on: torch.save ({want})"
+        assert sp.pickler.plain_bytes({"tensor": tensor}, tensor) is None
+        with monkeypatch.context() as m:
+            m.setattr(torch, "save", lambda *a, **k: calls.append(1) or real(*a, **k))
+            ts.save_tensor(tensor, "linear", "forward", None, "input", 3)
+            assert ts.flush()["files"] == 1
+    finally:
+        sp.pickler.why_not.cache_clear()
+    assert calls == [1]
+    (path,) = (tmp_path / "t").glob("*.pt")
+    assert torch.equal(torch.load(path, weights_only=True)["tensor"], tensor)
 
 
 def test_a_tensor_in_the_metadata_or_a_wrapper_subclass_is_written_as_torch_saves(
@@ -1197,7 +1312,7 @@ def test_a_tensor_in_the_metadata_or_a_wrapper_subclass_is_written_as_torch_save
 
     ts = saver_module()
     expected = {}
-    recorded = ts._torch_bytes
+    recorded = sp.ondisk.torch_bytes
 
     def _torch_bytes(obj, host):
         buffer = io.BytesIO()
@@ -1205,7 +1320,7 @@ def test_a_tensor_in_the_metadata_or_a_wrapper_subclass_is_written_as_torch_save
         expected[obj["metadata"]["layer_idx"]] = buffer.getvalue()
         return recorded(obj, host)
 
-    monkeypatch.setattr(ts, "_torch_bytes", _torch_bytes)
+    monkeypatch.setattr(sp.ondisk, "torch_bytes", _torch_bytes)
     tensors = [torch.full((128, 128), float(i)) for i in range(8)]  # 64 KiB, as the scale
     for i, tensor in enumerate(tensors):
         scale = {"scale": torch.full((128, 128), -1.0)}
@@ -1248,7 +1363,7 @@ def test_writes_cut_short_are_finished_and_the_file_is_torch_saves(
             return _Os.write(fd, b"".join(bytes(b) for b in buffers))
 
     expected = []
-    recorded = ts._torch_bytes
+    recorded = sp.ondisk.torch_bytes
 
     def _torch_bytes(obj, host):  # what torch.save writes for the same object
         buffer = io.BytesIO()
@@ -1256,8 +1371,8 @@ def test_writes_cut_short_are_finished_and_the_file_is_torch_saves(
         expected.append(buffer.getvalue())
         return recorded(obj, host)
 
-    monkeypatch.setattr(ts, "_torch_bytes", _torch_bytes)
-    monkeypatch.setattr(ts, "os", _Os())
+    monkeypatch.setattr(sp.ondisk, "torch_bytes", _torch_bytes)
+    monkeypatch.setattr(sp.ondisk, "os", _Os())
     tensor = torch.arange(5000, dtype=torch.bfloat16).reshape(50, 100)
     ts.save_tensor(tensor, "linear", "forward", None, "input", 1)
     assert ts.flush()["files"] == 1
@@ -1326,7 +1441,7 @@ def test_every_dtype_is_saved_so_that_torch_load_reads_it_bit_for_bit(
 
     import torch
 
-    ts = saver_module(TENSOR_SAVE_STATS_KERNEL="false")
+    ts = saver_module()
     dt = getattr(torch, dtype)
     try:
         torch.save(_sample(dt, 0), io.BytesIO())
@@ -1362,4 +1477,4 @@ def test_every_dtype_is_saved_so_that_torch_load_reads_it_bit_for_bit(
             assert stats == [None] * 4
     if savable:  # the statistics a device tensor's would get, on the host here
         t = _sample(dt, 3)
-        assert len(ts._combine(ts._device_moments(t).tolist(), t.numel())) == 4
+        assert len(sp.stats.combine(sp.stats.device_moments(t).tolist(), t.numel())) == 4

@@ -20,6 +20,19 @@ from .conftest import readable
 
 torch = pytest.importorskip("torch")
 
+
+class _SaverParts:
+    """The saver's parts (``quantpatch/runtime/quantpatch_saver/``), each imported (with
+    torch) on first use."""
+
+    def __getattr__(self, name: str):
+        import importlib
+
+        return importlib.import_module(f"quantpatch.runtime.quantpatch_saver.{name}")
+
+
+sp = _SaverParts()
+
 _SAVER_ENV_AT_IMPORT = {k: v for k, v in os.environ.items() if k.startswith("TENSOR_SAVE")}
 
 
@@ -45,10 +58,11 @@ def ts(monkeypatch, tmp_path):
         if k.startswith("TENSOR_SAVE"):
             monkeypatch.delenv(k)
     monkeypatch.setenv("TENSOR_SAVE_KERNEL_DIR", str(tmp_path / "kernels"))
+    monkeypatch.setenv("TENSOR_SAVE_ACCELERATORS", "stats-kernel")
     tensor_saver.configure()
-    tensor_saver._forget_stats_kernel()
+    sp.stats_kernel.forget()
     yield tensor_saver
-    tensor_saver._forget_stats_kernel()
+    sp.stats_kernel.forget()
     monkeypatch.undo()
     tensor_saver.configure()
 
@@ -96,10 +110,10 @@ def test_kernel_gives_float64s_answer_rounded_for_every_length(ts, dtype, n):
     base = (torch.randn(n + 3, generator=gen) * 2.5 - 0.75).to(getattr(torch, dtype))
     t = base[3:]
     assert _ready(ts).startswith("kernel (compiled: ")
-    got = ts._fused_stats(t)
+    got = sp.stats_kernel.fused_stats(t)
     assert got is not None
     _one_ulp(got, _truth(t))
-    assert ts._host_stats(t) == got
+    assert sp.stats.host_stats(t) == got
 
 
 @needs_cc
@@ -118,7 +132,7 @@ def test_kernel_extremes_of_each_type(ts):
     ]
     assert _ready(ts).startswith("kernel (")
     for t in cases:
-        got = ts._fused_stats(t)
+        got = sp.stats_kernel.fused_stats(t)
         assert got is not None, t
         _one_ulp(got, _truth(t))
 
@@ -142,14 +156,15 @@ def test_kernel_hands_over_what_it_cannot_do_exactly(ts, monkeypatch):
     ]
     assert _ready(ts).startswith("kernel (")
     for t in cases:
-        assert ts._fused_stats(t) is None
-    kernel = [ts._host_stats(t) for t in cases]
-    monkeypatch.setenv("TENSOR_SAVE_STATS_KERNEL", "false")
+        assert sp.stats_kernel.fused_stats(t) is None
+    kernel = [sp.stats.host_stats(t) for t in cases]
+    monkeypatch.setenv("TENSOR_SAVE_ACCELERATORS", "none")
     ts.configure()
-    eager = [ts._host_stats(t) for t in cases]
+    eager = [sp.stats.host_stats(t) for t in cases]
     for k, e in zip(kernel, eager, strict=True):
         assert k == pytest.approx(e, nan_ok=True)
-    assert ts.stats_kernel_status() == "torch operators (TENSOR_SAVE_STATS_KERNEL is false)"
+    off = "torch operators (stats-kernel is not in TENSOR_SAVE_ACCELERATORS)"
+    assert ts.stats_kernel_status() == off
 
 
 @needs_cc
@@ -162,16 +177,16 @@ def test_kernel_reads_only_plain_host_memory(ts):
 
     x = torch.randn(64)
     assert _ready(ts).startswith("kernel (")
-    assert ts._fused_stats(torch.nn.Parameter(x.clone())) is not None
+    assert sp.stats_kernel.fused_stats(torch.nn.Parameter(x.clone())) is not None
     for t in [
         TwoTensor(torch.randn(96, 128), torch.randn(96, 128)),
         torch._neg_view(x),
         x.to_sparse(),
         torch.empty(64, device="meta"),
     ]:
-        assert ts._fused_stats(t) is None, type(t)
+        assert sp.stats_kernel.fused_stats(t) is None, type(t)
     neg = torch._neg_view(x)
-    assert ts._host_stats(neg) == pytest.approx(_truth(-x), rel=1e-6)
+    assert sp.stats.host_stats(neg) == pytest.approx(_truth(-x), rel=1e-6)
 
 
 @needs_cc
@@ -184,8 +199,8 @@ def test_mean_large_next_to_the_spread_is_left_to_two_passes(ts):
     assert _ready(ts).startswith("kernel (")
     for shift, kernel in [(0.0, True), (30.0, True), (150.0, True), (300.0, False), (1e5, False)]:
         t = torch.randn(1 << 20, generator=gen) + shift
-        assert (ts._fused_stats(t) is not None) is kernel, shift
-        got = ts._host_stats(t)
+        assert (sp.stats_kernel.fused_stats(t) is not None) is kernel, shift
+        got = sp.stats.host_stats(t)
         want = _truth(t)
         assert got[2:] == pytest.approx(want[2:], rel=1e-6)
 
@@ -193,10 +208,10 @@ def test_mean_large_next_to_the_spread_is_left_to_two_passes(ts):
 def test_the_bound_follows_the_kernels_blocks(ts):
     """``_sums_depth`` describes the C source's blocks; tensors too large for any spread to
     be kept skip the kernel's pass."""
-    assert f"#define QP_BLOCK {ts._STATS_BLOCK}\n" in ts._STATS_C
-    assert ts._sums_depth(1 << 20) == 256 + 256 + 25
-    assert ts._exact_enough(1 << 30, 1.0, 1.0)
-    assert not ts._exact_enough(1 << 37, 1.0, 1.0)
+    assert f"#define QP_BLOCK {sp.stats_kernel._STATS_BLOCK}\n" in sp.stats_kernel._STATS_C
+    assert sp.stats_kernel._sums_depth(1 << 20) == 256 + 256 + 25
+    assert sp.stats_kernel._exact_enough(1 << 30, 1.0, 1.0)
+    assert not sp.stats_kernel._exact_enough(1 << 37, 1.0, 1.0)
 
 
 @pytest.fixture
@@ -220,7 +235,7 @@ def test_compiled_once_then_loaded_from_the_cache(ts, tmp_path, scratch_tmp):
     assert len(files) == 1 and files[0].name.startswith("tensor_stats_")  # no leftovers
     assert stat.S_IMODE(where.stat().st_mode) == 0o700
     assert not list(scratch_tmp.iterdir())
-    ts._forget_stats_kernel()
+    sp.stats_kernel.forget()
     assert ts.stats_kernel_status() == f"kernel (cached: {files[0]})"
 
 
@@ -246,9 +261,9 @@ def test_a_compile_never_holds_up_the_saver(ts, monkeypatch, tmp_path):
     seen: dict[str, object] = {}
 
     def meanwhile() -> None:
-        seen["fused"] = ts._fused_stats(t)
-        seen["kernel"] = ts._stats_kernel()
-        seen["eager"] = ts._host_stats(t)
+        seen["fused"] = sp.stats_kernel.fused_stats(t)
+        seen["kernel"] = sp.stats_kernel.kernel()
+        seen["eager"] = sp.stats.host_stats(t)
 
     release = os.open(gate, os.O_RDWR)  # never blocks; the line waits here until read
     try:
@@ -263,7 +278,7 @@ def test_a_compile_never_holds_up_the_saver(ts, monkeypatch, tmp_path):
     finally:
         os.close(release)
     eager = seen["eager"]
-    got = ts._fused_stats(t)
+    got = sp.stats_kernel.fused_stats(t)
     assert got is not None
     _one_ulp(got, _truth(t))
     # torch's operators sum in another order than the kernel: the mean (near 0) differs by a
@@ -281,7 +296,7 @@ def test_a_hung_compiler_is_stopped_with_its_children(ts, monkeypatch, tmp_path)
     hung.write_text(f"#!/bin/sh\nsleep 1000 &\necho $! > {pidfile}\nwait\n")
     hung.chmod(0o755)
     monkeypatch.setenv("CC", str(hung))
-    monkeypatch.setattr(ts, "_COMPILE_TIMEOUT", 1.0)
+    monkeypatch.setattr(sp.stats_kernel, "_COMPILE_TIMEOUT", 1.0)
     assert _ready(ts) == f"torch operators ({hung} took over 1 s and was stopped)"
     child = int(pidfile.read_text())
     _exited(child, "the compiler's child still runs")
@@ -312,7 +327,7 @@ def test_a_cached_kernel_that_fails_is_compiled_again(ts, tmp_path, bad):
         cc = _cc()
         subprocess.run([cc, "-shared", "-fPIC", "-o", str(fake), str(src)], check=True)
     os.replace(fake, target)
-    ts._forget_stats_kernel()
+    sp.stats_kernel.forget()
     assert _ready(ts) == f"kernel (compiled: {target})"
     assert [p.name for p in where.iterdir()] == [target.name]
     # the next process loads the new file (this one keeps the bad library mapped under
@@ -323,6 +338,7 @@ def test_a_cached_kernel_that_fails_is_compiled_again(ts, tmp_path, bad):
 def _status_in_a_new_process(where: Path, **env: str) -> str:
     full = {k: v for k, v in os.environ.items() if not k.startswith("TENSOR_SAVE")}
     full["TENSOR_SAVE_KERNEL_DIR"] = str(where)
+    full["TENSOR_SAVE_ACCELERATORS"] = "stats-kernel"
     full.update(env)
     code = "from quantpatch.runtime import tensor_saver as ts; print(ts.stats_kernel_status())"
     run = subprocess.run(
@@ -371,7 +387,7 @@ def test_a_cache_that_cannot_be_used_leaves_nothing_behind(
         assert _ready(ts).startswith("kernel (compiled: ")
         (target,) = where.iterdir()
         target.chmod(0o666)
-        ts._forget_stats_kernel()
+        sp.stats_kernel.forget()
         why = f"{target} is not this user's alone"
     elif what == "not_a_directory":
         where.write_text("a file")
@@ -389,7 +405,7 @@ def test_a_cache_that_cannot_be_used_leaves_nothing_behind(
     assert status.startswith(f"kernel (compiled, not cached: {why}"), status
     assert not list(scratch_tmp.iterdir())
     t = torch.randn(100).to(torch.bfloat16)
-    assert ts._fused_stats(t) is not None
+    assert sp.stats_kernel.fused_stats(t) is not None
     if what in ("directory", "file"):
         assert len(list(where.iterdir())) == (0 if what == "directory" else 1)
 
@@ -401,7 +417,7 @@ def test_a_failure_looking_for_the_kernel_never_fails_a_save(ts, monkeypatch, tm
     def broken(cc: object) -> tuple[object, str]:
         raise OSError("something unforeseen")
 
-    monkeypatch.setattr(ts, "_cache_target", broken)
+    monkeypatch.setattr(sp.stats_kernel, "_cache_target", broken)
     monkeypatch.setenv("TENSOR_SAVE_ENABLED", "true")
     monkeypatch.setenv("TENSOR_SAVE_DIR", str(tmp_path / "t"))
     ts.configure()
@@ -415,23 +431,23 @@ def test_a_failure_looking_for_the_kernel_never_fails_a_save(ts, monkeypatch, tm
 
 def test_without_a_compiler_the_operators_compute_the_stats(ts, monkeypatch, tmp_path):
     t = (torch.randn(1000) * 3).to(torch.bfloat16)
-    monkeypatch.setenv("TENSOR_SAVE_STATS_KERNEL", "false")
+    monkeypatch.setenv("TENSOR_SAVE_ACCELERATORS", "none")
     ts.configure()
-    eager = ts._host_stats(t)
-    monkeypatch.setenv("TENSOR_SAVE_STATS_KERNEL", "true")
+    eager = sp.stats.host_stats(t)
+    monkeypatch.setenv("TENSOR_SAVE_ACCELERATORS", "stats-kernel")
     ts.configure()
     for cc, why in [
         (str(tmp_path / "no-such-cc"), "could not run (FileNotFoundError"),
         ("false", "failed (no output)"),
     ]:
         monkeypatch.setenv("CC", cc)
-        ts._forget_stats_kernel()
-        assert ts._host_stats(t) == eager
+        sp.stats_kernel.forget()
+        assert sp.stats.host_stats(t) == eager
         assert _ready(ts).startswith(f"torch operators ({cc} {why}"), cc
     monkeypatch.delenv("CC")
     monkeypatch.setenv("PATH", str(tmp_path))
-    ts._forget_stats_kernel()
-    assert ts._host_stats(t) == eager
+    sp.stats_kernel.forget()
+    assert sp.stats.host_stats(t) == eager
     assert _ready(ts) == "torch operators (no C compiler (cc, gcc or clang) on PATH)"
     assert not list((tmp_path / "kernels").glob("*.so"))
 
@@ -450,7 +466,7 @@ def test_other_machines_use_the_operators(ts, monkeypatch):
 
     monkeypatch.setattr(platform, "machine", lambda: "aarch64")
     t = torch.randn(100).to(torch.bfloat16)
-    assert ts._fused_stats(t) is None
+    assert sp.stats_kernel.fused_stats(t) is None
     assert ts.stats_kernel_status() == "torch operators (not an x86-64 host (aarch64))"
 
 
@@ -463,13 +479,15 @@ def test_ranks_that_start_together_share_one_cached_kernel(tmp_path):
         """
         import torch
         from quantpatch.runtime import tensor_saver as ts
+        from quantpatch.runtime.quantpatch_saver import stats_kernel
         print(ts.stats_kernel_status())
         t = torch.arange(100, dtype=torch.bfloat16)
-        assert ts._fused_stats(t) is not None
+        assert stats_kernel.fused_stats(t) is not None
         """
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("TENSOR_SAVE")}
     env["TENSOR_SAVE_KERNEL_DIR"] = str(tmp_path / "kernels")
+    env["TENSOR_SAVE_ACCELERATORS"] = "stats-kernel"
     procs = [
         subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
         for _ in range(4)
@@ -527,8 +545,8 @@ def test_saved_files_hold_the_kernels_statistics(ts, monkeypatch, tmp_path):
 def _refusal(ts, directory: Path) -> str:
     """Why ``_open_cache_dir`` refuses ``directory`` ("" where it opens it)."""
     try:
-        fd = ts._open_cache_dir(directory)
-    except ts._Refused as exc:
+        fd = sp.stats_kernel._open_cache_dir(directory)
+    except sp.stats_kernel._Refused as exc:
         return str(exc)
     os.close(fd)
     return ""
@@ -602,7 +620,7 @@ def test_a_cache_that_could_be_swapped_is_not_used(ts, monkeypatch, tmp_path, sc
         where = shared / "kernels"
         why = f"{shared} lets others rename what it holds"
     monkeypatch.setenv("TENSOR_SAVE_KERNEL_DIR", str(where))
-    ts._forget_stats_kernel()
+    sp.stats_kernel.forget()
     status = _ready(ts)
     assert status.startswith(f"kernel (compiled, not cached: {why}"), status
 
@@ -613,13 +631,13 @@ def test_without_proc_nothing_is_loaded(ts, monkeypatch, scratch_tmp):
     the cache nor a build of this process's own is used, and torch's operators stay."""
 
     def no_proc(fd: int) -> str:
-        raise ts._Refused("no /proc/self/fd to load the kernel through a descriptor")
+        raise sp.stats_kernel._Refused("no /proc/self/fd to load the kernel through a descriptor")
 
-    monkeypatch.setattr(ts, "_proc_path", no_proc)
+    monkeypatch.setattr(sp.stats_kernel, "_proc_path", no_proc)
     assert (
         _ready(ts) == "torch operators (no /proc/self/fd to load the kernel through a descriptor)"
     )
-    assert ts._fused_stats(torch.randn(100).to(torch.bfloat16)) is None
+    assert sp.stats_kernel.fused_stats(torch.randn(100).to(torch.bfloat16)) is None
     assert not list(scratch_tmp.iterdir())
 
 
@@ -683,7 +701,7 @@ def test_a_directory_swapped_above_the_cache_never_gets_its_library_loaded(
     import tempfile
 
     if rule == "descriptors_alone":
-        monkeypatch.setattr(ts, "_ancestor_trusted", lambda st: True)
+        monkeypatch.setattr(sp.stats_kernel, "_ancestor_trusted", lambda st: True)
 
     cc = _cc()
     # a compiler that builds the genuine library once, then fails at once: every try below
@@ -746,7 +764,7 @@ def test_a_directory_swapped_above_the_cache_never_gets_its_library_loaded(
         for i in range(tries):
             current.write_text(str(i))
             monkeypatch.setenv("TENSOR_SAVE_KERNEL_DIR", str(shared / f"c{i}" / "kernels"))
-            ts._forget_stats_kernel()
+            sp.stats_kernel.forget()
             seen.append(ts.stats_kernel_status())
             assert not marker.exists(), f"the swapped-in library ran (try {i})"
         current.write_text("stop")
@@ -788,10 +806,10 @@ def test_each_compiler_command_gets_its_own_cache_entry(ts, monkeypatch, tmp_pat
     monkeypatch.setenv("CC", str(first))
     assert _ready(ts).startswith("kernel (compiled: ")
     monkeypatch.setenv("CC", f"{first} -O1")
-    ts._forget_stats_kernel()
+    sp.stats_kernel.forget()
     assert _ready(ts).startswith("kernel (compiled: ")
     assert len(list(where.iterdir())) == 2
-    ts._forget_stats_kernel()
+    sp.stats_kernel.forget()
     assert _ready(ts).startswith("kernel (cached: ")
 
 
@@ -835,6 +853,7 @@ def test_a_umask_002_run_caches_the_kernel_for_the_next(tmp_path):
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("TENSOR_SAVE")}
     env["TENSOR_SAVE_KERNEL_DIR"] = str(where)
+    env["TENSOR_SAVE_ACCELERATORS"] = "stats-kernel"
     got = [
         subprocess.run(
             [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
@@ -865,7 +884,9 @@ def test_a_build_folder_left_by_a_killed_process_is_swept(ts, tmp_path):
     )
     slow.chmod(0o755)
     env = {k: v for k, v in os.environ.items() if not k.startswith("TENSOR_SAVE")}
-    env.update(TENSOR_SAVE_KERNEL_DIR=str(where), CC=str(slow))
+    env.update(
+        TENSOR_SAVE_KERNEL_DIR=str(where), TENSOR_SAVE_ACCELERATORS="stats-kernel", CC=str(slow)
+    )
     code = "from quantpatch.runtime import tensor_saver as ts; ts.stats_kernel_status()"
     proc = subprocess.Popen([sys.executable, "-c", code], env=env)
     # the compiler writes its pid into a named pipe: a barrier, read once it is there (a
@@ -892,22 +913,30 @@ def test_a_build_folder_left_by_a_killed_process_is_swept(ts, tmp_path):
 
 
 def test_the_installed_module_imports_torch_and_the_standard_library_only():
-    """The contract of ``megatron/core/tensor_saver.py``: the kernel is C source inside it,
-    compiled by the system's compiler, loaded with ctypes; no other package."""
+    """The contract of ``megatron/core/tensor_saver.py`` and its parts: the kernel is C
+    source inside ``stats_kernel.py``, compiled by the system's compiler, loaded with ctypes;
+    no other package, and the parts only each other (relative imports, which resolve in
+    ``megatron.core`` as in ``quantpatch.runtime``)."""
     import ast
 
     from quantpatch.runtime import tensor_saver
 
-    tree = ast.parse(Path(tensor_saver.__file__).read_text(encoding="utf-8"))
-    imported = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            imported |= {alias.name.partition(".")[0] for alias in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            assert node.level == 0 and node.module is not None
-            imported.add(node.module.partition(".")[0])
-    assert "ctypes" in imported
+    here = Path(tensor_saver.__file__).parent
+    files = [Path(tensor_saver.__file__), *sorted((here / "quantpatch_saver").glob("*.py"))]
+    imported, relative = set(), set()
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                imported |= {alias.name.partition(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level:
+                relative.add((path.name, node.level, node.module))
+            elif isinstance(node, ast.ImportFrom):
+                assert node.module is not None
+                imported.add(node.module.partition(".")[0])
+    assert "ctypes" in imported and len(files) == 11
     assert imported - set(sys.stdlib_module_names) == {"torch"}
+    assert {(n, m) for n, level, m in relative if level != 1} == set()
+    assert ("tensor_saver.py", 1, "quantpatch_saver") in relative
 
 
 def test_these_tests_leave_the_environment_as_they_found_it():

@@ -1021,7 +1021,7 @@ def test_list_states_every_value_with_its_reference(run):
         "scale": "e8m0-rceil",
         "rht": False,
         "gradient_rounding": "nearest",
-        "fused_gemm": False,
+        "fused_gemm": True,
         "reference": values["mxfp8-rceil"]["reference"],
         "megatron": "--fp8-format e4m3 --fp8-recipe mxfp8",
     }

@@ -89,6 +89,7 @@ def test_the_hint_for_sbatchs_node_configuration_refusal():
     assert hint == (
         " (the scripts ask for 1 node(s) with 8 GPU(s) each and partition debug has 1 node "
         "with gpu:2: --gpus-per-node N and --nodes N of sweep run change that, as "
-        "gpus_per_node and nodes in the [profiles.NAME] table of a --config do)"
+        "gpus_per_node in the [profiles.NAME] table and nodes in the [profiles.NAME.parallel] "
+        "table of a --config do)"
     )
     assert sbatch_hint("Invalid account", 8, 1, part) == ""

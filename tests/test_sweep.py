@@ -615,7 +615,7 @@ def test_a_slurm_sweep_is_checked_against_the_nodes_gpus(sweep_env, run, monkeyp
     assert rec["selection"]["gpus_per_node"] == 2
     assert rec["layout"] == {"gpus_per_node": 2, "nodes": 1}
     # sbatch's own refusal (a node that declares GPUs sinfo does not show this way)
-    monkeypatch.setenv("STUB_SINFO", "1 gpu:8 8 64000")
+    monkeypatch.setenv("STUB_SINFO", "1 gpu:8 32 64000")  # 24 CPUs for 8 ranks: there
     monkeypatch.setenv("STUB_SBATCH_REFUSES", "Requested node configuration is not available")
     other = tmp_path / "other"
     res = run("sweep", "run", other, *select)
@@ -625,7 +625,8 @@ def test_a_slurm_sweep_is_checked_against_the_nodes_gpus(sweep_env, run, monkeyp
         "sbatch refused the sweep: Batch job submission failed: Requested node configuration "
         "is not available (the scripts ask for 1 node(s) with 8 GPU(s) each and partition "
         "debug has 1 node with gpu:8: --gpus-per-node N and --nodes N of sweep run change "
-        "that, as gpus_per_node and nodes in the [profiles.NAME] table of a --config do)."
+        "that, as gpus_per_node in the [profiles.NAME] table and nodes in the "
+        "[profiles.NAME.parallel] table of a --config do)."
     ) in said
     assert not (other / "sweep.json").exists()
 

@@ -50,9 +50,10 @@ def _unavailable() -> str | None:
 
 
 @contextmanager
-def one_node_slurm(where: Path, gpus: int = 8) -> Iterator[dict[str, str]]:
+def one_node_slurm(where: Path, gpus: int = 8, nodes: int = 1) -> Iterator[dict[str, str]]:
     """A running one-node cluster whose node declares ``gpus`` GPUs: the environment its
-    clients need (SLURM_CONF); skipped (or failed, under QUANTPATCH_REAL_SLURM=1) where it
+    clients need (SLURM_CONF); ``nodes`` > 1: that many nodes, each a ``slurmd -N`` of
+    this machine. Skipped (or failed, under QUANTPATCH_REAL_SLURM=1) where it
     cannot start. One cluster at a time on this machine (its daemons take fixed ports): a
     second user (another xdist worker) waits on a lock until the first stopped its cluster."""
     why = _unavailable()
@@ -63,16 +64,16 @@ def one_node_slurm(where: Path, gpus: int = 8) -> Iterator[dict[str, str]]:
     with open(Path(tempfile.gettempdir()) / "quantpatch-one-node-slurm.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
-            with _started(where, gpus) as client:
+            with _started(where, gpus, nodes) as client:
                 yield client
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 @contextmanager
-def _started(where: Path, gpus: int) -> Iterator[dict[str, str]]:
+def _started(where: Path, gpus: int, nodes: int = 1) -> Iterator[dict[str, str]]:
     timings = {}
-    env = {**os.environ, "SLURM_NODE_GPUS": str(gpus)}
+    env = {**os.environ, "SLURM_NODE_GPUS": str(gpus), "SLURM_NODES": str(nodes)}
     for step, args in (("install", ["install"]), ("start", ["start", str(where)])):
         began = time.monotonic()
         res = subprocess.run(["bash", str(CLUSTER), *args], capture_output=True, text=True, env=env)

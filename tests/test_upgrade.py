@@ -12,7 +12,7 @@ import git
 import libcst as cst
 import pytest
 
-from quantpatch.checkout.parts import OPS_MODULE, OPS_MODULES, runtime_source
+from quantpatch.checkout.parts import OPS_MODULE, OPS_MODULES, SAVER_MODULES, runtime_source
 
 from .conftest import ATTENTION, LINEAR
 from .oldrelease import OLD_OPS, make_old_release
@@ -49,8 +49,8 @@ def test_an_old_release_checkout_is_upgraded_in_one_commit(run, make_checkout):
     assert (tree / OPS_MODULE).read_text() == OLD_OPS
 
     parts = _parts(run, root)
-    assert parts["ops"] == "older" and parts["sites"] == "older"
-    assert parts["kernels"] == parts["flash"] == parts["saver"] == "current"
+    assert parts["ops"] == parts["sites"] == parts["saver"] == "older"  # the single-file saver
+    assert parts["kernels"] == parts["flash"] == "current"
     res = run("check", "--repo", root, "--expect", "parts=current")
     assert res.code == 1 and "ops is older" in res.err
     assert "installed parts: ops older" in run("check", "--repo", root).out
@@ -60,7 +60,7 @@ def test_an_old_release_checkout_is_upgraded_in_one_commit(run, make_checkout):
     assert res.code == 0, res
     assert repo.head.commit.parents == (old_head,) and not repo.is_dirty()
     assert repo.head.commit.message.startswith("quantpatch upgrade:")
-    for rel in OPS_MODULES:
+    for rel in (*OPS_MODULES, *SAVER_MODULES):
         assert (root / rel).read_text() == runtime_source(rel), rel
     assert set(_parts(run, root).values()) == {"current"}
     assert run("check", "--repo", root, "--expect", "parts=current").code == 0
@@ -87,7 +87,7 @@ def test_an_old_release_checkout_is_upgraded_in_one_commit(run, make_checkout):
     assert res.code == 0, res
     for rel, data in upstream.items():
         assert (root / rel).read_bytes() == data, rel
-    assert not any((root / rel).exists() for rel in OPS_MODULES)
+    assert not any((root / rel).exists() for rel in (*OPS_MODULES, *SAVER_MODULES))
 
 
 def test_a_hand_edited_ops_module_is_refused_by_name(run, make_checkout):

@@ -425,12 +425,34 @@ def test_autotune_keys_and_pruning(kernels, monkeypatch):
     strided = kernels._prune_by_layout(configs, {"sn": 64})
     assert len(contiguous) == 5 and len(strided) == 4
     assert {kernels.layout_of(c) for c in contiguous} == {1}
-    assert len(kernels._prune_gemm(kernels._qgemm_kernel.configs, {})) == 5
-    monkeypatch.setenv("TRITON_INTERPRET", "1")  # interpreted: the first one, no timing
+    gemm = kernels._qgemm_kernel.configs
+    mx, tile = {"A_KIND": 1, "B_KIND": 1}, {"A_KIND": 5, "B_KIND": 6}
+    bf16 = {"a_ptr": torch.empty(1, dtype=torch.bfloat16)}
+    fp32 = {"a_ptr": torch.empty(1, dtype=torch.float32)}
+    for cap, limit in (((9, 0), 232448), ((8, 6), 101376), ((12, 0), 101376)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None, c=cap: c)
+        assert kernels.smem_limit() == limit  # no CUDA here: the generation's table entry
+        for args, kinds in ((bf16, mx), (fp32, mx), (bf16, tile), (fp32, tile)):
+            kept = kernels._prune_gemm(gemm, args, **kinds)
+            size = args["a_ptr"].element_size()
+            assert kept and all(kernels.gemm_smem(c, size) <= limit for c in kept)
+            assert all(kernels.gemm_fits(c, kinds["A_KIND"], kinds["B_KIND"]) for c in kept)
+            dropped = [c for c in gemm[1:] if c not in kept and kernels.gemm_fits(c, **_ab(kinds))]
+            assert all(kernels.gemm_smem(c, size) > limit for c in dropped)
+    # fp32 on an H100: every MX configuration fits (not the interpreter's, nor fp8-block's
+    # 128-element K-tiles); on an RTX 4090 the 96 KiB ones do not
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
+    assert len(kernels._prune_gemm(gemm, fp32, **mx)) == len(gemm) - 2
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (8, 9))
+    assert len(kernels._prune_gemm(gemm, fp32, **mx)) < len(kernels._prune_gemm(gemm, bf16, **mx))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # interpreted: the first that fits, no timing
     assert kernels._prune_by_layout(configs, {"sn": 64}) == strided[:1]
-    assert kernels._prune_gemm(kernels._qgemm_kernel.configs, {}) == [
-        kernels._qgemm_kernel.configs[0]
-    ]
+    assert kernels._prune_gemm(gemm, bf16, **mx) == [gemm[0]]
+    assert [c.kwargs["BLOCK_K"] for c in kernels._prune_gemm(gemm, bf16, **tile)] == [128]
+
+
+def _ab(kinds):
+    return {"a_kind": kinds["A_KIND"], "b_kind": kinds["B_KIND"]}
 
 
 # -- the quantized GEMM ---------------------------------------------------------------------------
@@ -513,8 +535,89 @@ def test_fused_gemm_batches_odd_shapes_and_specials(kernels):
         kernels.quant_gemm(a, a, "mxfp8", "mxfp8")
     with pytest.raises(ValueError, match="batch sizes"):
         kernels.quant_gemm(a, torch.cat([b, b, b]), "mxfp8", "mxfp8")
-    with pytest.raises(ValueError, match="not 'nvfp4'"):
-        kernels.quant_gemm(a, b, "nvfp4", "mxfp8")
+    with pytest.raises(ValueError, match="not 'nvfp4-rht'"):
+        kernels.quant_gemm(a, b, "nvfp4-rht", "mxfp8")
+
+
+# every value the products quantize: (operand a's format, operand b's, a backward, b backward,
+# dtype): as quant_matmul gives them (a weight b takes fp8-block's 128 x 128 or nvfp4-2d's
+# 16 x 16 tiles; NVFP4 rounds a, the gradient, stochastically; the HYBRID values E5M2 for it)
+EVERY_VALUE_CASES = [
+    ("mxfp8-rceil", "mxfp8-rceil", True, True, torch.bfloat16),
+    ("mxfp8-rceil-hybrid", "mxfp8-rceil-hybrid", True, False, torch.float16),
+    ("mxfp4-rceil", "mxfp4-rceil", False, False, torch.float32),
+    ("fp8-tensor", "fp8-tensor", False, False, torch.bfloat16),
+    ("fp8-tensor", "fp8-tensor", True, False, torch.float32),
+    ("fp8-block", "fp8-block-2d", False, False, torch.bfloat16),
+    ("fp8-block", "fp8-block", False, False, torch.float16),
+    ("nvfp4", "nvfp4", False, False, torch.bfloat16),
+    ("nvfp4", "nvfp4-2d", True, False, torch.bfloat16),
+    ("nvfp4", "nvfp4", True, False, torch.float32),
+]
+
+
+@pytest.mark.parametrize(("fa", "fb", "ba", "bb", "dtype"), EVERY_VALUE_CASES)
+def test_fused_gemm_quantizes_every_value_bit_for_bit(kernels, fa, fb, ba, bb, dtype):
+    """The fused GEMM for the RCEIL, FP8 and NVFP4 values: each operand (whole, since the
+    per-tensor amax of fp8-tensor and NVFP4 is the whole operand's) times the identity is
+    bit for bit the separate path's kernel output (stochastic rounding with the same random
+    bits); the product is within the accumulation-order bound. K = 152: a tail that is not a
+    multiple of 128 (fp8-block) or 16 (NVFP4)."""
+    m, k, n = 32, 152, 40
+    a, b = _operands(m, k, n, dtype, seed=len(fa) + 2 * ba)
+    gen = torch.Generator().manual_seed(7)
+    sr = ba and fa.startswith("nvfp4")
+    rand = torch.randint(0, 256, a.shape, generator=gen, dtype=torch.uint8) if sr else None
+    qa = qz._fake_quant(a, fa, -1, ba, rand)
+    qb = qz._fake_quant(b, fb, -2, bb)
+    got_a = kernels.quant_gemm(a, torch.eye(k, dtype=dtype), fa, "bf16", ba, False, rand)
+    assert same_bits(got_a + 0.0, qa + 0.0)
+    got_b = kernels.quant_gemm(torch.eye(k, dtype=dtype), b, "bf16", fb, False, bb)
+    assert same_bits(got_b + 0.0, qb + 0.0)
+    got = kernels.quant_gemm(a, b, fa, fb, ba, bb, rand)
+    tol, ref = _tolerance(qa, qb, dtype)
+    assert bool(((got.double() - ref).abs() <= tol).all())
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8-rceil-hybrid", "fp8-tensor", "fp8-block", "nvfp4-2d"])
+def test_quant_matmul_fuses_every_value_like_the_separate_path(kernels, monkeypatch, fmt):
+    """The linear layer's three GEMMs through ``quant_matmul`` with ``QUANTPATCH_GEMM=fused``:
+    the same operands as ``separate`` (the weight's tiles, the gradient's E5M2 or stochastic
+    rounding from the same draws), so the products agree within the accumulation bound, and
+    the fused kernel ran for each."""
+    monkeypatch.setattr(qz, "_kernels_module", kernels)
+    monkeypatch.setenv("QUANTPATCH_KERNELS", "triton")
+    monkeypatch.setenv("QUANTPATCH_WEIGHT_CACHE", "0")
+    x, _ = _operands(40, 256, 8, torch.bfloat16, seed=9)
+    w = torch.randn(128, 256).to(torch.bfloat16)
+    g = torch.randn(40, 128).to(torch.bfloat16)
+    calls = []
+    real = kernels.quant_gemm
+    monkeypatch.setattr(kernels, "quant_gemm", lambda *a: calls.append(a[2:4]) or real(*a))
+    results = {}
+    for mode in ("separate", "fused"):
+        monkeypatch.setenv("QUANTPATCH_GEMM", mode)
+        ops.reset_sr_generators()
+        with torch.no_grad():
+            results[mode] = (
+                ops.quant_matmul(x, w.t(), fmt, weight="b"),
+                ops.quant_matmul(g, w, fmt, backward=True, weight="b"),
+                ops.quant_matmul(g.t(), x, fmt, backward=True),
+            )
+    weight_fmt = {"fp8-block": "fp8-block-2d"}.get(fmt, fmt)
+    act_fmt = "nvfp4" if fmt == "nvfp4-2d" else fmt
+    assert calls == [(act_fmt, weight_fmt), (act_fmt, weight_fmt), (act_fmt, act_fmt)]
+    ops.reset_sr_generators()
+    for sep, fused, (a, b, ba, bb, fa, fb) in zip(
+        results["separate"], results["fused"],
+        [(x, w.t(), False, False, act_fmt, weight_fmt), (g, w, True, False, act_fmt, weight_fmt),
+         (g.t(), x, True, False, act_fmt, act_fmt)], strict=True,
+    ):  # fmt: skip
+        qa = qz.quantize(a, fa, -1, ba)  # stochastic rounding: the draws in the products' order
+        qb = qz.quantize(b, fb, -2, bb)
+        tol, ref = _tolerance(qa, qb, torch.bfloat16)
+        assert bool(((fused.double() - ref).abs() <= tol).all())
+        assert bool(((sep.double() - ref).abs() <= tol).all())
 
 
 def test_every_gemm_configuration_is_correct(kernels):
@@ -527,10 +630,11 @@ def test_every_gemm_configuration_is_correct(kernels):
         grid = (-(-40 // kw["BLOCK_M"]) * -(-36 // kw["BLOCK_N"]), 1)
         mx = kernels.gemm_operand("mxfp8", False)
         kernels._qgemm_kernel.fn[grid](
-            a, b, c, 40, 36, 70, 0, *a.stride(), 0, *b.stride(), *c.stride(),
-            A_KIND=mx[0], A_MBITS=mx[1], A_EMIN=mx[2], A_VMAX=mx[3], A_EMAX=mx[4],
-            B_KIND=mx[0], B_MBITS=mx[1], B_EMIN=mx[2], B_VMAX=mx[3], B_EMAX=mx[4],
-            BF16=True, IEEE=False, UPCAST=not CUDA, **kw,
+            a, b, c, 40, 36, 70, 0, *a.stride(), 0, *b.stride(), *c.stride(), a, b, a, b,
+            A_KIND=mx[0], A_MBITS=mx[1], A_EMIN=mx[2], A_VMAX=mx[3], A_EMAX=mx[4], A_SR=False,
+            B_KIND=mx[0], B_MBITS=mx[1], B_EMIN=mx[2], B_VMAX=mx[3], B_EMAX=mx[4], B_SR=False,
+            BF16=True, BIG=float(torch.finfo(torch.bfloat16).max), IEEE=False, UPCAST=not CUDA,
+            **kw,
         )  # fmt: skip
         assert bool(((c[0].double() - ref).abs() <= tol).all()), cfg
 
@@ -548,7 +652,7 @@ def test_quant_matmul_dispatch(kernels, monkeypatch):
     real = kernels.quant_gemm
 
     def spy(*args):
-        calls.append(args[2:])
+        calls.append(args[2:6])
         return real(*args)
 
     monkeypatch.setattr(kernels, "quant_gemm", spy)
@@ -572,15 +676,21 @@ def test_quant_matmul_dispatch(kernels, monkeypatch):
         scores = ops.quant_baddbmm(buffer, a3, b3, beta=0.0, alpha=0.5, fmt="hifp8")
         assert same_bits(scores, bmm * 0.5) and len(calls) == 3
         assert ops.quant_baddbmm(buffer, a3, b3, beta=0.0, fmt="hifp8").shape == (2, 12, 8)
-        ops.quant_matmul(a, w.t(), "nvfp4")  # separate: a tensor-wide amax
+        ops.quant_matmul(a, w.t(), "nvfp4")  # fused too: the amax taken before the launch
+        assert calls[-1] == ("nvfp4", "bf16", False, False) and len(calls) == 5
+        ops.quant_matmul(a, w.t(), "nvfp4-rht")  # separate: the Hadamard transform first
+        assert len(calls) == 5
         assert wc._fused_product(a3, b3.float(), "mxfp8", False, False) is None  # dtypes
         assert wc._fused_product(a3, b3[:1], "mxfp8", False, False) is None  # batches
         assert wc._fused_product(a3, b3[:, :8], "mxfp8", False, False) is None  # K differs
         ops.quant_matmul(a3, b3[0], "mxfp8")  # an activation b: quantized in the loop
-        assert calls[-1] == ("mxfp8", "mxfp8", False, False) and len(calls) == 5
+        assert calls[-1] == ("mxfp8", "mxfp8", False, False) and len(calls) == 6
     x = a.detach().requires_grad_()
     y = ops.quant_matmul(x, w.t(), "mxfp8")  # needs the quantized operands for backward
-    assert len(calls) == 5 and y.grad_fn is not None
+    assert len(calls) == 6 and y.grad_fn is not None
+    monkeypatch.setenv("QUANTPATCH_GEMM", "auto")  # auto never fuses stochastic rounding
+    monkeypatch.setattr(wc, "_auto_fuses", lambda t: True)
+    assert wc._fused_product(a, w.detach().t(), "nvfp4", True, False) is None
     monkeypatch.setenv("QUANTPATCH_GEMM", "sometimes")
     with pytest.raises(ValueError, match="QUANTPATCH_GEMM='sometimes'"):
         ops.quant_matmul(a, w.t(), "mxfp8")

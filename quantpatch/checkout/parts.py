@@ -33,6 +33,24 @@ FLASH_MODULE = "megatron/core/quantpatch_flash.py"
 RHT_KERNELS_MODULE = "megatron/core/quantpatch_rht_kernels.py"
 FP8_KERNELS_MODULE = "megatron/core/quantpatch_fp8_kernels.py"
 SAVER_MODULE = "megatron/core/tensor_saver.py"
+SAVER_PARTS = (
+    "__init__",
+    "settings",
+    "dtypes",
+    "capture",
+    "stats",
+    "stats_kernel",
+    "ondisk",
+    "pickler",
+    "writer",
+    "compat",
+)
+"""The saver's parts, one concern each (``runtime/quantpatch_saver/__init__.py``)."""
+SAVER_MODULES = (
+    SAVER_MODULE,
+    *(f"megatron/core/quantpatch_saver/{part}.py" for part in SAVER_PARTS),
+)
+"""Every file ``saver install`` copies: the API its callers import, and its parts."""
 FORMATS_MODULE = "megatron/core/quantpatch_formats.py"
 # the parts quantpatch_ops.py imports, one concern each (see its docstring)
 OPS_PARTS = (
@@ -67,7 +85,7 @@ MODULE_PARTS = {
     "ops": (INIT, OPS_MODULES),
     "kernels": (INIT, (KERNELS_MODULE, RHT_KERNELS_MODULE, FP8_KERNELS_MODULE)),
     "flash": (INIT, (FLASH_MODULE,)),
-    "saver": (SAVER, (SAVER_MODULE,)),
+    "saver": (SAVER, SAVER_MODULES),
 }
 """Runtime parts: (the install that copies them, their installed files)."""
 CODEMOD_PARTS = {
@@ -82,7 +100,10 @@ CODEMOD_PARTS = {
 @cache
 def runtime_source(installed: str) -> str:
     """The text this version installs at ``installed`` (a runtime module or the saver)."""
-    name = "runtime/tensor_saver.py" if installed == SAVER_MODULE else RUNTIME_MODULES[installed]
+    if installed in SAVER_MODULES:
+        name = "runtime/" + installed.removeprefix("megatron/core/")
+    else:
+        name = RUNTIME_MODULES[installed]
     return resources.files("quantpatch").joinpath(name).read_text("utf-8")
 
 
@@ -209,7 +230,7 @@ def parts_status(
 
 def _codemod_files(record: dict[str, Any], which: str, targets: Targets) -> list[str]:
     """The recorded files a codemod part rewrites."""
-    rels = [r for r in record["files"] if r not in RUNTIME_MODULES and r != SAVER_MODULE]
+    rels = [r for r in record["files"] if r not in RUNTIME_MODULES and r not in SAVER_MODULES]
     if which in ("linear", "attention"):
         return [r for r in rels if r in targets.all_files and targets.kind_of(r) == which]
     if which == "targets":

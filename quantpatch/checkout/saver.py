@@ -1,7 +1,8 @@
 """``quantpatch saver install | remove | status``: the tensor saver as a recorded install.
 
 ``install`` copies ``quantpatch/runtime/tensor_saver.py`` verbatim to
-``megatron/core/tensor_saver.py`` and instruments the linear file, the attention file and
+``megatron/core/tensor_saver.py`` and its parts (``runtime/quantpatch_saver/``) to
+``megatron/core/quantpatch_saver/``, and instruments the linear file, the attention file and
 ``transformer_layer.py`` beside the attention file; ``remove`` restores every byte.
 Both are idempotent, refused while a ``set`` is active, and committed like ``set``.
 A checkout's own saver is replaced only with ``--force``, and only when the installed module
@@ -17,7 +18,7 @@ from typing import Any
 from quantpatch.base.config import Targets, load_targets
 from quantpatch.base.edits import Edit, read_exact
 from quantpatch.base.errors import UserError
-from quantpatch.checkout.parts import SAVER_MODULE, record_extra, runtime_source
+from quantpatch.checkout.parts import SAVER_MODULE, SAVER_MODULES, record_extra, runtime_source
 from quantpatch.git import repo as gitrepo
 from quantpatch.git.installs import InstallResult, record_of, run_install, run_remove
 from quantpatch.sites.model import read_target
@@ -42,7 +43,7 @@ def instrumented_files(targets: Targets) -> dict[str, str]:
 
 def install(path: Path | None, *, force: bool = False) -> InstallResult:
     def files(co: gitrepo.Checkout) -> list[str]:
-        return [*instrumented_files(load_targets(co.root)), SAVER_MODULE]
+        return [*instrumented_files(load_targets(co.root)), *SAVER_MODULES]
 
     def plan(co: gitrepo.Checkout) -> list[Edit]:
         from quantpatch.sites.codemods.saver import instrument
@@ -58,6 +59,14 @@ def install(path: Path | None, *, force: bool = False) -> InstallResult:
                 "--force replaces it (remove puts it back)."
             )
         edits.append(Edit(SAVER_MODULE, current, saver_source()))
+        for rel in SAVER_MODULES[1:]:
+            part = read_exact(co.root / rel)
+            if part is not None and part != runtime_source(rel) and not force:
+                raise UserError(
+                    f"{rel}: a different file is already there; --force replaces it (remove "
+                    "puts it back)."
+                )
+            edits.append(Edit(rel, part, runtime_source(rel)))
         _refuse_unserved_callers(co.root, edits)
         return edits
 
@@ -127,10 +136,13 @@ def status(checkout: gitrepo.Checkout) -> SaverStatus:
     current = read_exact(checkout.root / SAVER_MODULE)
     files = (record or {}).get("files", {})
     installed = record is not None and current is not None
+    matches = current == saver_source() and all(
+        read_exact(checkout.root / rel) == runtime_source(rel) for rel in SAVER_MODULES[1:]
+    )
     return SaverStatus(
         installed,
         SAVER_MODULE,
-        current == saver_source(),
+        matches,
         sorted(files),
         other=current is not None and not installed,
         replaced=installed and bool(files.get(SAVER_MODULE, {}).get("existed")),

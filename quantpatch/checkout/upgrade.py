@@ -36,7 +36,7 @@ from quantpatch.checkout.parts import (
     INIT,
     RUNTIME_MODULES,
     SAVER,
-    SAVER_MODULE,
+    SAVER_MODULES,
     record_extra,
     runtime_source,
 )
@@ -63,6 +63,16 @@ def _order(records: dict[str, dict[str, Any]], rel: str) -> list[str]:
     return names
 
 
+def _new_modules(records: dict[str, dict[str, Any]]) -> list[str]:
+    """The runtime files this version's installs copy (``init``'s, ``saver install``'s): a
+    part new in this version is added by the upgrade (the single-file saver of earlier
+    versions gains its parts)."""
+    return [
+        *(RUNTIME_MODULES if INIT in records else ()),
+        *(SAVER_MODULES if SAVER in records else ()),
+    ]
+
+
 def _original(checkout: gitrepo.Checkout, name: str, rel: str, info: dict[str, Any]) -> str | None:
     if not info["existed"]:
         return None
@@ -87,8 +97,8 @@ def _output(name: str, rel: str, text: str | None, targets: Targets) -> str | No
             new, _ = init_text(text, rel, targets.kind_of(rel))
             return text if new is None else new
         return text  # a module this version no longer installs: back as it was
-    if rel == SAVER_MODULE:
-        return runtime_source(SAVER_MODULE)
+    if rel in SAVER_MODULES:
+        return runtime_source(rel)
     from quantpatch.checkout.saver import instrumented_files
     from quantpatch.sites.codemods.saver import instrument
 
@@ -104,8 +114,7 @@ def _plan(
     root = checkout.root
     targets = load_targets(root)
     rels = list(dict.fromkeys(r for rec in records.values() for r in rec["files"]))
-    if INIT in records:
-        rels += [r for r in RUNTIME_MODULES if r not in rels]  # parts new in this version
+    rels += [r for r in _new_modules(records) if r not in rels]  # parts new in this version
     new_files: dict[str, dict[str, Any]] = {n: {} for n in records}
     head = gitrepo.head_commit(checkout.repo) if checkout.repo is not None else None
     state: dict[str, str | None] = {}
@@ -113,7 +122,7 @@ def _plan(
     notes: list[str] = []
     for rel in rels:
         current = read_exact(root / rel)
-        order = _order(records, rel) or [INIT]
+        order = _order(records, rel) or [SAVER if rel in SAVER_MODULES else INIT]
         first = order[0]
         if rel in records[first]["files"]:
             text = _original(checkout, first, rel, records[first]["files"][rel])
@@ -176,8 +185,7 @@ def upgrade(path: Path | None, *, force: bool = False) -> InstallResult:
                 "nothing to upgrade."
             )
         files = list(dict.fromkeys([*(r for rec in records.values() for r in rec["files"])]))
-        if INIT in records:
-            files += [r for r in RUNTIME_MODULES if r not in files]
+        files += [r for r in _new_modules(records) if r not in files]
         preconditions(checkout, files)
         edits, state, notes = _plan(checkout, records, force)
         if not edits and all(

@@ -25,7 +25,24 @@ MAX_SIZE = 1 << 20
 
 
 class LayoutError(UserError):
-    """A layout Megatron would refuse (exit 2)."""
+    """A layout Megatron would refuse (exit 2). A refusal of the rules keeps its parts apart,
+    so that a command can name the fix its own way (``gen-scripts`` / ``sweep run``: the
+    config table or option that sets the size, ``launch.scripts.plan_layout``)."""
+
+    def __init__(
+        self,
+        message: str,
+        said: str | None = None,
+        fix: tuple[str, int | str] | None = None,
+        verdict: str = "",
+    ) -> None:
+        super().__init__(message)
+        self.said = said if said is not None else message
+        """The refusal without its fix."""
+        self.fix = fix
+        """The field and the value that fix it (None: no single size)."""
+        self.verdict = verdict
+        """``would work`` or ``would pass this check``."""
 
 
 @dataclass(frozen=True)
@@ -378,10 +395,10 @@ def _choice(field: str, value: int | str) -> str:
     return f"{shown} ({_VARIABLE[field]}={value})" if field in _VARIABLE else shown
 
 
-def _nearby(plan: Plan, rule: _Rule) -> str:
+def _nearby(plan: Plan, rule: _Rule) -> tuple[tuple[str, int | str] | None, str]:
     """A valid choice near the refused one: the nearest value of the rule's first field for
     which every rule holds (then its other fields); else the nearest size for which this rule
-    holds."""
+    holds. The field and value, and ``would work`` / ``would pass this check``."""
     only_this: tuple[str, int | str] | None = None
     for field in rule.vary:
         if getattr(plan, field) is None:
@@ -391,12 +408,12 @@ def _nearby(plan: Plan, rule: _Rule) -> str:
             if rule.applies(other) and not rule.holds(other):
                 continue
             if _broken(other) is None:
-                return f"; {_choice(field, value)} would work"
+                return (field, value), "would work"
             if only_this is None and field != "sequence_parallel":
                 only_this = (field, value)
     if only_this is not None:
-        return f"; {_choice(*only_this)} would pass this check"
-    return "; no single size fixes it" if rule.vary else ""
+        return only_this, "would pass this check"
+    return None, "no single size fixes it" if rule.vary else ""
 
 
 def _check_sizes(plan: Plan) -> None:
@@ -439,7 +456,10 @@ def derive(plan: Plan) -> Layout:
     _check_sizes(plan)
     rule = _broken(plan)
     if rule is not None:
-        raise LayoutError(f"{rule.says(plan)}{_nearby(plan, rule)}.")
+        said = rule.says(plan)
+        fix, verdict = _nearby(plan, rule)
+        hint = f"; {_choice(*fix)} {verdict}" if fix is not None else (verdict and f"; {verdict}")
+        raise LayoutError(f"{said}{hint}.", said, fix, verdict)
     warnings: list[str] = []
     if plan.sp and plan.torch_norms:
         warnings.append(

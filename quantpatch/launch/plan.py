@@ -142,7 +142,11 @@ def _slurm_fit(reg: Registry, scripts: Sequence[Script], request: GenRequest) ->
     if partition is None:
         return None
     return slurm_nodes.refusal(
-        partition, *asked, gpu_request=reg.slurm.gpu_request, profile=request.profile
+        partition,
+        *asked,
+        gpu_request=reg.slurm.gpu_request,
+        profile=request.profile,
+        cpus=max(s.cpus for s in scripts),
     )
 
 

@@ -133,6 +133,9 @@ class Slurm:
     """How the scripts ask for GPUs: ``gpus-per-node`` (``--gpus-per-node=N``), ``gres``
     (``--gres=gpu:N``, for clusters without GPU types configured for ``--gpus``) or ``none``
     (a CPU partition, or GPUs that come with the node)."""
+    cpus_per_task: int | None = None
+    """``--cpus-per-task`` of each node's one task (its torchrun and every GPU worker); None:
+    what the run needs, ``cpus_for`` (one a GPU worker plus its data-loader workers)."""
 
 
 @dataclass(frozen=True)
@@ -224,6 +227,7 @@ SLURM_FIELDS: dict[str, type] = {
     "time": str,
     "throttle": int,
     "gpu_request": str,
+    "cpus_per_task": int,
 }
 GPU_REQUESTS = ("gpus-per-node", "gres", "none")
 SLURM_VALUE_RE = re.compile(r"[A-Za-z0-9_.:,+-]{1,128}")

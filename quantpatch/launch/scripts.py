@@ -168,6 +168,8 @@ class Script:
     sentence): the script stops with it before ``torchrun`` while that holds."""
     attention: Attention | None = None
     """The attention path the script exports (``launch.attention``; the swift scripts: None)."""
+    cpus: int = 1
+    """The CPUs its Slurm task asks for (``--cpus-per-task``: ``cpus_for``)."""
 
 
 _SUFFIX: dict[Launcher, tuple[str, str]] = {
@@ -175,6 +177,22 @@ _SUFFIX: dict[Launcher, tuple[str, str]] = {
     "slurm": ("pretrain", ".sbatch"),
     "swift": ("swift_pt", ".sh"),
 }
+
+
+MEGATRON_NUM_WORKERS = 2
+"""Megatron's default ``--num-workers`` (data-loader processes of each rank)."""
+
+
+def cpus_for(slurm: Slurm, gpus_per_node: int, args: Mapping[str, ArgValue]) -> int:
+    """``--cpus-per-task`` of a node's task: ``[slurm] cpus_per_task`` where set, else what
+    the node's ranks need, one CPU each and one per data-loader worker (``num-workers`` of
+    the args, Megatron's 2 by default)."""
+    if slurm.cpus_per_task is not None:
+        return slurm.cpus_per_task
+    workers = args.get("num-workers", MEGATRON_NUM_WORKERS)
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
+        workers = MEGATRON_NUM_WORKERS
+    return gpus_per_node * (1 + workers)
 
 
 def script_name(model: str, dataset: str, scheme: str, launcher: Launcher = "torchrun") -> str:
@@ -283,8 +301,52 @@ def plan_layout(
         try:
             out[model] = derive(plan)
         except LayoutError as exc:
-            raise LayoutError(f"{model}/{profile}: {exc}") from None
+            if exc.fix is None:
+                raise LayoutError(f"{model}/{profile}: {exc}") from None
+            how = generation_fix(reg, model, profile, parallel or {}, *exc.fix)
+            raise LayoutError(
+                f"{model}/{profile}: {exc.said}; {how[0]} {exc.verdict} ({how[1]})."
+            ) from None
     return out
+
+
+_FIX_NAMES = {
+    "tp": "TP",
+    "pp": "PP",
+    "cp": "CP",
+    "ep": "EP",
+    "etp": "expert TP",
+    "vpp": "VPP",
+    "sequence_parallel": "sequence parallel",
+    "global_batch": "global batch",
+    "micro_batch": "micro batch",
+}
+_BATCH_FLAGS = {"global_batch": "global-batch-size", "micro_batch": "micro-batch-size"}
+
+
+def generation_fix(
+    reg: Registry,
+    model: str,
+    profile: str,
+    parallel: Mapping[str, int | str | None],
+    field: str,
+    value: int | str,
+) -> tuple[str, str]:
+    """How ``gen-scripts`` and ``sweep run`` take a layout refusal's fix: the size, and the
+    option given on their command line (that one wins over a config), else the line of a
+    ``--config`` table that sets it (the table the value comes from: a model's own profile
+    args win over the profile's)."""
+    what = f"{_FIX_NAMES.get(field, field)} {value}"
+    if parallel.get(field) is not None:
+        option = field.replace("_", "-")
+        return what, f"--{option} {value} instead of --{option} {parallel[field]}"
+    shown = f'"{value}"' if isinstance(value, str) else str(value)
+    flag = _BATCH_FLAGS.get(field)
+    if flag is None:
+        return what, f"{field} = {shown} in the [profiles.{profile}.parallel] table of a --config"
+    own = reg.models[model].profile_args.get(profile, {})
+    table = f"models.{model}.profiles.{profile}.args" if flag in own else f"profiles.{profile}.args"
+    return what, f"{flag} = {shown} in the [{table}] table of a --config"
 
 
 def check_flags(reg: Registry, models: Sequence[str], profile: str, source: FlagSource) -> None:
@@ -433,6 +495,7 @@ def render_script(
         reg.profiles[profile],
     )
     run_name = f"{model}_{dataset}_{scheme}_{profile}"
+    cpus = cpus_for(reg.slurm, layout.plan.gpus_per_node, args.values)
     if attention is None:
         attention = attention_for("auto", [s])
     if launcher == "swift":
@@ -458,6 +521,7 @@ def render_script(
             .render(
                 launcher=launcher,
                 slurm=reg.slurm,
+                cpus=cpus,
                 model=m,
                 dataset=d,
                 scheme=s,
@@ -499,6 +563,7 @@ def render_script(
         layout,
         None if blocked is None else blocked[1],
         None if launcher == "swift" else attention,
+        cpus,
     )
 
 
@@ -650,6 +715,7 @@ def render_sweep(slurm: Slurm, scripts: Sequence[Script], out: Path) -> str:
             scripts=scripts,
             slurm=slurm,
             plan=layout.plan,
+            cpus=max(s.cpus for s in scripts),
             profile=scripts[0].profile,
             sweep_dir=str(out.resolve()),
         )

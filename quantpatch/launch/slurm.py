@@ -100,7 +100,12 @@ def _run(cmd: Sequence[str]) -> str | None:
         return None
     try:
         res = subprocess.run(
-            [exe, *cmd[1:]], capture_output=True, text=True, check=False, timeout=60
+            [exe, *cmd[1:]],
+            capture_output=True,
+            text=True,
+            errors="replace",  # Slurm prints names and reasons as they were given
+            check=False,
+            timeout=60,
         )
     except (OSError, subprocess.TimeoutExpired):
         return None
@@ -312,15 +317,20 @@ def submit(
     here = sweep_dir.resolve()
     (here / OUTPUT_DIR).mkdir(parents=True, exist_ok=True)
     checkout = record["checkout"]
+    from quantpatch.launch import script_env
     from quantpatch.launch.data_check import data_vars
 
-    env = {
-        **os.environ,
-        **data_vars(record),
-        "OUTPUT_ROOT": str(here / "runs"),
-        "MEGATRON_ROOT": checkout,
-        "QUANTPATCH": quantpatch_exe,
-    }
+    # sbatch --export=ALL hands the tasks this environment: the sweep's, not the shell's
+    # (the scripts take the allocation from Slurm; launch.script_env)
+    env, passed = script_env.for_runs(
+        os.environ,
+        {
+            **data_vars(record),
+            "OUTPUT_ROOT": str(here / "runs"),
+            "MEGATRON_ROOT": checkout,
+            "QUANTPATCH": quantpatch_exe,
+        },
+    )
     res = subprocess.run(
         [
             sbatch,
@@ -333,6 +343,7 @@ def submit(
         ],
         capture_output=True,
         text=True,
+        errors="replace",
         check=False,
         env=env,
     )
@@ -360,6 +371,7 @@ def submit(
             log=None,
             commit=None,
             slurm_output=None,
+            env=passed,
         )
         names.append(run["name"])
     return Submitted(job, names)
@@ -379,7 +391,7 @@ def cancel(sweep_dir: Path, record: dict[str, Any]) -> list[str]:
     if exe is None:
         raise UserError("scancel is not on PATH: cancel the sweep from a machine with Slurm.")
     ids = [f"{r['slurm_job']}_{r['array_task']}" for r in runs]
-    res = subprocess.run([exe, *ids], capture_output=True, text=True, check=False)
+    res = subprocess.run([exe, *ids], capture_output=True, text=True, errors="replace", check=False)
     if res.returncode != 0:
         said = " ".join((res.stderr or res.stdout).split()) or f"exit status {res.returncode}"
         raise UserError(f"scancel refused to cancel {', '.join(ids)}: {said}.")

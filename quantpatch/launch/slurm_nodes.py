@@ -121,6 +121,7 @@ def refusal(
     *,
     gpu_request: str,
     profile: str,
+    cpus: int | None = None,
 ) -> str | None:
     """One sentence where no placement of the request fits the partition, else None."""
     where = f"partition {partition.name}" if partition.name else "the default partition"
@@ -146,8 +147,18 @@ def refusal(
             f"{asks}, but {offers}"
             + (f" (MaxNodes={partition.max_nodes})" if partition.max_nodes is not None else "")
             + f": give --nodes {fit} to sweep run or gen-scripts "
-            f"(or nodes = {fit} in the [profiles.{profile}] table of a --config)."
+            f"(or nodes = {fit} in the [profiles.{profile}.parallel] table of a --config)."
         )
+    if cpus is not None:
+        needed = gpus_per_node if gpu_request != "none" else 0
+        offered = [g.cpus for g in partition.groups if g.cpus is not None and g.gpus >= needed]
+        most = max(offered, default=0)
+        if offered and cpus > most:
+            return (
+                f"{asks} and {cpus} CPUs for each node's task (--cpus-per-task), but {offers} "
+                f"and at most {most} CPUs a node: set cpus_per_task = {most} in the [slurm] "
+                "table of a --config."
+            )
     return None
 
 
@@ -157,7 +168,12 @@ def _ask(cmd: Sequence[str]) -> str | None:
         return None
     try:
         res = subprocess.run(
-            [exe, *cmd[1:]], capture_output=True, text=True, check=False, timeout=30
+            [exe, *cmd[1:]],
+            capture_output=True,
+            text=True,
+            errors="replace",  # a node's or partition's name in another encoding
+            check=False,
+            timeout=30,
         )
     except (OSError, subprocess.TimeoutExpired):
         return None
@@ -179,7 +195,9 @@ def query(name: str | None, env: Mapping[str, str] = os.environ) -> Partition | 
     if not groups:
         return None
     max_nodes = chosen.get("MaxNodes", "") if chosen is not None else ""
-    return Partition(name, tuple(groups), int(max_nodes) if max_nodes.isdigit() else None)
+    # MaxNodes=0 is Slurm's "no limit" as UNLIMITED is
+    limit = int(max_nodes) if max_nodes.isdigit() and int(max_nodes) > 0 else None
+    return Partition(name, tuple(groups), limit)
 
 
 def sbatch_hint(
@@ -200,5 +218,6 @@ def sbatch_hint(
         has = f" and {where} has {partition.describe()}"
     return (
         f" ({asked}{has}: --gpus-per-node N and --nodes N of sweep run change that, as "
-        "gpus_per_node and nodes in the [profiles.NAME] table of a --config do)"
+        "gpus_per_node in the [profiles.NAME] table and nodes in the [profiles.NAME.parallel] "
+        "table of a --config do)"
     )

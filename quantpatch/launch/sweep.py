@@ -31,7 +31,7 @@ from typing import Any
 
 from quantpatch.base import faults
 from quantpatch.base.errors import UserError
-from quantpatch.launch import slurm
+from quantpatch.launch import script_env, slurm
 from quantpatch.launch.attention import check_choice
 from quantpatch.launch.data_check import DATA_VARS, data_vars
 
@@ -123,7 +123,129 @@ def load(sweep_dir: Path) -> dict[str, Any] | None:
         raise UserError(
             f"{path} is not a version {VERSION} sweep record; move it away to start a new sweep."
         )
+    why = _malformed(data)
+    if why is not None:
+        raise UserError(
+            f"{path}: {why}, which quantpatch never writes (edited by hand?); put it back, or "
+            "move the file away to start a new sweep."
+        )
     return data
+
+
+_STR = (str,)
+_OPT_STR = (str, type(None))
+_OPT_INT = (int, type(None))
+_OPT_DICT = (dict, type(None))
+_TOP: dict[str, tuple[type, ...]] = {
+    "checkout": _STR,
+    "launcher": _STR,
+    "selection": (dict,),
+    "slurm_job": _OPT_STR,
+    "created": _OPT_STR,
+    "layout": _OPT_DICT,
+    "attention": _OPT_DICT,
+    "data": _OPT_DICT,
+    "runs": (list,),
+}
+_SELECTION: dict[str, tuple[type, ...]] = {
+    "models": (list, type(None)),
+    "datasets": (list, type(None)),
+    "schemes": (list, type(None)),
+    "profile": _STR,
+    "launcher": _STR,
+    "parallel": (int,),
+    "gpus": (list, type(None)),
+    "config": _OPT_STR,
+    "extra": (list,),
+    "gpus_per_node": _OPT_INT,
+    "nodes": _OPT_INT,
+    "attention": _STR,
+}
+_RUN: dict[str, tuple[type, ...]] = {
+    "name": _STR,
+    "model": _STR,
+    "dataset": _STR,
+    "scheme": _STR,
+    "profile": _STR,
+    "script": _STR,
+    "state": _STR,
+    "exit_code": _OPT_INT,
+    "log": _OPT_STR,
+    "commit": _OPT_STR,
+    "started": _OPT_STR,
+    "ended": _OPT_STR,
+    "gpus": _OPT_STR,
+    "array_task": _OPT_INT,
+    "pid": _OPT_INT,
+    "attention": _OPT_STR,
+    "slurm_job": _OPT_STR,
+    "slurm_state": _OPT_STR,
+    "slurm_output": _OPT_STR,
+    "reason": _OPT_STR,
+    "env": _OPT_DICT,
+}
+_KINDS = {str: "a string", int: "an integer", list: "a list", dict: "a table"}
+
+
+def _wrong(where: str, value: object, want: tuple[type, ...]) -> str | None:
+    ok = isinstance(value, want) and not (isinstance(value, bool) and bool not in want)
+    if ok:
+        return None
+    kinds = " or ".join(_KINDS.get(t, "null") for t in want)
+    return f"{where} is {json.dumps(value)[:60]}, not {kinds}"
+
+
+def _malformed(data: Mapping[str, Any]) -> str | None:
+    """The first field of a sweep record that is not what quantpatch writes there (its
+    name and value), or None: every reader of a record (run, status, report, cancel) meets
+    a hand-edited one here, before any of it is used."""
+    checks: list[tuple[str, object, tuple[type, ...]]] = [
+        (k, data[k], want) for k, want in _TOP.items() if k in data
+    ]
+    selection = data.get("selection")
+    if isinstance(selection, dict):
+        checks += [
+            (f"selection.{k}", v, _SELECTION[k]) for k, v in selection.items() if k in _SELECTION
+        ]
+    layout = data.get("layout")
+    if isinstance(layout, dict):
+        checks += [(f"layout.{k}", v, _OPT_INT) for k, v in layout.items()]
+    found = data.get("data")
+    if isinstance(found, dict):
+        checks += [
+            ("data.env", found.get("env"), _OPT_DICT),
+            ("data.checked", found.get("checked"), (list, type(None))),
+        ]
+        if isinstance(found.get("env"), dict):
+            checks += [(f"data.env.{k}", v, _STR) for k, v in found["env"].items()]
+    runs = data.get("runs")
+    for i, run in enumerate(runs if isinstance(runs, list) else []):
+        if not isinstance(run, dict):
+            checks.append((f"runs[{i}]", run, (dict,)))
+            continue
+        checks += [
+            (f"runs[{i}].{k}", run.get(k), want)
+            for k, want in _RUN.items()
+            if k in run or k in ("name", "state", "script")
+        ]
+        if run.get("state") not in (*STATES, None) and isinstance(run.get("state"), str):
+            return f"runs[{i}].state is {json.dumps(run['state'])}, not one of {', '.join(STATES)}"
+    for where, value, want in checks:
+        why = _wrong(where, value, want)
+        if why is not None:
+            return why
+    lists = [
+        (f"selection.{k}", v)
+        for k, v in (data.get("selection") or {}).items()
+        if k in ("models", "datasets", "schemes", "gpus", "extra") and isinstance(v, list)
+    ]
+    for where, value in lists:
+        for item in value:
+            if not isinstance(item, str):
+                return f"{where} holds {json.dumps(item)[:60]}, not a string"
+    if data.get("launcher") not in LAUNCHERS:
+        return f"launcher is {json.dumps(data.get('launcher'))[:60]}, not one of local, slurm"
+    return None
 
 
 def save(sweep_dir: Path, record: Mapping[str, Any]) -> None:
@@ -159,7 +281,7 @@ def detect_gpus() -> list[str]:
     exe = shutil.which("nvidia-smi")
     if exe is None:
         return ["0"]
-    res = subprocess.run([exe, "-L"], capture_output=True, text=True, check=False)
+    res = subprocess.run([exe, "-L"], capture_output=True, text=True, errors="replace", check=False)
     found = [line for line in res.stdout.splitlines() if line.startswith("GPU ")]
     return [str(i) for i in range(len(found))] or ["0"]
 
@@ -223,6 +345,8 @@ def prepare(
         _follow_slurm(sweep_dir, old, selection if given is not None else None)
     env = data_env((old or {}).get("data"), os.environ)
     checked = _refuse_missing_data(selection, {**os.environ, **env})
+    if selection.launcher == "local":
+        _refuse_unrunnable_local(selection)
     done = generate_scripts(
         GenRequest(
             out=sweep_dir,
@@ -338,6 +462,35 @@ def prepare(
     if selection.launcher == "local":
         save(sweep_dir, record)  # a Slurm sweep's is saved once sbatch took the array
     return Prepared(record, notes, per_run)
+
+
+def _refuse_unrunnable_local(selection: Selection) -> None:
+    """A local sweep that could never start a run (more GPUs a run than this machine has,
+    or several nodes), refused before a script, a worktree or a record is written."""
+    from quantpatch.launch.registry import load_registry
+    from quantpatch.launch.scripts import plan_layout
+
+    reg = load_registry(Path(selection.config) if selection.config else None)
+    if selection.profile not in reg.profiles:
+        return  # the script generation refuses it with its own sentence
+    models = reg.pick("models", selection.models)
+    sizes = {"gpus_per_node": selection.gpus_per_node, "nodes": selection.nodes}
+    layouts = plan_layout(reg, models, selection.profile, sizes)
+    nodes = max(layout.plan.nodes for layout in layouts.values())
+    if nodes > 1:
+        raise UserError(
+            f"the {selection.profile} profile runs on {nodes} nodes; a local sweep runs on "
+            "this machine only (use --launcher slurm)."
+        )
+    per_run = max(layout.plan.gpus_per_node for layout in layouts.values())
+    gpus = selection.gpus or detect_gpus()
+    if per_run > len(gpus):
+        raise UserError(
+            f"each run needs {per_run} GPUs (the {selection.profile} profile's GPUS_PER_NODE"
+            f"{', --gpus-per-node' if selection.gpus_per_node else ''}) and this machine has "
+            f"{len(gpus)} ({','.join(gpus)}); name more with --gpus, or give --gpus-per-node "
+            f"{len(gpus)}."
+        )
 
 
 def _follow_slurm(sweep_dir: Path, old: dict[str, Any], asked: Selection | None) -> None:
@@ -532,14 +685,18 @@ def run_local(
         r["state"] = "pending"
     active: dict[int, tuple[subprocess.Popen[bytes], dict[str, Any], float]] = {}
     checkout = Path(record["checkout"])
-    env_base = {
-        **os.environ,
-        **data_vars(record),
-        "OUTPUT_ROOT": str(sweep_dir.resolve() / "runs"),
-        "MEGATRON_ROOT": str(checkout),
-        "QUANTPATCH": quantpatch_exe or quantpatch_command(),
-        "GPUS_PER_NODE": str(per_run_gpus),
-    }
+    # what the sweep planned, whatever the shell exports (launch.script_env)
+    env_base, passed = script_env.for_runs(
+        os.environ,
+        {
+            **data_vars(record),
+            "OUTPUT_ROOT": str(sweep_dir.resolve() / "runs"),
+            "MEGATRON_ROOT": str(checkout),
+            "QUANTPATCH": quantpatch_exe or quantpatch_command(),
+            "GPUS_PER_NODE": str(per_run_gpus),
+            "NNODES": "1",
+        },
+    )
     console = sweep_dir / "console"
     console.mkdir(parents=True, exist_ok=True)
 
@@ -577,6 +734,7 @@ def run_local(
                         pid=proc.pid,
                         log=None,
                         commit=None,
+                        env=passed,
                     )
                     active[slot] = (proc, run, started)
                     changed()

@@ -476,6 +476,8 @@ def _backward(
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dvt = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     common = (scale * LOG2E, scale, sq, sk, h, h // g, d, dv)
+    if "num_warps" in opts:  # dK and dV accumulate in float32: twice the forward's warps hold
+        opts = {**opts, "num_warps": 2 * opts["num_warps"]}  # them without spilling
     _flash_bwd_dkdv[(triton.cdiv(sk, bn), b * g)](
         q, k, v, do, lse, delta, dk, dvt, *common,
         *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk), *_strides(dvt),

@@ -185,8 +185,8 @@ def _incomplete(f: Format) -> str:
         return "a value some roles may not hold says why (linear_only)"
     if f.roles and not f.summary:
         return "a value says in one line what the GEMM computes with it (summary)"
-    if f.fused_gemm and not (f.family == "hifp8" or f.scale == "e8m0-floor"):
-        return "the fused GEMM quantizes MX values of the floor rule and HiF8 only"
+    if f.fused_gemm and (f.rht or f.family == "paretoq"):
+        return "the fused GEMM takes no Hadamard-transformed or ParetoQ value"
     return ""
 
 
@@ -215,7 +215,7 @@ SPECS: tuple[Format, ...] = (
         "library reference",
     ),
     Format(
-        "nvfp4", "nvfp4", "e2m1", "e2m1", "e2m1", (1, 16), scale="e4m3-fp32",
+        "nvfp4", "nvfp4", "e2m1", "e2m1", "e2m1", (1, 16), scale="e4m3-fp32", fused_gemm=True,
         backward="grad_output", stochastic=("grad_output",),
         summary=(
             "NVIDIA's FP4: E2M1 in blocks of 16 with E4M3 scales under an FP32 tensor scale; the "
@@ -225,6 +225,7 @@ SPECS: tuple[Format, ...] = (
     ),
     Format(
         "nvfp4-2d", "nvfp4", "e2m1", "e2m1", "e2m1", (1, 16), (16, 16), "e4m3-fp32",
+        fused_gemm=True,
         roles=("linear",), backward="grad_output", stochastic=("grad_output",), tiled=True,
         other_operand="nvfp4", weight_cache="tiles",
         linear_only="tiles weights 16 x 16, and only the linear role has weights; use 'nvfp4' "
@@ -245,7 +246,7 @@ SPECS: tuple[Format, ...] = (
         reference=_TE_NVFP4 + " (tile (1, 16), with_rht)",
     ),
     Format(
-        "mxfp8-rceil", "mx", "e4m3", "e4m3", "e4m3", (1, 32), scale="e8m0-rceil",
+        "mxfp8-rceil", "mx", "e4m3", "e4m3", "e4m3", (1, 32), scale="e8m0-rceil", fused_gemm=True,
         summary=(
             "MX blocks of 32 with NVIDIA's RCEIL scale rule (2^ceil(log2(amax / 448))); E4M3 for "
             "the gradients too"
@@ -256,6 +257,7 @@ SPECS: tuple[Format, ...] = (
     ),
     Format(
         "mxfp8-rceil-hybrid", "mx", "e4m3", "e4m3", "e5m2", (1, 32), scale="e8m0-rceil",
+        fused_gemm=True,
         backward="grad_output",
         summary=(
             "`mxfp8-rceil` with E5M2 for the output gradient (TE's `Format.HYBRID`); the other "
@@ -266,12 +268,13 @@ SPECS: tuple[Format, ...] = (
         megatron="--fp8-format hybrid --fp8-recipe mxfp8",
     ),
     Format(
-        "mxfp4-rceil", "mx", "e2m1", "e2m1", "e2m1", (1, 32), scale="e8m0-rceil",
+        "mxfp4-rceil", "mx", "e2m1", "e2m1", "e2m1", (1, 32), scale="e8m0-rceil", fused_gemm=True,
         summary='`mxfp4` with the RCEIL scale rule (2^ceil(log2(amax / 6)))',
         reference=_TORCHAO.format(mode="RCEIL"),
     ),
     Format(
         "fp8-tensor", "fp8-tensor", "e4m3", "e4m3", "e5m2", scale="fp32", backward="grad_output",
+        fused_gemm=True,
         weight_cache="forward",
         summary=(
             "TE's per-tensor current scaling: one float32 scale 448 / amax per tensor, E4M3; the "
@@ -283,6 +286,7 @@ SPECS: tuple[Format, ...] = (
     ),
     Format(
         "fp8-block", "fp8-block", "e4m3", "e4m3", "e4m3", (1, 128), (128, 128), "pow2",
+        fused_gemm=True,
         weight_operand="fp8-block-2d",
         summary=(
             "DeepSeek-V3's blockwise FP8: E4M3 with power-of-two scales, 1 x 128 blocks along the"

@@ -28,44 +28,17 @@ from . import quantpatch_formats as formats
 from .quantpatch_fp8 import FP8_BLOCK, finite_amax, tensor_scales
 from .quantpatch_kernels import (
     as_3d,
-    floor_log2,
     load_f32,
     non_overlapping_and_dense,
     pow2,
+    pow2_exponent,
+    round_nonneg,
+    signed,
     storage_view,
     store_as,
 )
 
 _ELEMENTWISE_BLOCK = 2048
-
-
-@triton.jit
-def _round_elem(p, MBITS: tl.constexpr, EMIN: tl.constexpr, VMAX: tl.constexpr):
-    """Finite ``p`` >= 0 rounded to the element type (nearest, ties to even), saturating."""
-    tiny = p < pow2(tl.full(p.shape, EMIN, tl.int32))
-    e = tl.where(tiny, EMIN, floor_log2(tl.where(tiny, 1.0, p)))
-    y = p * pow2(MBITS - e)  # exact: p / quantum, < 2^(MBITS + 1)
-    f = tl.floor(y)
-    d = y - f  # exact
-    up = (d > 0.5) | ((d == 0.5) & ((f.to(tl.int32) & 1) == 1))
-    return tl.minimum(tl.where(up, f + 1.0, f) * pow2(e - MBITS), VMAX)
-
-
-@triton.jit
-def _signed(q, v):
-    """``copysign(q, v)`` on the bits (-0 stays -0)."""
-    sign = v.to(tl.int32, bitcast=True) & -2147483648
-    return (q.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _pow2_scale(amax, BIG: tl.constexpr):
-    """fp8-block's scale exponent for float32 amax >= 0: floor(log2(448 / amax)) of the
-    float32 quotient (BIG, the input dtype's largest value, where it overflows); 0 for 0."""
-    nonzero = amax > 0
-    quotient = tl.math.div_rn(tl.full(amax.shape, 448.0, tl.float32), tl.where(nonzero, amax, 1.0))
-    quotient = tl.where(quotient == float("inf"), BIG, quotient)
-    return tl.where(nonzero, floor_log2(quotient), 0)
 
 
 @triton.jit
@@ -88,7 +61,7 @@ def _fp8_tensor_kernel(
     v = load_f32(x, BF16)
     finite = tl.abs(v) < float("inf")
     p = tl.where(finite, v, 0.0) * scale  # the float32 product, rounded once
-    q = _signed(_round_elem(tl.abs(p), MBITS, EMIN, VMAX), p)
+    q = signed(round_nonneg(tl.abs(p), MBITS, EMIN, VMAX), p)
     out = tl.where(finite, store_as(q * scale_inv, y_ptr.dtype.element_ty, BF16), x)
     tl.store(y_ptr + offs, out, mask=inside)
 
@@ -119,12 +92,12 @@ def _fp8_block_kernel(
     finite = tl.abs(v) < float("inf")
     clean = tl.where(finite, v, 0.0)
     blocks = tl.reshape(tl.abs(clean), (BLOCK_R, BLOCK_N // 128, 128))
-    e = _pow2_scale(tl.max(blocks, axis=2), BIG)  # [BLOCK_R, BLOCK_N // 128]
+    e = pow2_exponent(tl.max(blocks, axis=2), BIG)  # [BLOCK_R, BLOCK_N // 128]
     e = tl.reshape(
         tl.broadcast_to(e[:, :, None], (BLOCK_R, BLOCK_N // 128, 128)), (BLOCK_R, BLOCK_N)
     )
     p = clean * pow2(e)  # exact
-    q = _signed(_round_elem(tl.abs(p), 3, -6, 448.0), p)
+    q = signed(round_nonneg(tl.abs(p), 3, -6, 448.0), p)
     out = tl.where(finite, store_as(q * pow2(-e), y_ptr.dtype.element_ty, BF16), x)
     tl.store(y_ptr + offs, out, mask=inside)
 
@@ -138,23 +111,34 @@ def _fp8_tile_kernel(
     BIG: tl.constexpr,
     TILE: tl.constexpr,
     BF16: tl.constexpr,
+    CHUNK: tl.constexpr,
 ):
-    """One 128 x 128 tile of a contiguous ``[batch, rows, cols]`` tensor per program."""
+    """One 128 x 128 tile of a contiguous ``[batch, rows, cols]`` tensor per program, read in
+    chunks of CHUNK rows twice (its amax, then its elements): a whole tile in registers took
+    all of them and spilled."""
     pid_b = tl.program_id(2).to(tl.int64)
-    r = tl.program_id(0) * TILE + tl.arange(0, TILE)
     c = tl.program_id(1) * TILE + tl.arange(0, TILE)
-    offs = pid_b * rows * cols + r[:, None].to(tl.int64) * cols + c[None, :]
-    inside = (r[:, None] < rows) & (c[None, :] < cols)
-    x = tl.load(x_ptr + offs, mask=inside, other=0.0)
-    v = load_f32(x, BF16)
-    finite = tl.abs(v) < float("inf")
-    clean = tl.where(finite, v, 0.0)
-    amax = tl.max(tl.max(tl.abs(clean), axis=1), axis=0)
-    e = _pow2_scale(tl.full((1,), 0.0, tl.float32) + amax, BIG)  # [1]
-    p = clean * pow2(e[:, None])
-    q = _signed(_round_elem(tl.abs(p), 3, -6, 448.0), p)
-    out = tl.where(finite, store_as(q * pow2(-e[:, None]), y_ptr.dtype.element_ty, BF16), x)
-    tl.store(y_ptr + offs, out, mask=inside)
+    amax = 0.0
+    for i in tl.static_range(0, TILE, CHUNK):
+        r = tl.program_id(0) * TILE + i + tl.arange(0, CHUNK)
+        offs = pid_b * rows * cols + r[:, None].to(tl.int64) * cols + c[None, :]
+        inside = (r[:, None] < rows) & (c[None, :] < cols)
+        v = load_f32(tl.load(x_ptr + offs, mask=inside, other=0.0), BF16)
+        clean = tl.where(tl.abs(v) < float("inf"), v, 0.0)
+        amax = tl.maximum(amax, tl.max(tl.max(tl.abs(clean), axis=1), axis=0))
+    e = pow2_exponent(tl.full((1,), 0.0, tl.float32) + amax, BIG)  # [1]
+    for i in tl.static_range(0, TILE, CHUNK):
+        r = tl.program_id(0) * TILE + i + tl.arange(0, CHUNK)
+        offs = pid_b * rows * cols + r[:, None].to(tl.int64) * cols + c[None, :]
+        inside = (r[:, None] < rows) & (c[None, :] < cols)
+        x = tl.load(x_ptr + offs, mask=inside, other=0.0)
+        v = load_f32(x, BF16)
+        finite = tl.abs(v) < float("inf")
+        clean = tl.where(finite, v, 0.0)
+        p = clean * pow2(e[:, None])
+        q = signed(round_nonneg(tl.abs(p), 3, -6, 448.0), p)
+        out = tl.where(finite, store_as(q * pow2(-e[:, None]), y_ptr.dtype.element_ty, BF16), x)
+        tl.store(y_ptr + offs, out, mask=inside)
 
 
 def fake_quant(x: torch.Tensor, fmt: str, dim: int = -1, backward: bool = False) -> torch.Tensor:
@@ -190,7 +174,9 @@ def fake_quant(x: torch.Tensor, fmt: str, dim: int = -1, backward: bool = False)
         rows, cols = xc.shape[-2:]
         batch = xc.numel() // max(1, rows * cols)
         grid2 = (triton.cdiv(rows, FP8_BLOCK), triton.cdiv(cols, FP8_BLOCK), batch)
-        _fp8_tile_kernel[grid2](xc, y, rows, cols, BIG=big, TILE=FP8_BLOCK, BF16=bf16)
+        _fp8_tile_kernel[grid2](
+            xc, y, rows, cols, BIG=big, TILE=FP8_BLOCK, BF16=bf16, CHUNK=32, num_warps=4
+        )
         return y
     if spec.family != "fp8-block":
         raise ValueError(f"not an FP8 format: {fmt!r}")

@@ -25,9 +25,11 @@ PyTorch reference without a GPU.
   the caller's 8 random bits per element, laid out with the input's strides.
 * The MX and HiF8 kernels are autotuned over a small fixed set of tiles, once per shape class
   (``_MX_CONFIGS``, ``_HIFP8_CONFIGS``); the interpreter runs the first of a layout.
-* ``quant_gemm``: a GEMM that MX- or HiF8-quantizes its operands in the tile loop (K-tiles of
-  multiples of 32, so every MX block is whole in one tile); ``quantpatch_ops`` chooses it or
-  the separate kernels per shape (``QUANTPATCH_GEMM``).
+* ``quant_gemm``: a GEMM that quantizes its operands in the tile loop in any of these formats
+  and ``fp8-tensor`` / ``fp8-block`` (K-tiles of multiples of 32, of 128 for ``fp8-block``,
+  so every block is whole in one tile; a weight's 128 x 128 or 16 x 16 tiles whole in its
+  N-tile); ``quantpatch_ops`` chooses it or the separate kernels per shape
+  (``QUANTPATCH_GEMM``).
 
 The arithmetic mirrors the reference step for step on exact float32 values (powers of two are
 built from their bits; rounding is floor plus an exact remainder test, not a library call), so
@@ -485,13 +487,14 @@ storage_view = _storage_view
 
 # -- a GEMM that quantizes its operands inside the tile loop (issue 30) ----------------------
 #
-# ``quant_gemm(a, b, ...)`` computes ``a @ b`` (batched or not) with each operand MX- or
-# HiF8-fake-quantized along the reduction dimension as its tiles are loaded: no quantized copy
-# of either operand is written to memory. The K-tiles are multiples of 32 and start at
-# multiples of 32, so every MX block lies whole in one tile; the tail of K (not a multiple of
-# 32) is loaded as zeros, exactly the reference's padding, so any K is handled. The quantized
-# tile is the reference's value rounded to the operand's dtype (the same arithmetic as
-# ``_mx_kernel`` / ``_hifp8_kernel``, so the operands are bit-identical to ``fake_quant``'s);
+# ``quant_gemm(a, b, ...)`` computes ``a @ b`` (batched or not) with each operand fake-quantized
+# along the reduction dimension as its tiles are loaded: no quantized copy of either operand
+# is written to memory. The K-tiles are multiples of 32 (128 where an operand is ``fp8-block``)
+# and start at such multiples, so every block lies whole in one tile; the tail of K is loaded
+# as zeros, exactly the reference's padding, so any K is handled. The per-tensor scale of
+# ``fp8-tensor`` and NVFP4's tensor amax are computed before the launch and read by every
+# tile; the quantized tile is the reference's value rounded to the operand's dtype (the same
+# arithmetic as the fake-quant kernels, so the operands are bit-identical to ``fake_quant``'s);
 # the products accumulate in float32 (float32 operands: ``input_precision="ieee"``, not TF32,
 # as ``torch.matmul``'s default) and the result is rounded once to the output dtype. Only the
 # order of the float32 sums differs from ``torch.matmul`` of the quantized operands.
@@ -501,17 +504,33 @@ storage_view = _storage_view
 # kernels plus a plain GEMM depends on the shape; ``quantpatch_ops`` measures both per shape.
 #
 # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages): a small fixed set tuned once per
-# (M, N, K) on CUDA; in the interpreter the small first one only.
+# (M, N, K, operand kinds) on CUDA; in the interpreter the first that fits the kinds only. Each
+# thread quantizes (BLOCK_M + BLOCK_N) * BLOCK_K / (32 * num_warps) elements per K-tile; at 64
+# or fewer ptxas keeps them in registers (about 180 of 255), at 96 or more it spills
+# (``benchmarks/kernel_resources.py``). The shared memory a configuration takes is num_stages x
+# one A and one B tile; configurations above the device's limit per block are pruned before
+# they are tried (``_prune_gemm``). BLOCK_K = 128: fp8-block's blocks (the last, one
+# stage: with two, or 64 x 64 tiles, ptxas spilled 8-40 bytes).
 _GEMM_CONFIGS = (
     (32, 32, 32, 4, 4, 2),
     (128, 128, 64, 8, 8, 3),
-    (128, 256, 64, 8, 8, 3),
-    (64, 128, 64, 8, 4, 4),
-    (128, 64, 64, 8, 4, 4),
-    (128, 128, 128, 8, 8, 3),
+    (64, 128, 64, 8, 8, 3),
+    (128, 64, 64, 8, 8, 3),
+    (128, 128, 32, 8, 8, 4),
+    (64, 64, 64, 8, 4, 2),
+    (16, 128, 128, 8, 8, 1),
 )
-# operand kinds of the GEMM: not quantized, MX blocks of 32 along K, HiF8 elementwise
-GEMM_NONE, GEMM_MX, GEMM_HIFP8 = 0, 1, 2
+# shared memory per block (opt-in) by compute capability, where the device cannot be asked
+_SMEM_PER_BLOCK = {
+    (8, 0): 166912, (8, 6): 101376, (8, 7): 166912, (8, 9): 101376, (9, 0): 232448,
+    (10, 0): 232448, (10, 3): 232448, (12, 0): 101376,
+}  # fmt: skip
+# operand kinds of the GEMM: not quantized, MX blocks of 32 along K, HiF8 elementwise, MX with
+# the RCEIL rule, fp8-tensor, fp8-block's 1 x 128 blocks along K, its 128 x 128 weight tiles,
+# NVFP4's blocks of 16 along K, its 16 x 16 weight tiles
+GEMM_NONE, GEMM_MX, GEMM_HIFP8, GEMM_MX_RCEIL = 0, 1, 2, 3
+GEMM_FP8_TENSOR, GEMM_FP8_BLOCK, GEMM_FP8_TILE, GEMM_NVFP4, GEMM_NVFP4_2D = 4, 5, 6, 7, 8
+_FP8_KINDS = (GEMM_FP8_BLOCK, GEMM_FP8_TILE)
 
 
 def _gemm_configs() -> list[Any]:
@@ -522,8 +541,47 @@ def _gemm_configs() -> list[Any]:
     ]
 
 
+def gemm_fits(config: Any, a_kind: int, b_kind: int) -> bool:
+    """Whether a configuration's tiles hold whole blocks of both operands: K-tiles of 128
+    for ``fp8-block`` (and only there), 128 x 128 weight tiles whole in the M / N tile."""
+    kw = config.kwargs
+    if (a_kind in _FP8_KINDS or b_kind in _FP8_KINDS) != (kw["BLOCK_K"] == 128):
+        return False  # 128-element K-tiles for fp8-block alone (MX tiles of them spilled)
+    if a_kind == GEMM_FP8_TILE and kw["BLOCK_M"] % 128:
+        return False
+    return not (b_kind == GEMM_FP8_TILE and kw["BLOCK_N"] % 128)
+
+
+def smem_limit() -> int:
+    """The current CUDA device's shared memory per block (opt-in), in bytes: asked of the
+    device, or where it cannot be (no CUDA build) taken from its generation."""
+    try:
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        optin = getattr(props, "shared_memory_per_block_optin", None)
+    except (AssertionError, RuntimeError):
+        optin = None
+    if isinstance(optin, int):
+        return optin
+    major, minor = torch.cuda.get_device_capability()
+    return _SMEM_PER_BLOCK.get((major, minor), 101376)
+
+
+def gemm_smem(config: Any, itemsize: int) -> int:
+    """The shared memory a GEMM configuration takes: its stages of one A and one B tile."""
+    kw = config.kwargs
+    tiles: int = (kw["BLOCK_M"] + kw["BLOCK_N"]) * kw["BLOCK_K"] * itemsize
+    return int(config.num_stages) * tiles
+
+
 def _prune_gemm(configs: list[Any], named_args: dict[str, Any], **kwargs: Any) -> list[Any]:
-    return configs[:1] if _interpreting() else configs[1:]
+    fits = [c for c in configs if gemm_fits(c, kwargs["A_KIND"], kwargs["B_KIND"])]
+    if _interpreting():
+        return fits[:1]
+    itemsize = named_args["a_ptr"].element_size()
+    limit = smem_limit()
+    # the first configuration is the interpreter's (small tiles: never the fastest on a GPU)
+    kept = [c for c in fits if c is not configs[0] and gemm_smem(c, itemsize) <= limit]
+    return kept or fits[-1:]
 
 
 @triton.jit
@@ -538,9 +596,11 @@ def _mx_quant_tile(
     EMAX: tl.constexpr,
     OUT: tl.constexpr,
     BF16: tl.constexpr,
+    RCEIL: tl.constexpr = False,
 ):
     """A loaded ``[R, C]`` tile MX-fake-quantized in registers, blocks of 32 along C (or R),
-    as ``_mx_kernel`` does it: the result in the tile's dtype."""
+    as ``_mx_kernel`` does it (``RCEIL``: NVIDIA's scale rule): the result in the tile's
+    dtype."""
     v = load_f32(x, BF16)
     a = tl.abs(v)
     finite = a < float("inf")
@@ -549,15 +609,27 @@ def _mx_quant_tile(
         amax = tl.max(tl.reshape(mags, (R, C // 32, 32)), axis=2)
     else:
         amax = tl.max(tl.reshape(mags, (R // 32, 32, C)), axis=1)
-    nonzero = amax > 0
-    shared = tl.where(nonzero, floor_log2(tl.where(nonzero, amax, 1.0)) - EMAX, -127)
+    if RCEIL:  # ceil(log2(amax / VMAX)) on the float32 quotient's bits
+        descale = tl.math.div_rn(amax, tl.full(amax.shape, VMAX, tl.float32))
+        nonzero = descale > 0
+        d = tl.where(nonzero, descale, 1.0)
+        f = floor_log2(d)
+        shared = tl.where(nonzero, f + (d != pow2(f)).to(tl.int32), -127)
+    else:
+        nonzero = amax > 0
+        shared = tl.where(nonzero, floor_log2(tl.where(nonzero, amax, 1.0)) - EMAX, -127)
     shared = tl.minimum(tl.maximum(shared, -127), 127)
     if BLOCKS_ALONG_C:
         shared = tl.reshape(tl.broadcast_to(shared[:, :, None], (R, C // 32, 32)), (R, C))
     else:
         shared = tl.reshape(tl.broadcast_to(shared[:, None, :], (R // 32, 32, C)), (R, C))
     scale = pow2(shared)
-    p = tl.abs(tl.where(finite, v, 0.0) * pow2(-shared))
+    inv_scale = pow2(-shared)
+    if RCEIL:  # the smallest scale multiplies by 1, the elements clamped
+        inv_scale = tl.where(shared == -127, 1.0, inv_scale)
+        p = tl.minimum(tl.abs(tl.where(finite, v, 0.0) * inv_scale), VMAX)
+    else:
+        p = tl.abs(tl.where(finite, v, 0.0) * inv_scale)
     q = round_nonneg(p, MBITS, EMIN, VMAX)
     sign = v.to(tl.int32, bitcast=True) & -2147483648
     qs = (q.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
@@ -582,9 +654,141 @@ def _hifp8_quant_tile(x, OUT: tl.constexpr, BF16: tl.constexpr):
     return tl.where(positive, store_as(qs, OUT, BF16), x)
 
 
+@triton.jit
+def pow2_exponent(amax, BIG: tl.constexpr):
+    """fp8-block's scale exponent for float32 amax >= 0: floor(log2(448 / amax)) of the
+    float32 quotient (BIG, the input dtype's largest value, where it overflows); 0 for 0."""
+    nonzero = amax > 0
+    quotient = tl.math.div_rn(tl.full(amax.shape, 448.0, tl.float32), tl.where(nonzero, amax, 1.0))
+    quotient = tl.where(quotient == float("inf"), BIG, quotient)
+    return tl.where(nonzero, floor_log2(quotient), 0)
+
+
+@triton.jit
+def signed(q, v):
+    """``copysign(q, v)`` on the bits (-0 stays -0)."""
+    sign = v.to(tl.int32, bitcast=True) & -2147483648
+    return (q.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _fp8_quant_tile(
+    x,
+    scales_ptr,
+    KIND: tl.constexpr,
+    R: tl.constexpr,
+    C: tl.constexpr,
+    BLOCKS_ALONG_C: tl.constexpr,
+    MBITS: tl.constexpr,
+    EMIN: tl.constexpr,
+    VMAX: tl.constexpr,
+    OUT: tl.constexpr,
+    BF16: tl.constexpr,
+    BIG: tl.constexpr,
+):
+    """A loaded ``[R, C]`` tile in ``fp8-tensor`` (KIND 4: the scale and its reciprocal at
+    ``scales_ptr``), ``fp8-block`` (5: 1 x 128 blocks along C, or R) or its 128 x 128 weight
+    tiles (6), as ``quantpatch_fp8_kernels`` computes them: the result in the tile's dtype."""
+    v = load_f32(x, BF16)
+    finite = tl.abs(v) < float("inf")
+    clean = tl.where(finite, v, 0.0)
+    if KIND == 4:
+        p = clean * tl.load(scales_ptr)  # the float32 product, rounded once
+        res = signed(round_nonneg(tl.abs(p), MBITS, EMIN, VMAX), p) * tl.load(scales_ptr + 1)
+    else:
+        mags = tl.abs(clean)
+        if KIND == 6:
+            tiles = tl.reshape(mags, (R // 128, 128, C // 128, 128))
+            e = pow2_exponent(tl.max(tl.max(tiles, axis=3), axis=1), BIG)
+            e = tl.broadcast_to(e[:, None, :, None], (R // 128, 128, C // 128, 128))
+        elif BLOCKS_ALONG_C:
+            e = pow2_exponent(tl.max(tl.reshape(mags, (R, C // 128, 128)), axis=2), BIG)
+            e = tl.broadcast_to(e[:, :, None], (R, C // 128, 128))
+        else:
+            e = pow2_exponent(tl.max(tl.reshape(mags, (R // 128, 128, C)), axis=1), BIG)
+            e = tl.broadcast_to(e[:, None, :], (R // 128, 128, C))
+        e = tl.reshape(e, (R, C))
+        p = clean * pow2(e)  # exact
+        res = signed(round_nonneg(tl.abs(p), 3, -6, 448.0), p) * pow2(-e)
+    return tl.where(finite, store_as(res, OUT, BF16), x)
+
+
+@triton.jit
+def _nv_quant_tile(
+    x,
+    u,
+    amax_ptr,
+    R: tl.constexpr,
+    C: tl.constexpr,
+    BLOCKS_ALONG_C: tl.constexpr,
+    TWO_D: tl.constexpr,
+    SR: tl.constexpr,
+    OUT: tl.constexpr,
+    BF16: tl.constexpr,
+):
+    """A loaded ``[R, C]`` tile in NVFP4 as ``_nvfp4_kernel`` computes it: blocks of 16 along
+    C (or R), or 16 x 16 tiles (``TWO_D``), the tensor's amax at ``amax_ptr``, ``u`` the
+    random bits of stochastic rounding (float32, read where ``SR``)."""
+    v = load_f32(x, BF16)
+    a = tl.abs(v)
+    finite = a < float("inf")
+    mags = tl.where(finite, a, 0.0)
+    amax = tl.load(amax_ptr + tl.zeros((R, C), tl.int32))
+    if TWO_D:
+        bmax = tl.max(tl.max(tl.reshape(mags, (R // 16, 16, C // 16, 16)), axis=3), axis=1)
+        bmax = tl.broadcast_to(bmax[:, None, :, None], (R // 16, 16, C // 16, 16))
+    elif BLOCKS_ALONG_C:
+        bmax = tl.max(tl.reshape(mags, (R, C // 16, 16)), axis=2)
+        bmax = tl.broadcast_to(bmax[:, :, None], (R, C // 16, 16))
+    else:
+        bmax = tl.max(tl.reshape(mags, (R // 16, 16, C)), axis=1)
+        bmax = tl.broadcast_to(bmax[:, None, :], (R // 16, 16, C))
+    res = nv_fake_quant(v, finite, tl.reshape(bmax, (R, C)), amax, u, SR)
+    return tl.where(finite, store_as(res, OUT, BF16), x)
+
+
+@triton.jit
+def _quant_operand(
+    x,
+    u_ptr,
+    u_offs,
+    inside,
+    aux_ptr,
+    KIND: tl.constexpr,
+    MBITS: tl.constexpr,
+    EMIN: tl.constexpr,
+    VMAX: tl.constexpr,
+    EMAX: tl.constexpr,
+    SR: tl.constexpr,
+    R: tl.constexpr,
+    C: tl.constexpr,
+    BLOCKS_ALONG_C: tl.constexpr,
+    OUT: tl.constexpr,
+    BF16: tl.constexpr,
+    BIG: tl.constexpr,
+):
+    """A GEMM operand's loaded tile quantized as its KIND says (``GEMM_*``)."""
+    if KIND == 1:
+        x = _mx_quant_tile(x, R, C, BLOCKS_ALONG_C, MBITS, EMIN, VMAX, EMAX, OUT, BF16, False)
+    elif KIND == 3:
+        x = _mx_quant_tile(x, R, C, BLOCKS_ALONG_C, MBITS, EMIN, VMAX, EMAX, OUT, BF16, True)
+    elif KIND == 2:
+        x = _hifp8_quant_tile(x, OUT, BF16)
+    elif KIND >= 7:
+        u = tl.zeros((R, C), tl.float32)
+        if SR:
+            u = tl.load(u_ptr + u_offs, mask=inside, other=0).to(tl.float32)
+        x = _nv_quant_tile(x, u, aux_ptr, R, C, BLOCKS_ALONG_C, KIND == 8, SR, OUT, BF16)
+    elif KIND >= 4:
+        x = _fp8_quant_tile(
+            x, aux_ptr, KIND, R, C, BLOCKS_ALONG_C, MBITS, EMIN, VMAX, OUT, BF16, BIG
+        )
+    return x
+
+
 @triton.autotune(
     configs=_gemm_configs(),
-    key=["M", "N", "K"],
+    key=["M", "N", "K", "A_KIND", "B_KIND"],  # the kinds: which tiles fit
     prune_configs_by={"early_config_prune": _prune_gemm},
 )
 @triton.jit
@@ -604,17 +808,24 @@ def _qgemm_kernel(
     scb,
     scm,
     scn,
+    a_aux_ptr,
+    b_aux_ptr,
+    a_u_ptr,
+    b_u_ptr,
     A_KIND: tl.constexpr,
     A_MBITS: tl.constexpr,
     A_EMIN: tl.constexpr,
     A_VMAX: tl.constexpr,
     A_EMAX: tl.constexpr,
+    A_SR: tl.constexpr,
     B_KIND: tl.constexpr,
     B_MBITS: tl.constexpr,
     B_EMIN: tl.constexpr,
     B_VMAX: tl.constexpr,
     B_EMAX: tl.constexpr,
+    B_SR: tl.constexpr,
     BF16: tl.constexpr,
+    BIG: tl.constexpr,
     IEEE: tl.constexpr,
     UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -635,35 +846,25 @@ def _qgemm_kernel(
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
-    a_rows = a_ptr + batch * sab + rm[:, None].to(tl.int64) * sam
-    b_cols = b_ptr + batch * sbb + rn[None, :].to(tl.int64) * sbn
+    a_rows = batch * sab + rm[:, None].to(tl.int64) * sam
+    b_cols = batch * sbb + rn[None, :].to(tl.int64) * sbn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + rk
-        a = tl.load(
-            a_rows + kk[None, :].to(tl.int64) * sak,
-            mask=(rm[:, None] < M) & (kk[None, :] < K),
-            other=0.0,
-        )
-        b = tl.load(
-            b_cols + kk[:, None].to(tl.int64) * sbk,
-            mask=(kk[:, None] < K) & (rn[None, :] < N),
-            other=0.0,
-        )
-        if A_KIND == 1:
-            a = _mx_quant_tile(
-                a, BLOCK_M, BLOCK_K, True, A_MBITS, A_EMIN, A_VMAX, A_EMAX,
-                a_ptr.dtype.element_ty, BF16,
-            )  # fmt: skip
-        elif A_KIND == 2:
-            a = _hifp8_quant_tile(a, a_ptr.dtype.element_ty, BF16)
-        if B_KIND == 1:
-            b = _mx_quant_tile(
-                b, BLOCK_K, BLOCK_N, False, B_MBITS, B_EMIN, B_VMAX, B_EMAX,
-                b_ptr.dtype.element_ty, BF16,
-            )  # fmt: skip
-        elif B_KIND == 2:
-            b = _hifp8_quant_tile(b, b_ptr.dtype.element_ty, BF16)
+        a_offs = a_rows + kk[None, :].to(tl.int64) * sak
+        a_in = (rm[:, None] < M) & (kk[None, :] < K)
+        a = tl.load(a_ptr + a_offs, mask=a_in, other=0.0)
+        b_offs = b_cols + kk[:, None].to(tl.int64) * sbk
+        b_in = (kk[:, None] < K) & (rn[None, :] < N)
+        b = tl.load(b_ptr + b_offs, mask=b_in, other=0.0)
+        a = _quant_operand(
+            a, a_u_ptr, a_offs, a_in, a_aux_ptr, A_KIND, A_MBITS, A_EMIN, A_VMAX, A_EMAX, A_SR,
+            BLOCK_M, BLOCK_K, True, a_ptr.dtype.element_ty, BF16, BIG,
+        )  # fmt: skip
+        b = _quant_operand(
+            b, b_u_ptr, b_offs, b_in, b_aux_ptr, B_KIND, B_MBITS, B_EMIN, B_VMAX, B_EMAX, B_SR,
+            BLOCK_K, BLOCK_N, False, b_ptr.dtype.element_ty, BF16, BIG,
+        )  # fmt: skip
         if UPCAST:  # the interpreter multiplies bf16 as its raw bits: exact float32 instead
             acc = tl.dot(load_f32(a, BF16), load_f32(b, BF16), acc, input_precision="ieee")
         elif IEEE:
@@ -680,13 +881,45 @@ def gemm_operand(fmt: str, backward: bool) -> tuple[int, int, int, float, int]:
     (kind, mantissa bits, minimum normal exponent, largest normal, emax)."""
     if fmt in ("bf16", "none"):
         return (GEMM_NONE, 0, 0, 0.0, 0)
-    spec = formats.spec_of(fmt)
-    if spec.fused_gemm and spec.family == "hifp8":
+    if fmt == "hifp8":
         return (GEMM_HIFP8, 0, 0, 0.0, 0)
-    if spec.fused_gemm and spec.family == "mx":
-        return (GEMM_MX, *_ELEMENTS[str(spec.grad_output if backward else spec.input)])
+    if fmt in MX_VALUES:
+        forward_elem, gradient_elem, rceil = MX_VALUES[fmt]
+        elem = _ELEMENTS[gradient_elem if backward else forward_elem]
+        return (GEMM_MX_RCEIL if rceil else GEMM_MX, *elem)
+    if fmt == "fp8-tensor":
+        return (GEMM_FP8_TENSOR, *_ELEMENTS["e5m2" if backward else "e4m3"])
+    if fmt in ("fp8-block", "fp8-block-2d"):
+        return (GEMM_FP8_BLOCK if fmt == "fp8-block" else GEMM_FP8_TILE, *_ELEMENTS["e4m3"])
+    if fmt in ("nvfp4", "nvfp4-2d"):
+        return (GEMM_NVFP4 if fmt == "nvfp4" else GEMM_NVFP4_2D, *_ELEMENTS["e2m1"])
     fused = ", ".join(formats.names(fused_gemm=True))
     raise ValueError(f"the quantized GEMM takes {fused} or bf16 operands, not {fmt!r}")
+
+
+def _operand_aux(
+    t: torch.Tensor, kind: int, backward: bool, rand: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """What an operand's tile loop reads besides it: the per-tensor scale and its reciprocal
+    (``fp8-tensor``) or amax (NVFP4), float32; the random bits of stochastic rounding laid
+    out like ``t`` (uint8); whether they are read."""
+    aux = t
+    if kind == GEMM_FP8_TENSOR:
+        from .quantpatch_fp8 import finite_amax, tensor_scales
+
+        vmax = _ELEMENTS["e5m2" if backward else "e4m3"][2]
+        scale, scale_inv = tensor_scales(finite_amax(t), vmax, t.dtype)
+        aux = torch.stack([scale.reshape(()), scale_inv.reshape(())]).to(torch.float32)
+    elif kind in (GEMM_NVFP4, GEMM_NVFP4_2D):
+        amax = torch.where(torch.isfinite(t), t.abs(), torch.zeros_like(t)).amax()
+        aux = amax.to(torch.float32).reshape(1)
+    if rand is None or kind not in (GEMM_NVFP4, GEMM_NVFP4_2D):
+        return aux, t, False
+    u = torch.empty_like(t, dtype=torch.uint8)
+    u.copy_(rand.reshape(t.shape))
+    if u.stride() != t.stride():
+        raise AssertionError("random bits laid out unlike their operand")
+    return aux, u, True
 
 
 def quant_gemm(
@@ -696,11 +929,17 @@ def quant_gemm(
     b_fmt: str,
     a_backward: bool = False,
     b_backward: bool = False,
+    a_rand: torch.Tensor | None = None,
+    b_rand: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``torch.matmul(fake_quant(a, a_fmt, dim=-1), fake_quant(b, b_fmt, dim=-2))`` in one
     kernel: ``a`` ``[M, K]`` or ``[batch, M, K]``, ``b`` ``[K, N]`` or ``[batch, K, N]`` (a 2-D
     operand is shared by every batch), the same float dtype; both read in place through their
-    strides (a transposed weight is not copied). The result is contiguous, in that dtype."""
+    strides (a transposed weight is not copied). The result is contiguous, in that dtype.
+    ``fmt``: a value's element format (``fp8-block-2d`` / ``nvfp4-2d``: a weight's tiles);
+    ``a_rand`` / ``b_rand``: NVFP4's 8 random bits per element (uint8, the operand's shape)
+    where that operand rounds stochastically; the per-tensor amax of ``fp8-tensor`` and
+    NVFP4 is taken (one torch reduction) before the launch."""
     if a.dtype != b.dtype or a.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"quant_gemm takes bf16, fp16 or fp32 operands, not {a.dtype}, {b.dtype}")
     if a.dim() not in (2, 3) or b.dim() not in (2, 3) or a.shape[-1] != b.shape[-2]:
@@ -727,15 +966,23 @@ def quant_gemm(
     c3 = c if c.dim() == 3 else c.unsqueeze(0)
     ak, am, aemin, avmax, aemax = gemm_operand(a_fmt, a_backward)
     bk, bm, bemin, bvmax, bemax = gemm_operand(b_fmt, b_backward)
+    for t, kind, rand in ((a, ak, a_rand), (b, bk, b_rand)):
+        if rand is not None and (kind not in (GEMM_NVFP4, GEMM_NVFP4_2D) or rand.shape != t.shape):
+            raise ValueError("quant_gemm: random bits belong to an NVFP4 operand, its shape")
+    if (ak == GEMM_FP8_TILE and a.dim() == 3) or (bk == GEMM_FP8_TILE and b.dim() == 3):
+        raise ValueError("quant_gemm: 128 x 128 weight tiles need a 2-D operand")
+    a_aux, a_u, a_sr = _operand_aux(a, ak, a_backward, a_rand)
+    b_aux, b_u, b_sr = _operand_aux(b, bk, b_backward, b_rand)
 
     def grid(meta: dict[str, Any]) -> tuple[int, int]:
         return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), batch)
 
     _qgemm_kernel[grid](
-        a, b, c3, m, n, k, sab, sam, sak, sbb, sbk, sbn, *c3.stride(),
-        A_KIND=ak, A_MBITS=am, A_EMIN=aemin, A_VMAX=avmax, A_EMAX=aemax,
-        B_KIND=bk, B_MBITS=bm, B_EMIN=bemin, B_VMAX=bvmax, B_EMAX=bemax,
-        BF16=a.dtype == torch.bfloat16, IEEE=a.dtype == torch.float32,
+        a, b, c3, m, n, k, sab, sam, sak, sbb, sbk, sbn, *c3.stride(), a_aux, b_aux, a_u, b_u,
+        A_KIND=ak, A_MBITS=am, A_EMIN=aemin, A_VMAX=avmax, A_EMAX=aemax, A_SR=a_sr,
+        B_KIND=bk, B_MBITS=bm, B_EMIN=bemin, B_VMAX=bvmax, B_EMAX=bemax, B_SR=b_sr,
+        BF16=a.dtype == torch.bfloat16, BIG=float(torch.finfo(a.dtype).max),
+        IEEE=a.dtype == torch.float32,
         UPCAST=_interpreting() and a.dtype == torch.bfloat16,
     )  # fmt: skip
     return c

@@ -99,7 +99,7 @@ from .quantpatch_paretoq import (
     paretoq_weight,
 )
 from .quantpatch_quantize import interpreted as _interpreted
-from .quantpatch_quantize import kernels_in_use, quantize
+from .quantpatch_quantize import kernels_in_use, quantize, require_capability
 from .quantpatch_weights import fused_product as _fused_product
 from .quantpatch_weights import (
     gemm_choices,
@@ -292,14 +292,13 @@ def quant_matmul(
 
         return quantpatch_rht.rht_matmul(a, b, backward=backward)
     bdim = -2 if b.dim() > 1 else -1
-    fused = _fused_product(a, b, fmt, backward, backward)
+    wa, wb = _named_weight(weight, "a"), _named_weight(weight, "b")
+    fa, fb = _operand_fmt(a, fmt, wa), _operand_fmt(b, fmt, wb)
+    b_backward = backward and spec.backward == "all"
+    fused = _fused_product(a, b, fmt, backward, b_backward, fa, fb)
     if fused is not None:
         return fused
-    wa, wb = _named_weight(weight, "a"), _named_weight(weight, "b")
-    return torch.matmul(
-        _q(a, _operand_fmt(a, fmt, wa), -1, backward, wa),
-        _q(b, _operand_fmt(b, fmt, wb), bdim, backward and spec.backward == "all", wb),
-    )
+    return torch.matmul(_q(a, fa, -1, backward, wa), _q(b, fb, bdim, b_backward, wb))
 
 
 def quant_bmm(
@@ -308,13 +307,12 @@ def quant_bmm(
     """``torch.bmm(a, b)`` with both operands quantized along the reduction dimension (NVFP4:
     ``a`` alone stochastically under ``backward``)."""
     nv = formats.spec_of(fmt).backward == "grad_output"
-    fused = _fused_product(a, b, fmt, backward, backward) if a.dim() == b.dim() == 3 else None
-    if fused is not None:
-        return fused
-    return torch.bmm(
-        _q(a, _operand_fmt(a, fmt), -1, backward),
-        _q(b, _operand_fmt(b, fmt), -2, backward and not nv),
-    )
+    fa, fb = _operand_fmt(a, fmt), _operand_fmt(b, fmt)
+    if a.dim() == b.dim() == 3:
+        fused = _fused_product(a, b, fmt, backward, backward and not nv, fa, fb)
+        if fused is not None:
+            return fused
+    return torch.bmm(_q(a, fa, -1, backward), _q(b, fb, -2, backward and not nv))
 
 
 def quant_baddbmm(
@@ -331,12 +329,13 @@ def quant_baddbmm(
     dimension. With ``beta == 0`` the ``input`` buffer is never read, so uninitialised memory
     (Megatron passes a preallocated buffer) cannot leak NaN into the scores."""
     nv = formats.spec_of(fmt).backward == "grad_output"
+    f1, f2 = _operand_fmt(batch1, fmt), _operand_fmt(batch2, fmt)
     if beta == 0 and batch1.dim() == batch2.dim() == 3:
-        fused = _fused_product(batch1, batch2, fmt, backward, backward)
+        fused = _fused_product(batch1, batch2, fmt, backward, backward and not nv, f1, f2)
         if fused is not None:
             return fused if alpha == 1 else fused * alpha
-    q1 = _q(batch1, _operand_fmt(batch1, fmt), -1, backward)
-    q2 = _q(batch2, _operand_fmt(batch2, fmt), -2, backward and not nv)
+    q1 = _q(batch1, f1, -1, backward)
+    q2 = _q(batch2, f2, -2, backward and not nv)
     if beta == 0:
         out = torch.bmm(q1, q2)
         return out if alpha == 1 else out * alpha
@@ -484,7 +483,9 @@ def flash_refusal(
         return f"unknown format {qk!r}"
     if env.tensor_save():
         return "the tensor saver is on (it saves the attention probabilities)"
-    if not query.is_cuda:
+    if query.is_cuda:
+        require_capability(query.device)
+    else:
         if mode == "auto":
             return "CPU tensors"
         if not _interpreted():

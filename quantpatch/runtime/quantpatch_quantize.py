@@ -103,6 +103,28 @@ def kernels_in_use(device: str = "cuda") -> str:
     return "triton"
 
 
+MIN_CAPABILITY = (8, 0)
+"""The oldest GPU generation the Triton kernels are built for (compute capability; Ampere):
+every kernel is compiled for sm_80, sm_86, sm_89, sm_90, sm_100 and sm_120 in CI."""
+_CAPABILITY_OK: set[Any] = set()
+
+
+def require_capability(device: torch.device) -> None:
+    """Refuse, in one sentence and before any kernel is built, a CUDA device older than
+    :data:`MIN_CAPABILITY` (Triton has no bf16 tensor-core product there)."""
+    if device in _CAPABILITY_OK:
+        return
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < MIN_CAPABILITY:
+        raise RuntimeError(
+            f"quantpatch's Triton kernels need an NVIDIA GPU of compute capability 8.0 "
+            f"(A100) or later, and this one ({device}) is {major}.{minor}; set "
+            "QUANTPATCH_KERNELS=reference and QUANTPATCH_FLASH=0 to quantize with PyTorch "
+            "and keep the stock attention."
+        )
+    _CAPABILITY_OK.add(device)
+
+
 KERNELS_PATH_LINE = "[quantpatch] quant kernels: "
 """How the line that says which code quantizes a run's CUDA tensors begins: printed once per
 process on rank 0 at the first CUDA tensor, ``triton`` or ``reference (why)`` (a failed Triton
@@ -125,7 +147,9 @@ def _use_kernels(x: torch.Tensor) -> bool:
     mode = _kernel_mode()
     if mode == "reference" or x.dtype not in _KERNEL_DTYPES:
         return False
-    if not x.is_cuda:
+    if x.is_cuda:
+        require_capability(x.device)
+    else:
         if mode == "auto":
             return False
         if not _interpreted():

@@ -46,6 +46,7 @@ import torch
 
 from . import quantpatch_env as env
 from .quantpatch_nvfp4 import nvfp4, sr_bits
+from .quantpatch_quantize import require_capability
 
 RHT_BLOCK = 16
 SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
@@ -77,6 +78,8 @@ def _use_kernels(x: torch.Tensor) -> bool:
         return False
     if not x.is_cuda and (mode == "auto" or not env.triton_interpret()):
         return False
+    if x.is_cuda:
+        require_capability(x.device)
     if _kernels() is None:
         if mode == "triton":
             raise RuntimeError(f"QUANTPATCH_KERNELS=triton, but {_kernels_error}")

@@ -16,12 +16,12 @@ import torch
 
 from . import quantpatch_env as env
 from . import quantpatch_formats as formats
-from .quantpatch_nvfp4 import NVFP4_FORMATS
+from .quantpatch_nvfp4 import NVFP4_FORMATS, sr_bits
 from .quantpatch_quantize import KERNEL_DTYPES as _KERNEL_DTYPES
 from .quantpatch_quantize import interpreted as _interpreted
 from .quantpatch_quantize import kernel_mode as _kernel_mode
 from .quantpatch_quantize import kernels as _kernels
-from .quantpatch_quantize import kernels_error, quantize
+from .quantpatch_quantize import kernels_error, quantize, require_capability
 
 
 def _is_weight(t: torch.Tensor) -> bool:
@@ -223,18 +223,23 @@ def _weight_fake_quant(x: torch.Tensor, fmt: str, dim: int, backward: bool) -> t
 # -- the quantized GEMM: operands quantized in the GEMM's tile loop, or separately -------------
 #
 # ``quant_matmul``, ``quant_bmm`` and ``quant_baddbmm`` (``beta == 0``) have two ways to
-# compute an MX or HiF8 product: *separate* (two fake-quant kernels, then ``torch.matmul`` of
+# compute a quantized product: *separate* (two fake-quant kernels, then ``torch.matmul`` of
 # the quantized operands: the path above) and *fused* (``quantpatch_kernels.quant_gemm``, one
 # Triton GEMM that quantizes each operand tile as it loads it; no quantized copy is written).
 # ``QUANTPATCH_GEMM`` chooses: ``auto`` (default: on CUDA, both are timed once per problem,
 # i.e. shapes, layouts, dtype, format and direction, on its first call, and the faster is kept
 # for the process, see ``gemm_choices()``; CPU tensors and ``QUANTPATCH_KERNELS=reference``
 # take the separate path), ``separate`` (always), ``fused`` (wherever the GEMM applies; CPU
-# tensors need ``TRITON_INTERPRET=1``). The fused GEMM applies to MX and HiF8 operands of a
-# bf16, fp16 or fp32 product outside autograd (Megatron's linear layer computes its forward,
-# dgrad and wgrad products inside its own autograd function: there it applies; a product whose
-# operands need gradients keeps the quantized operands for its backward, so it is separate).
-# NVFP4 is always separate (a tensor-wide amax and random draws). A weight operand that the
+# tensors need ``TRITON_INTERPRET=1``). The fused GEMM applies to every value but
+# ``nvfp4-rht`` (its Hadamard transform comes first) and ParetoQ, for a bf16, fp16 or fp32
+# product outside autograd (Megatron's linear layer computes its forward, dgrad and wgrad
+# products inside its own autograd function: there it applies; a product whose operands need
+# gradients keeps the quantized operands for its backward, so it is separate). Each operand
+# takes the separate path's format (a weight's 128 x 128 ``fp8-block`` or 16 x 16 ``nvfp4-2d``
+# tiles, the gradient's E5M2 or stochastic rounding); the per-tensor amax of ``fp8-tensor`` and
+# NVFP4 is one torch reduction before the launch, and stochastic rounding reads the random
+# bits the separate path would draw, in its order. ``auto`` never fuses a product that rounds
+# stochastically (timing both paths would draw its bits twice). A weight operand that the
 # weight cache holds enters the fused GEMM already quantized (only the other operand is
 # quantized in the loop). Both paths quantize bit for bit alike; the product differs only in
 # the order of its float32 sums (a few units in the last place of float32 before the output's
@@ -297,13 +302,27 @@ def _gemm_operand(t: torch.Tensor, fmt: str, dim: int, backward: bool) -> tuple[
 
 
 def _fused_product(
-    a: torch.Tensor, b: torch.Tensor, fmt: str, a_backward: bool, b_backward: bool
+    a: torch.Tensor,
+    b: torch.Tensor,
+    fmt: str,
+    a_backward: bool,
+    b_backward: bool,
+    a_fmt: str | None = None,
+    b_fmt: str | None = None,
 ) -> torch.Tensor | None:
-    """``matmul(q(a, dim=-1), q(b, dim=-2))`` through the fused GEMM, or None where the
-    separate path computes it (see the section's comment)."""
+    """``matmul(q(a, a_fmt, dim=-1), q(b, b_fmt, dim=-2))`` through the fused GEMM, or None
+    where the separate path computes it (see the section's comment); ``a_fmt`` / ``b_fmt``:
+    the operands' formats as the separate path gives them (a weight's tiles), ``fmt`` by
+    default."""
     mode = _gemm_mode()
     if mode == "separate" or fmt not in _GEMM_FORMATS:
         return None
+    a_fmt, b_fmt = a_fmt or fmt, b_fmt or fmt
+    drawn = (a_backward and a_fmt in NVFP4_FORMATS) or (b_backward and b_fmt in NVFP4_FORMATS)
+    if mode == "auto" and drawn:  # measuring both paths would draw the random bits twice
+        return None
+    if (b_fmt == "fp8-block-2d" and b.dim() == 3) or a_fmt == "fp8-block-2d":
+        return None  # 128 x 128 tiles of a matrix: the weight of a 2-D product only
     if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
         return None
     if a.dtype != b.dtype or a.dtype not in _KERNEL_DTYPES or a.dim() < 2 or b.dim() not in (2, 3):
@@ -314,7 +333,9 @@ def _fused_product(
         return None
     if mode == "auto" and (not _auto_fuses(a) or _kernel_mode() == "reference"):
         return None
-    if not a.is_cuda and not _interpreted():
+    if a.is_cuda:
+        require_capability(a.device)
+    elif not _interpreted():
         raise RuntimeError(
             f"QUANTPATCH_GEMM=fused, but the tensors are on {a.device.type} and compiled Triton "
             "kernels run on CUDA tensors only; set TRITON_INTERPRET=1 to interpret them on CPU "
@@ -326,11 +347,16 @@ def _fused_product(
         return None
     lead = a.shape[:-1]
     a2 = a.reshape(-1, a.shape[-1]) if b.dim() == 2 and a.dim() > 2 else a
-    qa, fa = _gemm_operand(a2, fmt, -1, a_backward)
-    qb, fb = _gemm_operand(b, fmt, -2, b_backward)
+    # the random bits drawn in the separate path's order: a's, then b's
+    qa, fa = _gemm_operand(a2, a_fmt, -1, a_backward)
+    a_rand = sr_bits(qa) if a_backward and fa in NVFP4_FORMATS else None
+    qb, fb = _gemm_operand(b, b_fmt, -2, b_backward)
+    b_rand = sr_bits(qb) if b_backward and fb in NVFP4_FORMATS else None
 
     def fused() -> torch.Tensor:
-        out: torch.Tensor = _kernels().quant_gemm(qa, qb, fa, fb, a_backward, b_backward)
+        out: torch.Tensor = _kernels().quant_gemm(
+            qa, qb, fa, fb, a_backward, b_backward, a_rand, b_rand
+        )
         return out
 
     if mode == "auto":

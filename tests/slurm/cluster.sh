@@ -5,10 +5,12 @@
 #                           accounting database, slurmctld and slurmd; waits for the node idle
 #   cluster.sh stop DIR     stops every daemon that start left running (their pid files in DIR)
 # Everything it writes is under DIR (configuration, state, logs); clients find the cluster
-# through SLURM_CONF=DIR/etc/slurm.conf. The node is this machine: 8 CPUs and 8 GPUs declared
+# through SLURM_CONF=DIR/etc/slurm.conf. The node is this machine: 32 CPUs (3 a GPU rank asks for) and 8 GPUs declared
 # (SLURM_NODE_GPUS=N declares N instead, as a user's 2-GPU node does; config_overrides; the
 # GPUs are dummy files in DIR/dev, enough for --gpus-per-node), the
 # minimal plugins that work without systemd or cgroups (proctrack/linuxproc, task/none).
+# SLURM_NODES=N starts N nodes instead (qp1..qpN, one `slurmd -N` each on this machine, each
+# on its own port, with SLURM_NODE_GPUS GPUs each): a multi-node allocation on one machine.
 set -euo pipefail
 
 PACKAGES=(slurmctld slurmd slurm-client slurmdbd munge mariadb-server)
@@ -79,8 +81,20 @@ start() {
         GRANT ALL ON slurm_acct_db.* TO 'slurm'@'127.0.0.1';
         GRANT ALL ON slurm_acct_db.* TO 'slurm'@'localhost';"
 
-    local i gpus="${SLURM_NODE_GPUS:-8}"
+    local i n gpus="${SLURM_NODE_GPUS:-8}" nodes="${SLURM_NODES:-1}"
     for (( i = 0; i < gpus; i++ )); do : >"$dir/dev/gpu$i"; done
+    local node_lines gres_lines
+    if (( nodes == 1 )); then
+        node_lines="NodeName=$host NodeAddr=127.0.0.1 CPUs=32 Gres=gpu:$gpus State=UNKNOWN"
+        gres_lines="NodeName=$host Name=gpu File=$dir/dev/gpu[0-$((gpus - 1))]"
+    else
+        node_lines="" gres_lines=""
+        for (( n = 1; n <= nodes; n++ )); do
+            for (( i = 0; i < gpus; i++ )); do : >"$dir/dev/qp$n-gpu$i"; done
+            node_lines+="NodeName=qp$n NodeHostname=$host NodeAddr=127.0.0.1 Port=$((SLURMD_PORT + 10 + n)) CPUs=32 Gres=gpu:$gpus State=UNKNOWN"$'\n'
+            gres_lines+="NodeName=qp$n Name=gpu File=$dir/dev/qp$n-gpu[0-$((gpus - 1))]"$'\n'
+        done
+    fi
     cat >"$dir/etc/slurmdbd.conf" <<CONF
 AuthType=auth/munge
 AuthInfo=socket=$socket
@@ -117,20 +131,20 @@ AccountingStorageHost=localhost
 AccountingStoragePort=$DBD_PORT
 AccountingStoragePass=$socket
 StateSaveLocation=$dir/spool/ctld
-SlurmdSpoolDir=$dir/spool/d
+SlurmdSpoolDir=$dir/spool/d-%n
 SlurmctldPidFile=$dir/run/slurmctld.pid
-SlurmdPidFile=$dir/run/slurmd.pid
+SlurmdPidFile=$dir/run/slurmd-%n.pid
 SlurmctldLogFile=$dir/log/slurmctld.log
-SlurmdLogFile=$dir/log/slurmd.log
+SlurmdLogFile=$dir/log/slurmd-%n.log
 ReturnToService=2
 KillWait=2
 MinJobAge=300
 MpiDefault=none
-NodeName=$host NodeAddr=127.0.0.1 CPUs=8 Gres=gpu:$gpus State=UNKNOWN
+$node_lines
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 CONF
     cat >"$dir/etc/gres.conf" <<CONF
-NodeName=$host Name=gpu File=$dir/dev/gpu[0-$((gpus - 1))]
+$gres_lines
 CONF
     cat >"$dir/env" <<CONF
 export SLURM_CONF=$dir/etc/slurm.conf
@@ -140,14 +154,18 @@ CONF
     wait_for 30 slurmdbd bash -c "exec 3<>/dev/tcp/127.0.0.1/$DBD_PORT"
     slurmctld -i
     wait_for 30 slurmctld scontrol ping
-    slurmd
-    wait_for 60 "the node (idle in sinfo)" bash -c \
-        "sinfo -h -N -o %T | grep -qx idle"
+    if (( nodes == 1 )); then
+        slurmd
+    else
+        for (( n = 1; n <= nodes; n++ )); do slurmd -N "qp$n"; done
+    fi
+    wait_for 60 "the nodes (idle in sinfo)" bash -c \
+        "[[ \"\$(sinfo -h -N -o %T | grep -cx idle)\" == $nodes ]]"
     log "up: $(sinfo -h -N -o '%N %T %G')"
 }
 
 stop() {
-    local dir name pid i
+    local dir pid i
     dir="$(realpath -m "$1")"
     if [[ -s "$dir/run/slurmctld.pid" ]] && kill -0 "$(<"$dir/run/slurmctld.pid")" 2>/dev/null; then
         # the jobs first, so that no task outlives the cluster
@@ -157,16 +175,17 @@ stop() {
             sleep 0.1
         done
     fi
-    for name in slurmd slurmctld slurmdbd mariadbd munged; do
-        [[ -s "$dir/run/$name.pid" ]] || continue
-        pid="$(<"$dir/run/$name.pid")"
+    local file
+    for file in "$dir"/run/slurmd*.pid "$dir"/run/{slurmctld,slurmdbd,mariadbd,munged}.pid; do
+        [[ -s "$file" ]] || continue
+        pid="$(<"$file")"
         kill -TERM "$pid" 2>/dev/null || continue
         for ((i = 0; i < 100; i++)); do
             kill -0 "$pid" 2>/dev/null || break
             sleep 0.1
         done
         kill -KILL "$pid" 2>/dev/null || true
-        rm -f "$dir/run/$name.pid"
+        rm -f "$file"
     done
 }
 

@@ -1,0 +1,343 @@
+"""Every refusal of ``sweep run`` and ``gen-scripts`` that gives advice, followed as written
+(the option, the config table and key, the variable, the command) and shown accepted. The
+advice is parsed from the sentence itself (``follow``), so a hint naming a table that does not
+exist, or a value that is refused again, fails here. Slurm's partition is stubbed (sinfo,
+scontrol); the real two-node Slurm follows the layout refusal in test_sweep_slurm_nodes."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from .test_scripts import QUANTPATCH
+from .test_sweep import SACCT, SBATCH, SQUEUE, TORCHRUN
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+SINFO = r"""#!/usr/bin/env bash
+printf '%s\n' "${STUB_SINFO:-1 gpu:2 8 64000}"
+"""
+# the partition (MaxNodes from STUB_MAX_NODES), else the task of test_sweep's scontrol
+SCONTROL_PARTITION = r"""#!/usr/bin/env bash
+if [[ "$1 $2" == "show partition" ]]; then
+    echo "PartitionName=debug Default=YES MaxNodes=${STUB_MAX_NODES:-UNLIMITED} State=UP"
+    exit 0
+fi
+echo "JobId=4243 ArrayJobId=4242 ArrayTaskId=0 JobState=PENDING Reason=None ExitCode=0:0"
+"""
+SCANCEL = r"""#!/usr/bin/env bash
+printf '%s\n' "$@" > "$STUB_DIR/scancel.args"
+"""
+
+
+@pytest.fixture
+def cluster(tmp_path, make_checkout, monkeypatch):
+    """A checkout, and Slurm's clients and torchrun stubbed on PATH (a partition of
+    ``STUB_SINFO`` nodes)."""
+    root = make_checkout()
+    bin_dir, stub = tmp_path / "bin", tmp_path / "stub"
+    bin_dir.mkdir()
+    stub.mkdir()
+    stubs = (("torchrun", TORCHRUN), ("sbatch", SBATCH), ("squeue", SQUEUE),
+             ("sacct", SACCT), ("scontrol", SCONTROL_PARTITION), ("sinfo", SINFO),
+             ("scancel", SCANCEL))  # fmt: skip
+    for name, text in stubs:
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("STUB_DIR", str(stub))
+    monkeypatch.setenv("QUANTPATCH", QUANTPATCH)
+    return root, stub
+
+
+def follow(said: str, args: list[str], config: Path) -> list[str]:
+    """The command line and ``config`` as the refusal ``said`` tells: ``give --opt V``,
+    ``--opt V instead of --opt W`` (the option's value replaced or added), ``key = value in
+    the [table] table of a --config`` (written into ``config``, which the command then
+    names). Fails where the sentence gives no advice of these forms."""
+    said = " ".join(said.split())
+    option = re.search(r"\bgive (--[a-z-]+) (\S+?)[ ,;.)]", said) or re.search(
+        r"\((--[a-z-]+) (\S+) instead of --[a-z-]+ \S+\)", said
+    )
+    table = re.search(r"(\w[\w-]*) = (\S+?)\)? in the \[([\w.-]+)\] table of a --config", said)
+    assert option or table, f"no advice to follow in: {said}"
+    args = list(args)
+    if option and not (table and option.start() > table.start()):
+        name, value = option[1], option[2]
+        if name in args:
+            args[args.index(name) + 1] = value
+        else:
+            args += [name, value]
+        return args
+    assert table is not None
+    key, value, where = table[1], table[2], table[3]
+    data = tomllib.loads(config.read_text()) if config.exists() else {}
+    node = data
+    for part in where.split("."):
+        node = node.setdefault(part, {})
+    node[key] = tomllib.loads(f"v = {value}")["v"]
+    config.write_text(_toml(data))
+    if "--config" not in args:
+        args += ["--config", str(config)]
+    return args
+
+
+def _toml(data: dict, prefix: str = "") -> str:
+    plain = [f"{k} = {json.dumps(v)}" for k, v in data.items() if not isinstance(v, dict)]
+    out = f"[{prefix}]\n" + "\n".join(plain) + "\n" if prefix and plain else ""
+    for k, v in data.items():
+        if isinstance(v, dict):
+            out += _toml(v, f"{prefix}.{k}" if prefix else k)
+    return out
+
+
+SMOKE = ("--models", "llama32-1b", "--datasets", "wikipedia", "--schemes", "bf16",
+         "--profile", "smoke")  # fmt: skip
+
+
+def _refused_then_followed(run, command: list[str], config: Path, says: str) -> str:
+    res = run(*command)
+    said = " ".join(res.err.split())
+    assert res.code == 2 and says in said, res
+    followed = follow(said, command, config)
+    res = run(*followed)
+    assert res.code == 0, (followed, config.read_text() if config.exists() else "", res)
+    return said
+
+
+@pytest.mark.parametrize(
+    "extra, config_text, says",
+    [
+        # a size given on the command line: the option, with the value that works
+        (["--gpus-per-node", "2", "--tp", "3"], "", "TP 2 would work (--tp 2 instead of --tp 3)"),
+        # a size of the profile's table: that table's key
+        (["--gpus-per-node", "2"], "[profiles.smoke.parallel]\ntp = 3\n",
+         "(tp = 2 in the [profiles.smoke.parallel] table of a --config)"),
+        # the batch: the profile's args table (finding 3: not GLOBAL_BATCH_SIZE, not `--`)
+        (["--gpus-per-node", "2", "--nodes", "2"], "",
+         "global batch 4 would work (global-batch-size = 4 in the [profiles.smoke.args] table"),
+        # a model's own profile args hold the batch: that table
+        (["--gpus-per-node", "3"], "[models.llama32-1b.profiles.smoke.args]\n"
+         "global-batch-size = 2\n", "[models.llama32-1b.profiles.smoke.args] table"),
+        # sequence parallel (a string in TOML)
+        (["--gpus-per-node", "2"], "[profiles.smoke.parallel]\ntp = 2\n"
+         "sequence_parallel = \"on\"\n",
+         "sequence_parallel = \"off\" in the [profiles.smoke.parallel] table"),
+    ],
+)  # fmt: skip
+def test_a_layout_refusal_of_gen_scripts_followed(
+    run, tmp_path, make_checkout, extra, config_text, says
+):
+    root = make_checkout()
+    config = tmp_path / "mine.toml"
+    command = ["gen-scripts", "--out", str(tmp_path / "s"), *SMOKE, "--repo", str(root), *extra]
+    if config_text:
+        config.write_text(config_text)
+        command += ["--config", str(config)]
+    _refused_then_followed(run, command, config, says)
+
+
+def test_a_layout_refusal_of_sweep_run_followed(cluster, run, tmp_path):
+    root, _stub = cluster
+    config = tmp_path / "mine.toml"
+    config.write_text("[profiles.smoke.parallel]\ntp = 3\n")
+    command = ["sweep", "run", str(tmp_path / "sw"), *SMOKE, "--launcher", "slurm",
+               "--gpus-per-node", "2", "--config", str(config), "--repo", str(root)]  # fmt: skip
+    _refused_then_followed(run, command, config, "tp = 2 in the [profiles.smoke.parallel]")
+
+
+@pytest.mark.parametrize("variant", ["option", "config"])
+def test_the_partitions_gpus_and_nodes_followed(cluster, run, tmp_path, monkeypatch, variant):
+    """Findings 2 and 4: the nodes advice names the table that holds `nodes`, and a
+    partition whose MaxNodes is 0 (no limit) counts its nodes."""
+    root, _stub = cluster
+    monkeypatch.setenv("STUB_SINFO", "2 gpu:2 8 64000")
+    monkeypatch.setenv("STUB_MAX_NODES", "0")
+    config = tmp_path / f"{variant}.toml"
+    base = ["sweep", "run", str(tmp_path / variant), *SMOKE, "--launcher", "slurm",
+            "--repo", str(root)]  # fmt: skip
+    # GPUs a node: 4 asked, the nodes have 2
+    config.write_text("[profiles.smoke]\ngpus_per_node = 4\n[profiles.smoke.args]\n"
+                      "global-batch-size = 12\n")  # fmt: skip
+    command = [*base, "--config", str(config)]
+    if variant == "option":
+        command += ["--gpus-per-node", "4"]
+    said = _refused_then_followed(run, command, config, "give --gpus-per-node 2")
+    if variant == "config":
+        assert "gpus_per_node = 2 in the [profiles.smoke] table" in said
+    # nodes: 3 asked, the partition has 2 (MaxNodes=0: no limit)
+    out = tmp_path / f"{variant}-nodes"
+    config.write_text("[profiles.smoke.args]\nglobal-batch-size = 12\n"
+                      "[profiles.smoke.parallel]\nnodes = 3\n")  # fmt: skip
+    command = ["sweep", "run", str(out), *SMOKE, "--launcher", "slurm", "--repo", str(root),
+               "--config", str(config)]  # fmt: skip
+    if variant == "option":
+        command += ["--nodes", "3"]
+    said = _refused_then_followed(run, command, config, "give --nodes 2")
+    assert "(or nodes = 2 in the [profiles.smoke.parallel] table of a --config)" in said
+    assert json.loads((out / "sweep.json").read_text())["layout"]["nodes"] == 2
+
+
+def test_max_nodes_zero_is_no_limit(cluster, run, tmp_path, monkeypatch):
+    root, _stub = cluster
+    monkeypatch.setenv("STUB_SINFO", "4 gpu:2 8 64000")
+    monkeypatch.setenv("STUB_MAX_NODES", "0")
+    res = run("sweep", "run", tmp_path / "sw", *SMOKE, "--launcher", "slurm", "--nodes", "2",
+              "--repo", root)  # fmt: skip
+    assert res.code == 0, res
+
+
+def test_the_cpus_a_node_offers_followed(cluster, run, tmp_path, monkeypatch):
+    """Finding 5: each node's task asks for the CPUs its ranks need; a partition whose nodes
+    have fewer is refused naming `cpus_per_task` of `[slurm]`, and that is accepted."""
+    root, _stub = cluster
+    monkeypatch.setenv("STUB_SINFO", "1 gpu:8 16 64000")
+    config = tmp_path / "mine.toml"
+    config.write_text("[profiles.smoke.args]\nglobal-batch-size = 8\n")
+    out = tmp_path / "sw"
+    command = ["sweep", "run", str(out), *SMOKE, "--launcher", "slurm", "--gpus-per-node", "8",
+               "--config", str(config), "--repo", str(root)]  # fmt: skip
+    said = _refused_then_followed(run, command, config, "24 CPUs for each node's task")
+    assert "cpus_per_task = 16 in the [slurm] table" in said
+    assert "#SBATCH --cpus-per-task=16\n" in (out / "sweep.sbatch").read_text()
+
+
+def test_a_partition_without_gpus_followed(cluster, run, tmp_path, monkeypatch):
+    root, _stub = cluster
+    monkeypatch.setenv("STUB_SINFO", "2 (null) 8 64000")
+    out = tmp_path / "sw"
+    command = ["sweep", "run", str(out), *SMOKE, "--launcher", "slurm", "--repo", str(root)]
+    res = run(*command)
+    said = " ".join(res.err.split())
+    assert res.code == 2 and 'or gpu_request = "none" there' in said, res
+    config = tmp_path / "cpu.toml"
+    config.write_text('[slurm]\ngpu_request = "none"\n')  # "there": the [slurm] table named
+    res = run(*command, "--config", config)
+    assert res.code == 0, res
+    assert "gpu" not in (out / "sweep.sbatch").read_text().split("set -euo")[0].replace(
+        "quantpatch-sweep", ""
+    )
+
+
+def test_a_local_sweep_on_several_nodes_followed(cluster, run, tmp_path, monkeypatch):
+    root, _stub = cluster
+    monkeypatch.setenv("STUB_SINFO", "2 gpu:2 8 64000")
+    command = ["sweep", "run", str(tmp_path / "sw"), *SMOKE, "--nodes", "2",
+               "--repo", str(root)]  # fmt: skip
+    res = run(*command)
+    assert res.code == 2 and "(use --launcher slurm)" in res.err, res
+    assert not (tmp_path / "sw").exists()
+    res = run(*command, "--launcher", "slurm")
+    assert res.code == 0, res
+
+
+@pytest.mark.slow
+def test_the_record_refusals_followed(cluster, run, tmp_path):
+    """A record that is not one, or was edited by hand: move it away; a different selection
+    while Slurm has runs: `quantpatch sweep cancel`."""
+    root, stub = cluster
+    out = tmp_path / "sw"
+    res = run("sweep", "run", out, *SMOKE, "--launcher", "slurm", "--repo", root)
+    assert res.code == 0, res
+    good = (out / "sweep.json").read_text()
+    for text in ("{not json", '{"version": 7, "runs": []}',
+                 good.replace('"launcher": "slurm"', '"launcher": 5', 1)):  # fmt: skip
+        (out / "sweep.json").write_text(text)
+        res = run("sweep", "status", out)
+        assert res.code == 2 and "move the file away to start a new sweep" in " ".join(
+            res.err.split()
+        ).replace("move it away", "move the file away"), res
+        (out / "sweep.json").rename(tmp_path / "moved.json")  # followed
+        res = run("sweep", "run", out, *SMOKE, "--launcher", "slurm", "--repo", root)
+        assert res.code == 0, res
+    # the array is Slurm's (squeue: running, pending): another selection is refused
+    res = run("sweep", "run", out, *SMOKE[:-1], "fast", "--launcher", "slurm", "--repo", root)
+    said = " ".join(res.err.split())
+    assert res.code == 2 and f"`quantpatch sweep cancel {out}`" in said, res
+    res = run("sweep", "cancel", out)  # followed
+    assert res.code == 0 and (stub / "scancel.args").exists(), res
+    os.environ["MOCK_DATA"] = "1"  # the fast profile reads real data: not this test's point
+    try:
+        res = run("sweep", "run", out, *SMOKE[:-1], "fast", "--launcher", "slurm",
+                  "--gpus-per-node", "2", "--repo", root)  # fmt: skip
+    finally:
+        del os.environ["MOCK_DATA"]
+    assert res.code == 0, res
+
+
+@pytest.mark.slow
+def test_a_run_left_running_followed(cluster, run, tmp_path):
+    """A run whose process group still lives: `kill -TERM -- -PGID`, as said, then it runs."""
+    root, _stub = cluster
+    out = tmp_path / "sw"
+    res = run("sweep", "run", out, *SMOKE, "--gpus", "0", "--repo", root)
+    assert res.code == 0, res
+    left = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    try:
+        data = json.loads((out / "sweep.json").read_text())
+        data["runs"][0].update(state="running", pid=left.pid)
+        (out / "sweep.json").write_text(json.dumps(data))
+        res = run("sweep", "run", out, "--repo", root)
+        said = " ".join(res.err.split())
+        assert res.code == 2 and f"(kill -TERM -- -{left.pid})" in said, res
+        os.killpg(left.pid, signal.SIGTERM)  # followed
+        left.wait()
+        res = run("sweep", "run", out, "--repo", root)
+        assert res.code == 0, res
+    finally:
+        if left.poll() is None:
+            left.kill()
+            left.wait()
+
+
+def test_data_that_is_not_ready_followed(cluster, run, tmp_path, monkeypatch):
+    root, _stub = cluster
+    monkeypatch.setenv("DATA_ROOT", str(tmp_path / "nodata"))
+    command = ["sweep", "run", str(tmp_path / "sw"), *SMOKE[:-1], "fast", "--launcher",
+               "slurm", "--gpus-per-node", "2", "--repo", str(root)]  # fmt: skip
+    res = run(*command)
+    said = " ".join(res.err.split())
+    assert res.code == 2 and "or set MOCK_DATA=1" in said, res
+    monkeypatch.setenv("MOCK_DATA", "1")  # followed
+    res = run(*command)
+    assert res.code == 0, res
+
+
+def test_scripts_edited_by_hand_followed(run, tmp_path, make_checkout):
+    root = make_checkout()
+    out = tmp_path / "s"
+    command = ["gen-scripts", "--out", out, *SMOKE, "--repo", root]
+    assert run(*command).code == 0
+    script = next(out.rglob("pretrain_*.sh"))
+    script.write_text(script.read_text() + "# mine\n")
+    res = run(*command)
+    assert res.code == 2 and "--force overwrites them" in res.err, res
+    res = run(*command, "--force")
+    assert res.code == 0 and "# mine" not in script.read_text(), res
+
+
+def test_colliding_names_followed(run, tmp_path, make_checkout):
+    """Two combinations on one run folder: rename one of them in the --config file."""
+    root = make_checkout()
+    config = tmp_path / "odd.toml"
+    table = '[datasets.{}]\ndescription = "x"\nprefix = "{{data_root}}/x"\nsplit = "1,0,0"\n'
+    config.write_text(table.format("dolma_FA"))
+    command = ["gen-scripts", "--out", tmp_path / "s", "--config", config, "--models",
+               "llama32-1b", "--datasets", "dolma,dolma_FA", "--schemes",
+               "FA_linear_mxfp8,linear_mxfp8", "--repo", root]  # fmt: skip
+    res = run(*command)
+    said = " ".join(res.err.split())
+    assert res.code == 2 and "rename one of the datasets or schemes in the --config file" in said
+    config.write_text(table.format("dolmafa"))  # followed: the dataset renamed
+    res = run(*[w if w != "dolma,dolma_FA" else "dolma,dolmafa" for w in command])
+    assert res.code == 0, res
