@@ -127,13 +127,13 @@ def make_checkout(tmp_path: Path, trees: dict[str, Path]) -> MakeCheckout:
             for installed in OPS_MODULES:  # quantpatch_ops.py and the parts it imports
                 (root / installed).write_text(runtime_source(installed), encoding="utf-8")
         (root / "README.md").write_text("not a target\n")
-        if use_git:
-            repo = git.Repo.init(root, initial_branch="main")
-            with repo.config_writer() as cw:
-                cw.set_value("user", "name", "Test")
-                cw.set_value("user", "email", "test@example.com")
-            repo.git.add("-A")
-            repo.git.commit("-qm", "fixture")
+        if use_git:  # closed at once: a test process makes hundreds (their descriptors)
+            with git.Repo.init(root, initial_branch="main") as repo:
+                with repo.config_writer() as cw:
+                    cw.set_value("user", "name", "Test")
+                    cw.set_value("user", "email", "test@example.com")
+                repo.git.add("-A")
+                repo.git.commit("-qm", "fixture")
         return root
 
     return make
@@ -148,8 +148,8 @@ def snapshot(root: Path) -> dict[str, object]:
     }
     snap: dict[str, object] = {"files": files}
     if (root / ".git").exists():
-        repo = git.Repo(root)
-        snap["refs"] = repo.git.for_each_ref()
+        with git.Repo(root) as repo:
+            snap["refs"] = repo.git.for_each_ref()
         snap["head"] = (root / ".git" / "HEAD").read_text()
         state = root / ".git" / "quantpatch" / "state.json"
         snap["state"] = state.read_text() if state.exists() else None
@@ -249,6 +249,15 @@ def tiny_gpt(root: Path, cfg: dict[str, object]) -> dict[str, object]:
 # -- barriers: a test waits for a moment of another process without polling -----------------
 
 
+def readable(fd: int, timeout: float) -> bool:
+    """Whether ``fd`` became readable (or its other end closed, or its process exited, for a
+    pidfd) within ``timeout`` seconds. On ``poll``, which takes a descriptor of any number:
+    ``select`` raises for one above 1,023, which a long test process may well hold."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(max(0, int(timeout * 1000))))
+
+
 class Pipe:
     """A named pipe that processes under test write lines into at the moments a test waits
     for (a stub's start, ``faults.pause``). Held open for reading and writing by the test, so
@@ -261,7 +270,7 @@ class Pipe:
 
     def line(self, timeout: float = 120.0) -> str:
         while b"\n" not in self.buf:
-            assert select.select([self.fd], [], [], timeout)[0], f"no line in {self.path}"
+            assert readable(self.fd, timeout), f"no line in {self.path}"
             self.buf += os.read(self.fd, 4096)
         first, self.buf = self.buf.split(b"\n", 1)
         return first.decode()
@@ -279,7 +288,7 @@ def paused(fifo: Path, timeout: float = 120.0) -> str:
     try:
         data = b""
         while not data.endswith(b"\n"):
-            assert select.select([fd], [], [], timeout)[0], f"nothing came through {fifo}"
+            assert readable(fd, timeout), f"nothing came through {fifo}"
             chunk = os.read(fd, 4096)
             assert chunk, f"{fifo} was closed before a whole line"
             data += chunk
@@ -304,7 +313,7 @@ def wait_exited(pids: list[int], timeout: float = 120.0) -> None:
         except ProcessLookupError:
             continue  # gone and reaped
         try:
-            assert select.select([fd], [], [], timeout)[0], f"process {pid} still runs"
+            assert readable(fd, timeout), f"process {pid} still runs"
         finally:
             os.close(fd)
 

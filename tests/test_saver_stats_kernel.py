@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from .conftest import readable
+
 torch = pytest.importorskip("torch")
 
 
@@ -73,14 +75,12 @@ def _ready(ts) -> str:
 def _exited(pid: int, why: str) -> None:
     """Wait on a pidfd (no polling) until ``pid`` has exited (a zombie counts: it runs no
     more); 60 s only for one that never does."""
-    import select
-
     try:
         fd = os.pidfd_open(pid)
     except ProcessLookupError:
         return  # gone and reaped
     try:
-        assert select.select([fd], [], [], 60)[0], why
+        assert readable(fd, 60), why
     finally:
         os.close(fd)
 
@@ -889,13 +889,11 @@ def test_a_build_folder_left_by_a_killed_process_is_swept(ts, tmp_path):
     )
     code = "from quantpatch.runtime import tensor_saver as ts; ts.stats_kernel_status()"
     proc = subprocess.Popen([sys.executable, "-c", code], env=env)
-    import select
-
     # the compiler writes its pid into a named pipe: a barrier, read once it is there (a
     # pipe no writer opened yet is not readable; 120 s only for a compiler never started)
     reader = os.open(pidfile, os.O_RDONLY | os.O_NONBLOCK)
     try:
-        assert select.select([reader], [], [], 120)[0], "the compiler never started"
+        assert readable(reader, 120), "the compiler never started"
         compiler = int(os.read(reader, 64))
     finally:
         os.close(reader)

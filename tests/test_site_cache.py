@@ -170,14 +170,19 @@ def test_a_terminated_fresh_check_leaves_nothing_behind(make_checkout, tmp_path)
          "--expect", "linear=bf16,qk=bf16,pv=bf16"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
     )  # fmt: skip
-    assert paused(barrier).split() == [str(proc.pid), "parsing", "ahead"]  # held there
-    assert [p.name[:17] for p in tmp.iterdir()] == ["quantpatch-check-"]
-    children = [
-        int(p.parent.name) for p in Path("/proc").glob("[0-9]*/stat") if _ppid(p) == proc.pid
-    ]
-    assert len(children) == 1, children  # the child that parses ahead, forked by now
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=60)
+    try:
+        assert paused(barrier).split() == [str(proc.pid), "parsing", "ahead"]  # held there
+        assert [p.name[:17] for p in tmp.iterdir()] == ["quantpatch-check-"]
+        children = [
+            int(p.parent.name) for p in Path("/proc").glob("[0-9]*/stat") if _ppid(p) == proc.pid
+        ]
+        assert len(children) == 1, children  # the child that parses ahead, forked by now
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:  # a failed assertion never leaves the command held at its barrier
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
     assert proc.returncode == 143, (proc.returncode, err)
     assert b"Traceback" not in err
     wait_exited(group_members(children[0]))  # its group: the child and any helper it forked

@@ -187,6 +187,16 @@ def end_journal(journal: Path) -> None:
     faults.step("journal drop", done=True)
 
 
+def journal_record(journal: Path) -> Path | None:
+    """The record an interrupted journaled write commits to (which command's write it was),
+    None where there is no readable journal."""
+    try:
+        meta = json.loads((journal / "journal.json").read_text(encoding="utf-8"))
+        return Path(meta["record"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def recover_journal(journal: Path, root: Path) -> list[str]:
     """Finish what an interrupted writer left: drop the journal when its record shows the
     operation completed, else put every file back as it was. Returns the files put back."""

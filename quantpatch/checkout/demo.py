@@ -90,6 +90,7 @@ def walk(dest: Path, console: Console, print_check: Callable[[CheckReport, Conso
     console.print(f"target files byte-identical to before the first set: {'yes' if same else 'NO'}")
     repo = gitrepo.open_repo(dest)
     console.print("branches: " + ", ".join(sorted(h.name for h in repo.heads)))
+    repo.close()
     step("quantpatch check")
     print_check(check(dest), console)
     if not same:  # pragma: no cover - would be a bug in restore

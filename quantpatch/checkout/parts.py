@@ -161,12 +161,17 @@ def installed_records(checkout: gitrepo.Checkout) -> dict[str, dict[str, Any]]:
     return out
 
 
+UPGRADING = "the interrupted 'quantpatch upgrade' was writing it; run 'quantpatch upgrade' again"
+
+
 def parts_status(
-    checkout: gitrepo.Checkout, targets: Targets, *, set_active: bool
+    checkout: gitrepo.Checkout, targets: Targets, *, set_active: bool, upgrading: bool = False
 ) -> list[PartStatus]:
     """Every installed part: current, older or edited. Hashes and the records only (no
     parsing). While a ``set`` is active, and in a scheme's worktree, the target files hold
-    the scheme's values, so hand edits are looked for in the runtime files alone."""
+    the scheme's values, so hand edits are looked for in the runtime files alone. While an
+    interrupted ``upgrade`` is unfinished (``upgrading``) its files differ from the records
+    it has not rewritten yet: such a part is older, the upgrade named, not edited by hand."""
     records = installed_records(checkout)
     # a scheme's worktree holds the scheme's values in the target files: only the main
     # checkout, with no set active, holds what the installs wrote there
@@ -191,7 +196,9 @@ def parts_status(
         # a part an earlier version did not install has no files in its record: older
         version = record.get("version")
         hand = edited(rels)
-        if hand:
+        if hand and upgrading:
+            status, detail = "older", UPGRADING
+        elif hand:
             status, detail = "edited", f"{', '.join(hand)} changed by hand since it was installed"
         elif len(rels) == len(files) and all(
             record["files"][r]["written"] == sha256_text(runtime_source(r)) for r in rels
@@ -210,7 +217,9 @@ def parts_status(
         version = record.get("version")
         hand = [] if set_active or not main else edited(rels)
         form = (record.get("forms") or {}).get(part)
-        if hand:
+        if hand and upgrading:
+            status, detail = "older", UPGRADING
+        elif hand:
             status, detail = "edited", f"{', '.join(hand)} changed by hand since it was installed"
         elif form == FORMS[part]:
             status, detail = "current", ""

@@ -43,7 +43,7 @@ from quantpatch.base.errors import UserError
 from quantpatch.checkout.parts import parts_status, runtime_source
 from quantpatch.checkout.saver import status as saver_status
 from quantpatch.git import repo as gitrepo
-from quantpatch.git.installs import upgrade_record
+from quantpatch.git.installs import upgrade_interrupted
 from quantpatch.sites import cache as site_cache
 from quantpatch.sites.model import Site, refuse_links, role_values
 
@@ -246,16 +246,20 @@ def _check(
     except UserError as exc:  # a read-only command still reports what it can
         state = None
         problems_found.append(str(exc))
-    if gitrepo.journal_dir(checkout).exists():
-        problems_found.append(
-            "a quantpatch write was interrupted; the next set or restore finishes it."
-        )
-    if upgrade_record(checkout).exists():
+    upgrading = upgrade_interrupted(checkout)
+    if upgrading:  # whether killed while writing its files or after: upgrade finishes it
         problems_found.append(
             "a quantpatch upgrade was interrupted; run 'quantpatch upgrade' again to finish it."
         )
+    elif gitrepo.journal_dir(checkout).exists():
+        problems_found.append(
+            "a quantpatch write was interrupted; the next set or restore finishes it."
+        )
     try:
-        parts = [p.as_json() for p in parts_status(checkout, targets, set_active=bool(state))]
+        parts = [
+            p.as_json()
+            for p in parts_status(checkout, targets, set_active=bool(state), upgrading=upgrading)
+        ]
     except UserError as exc:  # an unreadable install record
         parts = []
         problems_found.append(str(exc))
@@ -589,7 +593,8 @@ def set_values(path: Path | None, req: SetRequest) -> SetResult:
     checkout = gitrepo.find_checkout(path, need_git=req.branch, no_branch_hint=True)
     targets = load_targets(checkout.root)
     if req.dry_run:
-        return _set_unlocked(checkout, targets, req)
+        with checkout:  # its git processes end with it, as the lock's end does below
+            return _set_unlocked(checkout, targets, req)
     with gitrepo.locked(checkout):
         gitrepo.recover(checkout)
         return _set_unlocked(checkout, targets, req)

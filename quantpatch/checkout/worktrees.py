@@ -72,7 +72,8 @@ def _wrong_values(
 
 def _verify(path: Path, values: Mapping[str, str], name: str) -> None:
     wt, targets, wrong = _wrong_values(path, values)
-    dirty = gitrepo.dirty_paths(wt.git(), targets.all_files)
+    with wt:
+        dirty = gitrepo.dirty_paths(wt.git(), targets.all_files)
     if wrong or dirty:
         raise UserError(
             f"{path}: the worktree does not hold {name} "
@@ -135,7 +136,7 @@ def ensure_worktree(
     cherry-pick or bisect, is refused before anything is changed."""
     values = scheme_values(values)
     checkout, repo, targets, name, wt_path = _locate(path, values, allow_unknown=allow_unknown)
-    with gitrepo.locked(checkout, wait=wait):
+    with gitrepo.locked(checkout, wait=wait), contextlib.ExitStack() as opened:
         gitrepo.refuse_operation_in_progress(checkout)
         scheme_branch.check_prefix(repo, targets)
         state = gitrepo.load_state(checkout)
@@ -166,6 +167,7 @@ def ensure_worktree(
         )
         wt = _open_worktree(repo, checkout.root, wt_path)
         if wt is not None:
+            opened.callback(wt.close)  # its git processes end with the command
             _refuse_dirty(wt, wt_path, name)
         kept = _keep_worktree_commits(repo, wt, wt_path, name) if wt is not None else None
         try:
@@ -191,10 +193,10 @@ def left_out(path: Path | None) -> str | None:
     """What a run from the checkout at ``path`` will not include: it trains the scheme's
     worktree, built from commits, so the checkout's uncommitted changes to tracked files
     (target files too) are left out. One sentence naming them, or ``None``."""
-    checkout = gitrepo.find_checkout(path, need_git=False)
-    if not checkout.has_git:
-        return None  # the script itself says that it needs a git checkout
-    dirty = gitrepo.dirty_paths(checkout.git(), [])
+    with gitrepo.find_checkout(path, need_git=False) as checkout:
+        if not checkout.has_git:
+            return None  # the script itself says that it needs a git checkout
+        dirty = gitrepo.dirty_paths(checkout.git(), [])
     if not dirty:
         return None
     shown = ", ".join(dirty[:5]) + (f" and {len(dirty) - 5} more" if len(dirty) > 5 else "")

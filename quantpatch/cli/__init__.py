@@ -113,8 +113,19 @@ def command_for(argv: list[str]) -> Any:
     return command
 
 
+def _names_keep_their_bytes() -> None:
+    """A path or branch name that is not UTF-8 (held with surrogates, as Python decodes the
+    file system's names) is printed as its own bytes, as ``ls`` prints it, where strict
+    encoding raised (stderr's default, backslashreplace, is kept)."""
+    for stream in (sys.stdout, sys.stderr):
+        if getattr(stream, "errors", None) == "strict" and hasattr(stream, "reconfigure"):
+            with contextlib.suppress(ValueError, OSError):  # one that cannot: left as it is
+                stream.reconfigure(errors="surrogateescape")
+
+
 def main() -> None:
     """Entry point: run the app, map errors onto exit codes and one-sentence messages."""
+    _names_keep_their_bytes()
     debug = "--debug" in sys.argv[1:]
     if debug:
         OPTS.debug = True

@@ -233,13 +233,52 @@ def _check_places(targets: Sequence[Target]) -> None:
                 raise UserError(f"{path}: not a regular file where the dataset's file goes.")
 
 
-def _writable(folder: Path) -> None:
+def _unwritable(folder: Path) -> str | None:
+    """Why the dataset cannot be written into ``folder`` (made if missing), None where it
+    can: a read-only file system or a permission."""
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise UserError(f"{folder} is not writable ({exc.strerror}): choose --data-root.") from None
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise UserError(f"{folder} is not writable (permission denied): choose --data-root.")
+        return (exc.strerror or str(exc)).lower()
+    if os.access(folder, os.W_OK | os.X_OK):
+        return None
+    try:
+        read_only = bool(os.statvfs(folder).f_flag & os.ST_RDONLY)
+    except OSError:
+        read_only = False
+    return "read-only file system" if read_only else "permission denied"
+
+
+def _describe(paths: Sequence[Path]) -> list[dict[str, Any]]:
+    described = []
+    for path in paths:
+        size, digest = content_hash(path)
+        described.append({"path": str(path), "size": size, "hash": digest})
+    return described
+
+
+def _up_to_date_or_refused(
+    dataset: str,
+    targets: Sequence[Target],
+    toks: dict[str, Tokenizer],
+    described: list[dict[str, Any]],
+    text_key: str,
+) -> list[Outcome]:
+    """The targets whose folder cannot be written (a read-only file system, a permission):
+    each up to date, as its outcome (nothing to write, so nothing refused), or refused in one
+    sentence naming the folder, before anything is written."""
+    found = []
+    for target in targets:
+        why = _unwritable(target.prefix.parent)
+        if why is None:
+            continue
+        expected = _expected(dataset, target, toks[target.tokenizer], described, text_key)
+        manifest = up_to_date(target.prefix, expected)
+        if manifest is None:
+            raise UserError(f"{target.prefix.parent} is not writable ({why}): choose --data-root.")
+        documents, tokens = manifest["documents"], manifest["tokens"]
+        found.append(Outcome(target.model, target.prefix, "up to date", documents, tokens))
+    return found
 
 
 def _batches(inputs: Sequence[Path], key: str) -> Iterator[tuple[list[Text], int]]:
@@ -431,24 +470,25 @@ def prepare(
     for target in targets:
         if target.tokenizer not in toks:
             toks[target.tokenizer] = load_tokenizer(target.tokenizer, workers)
-    for target in targets:
-        _writable(target.prefix.parent)
-    with prefix_locks([t.prefix for t in targets]):
-        return _prepare(dataset, paths, targets, toks, text_key, progress)
+    described = _describe(paths)
+    done = _up_to_date_or_refused(dataset, targets, toks, described, text_key)
+    ready = {o.model for o in done}  # in folders it cannot write: no lock, nothing to do
+    rest = [t for t in targets if t.model not in ready]
+    with prefix_locks([t.prefix for t in rest]):
+        outcomes = [*done, *_prepare(dataset, described, rest, toks, text_key, progress)]
+    order = {t.model: i for i, t in enumerate(targets)}
+    return sorted(outcomes, key=lambda o: order[o.model])
 
 
 def _prepare(
     dataset: str,
-    paths: list[Path],
+    described: list[dict[str, Any]],
     targets: Sequence[Target],
     toks: dict[str, Tokenizer],
     text_key: str,
     progress: Callable[[str], Progress | None] | None,
 ) -> list[Outcome]:
-    described = []
-    for path in paths:
-        size, digest = content_hash(path)
-        described.append({"path": str(path), "size": size, "hash": digest})
+    paths = [Path(d["path"]) for d in described]
     # models whose tokenizers are the same files share one tokenization
     groups: dict[str, list[Target]] = {}
     for target in targets:
@@ -517,8 +557,7 @@ def _prepare(
                 for suffix in ("bin", "idx", "json"):
                     with contextlib.suppress(OSError):
                         Path(f"{temp}.{suffix}").unlink()
-    order = {t.model: i for i, t in enumerate(targets)}
-    return sorted(outcomes, key=lambda o: order[o.model])
+    return outcomes
 
 
 def status(needs: Sequence[tuple[str, str, Path, str]]) -> list[dict[str, Any]]:

@@ -19,6 +19,7 @@ from quantpatch.base import faults
 from quantpatch.base.edits import (
     Edit,
     apply_edits,
+    journal_record,
     journaled,
     read_exact,
     sha256_text,
@@ -190,6 +191,33 @@ def run_amend(
         return result
 
 
+def _install_command(name: str) -> str:
+    return "init" if name == "init" else f"{name} install"
+
+
+def _remove_command(name: str) -> str:
+    return "init --remove" if name == "init" else f"{name} remove"
+
+
+def _written_by_another(
+    checkout: gitrepo.Checkout, name: str, rel: str, current: str | None
+) -> str | None:
+    """The other recorded install whose last write ``rel`` holds (the saver's over init's),
+    or None."""
+    if current is None:
+        return None
+    for path in sorted(checkout.state_dir.glob("*/record.json")):
+        other = path.parent.name
+        try:
+            record = record_of(checkout, other) if other != name else None
+        except UserError:  # unreadable: not the one to name
+            continue
+        info = (record or {}).get("files", {}).get(rel)
+        if isinstance(info, dict) and info.get("written") == sha256_text(current):
+            return other
+    return None
+
+
 def run_remove(
     path: Path | None, name: str, message: str, *, missing_ok: bool = False
 ) -> InstallResult:
@@ -210,6 +238,13 @@ def run_remove(
         for rel, info in record["files"].items():
             current = read_exact(checkout.root / rel)
             if current is None or sha256_text(current) != info["written"]:
+                by = _written_by_another(checkout, name, rel, current)
+                if by is not None:  # reverting it by hand would bypass that install's record
+                    raise UserError(
+                        f"{rel} was changed since 'quantpatch {name.replace('-', ' ')}' by "
+                        f"'quantpatch {_install_command(by)}'; run 'quantpatch "
+                        f"{_remove_command(by)}' first."
+                    )
                 raise UserError(
                     f"{rel} changed since 'quantpatch {name.replace('-', ' ')}'; revert it first."
                 )
@@ -347,6 +382,15 @@ UPGRADE_RECORD = "upgrade.json"
 
 def upgrade_record(checkout: gitrepo.Checkout) -> Path:
     return checkout.state_dir / UPGRADE_RECORD
+
+
+def upgrade_interrupted(checkout: gitrepo.Checkout) -> bool:
+    """Whether a ``quantpatch upgrade`` was killed before it finished: while writing its files
+    (its journal's commit point is the upgrade's record) or after (the record is there). Its
+    files then differ from the install records until ``quantpatch upgrade`` completes it."""
+    if upgrade_record(checkout).exists():
+        return True
+    return journal_record(gitrepo.journal_dir(checkout)) == upgrade_record(checkout)
 
 
 def upgrade_record_text(

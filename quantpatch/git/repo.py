@@ -59,6 +59,21 @@ class Checkout:
             raise UserError(f"{self.root}: not a git repository.")
         return self.repo
 
+    def close(self) -> None:
+        """End the ``Repo``'s git processes and memory maps now (a later use opens it
+        again). A ``Repo`` holds descriptors (its ``git cat-file`` pipes, mapped pack files)
+        that only the garbage collector would free otherwise: a process that runs many
+        commands, a test suite or a sweep, would run out of them."""
+        repo, self._repo = self._repo, None
+        if repo is not None:
+            repo.close()
+
+    def __enter__(self) -> Checkout:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
 
 def _user_state_home() -> Path:
     base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
@@ -81,12 +96,14 @@ def open_repo(path: Path, *, search_parent_directories: bool = False) -> git.Rep
 def git_plain(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
     """``git <args>`` run directly in ``cwd`` (taken literally), for read-only facts: no
     GitPython import, no optional index lock (``--no-optional-locks``, so a read never
-    competes with the user's own git)."""
+    competes with the user's own git). Its output is decoded as the file system's names are
+    (``surrogateescape``): a path or branch that is not UTF-8 keeps its bytes."""
     return subprocess.run(
         ["git", "--no-optional-locks", *args],
         cwd=cwd,
         capture_output=True,
         text=True,
+        errors="surrogateescape",
         check=False,
     )
 
@@ -133,15 +150,26 @@ class GitInfo:
         return {"branch": self.branch, "head": self.head, "clean": self.clean}
 
 
+_NOT_UTF8_BRANCH = (
+    "the checked-out branch's name is not UTF-8, which quantpatch cannot record; rename it "
+    "('git branch -m <new name>') and run this again."
+)
+
+
 def head_commit(repo: git.Repo) -> str | None:
     try:
         return repo.head.commit.hexsha
+    except UnicodeDecodeError:  # GitPython reads the symbolic ref as UTF-8
+        raise UserError(_NOT_UTF8_BRANCH) from None
     except ValueError:  # no commit yet
         return None
 
 
 def active_branch(repo: git.Repo) -> str | None:
-    return None if repo.head.is_detached else repo.active_branch.name
+    try:
+        return None if repo.head.is_detached else repo.active_branch.name
+    except UnicodeDecodeError:
+        raise UserError(_NOT_UTF8_BRANCH) from None
 
 
 def git_info(checkout: Checkout) -> GitInfo:
@@ -161,6 +189,7 @@ def git_info_started(checkout: Checkout) -> Iterator[Callable[[], GitInfo]]:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        errors="surrogateescape",  # a branch name that is not UTF-8 keeps its bytes
     )  # fmt: skip
 
     def result() -> GitInfo:
@@ -540,4 +569,5 @@ def locked(checkout: Checkout, wait: float = 0.0) -> Iterator[None]:
             os.pwrite(fd, f"{os.getpid()} {os.uname().nodename}\n".encode(), 0)
         yield
     finally:
+        checkout.close()  # the command's git work is done: its descriptors with it
         os.close(fd)  # releases the flock

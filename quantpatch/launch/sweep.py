@@ -497,6 +497,7 @@ def prepare(
             elif state == "failed" and only_pending:
                 run = {**run, **before}
         runs.append(run)
+    checkout.close()  # its git processes: none left open for the sweep's runs
     record = {
         "version": VERSION,
         "checkout": str(checkout.root),

@@ -3,9 +3,10 @@ for the formats): TransformerEngine's two FP8 recipes besides MXFP8.
 
 * ``fp8-tensor`` (TE ``Float8CurrentScaling``, ``Format.HYBRID``): one scale per tensor from
   its current amax: ``scale = fp8_max / amax`` (448 for E4M3, 57344 for E5M2 gradients) in
-  float32, the dtype's largest finite value where that overflows, 1 where amax is 0;
-  ``scale_inv = 1 / scale`` (float32); ``q = fp8(x.float() * scale)`` (nearest even, the
-  float32 product rounded once); the result ``(q * scale_inv)`` cast to ``x``'s dtype:
+  float32, the dtype's largest finite value (float32's for float64) where that overflows, 1
+  where amax is 0; ``scale_inv = 1 / scale`` (float32); ``q = fp8(x.float() * scale)``
+  (nearest even, the float32 product rounded once); the result ``(q * scale_inv)`` cast to
+  ``x``'s dtype:
   bit for bit TE 2.20.2's ``CurrentScalingQuantizerRef`` and its ``dequantize``.
 * ``fp8-block`` (DeepSeek-V3's recipe, TE ``Float8BlockScaling`` defaults): E4M3 everywhere,
   one power-of-two scale per 1 x 128 block along the reduction dimension (activations,
@@ -45,6 +46,12 @@ def finite_amax(x: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(v), v.abs(), torch.zeros_like(v)).amax()
 
 
+def _largest(x_dtype: torch.dtype) -> float:
+    """The dtype's largest finite value, as the float32 scale holds it: float32's for float64
+    (whose own does not fit), so that a float64 tensor quantizes as its float32 cast does."""
+    return min(torch.finfo(x_dtype).max, torch.finfo(torch.float32).max)
+
+
 def tensor_scales(
     amax: torch.Tensor, fp8_max: float, x_dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,7 +59,7 @@ def tensor_scales(
     scale and its float32 reciprocal."""
     amax = amax.to(torch.float32)
     scale = torch.div(fp8_max, amax)
-    scale = torch.where(scale == torch.inf, torch.finfo(x_dtype).max, scale)
+    scale = torch.where(scale == torch.inf, _largest(x_dtype), scale)
     scale = torch.where(amax == 0, torch.ones_like(scale), scale)
     return scale, torch.reciprocal(scale)
 
@@ -61,7 +68,7 @@ def pow2_scales(amax: torch.Tensor, x_dtype: torch.dtype) -> tuple[torch.Tensor,
     """The power-of-two E4M3 scales of ``fp8-block`` (TE's ``pow_2_scales``) for float32 amax
     >= 0, and their reciprocals (exact)."""
     scale = torch.div(E4M3[2], amax)
-    scale = torch.where(scale == torch.inf, torch.finfo(x_dtype).max, scale)
+    scale = torch.where(scale == torch.inf, _largest(x_dtype), scale)
     _, exp = torch.frexp(scale)
     scale = torch.ldexp(torch.ones_like(scale), exp - 1)
     scale = torch.where(amax == 0, torch.ones_like(scale), scale)

@@ -12,6 +12,7 @@ only.
 from __future__ import annotations
 
 import sys
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -189,13 +190,26 @@ def quantize(x: torch.Tensor, fmt: str, dim: int = -1, backward: bool = False) -
     if fmt in NVFP4_FORMATS:  # random draws: not compiled
         return _fake_quant(x, fmt, dim, backward, rand)
     if _COMPILE:
-        key = (fmt, backward)
-        if key not in _COMPILED:  # one compiled function per format and direction
-            _COMPILED[key] = torch.compile(
-                lambda t, d: _fake_quant(t, fmt, d, backward), dynamic=True
-            )
-        return _COMPILED[key](x, dim)
+        return _compiled(fmt, backward)(x, dim)
     return _fake_quant(x, fmt, dim, backward)
+
+
+def _one_value(t: torch.Tensor, d: int, fmt: str = "", backward: bool = False) -> torch.Tensor:
+    return _fake_quant(t, fmt, d, backward)
+
+
+def _compiled(fmt: str, backward: bool) -> Callable[[torch.Tensor, int], torch.Tensor]:
+    """The compiled quantizer of one format and direction, made once, with a code object of
+    its own: Dynamo keeps its graphs per code object, at most ``recompile_limit`` (8) of
+    them, so one function shared by every value (a closure's constants are guards) was
+    compiled again per value and, past the eighth, ran eagerly without a word."""
+    key = (fmt, backward)
+    if key not in _COMPILED:
+        name = "fake_quant_" + "".join(c if c.isalnum() else "_" for c in fmt)
+        code = _one_value.__code__.replace(co_name=name + ("_backward" if backward else ""))
+        one = types.FunctionType(code, _one_value.__globals__, code.co_name, (fmt, backward))
+        _COMPILED[key] = torch.compile(one, dynamic=True)
+    return _COMPILED[key]
 
 
 _CHUNK = 1 << 18  # elements per slice on CPU: the ~30 temporaries stay in cache

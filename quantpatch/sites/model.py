@@ -247,8 +247,14 @@ def unknown_sentence(site: Site, role: str, value: str, ops: OpsValues, where: s
     """A sentence (without its full stop) naming the value, the site and what its
     dispatch does know."""
     known = ", ".join(chain_values(site, ops, role)) or "nothing"
+    if ops.formats and any(OPS_VALUES in chain for chain in _chains(site, role)):
+        # it hands values on to an installed ops module that lacks this one: an older one
+        fix = "the installed quantpatch_ops.py is an earlier release's; 'quantpatch upgrade' "
+        fix += "brings it to this version's values"
+    else:
+        fix = "'quantpatch init' teaches it the quantpatch values"
     return (
         f"{where}: the dispatch of the {site.role} site at {site.file}:{site.line} "
         f"({site.function}) knows {known}, not '{value}', which would silently run its "
-        "fallback branch; 'quantpatch init' teaches it the quantpatch values"
+        f"fallback branch; {fix}"
     )
