@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import math
 import os
 import stat
@@ -449,9 +450,10 @@ def _compile_stats_kernel(build: int, cc: list[str]) -> tuple[int | None, str]:
 
 
 _StatsFn = Callable[[int, int, int], "tuple[float, ...] | None"]
-_LOADED: list[int] = []
-"""Descriptors of the libraries loaded, kept open: dlopen answers a name it has loaded
-(``/proc/self/fd/N``) with what it loaded, so N must never name another library."""
+_LOADED: list[tuple[int, ctypes.CDLL]] = []
+"""Descriptors of the libraries loaded and their handles, kept open: dlopen answers a name it
+has loaded (``/proc/self/fd/N``) with what it loaded, so N must never name another library
+while that one is loaded (``forget`` unloads them before it lets the descriptors go)."""
 
 
 def _load_stats_kernel(fd: int, shown: Path) -> tuple[_StatsFn | None, str, bool]:
@@ -467,7 +469,7 @@ def _load_stats_kernel(fd: int, shown: Path) -> tuple[_StatsFn | None, str, bool
     except (OSError, _Refused) as exc:
         os.close(fd)
         return None, f"{shown} does not load ({exc})", True
-    _LOADED.append(fd)
+    _LOADED.append((fd, lib))
     try:
         supported, fn = lib.qp_supported, lib.qp_tensor_stats
     except AttributeError as exc:
@@ -602,10 +604,9 @@ def _find_kernel() -> tuple[_StatsFn | None, str]:
         if cache is not None and cache.lib >= 0:
             lib, cache.lib = cache.lib, -1
             stats, note, retry = _load_stats_kernel(lib, cache.target)
-            if stats is not None:
-                return stats, f"cached: {note}"
-            if not retry:
-                return None, note
+            if stats is not None or not retry:
+                cache.close()  # the library's own descriptor is kept (_LOADED), not the cache's
+                return stats, f"cached: {note}" if stats is not None else note
     except Exception as exc:  # never let the saver fail for its kernel
         if cache is not None:
             cache.close()
@@ -667,6 +668,19 @@ def forget() -> None:
         build.join()
     with _KERNEL_LOCK:
         _kernel, _kernel_build = None, None
+        loaded = _LOADED[:]
+        _LOADED.clear()
+    for fd, lib in loaded:  # nothing calls them now: unloaded, then their names may be reused
+        _ctypes_dlclose(lib)
+        os.close(fd)
+
+
+def _ctypes_dlclose(lib: ctypes.CDLL) -> None:
+    """Unload ``lib`` (ctypes never does): its ``/proc/self/fd/N`` name is then free."""
+    import _ctypes
+
+    with contextlib.suppress(OSError):
+        _ctypes.dlclose(lib._handle)
 
 
 def status() -> str:
