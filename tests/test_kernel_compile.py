@@ -115,6 +115,11 @@ def test_an_older_gpu_is_refused_in_one_sentence_before_any_kernel(monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(
+    os.environ.get("QUANTPATCH_COMPILE_ALL") != "1",
+    reason="every configuration for every generation takes 10-35 min on 2 cores: "
+    "QUANTPATCH_COMPILE_ALL=1 runs it (the suite compiles the representative launch)",
+)
 @pytest.mark.xfail(
     strict=True,
     reason="spills remain (docs/performance.md): _flash_bwd_dkdv, _flash_bwd_delta on sm_100, "

@@ -456,7 +456,8 @@ def test_the_report_states_where_everything_came_from_made_from_another_director
         "emulation's, not the format's",
         ">1234<", ">567890<", ">" + "cd" * 8 + "<", ">" + "ab" * 8 + "<", ">128256<",
         # the recipe's 2 and 8 of 62 layers, scaled to 16: layers 1 and 15-16
-        "nvfp4_recipe (llama32-1b, 16 layers): recipe = layers 1, 15-16 in BF16",
+        "nvfp4_recipe (llama32-1b, 16 layers): recipe,output = layers 1, 15-16 and the output "
+        "layer in BF16",
     ):  # fmt: skip
         assert fact in text, fact
     for value in ("bf16", "nvfp4-2d", "nvfp4-rht"):
@@ -622,7 +623,9 @@ def test_the_run_log_header_names_the_bf16_layer_policy(run, tmp_path):
     recipe = (out / "llama32-1b/pretrain_llama32-1b_wikipedia_nvfp4_recipe.sh").read_text()
     bf16 = (out / "llama32-1b/pretrain_llama32-1b_wikipedia_bf16.sh").read_text()
     # llama32-1b's 16 layers: the recipe's 2 and 8 of 62 are its first 1 and last 2
-    assert "echo '[quantpatch] BF16 layers: recipe = layers 1, 15-16 of 16 in BF16'" in recipe
+    # (and the output layer: NVIDIA's recipe keeps it in BF16 too)
+    want = "BF16 layers: recipe,output = layers 1, 15-16 of 16 and the output layer in BF16"
+    assert f"echo '[quantpatch] {want}'" in recipe
     assert "[quantpatch] BF16 layers: none" in bf16
 
 

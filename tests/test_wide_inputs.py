@@ -12,6 +12,7 @@ torch = pytest.importorskip("torch")
 
 from quantpatch.base.config import QUANT_TYPES  # noqa: E402
 from quantpatch.runtime import quantpatch_nvfp4 as nv  # noqa: E402
+from quantpatch.runtime import quantpatch_ops as ops  # noqa: E402
 from quantpatch.runtime import quantpatch_rht as rht  # noqa: E402
 from quantpatch.runtime.quantpatch_ops import fake_quant, quant_matmul  # noqa: E402
 
@@ -38,6 +39,15 @@ def test_every_value_takes_float64_as_its_float32_cast(fmt: str, backward: bool)
     """``fp8-tensor`` and ``fp8-block`` raised 'value cannot be converted to type float
     without overflow' here (float64's largest value put into a float32 scale)."""
     x = _wide()
+    if ops.is_delayed(fmt):  # no layer, no history: refused; its settled scale measured instead
+        with pytest.raises(ValueError, match="amax history"):
+            fake_quant(x, fmt, backward=backward)
+        got = ops.settled_quantize(x, fmt, backward)
+        assert got.dtype == F64
+        assert _same(got, ops.settled_quantize(x.to(torch.float32), fmt, backward).to(F64))
+        assert got[0, 3] == float("inf") and got[1, 5] == float("-inf")
+        assert got[2, 7] == 0 and torch.isnan(got[3, 0]) and got[3, 9] == float("inf")
+        return
     nv.reset_sr_generators()  # the same random bits for both calls (NVFP4's backward)
     got = fake_quant(x, fmt, backward=backward)
     assert got.dtype == F64 and got.shape == x.shape
@@ -61,6 +71,10 @@ def test_every_value_takes_float64_as_its_float32_cast(fmt: str, backward: bool)
 def test_every_product_takes_float64(fmt: str) -> None:
     a = torch.randn(32, 64, dtype=F64, generator=torch.Generator().manual_seed(1))
     b = torch.randn(64, 48, dtype=F64, generator=torch.Generator().manual_seed(2))
+    if ops.is_delayed(fmt):  # a product without its layer keeps no history: refused
+        with pytest.raises(ValueError, match="amax history"):
+            quant_matmul(a, b, fmt)
+        return
     for backward in (False, True):
         nv.reset_sr_generators()
         got = quant_matmul(a, b, fmt, backward=backward)

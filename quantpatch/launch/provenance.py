@@ -210,9 +210,10 @@ def bf16_layer_lines(record: Mapping[str, Any], schemes: Mapping[str, Any]) -> l
             out.append(f"{scheme.name} ({model}): {policy} (the model's layers unknown)")
             continue
         numbers = bf16_layer_numbers(str(policy), layers)
+        output = " and the output layer" if "output" in str(policy).split(",") else ""
         out.append(
             f"{scheme.name} ({model}, {layers} layers): {policy} = layers "
-            f"{layer_ranges(numbers) or 'none'} in BF16"
+            f"{layer_ranges(numbers) or 'none'}{output} in BF16"
         )
     return out
 

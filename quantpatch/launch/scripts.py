@@ -328,7 +328,7 @@ def scheme_layouts(
                 try:
                     by_impl[(model, impl)] = derive(replace(plan, transformer_impl=impl))
                 except LayoutError as exc:
-                    raise LayoutError(f"{model}/{profile}: {exc}") from None
+                    raise _named_refusal(reg, model, profile, parallel, exc) from None
             out[(model, scheme)] = by_impl[(model, impl)]
     return out
 
@@ -346,13 +346,23 @@ def plan_layout(
         try:
             out[model] = derive(plan)
         except LayoutError as exc:
-            if exc.fix is None:
-                raise LayoutError(f"{model}/{profile}: {exc}") from None
-            how = generation_fix(reg, model, profile, parallel or {}, *exc.fix)
-            raise LayoutError(
-                f"{model}/{profile}: {exc.said}; {how[0]} {exc.verdict} ({how[1]})."
-            ) from None
+            raise _named_refusal(reg, model, profile, parallel, exc) from None
     return out
+
+
+def _named_refusal(
+    reg: Registry,
+    model: str,
+    profile: str,
+    parallel: Mapping[str, int | str | None] | None,
+    exc: LayoutError,
+) -> LayoutError:
+    """A layout refusal naming the model, and where it has a fix, how to ask for it (the
+    option given, else the config table that sets it)."""
+    if exc.fix is None:
+        return LayoutError(f"{model}/{profile}: {exc}")
+    how = generation_fix(reg, model, profile, parallel or {}, *exc.fix)
+    return LayoutError(f"{model}/{profile}: {exc.said}; {how[0]} {exc.verdict} ({how[1]}).")
 
 
 _FIX_NAMES = {
