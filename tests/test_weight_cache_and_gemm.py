@@ -579,7 +579,15 @@ def test_fused_gemm_quantizes_every_value_bit_for_bit(kernels, fa, fb, ba, bb, d
     assert bool(((got.double() - ref).abs() <= tol).all())
 
 
-@pytest.mark.parametrize("fmt", ["mxfp8-rceil-hybrid", "fp8-tensor", "fp8-block", "nvfp4-2d"])
+@pytest.mark.parametrize(
+    "fmt",  # 20-35 s each in the interpreter: one in the fast suite, the rest in the full one
+    [
+        pytest.param("mxfp8-rceil-hybrid", marks=pytest.mark.slow),
+        "fp8-tensor",
+        pytest.param("fp8-block", marks=pytest.mark.slow),
+        pytest.param("nvfp4-2d", marks=pytest.mark.slow),
+    ],
+)
 def test_quant_matmul_fuses_every_value_like_the_separate_path(kernels, monkeypatch, fmt):
     """The linear layer's three GEMMs through ``quant_matmul`` with ``QUANTPATCH_GEMM=fused``:
     the same operands as ``separate`` (the weight's tiles, the gradient's E5M2 or stochastic
