@@ -190,6 +190,7 @@ def test_byte_identical_to_megatron_and_read_back_by_megatron(tok, tmp_path, tre
     assert read["sample_tokens"][1:] == read["sample_labels"][:-1]
 
 
+@pytest.mark.slow
 def test_rerun_is_up_to_date_shared_tokenizers_once_changes_rebuild_and_status(tok, tmp_path):
     src = write_jsonl(tmp_path / "c.jsonl", corpus(60))
     root = tmp_path / "data"
@@ -256,6 +257,7 @@ def test_sigkill_leaves_no_dataset_under_the_final_name_and_the_rerun_completes(
     ]
 
 
+@pytest.mark.slow
 def test_bad_inputs_are_refused_naming_file_and_line(tok, tmp_path):
     root = tmp_path / "data"
     good = write_jsonl(tmp_path / "good.jsonl", corpus(20))

@@ -209,6 +209,7 @@ def test_a_config_prefix_without_model_is_refused_before_any_work(tok, tmp_path)
 # -- internal errors that are the user's: one sentence, exit 2 -------------------------------
 
 
+@pytest.mark.slow
 def test_hostile_texts_and_files_are_one_sentence(tok, tmp_path):
     root = tmp_path / "d"
     surrogate = tmp_path / "surrogate.jsonl"
@@ -235,6 +236,7 @@ def test_hostile_texts_and_files_are_one_sentence(tok, tmp_path):
     assert dataset_files(root) == {}
 
 
+@pytest.mark.slow
 def test_symlinks_fifos_and_directories_in_the_way(tok, tmp_path):
     root = tmp_path / "d"
     src = write_jsonl(tmp_path / "c.jsonl", corpus(30))

@@ -334,6 +334,7 @@ def test_the_layer_route_scales_like_megatron(flash, monkeypatch):
     assert rel(plain.float(), want.reshape(40, 1, 32).float()) <= 2**-6
 
 
+@pytest.mark.slow
 def test_patched_dot_product_attention_takes_the_flash_route(run, make_checkout, tmp_path, flash):
     """`init`, `set --qk mxfp8`: Megatron's own DotProductAttention (GQA, causal, layer
     scaling) returns the flash route's result when QUANTPATCH_FLASH=1 lets the interpreter run

@@ -357,6 +357,7 @@ def _warnings(res) -> list[str]:
     return [line for line in res.err.splitlines() if line.startswith("warning:")]
 
 
+@pytest.mark.slow
 def test_before_init_every_script_is_written_and_mla_ones_stop_before_torchrun(
     run, clone, tmp_path, data_root
 ):
@@ -475,6 +476,7 @@ def test_an_earlier_init_gets_the_mla_head_dims_from_init(run, clone, monkeypatc
     assert git_out(clone, "status", "--porcelain") == ""
 
 
+@pytest.mark.slow
 def test_a_slurm_sweep_on_the_clone(run, clone, tmp_path, monkeypatch, data_root):
     """The launchers on the fork as its user has it (a `quant` clone with history, label
     sites, its own saver and a 0.15.0rc3 parser): worktrees prepared, an array task run by

@@ -189,6 +189,7 @@ def test_init_teaches_the_local_attention_mla_head_dims(trees, version):
     assert again.count("k_channels") == taught.count("k_channels")
 
 
+@pytest.mark.slow
 def test_nvfp4_through_real_megatron_layers(run, make_checkout, tmp_path, monkeypatch):
     """`set --linear nvfp4 --qk nvfp4` on an initialised checkout: finite results, the linear
     GEMMs equal to the ops (the gradients rounded stochastically from the rank's seed, dgrad
@@ -243,6 +244,7 @@ def _train_tiny_gpt(root: Path, **sizes: int) -> list[float]:
     return losses
 
 
+@pytest.mark.slow
 def test_tiny_gpt_trains_under_nvfp4_on_cpu(run, make_checkout):
     """The tiny GPT under `set --linear nvfp4 --qk nvfp4` on an initialised core_v0.13.1
     checkout: every loss finite, and the loss falls."""
@@ -254,6 +256,7 @@ def test_tiny_gpt_trains_under_nvfp4_on_cpu(run, make_checkout):
     assert losses[-1] < losses[0] - 0.5, losses
 
 
+@pytest.mark.slow
 def test_tiny_gpt_trains_under_nvfp4_on_a_fork_clone(run, trees, tmp_path):
     """On a fork-shaped clone (its own mxfp8/mxfp4/hifp8 chains): `set --linear nvfp4 --qk
     nvfp4` is refused before init, naming the value and the site, nothing changed; after

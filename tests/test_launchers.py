@@ -455,6 +455,7 @@ TORCHRUN_2X8 = [
 ]
 
 
+@pytest.mark.slow
 def test_torchrun_two_nodes_and_a_bad_override(make_checkout, tmp_path, stubs, run):
     env, record = stubs
     root = make_checkout()
@@ -543,6 +544,7 @@ def test_torchrun_two_nodes_and_a_bad_override(make_checkout, tmp_path, stubs, r
     ) in log.read_text()
 
 
+@pytest.mark.slow
 def test_slurm_scripts_and_the_sweep_array(make_checkout, tmp_path, stubs, run):
     env, record = stubs
     root = make_checkout()

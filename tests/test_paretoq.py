@@ -339,6 +339,7 @@ def _clean_env(root: Path) -> dict[str, str]:
     return env
 
 
+@pytest.mark.slow
 def test_tiny_gpt_trains_under_w158_on_cpu(run, make_checkout):
     """`init` adds one linear site to each tensor-parallel layer's constructor; `set --linear
     w1.58` sets all five; the megatron-core GPT of benchmarks/gpu_e2e.py trains 30 steps on
@@ -370,6 +371,7 @@ def test_tiny_gpt_trains_under_w158_on_cpu(run, make_checkout):
     assert run("restore", "--repo", root).code == 0
 
 
+@pytest.mark.slow
 def test_tensor_parallel_two_ranks_match_one(run, make_checkout, tmp_path):
     """TP = 2 (two processes, gloo, CPU) against TP = 1 from the same seed, under the sites'
     value (w1.58: Column splits the per-row steps, Row keeps them whole with the initial max

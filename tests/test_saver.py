@@ -131,6 +131,7 @@ def _files(d: Path) -> list[tuple[str, dict]]:
     return [(p.name, torch.load(p)) for p in sorted(d.glob("*.pt"))]
 
 
+@pytest.mark.slow
 def test_saving_changes_nothing_and_saves_everything(saver_checkout, tmp_path, run):
     torch = pytest.importorskip("torch")
     root = saver_checkout
@@ -238,6 +239,7 @@ def test_labels_are_the_values_in_force(saver_checkout, tmp_path, run):
     assert run("restore", "--repo", root).code == 0
 
 
+@pytest.mark.slow
 def test_selection_cap_and_stats_only(saver_checkout, tmp_path):
     root = saver_checkout
     sel = tmp_path / "sel"
@@ -282,6 +284,7 @@ def test_selection_cap_and_stats_only(saver_checkout, tmp_path):
     assert all({"min", "max", "mean", "std", "shape"} <= set(r["tensor_info"]) for r in records)
 
 
+@pytest.mark.slow
 def test_stock_layout_uses_the_environment_label(run, make_checkout, tmp_path):
     root = _tree_checkout(make_checkout, inject=False)
     assert run("saver", "install", "--repo", root).code == 0

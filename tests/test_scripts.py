@@ -59,7 +59,9 @@ def test_bundled_flag_lists():
     assert "--num-layers" not in release_flags("main-d98e8a64dd")
 
 
-@pytest.mark.parametrize("profile", PROFILES)
+@pytest.mark.parametrize(  # the full profile's scripts in the full suite (13 s)
+    "profile", [pytest.param(p, marks=pytest.mark.slow) if p == "full" else p for p in PROFILES]
+)
 def test_all_60_scripts_are_valid(run, tmp_path, profile):
     out = tmp_path / "scripts"
     res = run("gen-scripts", "--out", out, "--profile", profile)
@@ -490,6 +492,7 @@ def test_the_attention_path_is_chosen_for_the_whole_set(run, tmp_path):
     assert not (tmp_path / "bad").exists()
 
 
+@pytest.mark.slow
 def test_smoke_script_end_to_end_with_stub_torchrun(make_checkout, tmp_path, stub_env, run):
     env, stub_dir = stub_env
     root = make_checkout()
@@ -602,6 +605,7 @@ def test_real_data_is_checked_before_torchrun(make_checkout, tmp_path, stub_env,
     assert "--mock-data" in argv
 
 
+@pytest.mark.slow
 def test_extra_arguments_fusion_probe_and_device_connections(
     make_checkout, tmp_path, stub_env, run
 ):
@@ -686,6 +690,7 @@ def test_extra_arguments_fusion_probe_and_device_connections(
     assert "SEQUENCE_PARALLEL=off" in res.stderr
 
 
+@pytest.mark.slow
 def test_two_scripts_at_once_from_one_checkout(make_checkout, tmp_path, stub_env, run):
     env, stub_dir = stub_env
     env["STUB_SLEEP"] = "1"

@@ -127,6 +127,7 @@ SELECT = (
 )  # fmt: skip
 
 
+@pytest.mark.slow
 def test_a_local_queue_two_at_once_on_their_own_gpus_then_the_report(sweep_env, run, monkeypatch):
     root, _env, stub, out = sweep_env
     monkeypatch.setenv("STUB_SLEEP", "1")
@@ -743,6 +744,7 @@ def test_the_first_status_of_a_slurm_sweep_has_gpus_and_start(sweep_env, run, tm
     assert found[("4242", 3)].job_id == "99" and len(found) == 2
 
 
+@pytest.mark.slow
 def test_the_attention_choice_is_recorded_kept_on_resume_and_a_new_one_reruns(sweep_env, run):
     """Issue 45 (6): --attention is recorded; a resume keeps it (the scripts export it again);
     another choice runs every finished run again, so no report compares two kernels; the
