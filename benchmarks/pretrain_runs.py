@@ -192,7 +192,8 @@ def sweep_rows(
                 "saver_files": (files or {}).get(r["model"], 0)
                 if r["scheme"] == SAVER_SCHEME
                 else 0,
-                "log": r["log"],
+                # sweep.json keeps a log relative to the sweep's folder
+                "log": str(sweep_dir / r["log"]) if r["log"] else r["log"],
             }
         )
     return done
