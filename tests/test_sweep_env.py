@@ -107,7 +107,7 @@ def test_a_local_sweep_runs_what_it_recorded_whatever_the_shell_exports(
     assert not any(k.startswith("PET_") for k in env) and "NODE_RANK" not in env
     assert not logs.exists()  # the log went where the sweep looks for it
     (done,) = record(out)["runs"]
-    assert done["state"] == "finished" and Path(done["log"]).parent == (
+    assert done["state"] == "finished" and (out / done["log"]).parent == (  # the folder's
         out / "runs" / done["name"] / "logs"
     )
     assert done["env"] == PASSED  # what was passed through is recorded
