@@ -52,13 +52,7 @@ def save_tensor_metadata(
 ) -> dict[str, Any]:
     """The metadata of a ``save_tensor`` call, whichever order (the contract's or the
     fork's) its positional arguments after ``layer_idx`` follow."""
-    kw = caller_order(
-        "save_tensor",
-        args,
-        {"metadata": metadata, "phase": phase, "component": component, "rank": rank},
-        FORK_ORDER,
-    )
-    return merged_metadata(kw["metadata"], kw["phase"], kw["component"], kw["rank"])
+    return _call_metadata("save_tensor", args, metadata, phase, component, rank)
 
 
 def linear_metadata(
@@ -69,8 +63,21 @@ def linear_metadata(
     rank: int | None,
 ) -> dict[str, Any]:
     """The metadata of a ``save_linear_tensors`` call, in either order."""
+    return _call_metadata("save_linear_tensors", args, metadata, phase, component, rank)
+
+
+def _call_metadata(
+    name: str,
+    args: tuple[Any, ...],
+    metadata: Mapping[str, Any] | None,
+    phase: str | None,
+    component: str | None,
+    rank: int | None,
+) -> dict[str, Any]:
+    """The metadata of a call of ``name`` whose positional arguments after ``layer_idx``
+    follow the contract's or the fork's order."""
     kw = caller_order(
-        "save_linear_tensors",
+        name,
         args,
         {"metadata": metadata, "phase": phase, "component": component, "rank": rank},
         FORK_ORDER,
