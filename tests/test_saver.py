@@ -700,12 +700,13 @@ def test_cuda_pinned_buffers_made_by_either_thread(saver_module, monkeypatch, ha
     import torch
 
     ts = saver_module()
-    monkeypatch.setattr(sp.capture, "HANDOVER_BYTES", handover)
-    ts._SAVER.snapshots.pinned = sp.capture.HostPool(sp.capture.PINNED_POOL_BYTES)
+    device_copy = sp.device_copy
+    monkeypatch.setattr(device_copy, "HANDOVER_BYTES", handover)
+    ts._SAVER.snapshots.device = copies_ = device_copy.DeviceCopies()
     copies = []
-    real = sp.capture.Snapshots.copy_to_host
+    real = device_copy.DeviceCopies.copy_to_host
     monkeypatch.setattr(
-        sp.capture.Snapshots, "copy_to_host", lambda s, i: copies.append(1) or real(s, i)
+        device_copy.DeviceCopies, "copy_to_host", lambda s, i: copies.append(1) or real(s, i)
     )
     gen = torch.Generator(device="cuda").manual_seed(2)
     for step in range(3):
@@ -715,11 +716,11 @@ def test_cuda_pinned_buffers_made_by_either_thread(saver_module, monkeypatch, ha
             ts.save_tensor(t, "linear", "forward", None, f"input{i}", step)
             t.zero_()  # queued right behind the call
         assert ts.flush()["failed"] == 0
-        assert ts._SAVER.snapshots.handed_over == 0
+        assert copies_.handed_over == 0
         # six buffers made in the first step, by the statistics thread where allowed, and
         # taken again (none made) in the next ones
         assert len(copies) == (6 if handover else 0)
-        assert ts._SAVER.snapshots.pinned.bytes == 6 * 257 * 1000 * 4
+        assert copies_.pinned.bytes == 6 * 257 * 1000 * 4
         for i, w in enumerate(want):
             (path,) = Path(sp.settings.CFG.save_dir).glob(f"*_L{step}_forward_*_input{i}.pt")
             assert torch.equal(torch.load(path, weights_only=True)["tensor"], w)

@@ -38,6 +38,7 @@ SAVER_PARTS = (
     "settings",
     "dtypes",
     "capture",
+    "device_copy",
     "stats",
     "stats_kernel",
     "ondisk",

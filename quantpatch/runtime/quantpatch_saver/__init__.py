@@ -4,6 +4,7 @@ and the standard library only.
 
 ``settings``      the ``TENSOR_SAVE_*`` variables, the rank, the source commit, the iteration
 ``capture``       what the training thread does: layer names, identity, snapshots, pools
+``device_copy``   a CUDA tensor's statistics and copy to pinned memory on a side stream
 ``writer``        the pipeline: selection, naming, the statistics and writer threads, counts
 ``stats``         min, max, mean, std by torch's operators (on the device or the host)
 ``ondisk``        the file's bytes (``torch.save``'s) and how they are written

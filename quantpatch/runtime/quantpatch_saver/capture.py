@@ -12,7 +12,6 @@ from typing import Any
 import torch
 
 from .dtypes import clone, raw
-from .stats import device_moments
 
 # -- which layer and which linear: filled by the TransformerLayer hook ------------------------
 
@@ -87,17 +86,6 @@ def identity(t: torch.Tensor) -> tuple[Any, ...]:
 
 POOL_BYTES = 256 << 20
 """Host snapshot memory kept for reuse at most (CPU tensors)."""
-PINNED_POOL_BYTES = 4 << 30
-"""Pinned host memory kept for the copies of device tensors at most (torch's own cache keeps
-what is given back beyond it)."""
-HANDOVER_BYTES = 1 << 30
-"""Device snapshots waiting for the statistics thread to give them a pinned host buffer at
-most (device memory); beyond it the training thread makes the buffer itself."""
-
-
-def pinned_like(t: torch.Tensor) -> torch.Tensor:
-    """A pinned host buffer of ``t``'s shape and dtype (slow when torch has none cached)."""
-    return torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
 
 
 class HostPool:
@@ -161,15 +149,13 @@ class Item:
 
 
 class Snapshots:
-    """The snapshots of one saver: the host pool (CPU tensors), the pinned pool and side
-    stream (CUDA tensors), and the device snapshots handed over to the statistics thread."""
+    """The snapshots of one saver: the host pool (CPU tensors) and, made at the first CUDA
+    tensor, the device copies (``device_copy``: pinned pool, side stream, handed-over
+    snapshots)."""
 
-    def __init__(self, pool: HostPool | None = None, pinned: HostPool | None = None) -> None:
+    def __init__(self, pool: HostPool | None = None) -> None:
         self.pool = pool or HostPool(POOL_BYTES)
-        self.pinned = pinned or HostPool(PINNED_POOL_BYTES)
-        self.stream: Any = None
-        self.lock = threading.Lock()
-        self.handed_over = 0  # bytes of device snapshots waiting for a pinned buffer
+        self.device: Any = None  # device_copy.DeviceCopies, made at the first CUDA tensor
 
     def take(
         self,
@@ -180,90 +166,32 @@ class Snapshots:
         directory: Path,
         stats_only: bool,
     ) -> Item:
-        """Statistics on the tensor's device, and (unless ``stats_only``) a host copy; on CUDA
-        both leave on a side stream so the training stream does not wait."""
+        """On the host a snapshot from the pool (the writer thread computes the statistics
+        from it); on CUDA the statistics and a copy queued on a side stream."""
         if t.device.type != "cuda":
-            # on the host the copy is the only work done here; the writer thread computes
-            # the statistics from it
             return Item(name, self.pool.snapshot(t), None, None, meta, cost, directory)
-        stats = device_moments(t)
-        # a snapshot on the device, on the training stream: training may write into t right
-        # after this call (a reused all-gather buffer, an in-place update), and an on-device
-        # copy costs a fraction of the PCIe copy that then runs on the side stream
-        snap = None if stats_only else clone(t, contiguous=False)
-        if self.stream is None:
-            self.stream = torch.cuda.Stream(device=t.device)  # type: ignore[no-untyped-call]
-        current = torch.cuda.current_stream(t.device)
-        self.stream.wait_stream(current)
-        handed_over = None
-        with torch.cuda.stream(self.stream):
-            host_stats = torch.empty(stats.shape, dtype=stats.dtype, pin_memory=True)
-            host_stats.copy_(stats, non_blocking=True)
-            host = None
-            if snap is not None:
-                host = self.pinned.take(snap)
-                if host is None and self._hand_over(snap):
-                    handed_over = snap
-                elif host is None:  # the device holds enough snapshots already: made here
-                    host = pinned_like(snap)
-                if host is not None:
-                    raw(host).copy_(raw(snap), non_blocking=True)
-            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            event.record(self.stream)
-        if snap is not None:  # the allocator must not reuse the snapshot before the copy
-            snap.record_stream(self.stream)
-        stats.record_stream(self.stream)
-        item = Item(name, host, host_stats, event, meta, cost, directory)
-        item.device = handed_over
+        if self.device is None:
+            from .device_copy import DeviceCopies  # CUDA only: never imported on the host
+
+            self.device = DeviceCopies()
+        item: Item = self.device.take(t, name, meta, cost, directory, stats_only)
         return item
 
-    def _hand_over(self, snap: torch.Tensor) -> bool:
-        """Whether the statistics thread makes ``snap``'s pinned host buffer and copies it.
-        Pinning fresh host memory is the slow part of a copy from the device (an H100's VM:
-        a step of 32 tensors, 1.6 GB, took 74-550 ms in the training thread until the
-        buffers of a whole step had been made once, against 15-21 ms with them), so the
-        training thread only takes free buffers, up to ``HANDOVER_BYTES`` waiting."""
-        nbytes = snap.numel() * snap.element_size()
-        with self.lock:
-            if self.handed_over + nbytes > HANDOVER_BYTES:
-                return False
-            self.handed_over += nbytes
-        return True
-
     def copy_to_host(self, item: Item) -> None:
-        """The pinned buffer and the copy of a handed-over device snapshot (statistics
-        thread), queued on the side stream behind what the training thread queued."""
-        snap = item.device
-        assert snap is not None
-        # this thread's current device is 0 until set: the training process's GPU instead
-        with torch.cuda.device(snap.device), torch.cuda.stream(self.stream):
-            host = pinned_like(snap)
-            raw(host).copy_(raw(snap), non_blocking=True)
-            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            event.record(self.stream)
-        event.synchronize()
-        item.host, item.event = host, event
-        self.drop_device(item)
-
-    def drop_device(self, item: Item) -> None:
-        snap, item.device = item.device, None
-        if snap is not None:
-            with self.lock:
-                self.handed_over -= snap.numel() * snap.element_size()
+        """The pinned buffer and copy of a handed-over device snapshot (statistics thread)."""
+        self.device.copy_to_host(item)
 
     def release(self, item: Item) -> None:
         """Give ``item``'s buffers back once it is written, failed or dropped (a dropped
         item's copy may still run: the next copy into its buffer is queued behind it)."""
-        self.drop_device(item)
-        if item.host is None:
+        if item.event is None:  # a CPU snapshot (or none)
+            if item.host is not None:
+                self.pool.give_back(item.host)
             return
-        if item.event is None:  # a CPU snapshot
-            self.pool.give_back(item.host)
-        else:
-            self.pinned.give_back(item.host)
+        self.device.release(item)
 
     def synchronize(self) -> None:
         """Wait for the side stream: a dropped tensor's copy may still run there, into a
         pinned buffer that the next saver takes and copies into on a stream of its own."""
-        if self.stream is not None:
-            self.stream.synchronize()
+        if self.device is not None:
+            self.device.synchronize()
