@@ -1,5 +1,5 @@
 """``data prepare`` / ``data status`` against inputs and places that used to give a silently
-wrong dataset (exit 0), an internal error (exit 3) or a hang (issue 47): each is now one
+wrong dataset (exit 0), an internal error (exit 3) or a hang: each is now one
 sentence and exit 2 with nothing changed, or the right dataset."""
 
 from __future__ import annotations

@@ -522,7 +522,7 @@ def test_a_slurm_sweep_on_the_clone(run, clone, tmp_path, monkeypatch, data_root
 
 
 def test_init_on_the_clone_keeps_check_green_and_the_roles(run, clone):
-    """Issue 46, point 3: `init` on the fork inserts the ParetoQ constructor sites
+    """`init` on the fork inserts the ParetoQ constructor sites
     (`ColumnParallelLinear.__init__`, `RowParallelLinear.__init__`) with the linear role's
     current value, so `check` still exits 0 right after it, every role reads as before, and
     the documented partial `set --qk mxfp8` keeps the other roles' values."""

@@ -411,7 +411,7 @@ def stubs(tmp_path):
         "STUB_DIR": str(record),
         "QUANTPATCH": QUANTPATCH,
         "OUTPUT_ROOT": str(tmp_path / "runs"),
-        # these launches are not about data: the scripts' dataset check (issue 37) stays quiet
+        # these launches are not about data: the scripts' dataset check stays quiet
         "MOCK_DATA": "1",
     }
     return env, record
@@ -603,7 +603,7 @@ def test_slurm_scripts_and_the_sweep_array(make_checkout, tmp_path, stubs, run):
     assert len(_worktrees(root)) == 10
     res = subprocess.run(["sbatch", str(one)], cwd=root, env=env, capture_output=True, text=True)
     assert res.returncode == 0, res.stdout + res.stderr
-    # issue 46, point 8: the task's output does not start with the full sites table
+    # the task's output does not start with the full sites table
     assert "roles:" not in res.stdout + res.stderr and "file:line" not in res.stdout
     ((srun, _, _),) = calls(record, "srun")
     wt = str(
@@ -633,7 +633,7 @@ def test_slurm_scripts_and_the_sweep_array(make_checkout, tmp_path, stubs, run):
             "pretrain_gpt.py",
         ]
         assert argv == srun[9:]
-    # the submitting shell's variables do not change the allocation's launch (issue 54, 1)
+    # the submitting shell's variables do not change the allocation's launch
     first = nodes[0][0]
     for path in record.iterdir():
         path.unlink()

@@ -1,5 +1,5 @@
 """Every command with a progress display, run at a real terminal (a pty), as an interactive
-user runs it (issue 47): no internal error, the exit code the command means, and the cursor
+user runs it: no internal error, the exit code the command means, and the cursor
 shown again at the end whenever the display hid it, on success, on an error and on Ctrl-C.
 
 The child's output is read until end of file (the pty's other side closed by the exit), so

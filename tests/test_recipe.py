@@ -1,4 +1,4 @@
-"""NVIDIA's NVFP4 recipe as schemes (issue 40): ``nvfp4_recipe`` trains the tiny megatron-core
+"""NVIDIA's NVFP4 recipe as schemes: ``nvfp4_recipe`` trains the tiny megatron-core
 GPT on CPU with finite, falling loss and computes something else than bf16, and one ``sweep``
 over the recipe and its ablations (stub ``torchrun``) reports one row each."""
 
@@ -111,7 +111,7 @@ def test_one_sweep_reports_the_recipe_and_each_ablation(tmp_path, make_checkout,
         assert ("'nvfp4-rht'" in linear) == (name != "nvfp4_recipe_no_rht")
 
 
-TE_RECIPES = {  # issue 45: NVIDIA's MXFP8 recipe and TransformerEngine's two FP8 recipes
+TE_RECIPES = {  # NVIDIA's MXFP8 recipe and TransformerEngine's two FP8 recipes
     "mxfp8_recipe": "fprop=mxfp8-rceil,dgrad=mxfp8-rceil,wgrad=mxfp8-rceil,qk=bf16,pv=bf16",
     "linear_fp8-tensor": "linear=fp8-tensor,qk=bf16,pv=bf16",
     "linear_fp8-block": "linear=fp8-block,qk=bf16,pv=bf16",

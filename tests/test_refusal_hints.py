@@ -123,7 +123,7 @@ def _refused_then_followed(run, command: list[str], config: Path, says: str) -> 
         # a size of the profile's table: that table's key
         (["--gpus-per-node", "2"], "[profiles.smoke.parallel]\ntp = 3\n",
          "(tp = 2 in the [profiles.smoke.parallel] table of a --config)"),
-        # the batch: the profile's args table (finding 3: not GLOBAL_BATCH_SIZE, not `--`)
+        # the batch: the profile's args table (not GLOBAL_BATCH_SIZE, not `--`)
         (["--gpus-per-node", "2", "--nodes", "2"], "",
          "global batch 4 would work (global-batch-size = 4 in the [profiles.smoke.args] table"),
         # a model's own profile args hold the batch: that table
@@ -198,7 +198,7 @@ def test_max_nodes_zero_is_no_limit(cluster, run, tmp_path, monkeypatch):
 
 
 def test_the_cpus_a_node_offers_followed(cluster, run, tmp_path, monkeypatch):
-    """Finding 5: each node's task asks for the CPUs its ranks need; a partition whose nodes
+    """Each node's task asks for the CPUs its ranks need; a partition whose nodes
     have fewer is refused naming `cpus_per_task` of `[slurm]`, and that is accepted."""
     root, _stub = cluster
     monkeypatch.setenv("STUB_SINFO", "1 gpu:8 16 64000")

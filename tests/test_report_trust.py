@@ -1,4 +1,4 @@
-"""A sweep's report a researcher can share and trust (issue 53): every fact it states true
+"""A sweep's report a researcher can share and trust: every fact it states true
 (mock data, the attention path, the dataset's files, the tokenizer folder), paths that work
 from any directory, files colleagues can read, provenance, validation loss and the noise of
 seeds."""
@@ -666,7 +666,7 @@ def test_sweep_run_refuses_a_dataset_that_is_not_its_manifests(
     monkeypatch,
     tmp_path,
 ):
-    """The pre-launch check of `sweep run` (item 1c): a `.bin` cut to 0 or 100 bytes, or
+    """The pre-launch check of `sweep run`: a `.bin` cut to 0 or 100 bytes, or
     replaced by another of the same size, is refused before anything is written."""
     from quantpatch.data_prep.layout import data_prefix, files_hash, sample_hash
     from quantpatch.launch.registry import load_registry

@@ -465,7 +465,7 @@ def _attention_env(text: str) -> tuple[str, str]:
 
 
 def test_the_attention_path_is_chosen_for_the_whole_set(run, tmp_path):
-    """Issue 45 (6): --attention auto gives every script of the set, the bf16 baseline's too,
+    """--attention auto gives every script of the set, the bf16 baseline's too,
     the path of its FA schemes (flash when one quantizes Q.K^T, else stock); flash and stock
     force it; the scripts export what the runtime reads, and shellcheck finds nothing."""
     common = ("--profile", "smoke", "--models", "llama32-1b", "--datasets", "wikipedia")
@@ -520,7 +520,7 @@ def test_smoke_script_end_to_end_with_stub_torchrun(make_checkout, tmp_path, stu
     after = snapshot(root)
     assert after["files"] == before["files"] and after["head"] == before["head"]
     assert git.Repo(root).active_branch.name == "main" and not git.Repo(root).is_dirty()
-    # the check's values in the header, not its sites table (issue 46, point 8)
+    # the check's values in the header, not its sites table (a task's output stays short)
     assert "(smoke): linear=bf16 qk=mxfp8 pv=bf16" in res.stdout and "roles:" not in res.stdout
     # the set holds FA schemes: every run, the bf16 baseline's too, on the flash kernel
     assert "QUANTPATCH_FLASH=auto\nQUANTPATCH_FLASH_BF16=1\n" in saver_env
@@ -553,7 +553,7 @@ def test_smoke_script_end_to_end_with_stub_torchrun(make_checkout, tmp_path, stu
 
 
 def test_real_data_is_checked_before_torchrun(make_checkout, tmp_path, stub_env, run):
-    """Issue 37: with MOCK_DATA=0 a missing or unreadable .bin / .idx, or a TOKENIZER_MODEL
+    """With MOCK_DATA=0 a missing or unreadable .bin / .idx, or a TOKENIZER_MODEL
     path that does not exist, stops the script before torchrun, exit 2, naming the path and
     the command that makes the dataset; gen-scripts warns in one line."""
     env, stub_dir = stub_env
@@ -971,13 +971,13 @@ def test_nvfp4_schemes_are_listed_chosen_by_name_and_by_all_but_not_by_default(r
     default = reg.pick("schemes", None)
     assert len(default) == 10 and not set(nv) & set(default)
     paretoq = ["paretoq_w1.58", "paretoq_w2", "paretoq_w4g128"]
-    recipe = [  # NVIDIA's NVFP4 recipe and its ablations (issue 40)
+    recipe = [  # NVIDIA's NVFP4 recipe and its ablations
         "nvfp4_recipe",
         "nvfp4_recipe_no_rht",
         "nvfp4_recipe_no_bf16_layers",
         "nvfp4_recipe_no_2d",
     ]
-    fp8 = [  # NVIDIA's MXFP8 recipe, the RCEIL values, TE's FP8 recipes (issue 45)
+    fp8 = [  # NVIDIA's MXFP8 recipe, the RCEIL values, TE's FP8 recipes
         "mxfp8_recipe",
         "linear_mxfp8-rceil",
         "FA_linear_mxfp8-rceil",
@@ -987,7 +987,7 @@ def test_nvfp4_schemes_are_listed_chosen_by_name_and_by_all_but_not_by_default(r
         "linear_fp8-delayed",  # TE's delayed scaling, Megatron's default --fp8-recipe
         "linear_fp8-delayed-e4m3",
     ]
-    te = [  # Megatron's FP8 recipes as Megatron + TransformerEngine quantize (issue 52)
+    te = [  # Megatron's FP8 recipes as Megatron + TransformerEngine quantize
         "te_mxfp8_e4m3",
         "te_mxfp8_hybrid",
         "te_tensorwise_hybrid",
@@ -1056,7 +1056,7 @@ def test_list_states_every_value_with_its_reference(run):
 
 
 def test_an_unknown_dataset_names_the_config_table_and_its_fields(run, tmp_path):
-    """Issue 46, point 4: bringing one's own dataset; the refusal names `--config`, the
+    """Bringing one's own dataset: the refusal names `--config`, the
     `[datasets.NAME]` table and every field it needs (`split` explained), and a config with
     that table makes the same `data status` / `gen-scripts` work."""
     res = run("data", "status", "--datasets", "mytext")

@@ -1,4 +1,4 @@
-"""Issue 46, point 1: what a partition's nodes offer (sinfo / scontrol text as Slurm prints
+"""What a partition's nodes offer (sinfo / scontrol text as Slurm prints
 it) against what the scripts ask for, and the sentence that names the option that fits."""
 
 from __future__ import annotations

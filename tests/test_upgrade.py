@@ -1,4 +1,4 @@
-"""``quantpatch upgrade`` (issue 42): a checkout set up by the previous release is brought to
+"""``quantpatch upgrade``: a checkout set up by the previous release is brought to
 this version in one recorded commit, scheme branches and worktrees follow, and the installs
 still come off byte for byte."""
 
@@ -158,8 +158,9 @@ def test_the_fork_clone_is_upgraded_and_its_own_saver_callers_keep_working(run, 
 
 
 BEFORE_TE = Path(__file__).parent / "data/before_te_nvfp4"
-"""``quantpatch_nvfp4.py`` and ``quantpatch_rht.py`` as the version before issue 45 installed
-them (NVFP4 in its own order, uniform stochastic rounding, its own RHT sign vector)."""
+"""``quantpatch_nvfp4.py`` and ``quantpatch_rht.py`` as the version before NVFP4 followed
+TransformerEngine installed them (NVFP4 in its own order, uniform stochastic rounding, its own RHT
+sign vector)."""
 
 
 def test_a_checkout_with_the_nvfp4_runtime_before_te_numerics_is_older_and_upgraded(
@@ -199,7 +200,7 @@ def test_a_checkout_with_the_nvfp4_runtime_before_te_numerics_is_older_and_upgra
     assert set(_parts(run, root).values()) == {"current"}
 
 
-# -- issue 47: upgrade never commits where it should not ------------------------------------
+# -- upgrade never commits where it should not --------------------------------------------
 
 
 def test_upgrade_on_a_scheme_branch_is_refused_before_anything(run, make_checkout):
@@ -292,9 +293,9 @@ class _DropBf16Branch(cst.CSTTransformer):
 
 
 def test_a_flash_route_without_the_bf16_branch_is_older_and_upgrade_adds_it(run, make_checkout):
-    """Issue 45 (6) changed what `init` writes (sites form 2): a checkout initialised before
-    it is `sites older`, and `upgrade` gives it the branch that lets a bf16 baseline take the
-    flash kernel, as `init` writes it now."""
+    """Giving every run of a set one attention path changed what `init` writes (sites form
+    2): a checkout initialised before it is `sites older`, and `upgrade` gives it the branch
+    that lets a bf16 baseline take the flash kernel, as `init` writes it now."""
     root = make_checkout(inject=False)
     assert run("init", "--repo", root).code == 0
     fresh = (root / ATTENTION).read_text()

@@ -162,7 +162,7 @@ def _slurm_fit(reg: Registry, scripts: Sequence[Script], request: GenRequest) ->
 def _data_warning(
     reg: Registry, scripts: Sequence[Script], profile: str, launcher: str
 ) -> str | None:
-    """One line when the datasets the scripts read are missing here (issue 39)."""
+    """One line when the datasets the scripts read are missing here (made by `data prepare`)."""
     from quantpatch.launch.data_check import gen_warning
 
     models = list(dict.fromkeys(s.model for s in scripts))

@@ -58,7 +58,7 @@ MX_VALUES = {
 }
 
 
-# -- the configurations the fake-quant kernels are tuned over (issue 30) -----------------------
+# -- the configurations the fake-quant kernels are tuned over -------------------------------
 #
 # A small fixed set per kernel, tried once per shape class on the first call of that class
 # (``triton.autotune``; the winner is cached for the process) instead of one hard-coded tile.
@@ -485,7 +485,7 @@ non_overlapping_and_dense = _non_overlapping_and_dense
 storage_view = _storage_view
 
 
-# -- a GEMM that quantizes its operands inside the tile loop (issue 30) ----------------------
+# -- a GEMM that quantizes its operands inside the tile loop ------------------------------
 #
 # ``quant_gemm(a, b, ...)`` computes ``a @ b`` (batched or not) with each operand fake-quantized
 # along the reduction dimension as its tiles are loaded: no quantized copy of either operand
