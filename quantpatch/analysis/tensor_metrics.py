@@ -286,8 +286,9 @@ def formats_sums(
     if t.dim() == 0:
         t, dim = t.reshape(1), 0
     t = t.detach()
-    whole_scale = ("fp8-tensor", "fp8-delayed")  # families scaled by the whole tensor's amax
-    if amax is None and any(f in ops.NVFP4_FORMATS or _family(f) in whole_scale for f in fmts):
+    if amax is None and any(
+        f in ops.NVFP4_FORMATS or _family(f) in ("fp8-tensor", "fp8-delayed") for f in fmts
+    ):
         amax = nv_amax(t)  # NVFP4's, fp8-tensor's and the delayed values' scale: the whole tensor's
     out = {f: FormatSums() for f in fmts}
     weights_only = tuple(f for f in fmts if ops.is_paretoq(f))
@@ -453,7 +454,7 @@ def _add_weight_formats(
         )
 
 
-RHT = "nvfp4-rht"
+(RHT,) = formats.names(rht=True)
 """The Hadamard-transformed NVFP4 candidate: for the weight-gradient GEMM's operands only."""
 
 

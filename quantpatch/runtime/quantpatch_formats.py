@@ -127,6 +127,11 @@ class Format:
     weight_cache: str = ""
     grouped: bool = False
     """Takes a ``g<N>`` suffix (ParetoQ: one step per row and group of N input columns)."""
+    w_bits: int | None = None
+    """A ParetoQ value's ``w_bits`` in ParetoQ's code (0: ternary); None for every other
+    family."""
+    default_candidate: bool = False
+    """Compared by ``tensors formats`` and ``tensors plot`` when no ``--formats`` is given."""
     linear_only: str = ""
     """Why only the linear role may hold it (``{role}``: the role refused), as the end of the
     sentence ``'<name>' ...``."""
@@ -197,6 +202,8 @@ def _incomplete(f: Format) -> str:
         return "a value some roles may not hold says why (linear_only)"
     if f.roles and not f.summary:
         return "a value says in one line what the GEMM computes with it (summary)"
+    if (f.family == "paretoq") != (f.w_bits is not None):
+        return "a ParetoQ value, and only one, names its w_bits"
     if f.fused_gemm and (f.rht or f.family == "paretoq"):
         return "the fused GEMM takes no Hadamard-transformed or ParetoQ value"
     return ""
@@ -207,6 +214,7 @@ SPECS: tuple[Format, ...] = (
         reference="the unquantized product"),
     Format(
         "mxfp8", "mx", "e4m3", "e4m3", "e5m2", (1, 32), scale="e8m0-floor", fused_gemm=True,
+        default_candidate=True,
         summary=(
             "OCP MX: blocks of 32 with an E8M0 scale (FLOOR rule); E4M3 elements forward, E5M2 "
             "for both operands of the gradient GEMMs"
@@ -216,12 +224,14 @@ SPECS: tuple[Format, ...] = (
     ),
     Format(
         "mxfp4", "mx", "e2m1", "e2m1", "e2m1", (1, 32), scale="e8m0-floor", fused_gemm=True,
+        default_candidate=True,
         summary='OCP MX with E2M1 elements, blocks of 32 (FLOOR rule)',
         reference=_TORCHAO.format(mode="FLOOR") + " (OCP MX v1.0), except its 2^-127 block "
         "scale (docs/formats.md)",
     ),
     Format(
         "hifp8", "hifp8", "hif8", "hif8", "hif8", fused_gemm=True, weight_cache="elementwise",
+        default_candidate=True,
         summary='HiFloat8, per tensor: tapered 3/2/1 mantissa bits, no scale',
         reference="HiFloat8 (Luo et al., arXiv 2409.16626) as docs/formats.md specifies it; no "
         "library reference",
@@ -354,7 +364,7 @@ SPECS: tuple[Format, ...] = (
         summary="`mxfp6-e3m2` with the RCEIL scale rule (2^ceil(log2(amax / 28)))",
         reference=_TORCHAO.format(mode="RCEIL") + " with fp6_e3m2",
     ),
-    Format("w1", "paretoq", scale="fp32", roles=("linear",), grouped=True,
+    Format("w1", "paretoq", scale="fp32", roles=("linear",), grouped=True, w_bits=1,
            linear_only=_PARETOQ_ROLE,
            summary=(
                "ParetoQ binary weights (linear role only, activations as they are): sign(W) * a, "
@@ -362,28 +372,28 @@ SPECS: tuple[Format, ...] = (
                "initialised to mean |W| at the first forward"
            ),
         reference=_PARETOQ),
-    Format("w1.58", "paretoq", scale="fp32", roles=("linear",), grouped=True,
+    Format("w1.58", "paretoq", scale="fp32", roles=("linear",), grouped=True, w_bits=0,
            linear_only=_PARETOQ_ROLE,
            summary=(
                "ParetoQ ternary weights: stretched elastic quant a * (round(clamp(W/a, +-0.99) * "
                "1.5) / 1.5), a from max |W| per row (or group), learnt"
            ),
         reference=_PARETOQ),
-    Format("w2", "paretoq", scale="fp32", roles=("linear",), grouped=True,
+    Format("w2", "paretoq", scale="fp32", roles=("linear",), grouped=True, w_bits=2,
            linear_only=_PARETOQ_ROLE,
            summary=(
                "ParetoQ 2-bit weights: stretched elastic quant with n = 2, shift 0.5 (levels "
                "+-a/4, +-3a/4), a from max |W| per row (or group), learnt"
            ),
         reference=_PARETOQ),
-    Format("w3", "paretoq", scale="fp32", roles=("linear",), grouped=True,
+    Format("w3", "paretoq", scale="fp32", roles=("linear",), grouped=True, w_bits=3,
            linear_only=_PARETOQ_ROLE,
            summary=(
                "ParetoQ 3-bit weights: LSQ a * clamp(round(W/a), -4, 3), a from max |W| / 3 per "
                "row (or group), learnt"
            ),
         reference=_PARETOQ),
-    Format("w4", "paretoq", scale="fp32", roles=("linear",), grouped=True,
+    Format("w4", "paretoq", scale="fp32", roles=("linear",), grouped=True, w_bits=4,
            linear_only=_PARETOQ_ROLE,
            summary=(
                "ParetoQ 4-bit weights: LSQ a * clamp(round(W/a), -8, 7), a from max |W| / 7 per "

@@ -45,10 +45,12 @@ from typing import Any
 import torch
 
 from . import quantpatch_env as env
+from . import quantpatch_formats as formats
 from .quantpatch_nvfp4 import nvfp4, sr_bits
 from .quantpatch_quantize import require_capability
 
 RHT_BLOCK = 16
+_RHT_VALUES = " / ".join(formats.names(rht=True))
 SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
 """TE's fixed sign vector ``s`` (``get_wgrad_sign_vector``) of the transform
 ``diag(s) @ H16 / 4`` (documented in docs/formats.md): the same for every tensor and step."""
@@ -123,7 +125,7 @@ def check_length(x: torch.Tensor, dim: int) -> None:
     n = x.shape[dim] if x.dim() else 1
     if n % RHT_BLOCK:
         raise ValueError(
-            f"nvfp4-rht transforms blocks of 16 along the reduction dimension, but the tensor "
+            f"{_RHT_VALUES} transforms blocks of 16 along the reduction dimension, but the tensor "
             f"of shape {tuple(x.shape)} has {n} there (dim {dim}), not a multiple of 16, which "
             f"TransformerEngine refuses too."
         )
