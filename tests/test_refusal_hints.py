@@ -341,3 +341,72 @@ def test_colliding_names_followed(run, tmp_path, make_checkout):
     config.write_text(table.format("dolmafa"))  # followed: the dataset renamed
     res = run(*[w if w != "dolma,dolma_FA" else "dolma,dolmafa" for w in command])
     assert res.code == 0, res
+
+
+# sbatch as a node that has STUB_NODE_GPUS GPUs and STUB_NODE_CPUS CPUs to give (its memory
+# handed out per CPU, say), whatever sinfo shows: the job's own #SBATCH lines judged
+SBATCH_NODE = r"""#!/usr/bin/env bash
+script="${@: -1}"
+want() { sed -n "s/^#SBATCH --$1=\([0-9]*\)$/\1/p" "$script" | head -1; }
+gpus="$(want gpus-per-node)"; cpus="$(want cpus-per-task)"; nodes="$(want nodes)"
+if (( ${gpus:-0} > STUB_NODE_GPUS || ${cpus:-1} > STUB_NODE_CPUS || ${nodes:-1} > 1 )); then
+    printf 'sbatch: error: Batch job submission failed: %s\n' \
+        "Requested node configuration is not available" >&2
+    exit 1
+fi
+echo "4242"
+"""
+
+
+def _follow_node_hint(said: str, args: list[str], config: Path) -> list[str]:
+    """The node-configuration advice, taken literally: options in backquotes for sweep run,
+    or a key of a --config table."""
+    quoted = re.search(r"`(--gpus-per-node \d+ --nodes \d+)` to sweep run", said)
+    if quoted:
+        args = list(args)
+        words = quoted[1].split()
+        for name, value in zip(words[::2], words[1::2], strict=True):
+            if name in args:
+                args[args.index(name) + 1] = value
+            else:
+                args += [name, value]
+        return args
+    return follow(said, args, config)
+
+
+@pytest.mark.parametrize(
+    "sinfo, node_gpus, node_cpus, hints",
+    [
+        # sinfo says the node fits; Slurm refuses the CPUs (their memory): one CPU a rank
+        ("1 gpu:2 8 64000", 2, 2, ["cpus_per_task = 2 in the [slurm] table of a --config"]),
+        # sinfo says nothing: one CPU a rank first, then the smallest GPU request
+        (" ", 1, 64, ["cpus_per_task = 2 in the [slurm] table of a --config",
+                      "`--gpus-per-node 1 --nodes 1` to sweep run"]),
+    ],
+)  # fmt: skip
+def test_sbatchs_node_configuration_refusal_followed(
+    cluster, run, tmp_path, monkeypatch, sinfo, node_gpus, node_cpus, hints
+):
+    """sbatch's `Requested node configuration is not available` where sinfo did not foresee
+    it: the hint gives the values to ask for, and the sweep asking for them is submitted."""
+    root, _stub = cluster
+    sbatch = tmp_path / "bin" / "sbatch"
+    sbatch.write_text(SBATCH_NODE)
+    monkeypatch.setenv("STUB_SINFO", sinfo)
+    monkeypatch.setenv("STUB_NODE_GPUS", str(node_gpus))
+    monkeypatch.setenv("STUB_NODE_CPUS", str(node_cpus))
+    config = tmp_path / "mine.toml"
+    out = tmp_path / "sw"
+    command = ["sweep", "run", str(out), *SMOKE, "--launcher", "slurm", "--gpus-per-node", "2",
+               "--repo", str(root)]  # fmt: skip
+    for hint in hints:
+        res = run(*command)
+        said = " ".join(res.err.split())
+        assert res.code == 2 and "Requested node configuration is not available" in said, res
+        assert hint in said, said
+        command = _follow_node_hint(said, command, config)
+    res = run(*command)
+    assert res.code == 0, (command, res)
+    text = (out / "sweep.sbatch").read_text()
+    assert f"#SBATCH --cpus-per-task={min(node_cpus, 2)}\n" in text
+    assert f"#SBATCH --gpus-per-node={node_gpus}\n" in text

@@ -625,10 +625,10 @@ def test_a_slurm_sweep_is_checked_against_the_nodes_gpus(sweep_env, run, monkeyp
     assert res.code == 2, res
     assert (
         "sbatch refused the sweep: Batch job submission failed: Requested node configuration "
-        "is not available (the scripts ask for 1 node(s) with 8 GPU(s) each and partition "
-        "debug has 1 node with gpu:8: --gpus-per-node N and --nodes N of sweep run change "
-        "that, as gpus_per_node in the [profiles.NAME] table and nodes in the "
-        "[profiles.NAME.parallel] table of a --config do)."
+        "is not available (the scripts ask for 1 node(s) with 8 GPU(s) each and 24 CPUs for "
+        "each node's task; partition debug has 1 node with gpu:8, which sinfo says fits: ask "
+        "for one CPU per rank, cpus_per_task = 8 in the [slurm] table of a --config, since "
+        "Slurm often gives each CPU its share of a node's memory)."
     ) in said
     assert not (other / "sweep.json").exists()
 
