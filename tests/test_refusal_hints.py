@@ -410,3 +410,32 @@ def test_sbatchs_node_configuration_refusal_followed(
     text = (out / "sweep.sbatch").read_text()
     assert f"#SBATCH --cpus-per-task={min(node_cpus, 2)}\n" in text
     assert f"#SBATCH --gpus-per-node={node_gpus}\n" in text
+
+
+def test_no_sbatch_on_path_followed(cluster, run, tmp_path, monkeypatch):
+    """Without Slurm's client commands the refusal names the check (`sbatch --version`) and
+    the launcher that runs here; the sweep with that launcher runs."""
+    root, _stub = cluster
+    (tmp_path / "bin" / "sbatch").unlink()
+    shadow = tmp_path / "usr-bin"  # the system's commands but Slurm's sbatch
+    shadow.mkdir()
+    for exe in Path("/usr/bin").iterdir():
+        if exe.name != "sbatch":
+            (shadow / exe.name).symlink_to(exe)
+    dirs = [d for d in os.environ["PATH"].split(os.pathsep) if d]
+    path = [str(shadow) if Path(d).resolve() == Path("/usr/bin") else d for d in dirs]
+    monkeypatch.setenv(
+        "PATH", os.pathsep.join(d for d in path if not (Path(d) / "sbatch").exists())
+    )
+    out = tmp_path / "sw"
+    command = ["sweep", "run", str(out), *SMOKE, "--launcher", "slurm", "--repo", str(root)]
+    res = run(*command)
+    said = " ".join(res.err.split())
+    assert res.code == 2 and "sbatch is not on PATH" in said and not out.exists(), res
+    assert "`sbatch --version`" in said
+    advice = re.search(r"with (--launcher \w+) instead of (--launcher \w+)", said)
+    assert advice, said
+    followed = " ".join(command).replace(advice[2], advice[1]).split()
+    res = run(*followed)
+    assert res.code == 0, res
+    assert json.loads((out / "sweep.json").read_text())["selection"]["launcher"] == "local"

@@ -69,8 +69,10 @@ def sbatch_exe() -> str:
     exe = shutil.which("sbatch")
     if exe is None:
         raise UserError(
-            "sbatch is not on PATH: a Slurm sweep is submitted from a machine with Slurm's "
-            "client commands (a login node)."
+            "sbatch is not on PATH: submit a Slurm sweep from a machine where `sbatch --version` "
+            "answers (a cluster's login node; where Slurm comes as a module, `module load slurm` "
+            "first), or run the sweep on this machine's GPUs with --launcher local instead "
+            "of --launcher slurm."
         )
     return exe
 
