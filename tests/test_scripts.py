@@ -122,6 +122,14 @@ def test_older_release_and_unsupported_release(run, tmp_path):
     assert "(used by llama31-8b/full, llama32-1b/full, deepseek2_lite/full)" in res.err
     assert "--moe-router-topk" in res.err and "(used by deepseek2_lite/full)" in res.err
     assert not (tmp_path / "main").exists()
+    # followed: the release the hint names takes every flag of every script
+    said = " ".join(res.err.split())
+    named = re.search(r"give --megatron-release (\S+), whose flag list has them all", said)
+    assert named, said
+    res = run("gen-scripts", "--out", tmp_path / "main", "--megatron-release", named[1])
+    assert res.code == 0, res
+    for path in (tmp_path / "main").rglob("*.sh"):
+        assert _argument_flags(path.read_text()) <= release_flags(named[1])
     res = run("gen-scripts", "--out", tmp_path / "x", "--megatron-release", "v9")
     assert res.code == 2 and "unknown release 'v9'" in res.err
 
@@ -880,20 +888,39 @@ def test_a_flag_the_checkout_does_not_accept(run, tmp_path, monkeypatch):
         "error: Megatron-LM 0.15.0rc3 does not accept --no-gradient-accumulation-fusion "
         "(used by llama31-8b/full, llama32-1b/full, deepseek2_lite/full), --mscale (used by "
         f"deepseek2_lite/full), checked against {root / 'megatron/training/arguments.py'}; "
-        "override those args in a --config file, or pass --megatron-release"
+        "set no-gradient-accumulation-fusion = false, mscale = false in the "
+        "[profiles.full.args] table of a --config to leave them out."
     ), res.err
     assert res.err.count(". ") == 0 and res.err.rstrip().endswith(".")
     assert not out.exists()
-    res = run("gen-scripts", "--out", out, "--models", "llama32-1b", "--profile", "smoke")
-    assert res.code == 2 and "(used by llama32-1b/smoke), checked" in res.err
-    # overriding the arg in a --config file is the way out
+    # followed as written: those entries in that table, and every script is one the
+    # checkout's own parser takes
+    said = " ".join(res.err.split())
     cfg = tmp_path / "mine.toml"
-    cfg.write_text("[common.args]\nno-gradient-accumulation-fusion = false\n")
-    res = run("gen-scripts", "--out", out, "--models", "llama32-1b", "--config", cfg)
+    cfg.write_text(_config_from_hint(said))
+    res = run("gen-scripts", "--out", out, "--config", cfg)
     assert res.code == 0, res
+    accepted = release_flags("core_v0.13.1") - {"--no-gradient-accumulation-fusion", "--mscale"}
+    for path in out.rglob("*.sh"):
+        assert _argument_flags(path.read_text()) <= accepted, path
+    res = run("gen-scripts", "--out", tmp_path / "smoke", "--models", "llama32-1b", "--profile",
+              "smoke")  # fmt: skip
+    assert res.code == 2 and "(used by llama32-1b/smoke), checked" in res.err
     # run refuses the same way before anything is launched
     res = run("run", "--model", "llama32-1b", "--dataset", "dolma", "--scheme", "bf16", "--dry-run")
     assert res.code == 2 and "does not accept --no-gradient-accumulation-fusion" in res.err
+
+
+def _config_from_hint(said: str) -> str:
+    """The --config a refusal's ``set k = v, ... in the [T] table; ... of a --config`` asks
+    for, as TOML."""
+    wanted = re.search(r"\bset (.+?) of a --config", said)
+    assert wanted, said
+    out = ""
+    for part in wanted[1].split("; "):
+        keys, table = re.fullmatch(r"(.+) in the \[([\w.-]+)\] table", part).groups()
+        out += f"[{table}]\n" + "".join(f"{kv}\n" for kv in keys.split(", "))
+    return out
 
 
 def test_a_parser_that_does_not_parse_names_file_and_line(run, tmp_path, monkeypatch):

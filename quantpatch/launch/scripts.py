@@ -43,6 +43,7 @@ from quantpatch.launch.registry import (
     Scheme,
     Slurm,
     release_flags,
+    releases,
 )
 from quantpatch.launch.shell_render import (
     BATCH_VARIABLES,
@@ -407,7 +408,7 @@ def generation_fix(
 def check_flags(reg: Registry, models: Sequence[str], profile: str, source: FlagSource) -> None:
     """Every flag the models' scripts pass must be one the target release accepts."""
     _reject_unaccepted(
-        {f"{m}/{profile}": _model_args(reg, m, profile).flags for m in models}, source
+        {f"{m}/{profile}": _model_args(reg, m, profile).flags for m in models}, source, reg
     )
 
 
@@ -501,9 +502,13 @@ def _takes_mla_head_dims(text: str, rel: str, cache: Path) -> bool | None:
     return found
 
 
-def _reject_unaccepted(used: dict[str, tuple[str, ...]], source: FlagSource) -> None:
+def _reject_unaccepted(
+    used: dict[str, tuple[str, ...]], source: FlagSource, reg: Registry | None = None
+) -> None:
     """One sentence naming the flags the release does not accept, the model/profile using
-    each, and the file the accepted flags came from."""
+    each, the file the accepted flags came from, and what to give instead: a bundled release
+    whose list has every flag used, the ``flag = false`` entries of a --config that leave the
+    flags out."""
     users: dict[str, list[str]] = {}
     for user, flags in used.items():
         for flag in flags:
@@ -518,13 +523,23 @@ def _reject_unaccepted(used: dict[str, tuple[str, ...]], source: FlagSource) -> 
         f"{', '.join(flags)} (used by {', '.join(who)})"
         for who, flags in sorted(by_users.items(), key=lambda item: (-len(item[0]), item[1]))
     )
-    if source.root is None:
-        remedy = "choose another --megatron-release or override those args in a --config file"
-    else:
-        remedy = (
-            "override those args in a --config file, or pass --megatron-release to validate "
-            "against a bundled flag list instead"
+    remedies = []
+    if source.root is None:  # a bundled list: another bundled release may have them all
+        every = {f"--{f}" for flags in used.values() for f in flags}
+        fits = [r for r in releases() if r != source.release and every <= release_flags(r)]
+        if fits:
+            best = DEFAULT_RELEASE if DEFAULT_RELEASE in fits else fits[-1]
+            remedies.append(f"give --megatron-release {best}, whose flag list has them all")
+    dropped = _drop_entries(users, reg)
+    if dropped:
+        remedies.append(f"set {dropped} of a --config to leave them out")
+    if not remedies:  # a scheme's args, or the script's own flags: the args or the checkout
+        remedies.append(
+            "leave them out of the args of the schemes or tables that set them in a --config, "
+            "or use a Megatron-LM that has them"
+            + ("" if source.root is not None else f" (bundled: {', '.join(releases())})")
         )
+    remedy = ", or ".join(remedies)
     if source.unresolved:
         remedy += (
             f" (the parser also builds flags from {', '.join(source.unresolved)}, which "
@@ -534,6 +549,32 @@ def _reject_unaccepted(used: dict[str, tuple[str, ...]], source: FlagSource) -> 
         f"Megatron-LM {source.release} does not accept {unknown}, checked against "
         f"{source.where()}; {remedy}."
     )
+
+
+def _drop_entries(users: Mapping[str, Sequence[str]], reg: Registry | None) -> str:
+    """``a = false, b = false in the [profiles.full.args] table`` (one table per profile, or a
+    model's own profile table where that holds the flag): the entries that leave each flag
+    out of the scripts ("" where a flag is the script's own, a scheme's, or too many)."""
+    if reg is None or len(users) > 6:
+        return ""
+    tables: dict[str, list[str]] = {}
+    for flag, who in users.items():
+        name = flag[2:]
+        if name in TEMPLATE_FLAGS:
+            return ""
+        for user in who:
+            model, sep, profile = user.partition("/")
+            if not sep or model not in reg.models:
+                return ""  # a scheme's args: its own list, not a table of flags
+            own = reg.models[model].profile_args.get(profile, {})
+            table = (
+                f"models.{model}.profiles.{profile}.args"
+                if name in own
+                else (f"profiles.{profile}.args")
+            )
+            if f"{name} = false" not in tables.setdefault(table, []):
+                tables[table].append(f"{name} = false")
+    return "; ".join(f"{', '.join(keys)} in the [{table}] table" for table, keys in tables.items())
 
 
 def _header(lines: Sequence[str], body: str) -> str:
@@ -566,7 +607,7 @@ def render_script(
     source = _source(release)
     stop = None if blocked is None else {"file": blocked[0], "sentence": blocked[1]}
     args = _model_args(reg, model, profile)
-    _reject_unaccepted({f"{model}/{profile}": args.flags}, source)
+    _reject_unaccepted({f"{model}/{profile}": args.flags}, source, reg)
     if layout is None:
         layout = plan_layout(reg, [model], profile)[model]
     m, d, s, p = (
