@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -439,3 +440,42 @@ def test_no_sbatch_on_path_followed(cluster, run, tmp_path, monkeypatch):
     res = run(*followed)
     assert res.code == 0, res
     assert json.loads((out / "sweep.json").read_text())["selection"]["launcher"] == "local"
+
+
+def test_missing_data_followed_with_the_command_it_names(cluster, run, tmp_path, monkeypatch):
+    """A dataset of the user's --config, under a DATA_ROOT and tokenizer of the environment:
+    the command the refusal names makes it from a shell that has neither variable (only the
+    corpus, CORPUS, is filled in), and the sweep then starts."""
+    from .test_data_prepare import corpus, make_tokenizer, write_jsonl
+
+    root, _stub = cluster
+    tok = make_tokenizer(tmp_path / "tok")
+    data = tmp_path / "data"
+    monkeypatch.setenv("DATA_ROOT", str(data))
+    monkeypatch.setenv("TOKENIZER_MODEL", str(tok))
+    monkeypatch.delenv("MOCK_DATA", raising=False)
+    cfg = tmp_path / "mine.toml"
+    cfg.write_text(
+        '[datasets.mine]\ndescription = "mine"\n'
+        'prefix = "{data_root}/mine/{model}_text_document"\nsplit = "98,1,1"\n'
+    )
+    command = ["sweep", "run", str(tmp_path / "sw"), "--models", "llama32-1b", "--datasets",
+               "mine", "--schemes", "bf16", "--profile", "fast", "--launcher", "slurm",
+               "--gpus-per-node", "2", "--config", str(cfg), "--repo", str(root)]  # fmt: skip
+    res = run(*command)
+    said = " ".join(res.err.split())
+    assert res.code == 2 and "the sweep's data is not ready" in said, res
+    given = re.search(r"make them with `(quantpatch data prepare [^`]+)`", said)
+    assert given, said
+    assert given[1] == (
+        f"quantpatch data prepare mine --input CORPUS --models llama32-1b --tokenizer "
+        f"llama32-1b={tok} --data-root {data} --config {cfg}"
+    )
+    src = write_jsonl(tmp_path / "corpus.jsonl", corpus(60))
+    words = [str(src) if w == "CORPUS" else w for w in shlex.split(given[1])]
+    shell = {k: v for k, v in os.environ.items() if k not in ("DATA_ROOT", "TOKENIZER_MODEL")}
+    made = subprocess.run([QUANTPATCH, *words[1:]], capture_output=True, text=True, env=shell,
+                          cwd=tmp_path, timeout=600)  # fmt: skip
+    assert made.returncode == 0, made.stderr[-2000:]
+    res = run(*command)
+    assert res.code == 0, res
