@@ -30,9 +30,7 @@ SPEC_FILE = PACKAGE / "runtime" / "quantpatch_formats.py"
 
 NAMES = sorted({f.name for f in spec.SPECS} - {"bf16"}, key=len, reverse=True)
 """Every declared value and operand format but ``bf16`` (a word, and the identity)."""
-NAME = re.compile(
-    r"(?<![\w.-])(" + "|".join(map(re.escape, NAMES)) + r")(?![\w.]|-[a-z0-9])"
-)
+NAME = re.compile(r"(?<![\w.-])(" + "|".join(map(re.escape, NAMES)) + r")(?![\w.]|-[a-z0-9])")
 
 ALLOWED: dict[tuple[str, str], str] = {
     ("quantpatch/launch/native.py", "mxfp8"): (

@@ -479,3 +479,54 @@ def test_missing_data_followed_with_the_command_it_names(cluster, run, tmp_path,
     assert made.returncode == 0, made.stderr[-2000:]
     res = run(*command)
     assert res.code == 0, res
+
+
+@pytest.mark.parametrize(
+    "extra, says",
+    [
+        # more GPUs a run than named: the GPUs there are
+        (["--gpus", "0", "--gpus-per-node", "2"], "give --gpus-per-node 1"),
+        # several seeds are the local launcher's
+        (["--seeds", "2", "--launcher", "slurm"], "give --launcher local"),
+    ],
+)
+def test_a_sweep_options_refusal_followed(cluster, run, tmp_path, extra, says):
+    root, _stub = cluster
+    command = ["sweep", "run", str(tmp_path / "sw"), *SMOKE, "--repo", str(root), *extra]
+    said = _refused_then_followed(run, command, tmp_path / "unused.toml", says)
+    assert not (tmp_path / "unused.toml").exists(), said
+
+
+def test_a_seed_among_the_megatron_arguments_followed(cluster, run, tmp_path):
+    """--seeds gives each run its --seed: the one after `--` is dropped, as said."""
+    root, _stub = cluster
+    command = ["sweep", "run", str(tmp_path / "sw"), *SMOKE, "--gpus", "0", "--seeds", "2",
+               "--repo", str(root), "--", "--seed", "7"]  # fmt: skip
+    res = run(*command)
+    said = " ".join(res.err.split())
+    assert res.code == 2 and "drop --seed from the arguments after --" in said, res
+    res = run(*command[: command.index("--seed")])
+    assert res.code == 0, res
+
+
+def test_a_new_sweep_without_a_selection_followed(cluster, run, tmp_path):
+    """``prepare`` of a folder with no sweep and no selection (the CLI gives the defaults
+    instead, so only a caller of the function meets it): the options it lists start one."""
+    from quantpatch.base.errors import UserError
+    from quantpatch.launch import sweep
+
+    root, _stub = cluster
+    out = tmp_path / "sw"
+    with pytest.raises(UserError) as refused:
+        sweep.prepare(out, root, None)
+    said = " ".join(str(refused.value).split())
+    named = re.search(r"give the sweep's selection \(([^)]*)\) to start one", said)
+    assert named, said
+    assert not out.exists()
+    options = named[1].split(", ")
+    assert options == ["--models", "--datasets", "--schemes", "--profile"], options
+    values = dict(zip(SMOKE[::2], SMOKE[1::2], strict=True))
+    given = [w for o in options for w in (o, values[o])]
+    res = run("sweep", "run", out, *given, "--gpus", "0", "--repo", root)
+    assert res.code == 0, res
+    assert len(json.loads((out / "sweep.json").read_text())["runs"]) == 1

@@ -471,7 +471,7 @@ def mla_unbuildable(
                     rel,
                     f"{m} uses Multi-Latent Attention, which hands the local "
                     f"DotProductAttention its k_channels and v_channels, but {rel} does not "
-                    "take them; `quantpatch init` adds them.",
+                    f"take them; `quantpatch init --repo {shlex.quote(str(root))}` adds them.",
                 )
                 for m in mla
             }
