@@ -530,3 +530,67 @@ def test_a_new_sweep_without_a_selection_followed(cluster, run, tmp_path):
     res = run("sweep", "run", out, *given, "--gpus", "0", "--repo", root)
     assert res.code == 0, res
     assert len(json.loads((out / "sweep.json").read_text())["runs"]) == 1
+
+
+@pytest.mark.slow  # 15 s: the dataset made twice
+def test_data_made_with_another_tokenizer_every_fix_followed(cluster, run, tmp_path, monkeypatch):
+    """Data made with one tokenizer folder while TOKENIZER_MODEL names another: each of the
+    three fixes the refusal names, followed as written (the variable, the --config entry, the
+    command that makes the data again with the scripts' tokenizer), is accepted."""
+    from .test_data_prepare import corpus, make_tokenizer, write_jsonl
+
+    root, _stub = cluster
+    made_with = make_tokenizer(tmp_path / "tok-a", vocab=400)
+    scripts_tok = make_tokenizer(tmp_path / "tok-b", vocab=300)
+    data = tmp_path / "data"
+    cfg = tmp_path / "mine.toml"
+    dataset = (
+        '[datasets.mine]\ndescription = "mine"\n'
+        'prefix = "{data_root}/mine/{model}_text_document"\nsplit = "98,1,1"\n'
+    )
+    cfg.write_text(dataset)
+    src = write_jsonl(tmp_path / "corpus.jsonl", corpus(60))
+    prepare = [QUANTPATCH, "data", "prepare", "mine", "--input", str(src), "--models",
+               "llama32-1b", "--tokenizer", f"llama32-1b={made_with}", "--data-root", str(data),
+               "--config", str(cfg)]  # fmt: skip
+    made = subprocess.run(prepare, capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert made.returncode == 0, made.stderr[-2000:]
+    monkeypatch.setenv("DATA_ROOT", str(data))
+    monkeypatch.setenv("TOKENIZER_MODEL", str(scripts_tok))
+    monkeypatch.delenv("MOCK_DATA", raising=False)
+
+    def sweep(name: str) -> list[str]:
+        return ["sweep", "run", str(tmp_path / name), "--models", "llama32-1b", "--datasets",
+                "mine", "--schemes", "bf16", "--profile", "fast", "--launcher", "slurm",
+                "--gpus-per-node", "2", "--config", str(cfg), "--repo", str(root)]  # fmt: skip
+
+    res = run(*sweep("refused"))
+    said = " ".join(res.err.split())
+    assert res.code == 2 and f"was tokenized with {made_with}, not with {scripts_tok}" in said
+    # 1: the variable
+    exported = re.search(r"export TOKENIZER_MODEL=(\S+) \(the tokenizer it was made with\)", said)
+    assert exported and exported[1] == str(made_with), said
+    monkeypatch.setenv("TOKENIZER_MODEL", exported[1])
+    res = run(*sweep("by-variable"))
+    assert res.code == 0, res
+    monkeypatch.setenv("TOKENIZER_MODEL", str(scripts_tok))
+    # 2: the --config entry, with what the sentence says to do with the variable
+    entry = re.search(r"(unset TOKENIZER_MODEL and )?put (tokenizer_model = \"[^\"]+\") in the "
+                      r"\[models\.llama32-1b\] table of a --config", said)  # fmt: skip
+    assert entry, said
+    if entry[1]:
+        monkeypatch.delenv("TOKENIZER_MODEL")
+    cfg.write_text(f"{dataset}[models.llama32-1b]\n{entry[2]}\n")
+    res = run(*sweep("by-config"))
+    assert res.code == 0, res
+    cfg.write_text(dataset)
+    monkeypatch.setenv("TOKENIZER_MODEL", str(scripts_tok))
+    # 3: the data made again with the scripts' tokenizer, by the command given
+    again = re.search(r"with the scripts' tokenizer \(`(quantpatch data prepare [^`]+)`\)", said)
+    assert again, said
+    words = [str(src) if w == "CORPUS" else w for w in shlex.split(again[1])]
+    made = subprocess.run([QUANTPATCH, *words[1:]], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=600)  # fmt: skip
+    assert made.returncode == 0, made.stderr[-2000:]
+    res = run(*sweep("by-command"))
+    assert res.code == 0, res

@@ -218,7 +218,7 @@ def test_a_mock_data_sweep_is_recorded_and_reported_as_mock(
     assert str(tok) not in html, "the report names a tokenizer the runs never loaded"
 
 
-@pytest.mark.slow  # about 40 s
+@pytest.mark.slow  # about 45 s
 def test_flash_runs_on_an_older_runtime_are_refused_before_anything_is_written(
     sweep_env,  # noqa: F811 - the fixture imported above
     run,
@@ -226,7 +226,8 @@ def test_flash_runs_on_an_older_runtime_are_refused_before_anything_is_written(
 ):
     """A checkout set up by the previous release (no bf16 flash route): an FA sweep, whose
     bf16 baseline is to take the flash path, is refused naming `quantpatch upgrade`, and
-    nothing is written; after the upgrade it is taken."""
+    nothing is written; after the upgrade it is taken (and, as the sentence also says, the
+    same sweep with --attention stock runs without the upgrade)."""
     from .oldrelease import make_old_release
 
     _root, _env, stub, out = sweep_env
@@ -237,6 +238,12 @@ def test_flash_runs_on_an_older_runtime_are_refused_before_anything_is_written(
     said = " ".join(res.err.split())
     assert res.code == 2 and "run `quantpatch upgrade` there first" in said, res
     assert "ops" in said and not out.exists() and not calls(stub)
+    # the other advice of the sentence, followed: the same sweep on stock attention
+    stock = out.parent / "stock"
+    assert "(or give --attention stock)" in said
+    res = run("sweep", "run", stock, *SELECT, "--attention", "stock", "--repo", root)
+    assert res.code == 0, res
+    assert {r["attention"] for r in record(stock)["runs"]} == {"stock"}
     assert run("upgrade", "--repo", root).code == 0
     res = run("sweep", "run", out, *SELECT, "--repo", root)
     assert res.code == 0, res
@@ -534,7 +541,7 @@ echo " validation loss at iteration 4 | lm loss value: $loss | lm loss PPL: 150.
 """
 
 
-@pytest.mark.slow  # about 40 s
+@pytest.mark.slow  # about 45 s
 def test_seeds_give_each_scheme_a_mean_and_spread_against_bf16s(
     sweep_env,  # noqa: F811 - the fixture imported above
     run,

@@ -277,11 +277,13 @@ class Need:
         made = self.made_with()
         if made is None:
             return None
+        # the variable wins over a --config entry: the entry helps only once it is unset
+        unset = "unset TOKENIZER_MODEL and " if self.tokenizer_given else ""
         return (
             f"for {self.model} on {self.dataset}: export TOKENIZER_MODEL={made} (the tokenizer "
-            f'it was made with), or put tokenizer_model = "{made}" in the [models.{self.model}] '
-            f"table of a --config, or make it again with the scripts' tokenizer "
-            f"(`{self.command()}`)"
+            f'it was made with), or {unset}put tokenizer_model = "{made}" in the '
+            f"[models.{self.model}] table of a --config, or make it again with the scripts' "
+            f"tokenizer (`{self.command()}`)"
         )
 
     def command(self) -> str:
