@@ -594,3 +594,138 @@ def test_data_made_with_another_tokenizer_every_fix_followed(cluster, run, tmp_p
     assert made.returncode == 0, made.stderr[-2000:]
     res = run(*sweep("by-command"))
     assert res.code == 0, res
+
+
+def _follow_own_flag(said: str, config: Path) -> None:
+    """The args refusal's advice applied to ``config``: each `drop FLAG from the [T] table`
+    (or a scheme's args list), each `key = value in the [T] table sets it`."""
+    data = tomllib.loads(config.read_text())
+
+    def table(where: str) -> dict:
+        node = data
+        for part in where.split("."):
+            node = node.setdefault(part, {})
+        return node
+
+    dropped = re.findall(r"drop ([\w-]+) from the \[([^\]]+)\](?: and \[([^\]]+)\])? table", said)
+    for flag, *wheres in dropped:
+        for where in filter(None, wheres):
+            del table(where)[flag]
+    for flags, where in re.findall(
+        r"must not set (--[\w-]+(?:, --[\w-]+)*), since .* from the args of the \[([^\]]+)\]",
+        said,
+    ):
+        words = table(where)["args"]
+        for flag in flags.split(", "):
+            at = words.index(flag)
+            del words[at : at + 2]
+    for key, value, where in re.findall(r"(\w+) = (\S+) in the \[([^\]]+)\] table sets it", said):
+        table(where)[key] = tomllib.loads(f"v = {value}")["v"]
+    assert dropped or "from the args of the" in said, said
+    config.write_text(_toml(data))
+
+
+@pytest.mark.parametrize(
+    "config_text, says, script_has",
+    [
+        # a parallel size: its key of the profile's parallel table, which the script then uses
+        ("[models.llama32-1b.args]\ntensor-model-parallel-size = 2\n",
+         "drop tensor-model-parallel-size from the [models.llama32-1b.args] table (tp = 2 in "
+         "the [profiles.smoke.parallel] table sets it)", "then TP=2; fi"),
+        ("[profiles.smoke.args]\nsequence-parallel = false\n",
+         'sequence_parallel = "off" in the [profiles.smoke.parallel] table sets it', None),
+        # the tokenizer: the model's own field
+        ("[models.llama32-1b.profiles.smoke.args]\ntokenizer-model = \"/tok/mine\"\n",
+         'tokenizer_model = "/tok/mine" in the [models.llama32-1b] table sets it', "/tok/mine"),
+        # an output flag: the run folder gives it, only dropped
+        ("[common.args]\nsave = \"/ckpt\"\n", "(the run's folder gives it)", None),
+        # a scheme's own args list
+        ("[schemes.mine]\nlinear = \"bf16\"\nqk = \"bf16\"\npv = \"bf16\"\n"
+         "args = [\"--context-parallel-size\", \"2\", \"--log-interval\", \"5\"]\n",
+         "drop it (with its value) from the args of the [schemes.mine] table", "--log-interval"),
+    ],
+)  # fmt: skip
+def test_a_flag_the_script_passes_itself_followed(
+    run, tmp_path, make_checkout, config_text, says, script_has
+):
+    root = make_checkout()
+    config = tmp_path / "mine.toml"
+    config.write_text(config_text)
+    scheme = "mine" if "[schemes.mine]" in config_text else "bf16"
+    out = tmp_path / "s"
+    command = ["gen-scripts", "--out", str(out), "--models", "llama32-1b", "--datasets",
+               "wikipedia", "--schemes", scheme, "--profile", "smoke", "--gpus-per-node", "2",
+               "--config", str(config), "--repo", str(root)]  # fmt: skip
+    res = run(*command)
+    said = " ".join(res.err.split())
+    assert res.code == 2 and says in said, res
+    assert not out.exists()
+    _follow_own_flag(said, config)
+    res = run(*command)
+    assert res.code == 0, (config.read_text(), res)
+    (script,) = out.rglob("pretrain_*.sh")
+    if script_has:
+        assert script_has in script.read_text()
+
+
+def _follow_scheme_fields(said: str, config: Path, name: str, pick: int) -> None:
+    """A scheme table's refusal followed in ``config``: `add KEY = VALUE`, `drop K1, K2`,
+    `leave out K1, K2`, `drop native`; where it offers two ways, the ``pick``-th."""
+    data = tomllib.loads(config.read_text())
+    entry = data["schemes"][name]
+    advice = said.rsplit("; ", 1)[1].rstrip(".")
+    ways = re.split(r",? or (?=add |drop )", advice)
+    way = ways[min(pick, len(ways) - 1)]
+    added = re.match(r"add (\w+) = (\S+)", way)
+    if added:
+        entry[added[1]] = tomllib.loads(f"v = {added[2]}")["v"]
+    else:
+        gone = re.fullmatch(r"(?:drop|leave out) ([\w, ]+)", way)
+        assert gone, way
+        for key in gone[1].split(", "):
+            del entry[key]
+    config.write_text(_toml(data))
+
+
+TWO_WAYS = "add te_recipe = true (its GEMMs then follow Megatron's policy) or drop "
+
+
+@pytest.mark.parametrize(
+    "fields, says, pick",
+    [
+        ("linear = 'fp8-tensor'\nfirst_last_layers_bf16 = true",
+         f"{TWO_WAYS}first_last_layers_bf16.", 0),
+        ("linear = 'fp8-tensor'\nfirst_last_layers_bf16 = true",
+         f"{TWO_WAYS}first_last_layers_bf16.", 1),
+        ("linear = 'mxfp8'\nfp8_wgrad = false", "recipes; drop fp8_wgrad.", 0),
+        ("linear = 'fp8-delayed'\nte_recipe = true\nfirst_last_layers_bf16 = true",
+         "drop first_last_layers_bf16.", 0),
+        ("linear = 'fp8-tensor'\nte_recipe = true\nfp8_wgrad = false", "drop fp8_wgrad.", 0),
+        ("linear = 'mxfp8'\nnative = true", "leave out linear, or drop native.", 0),
+        ("linear = 'mxfp8'\nnative = true", "leave out linear, or drop native.", 1),
+        ("linear = 'mxfp8'\nbf16_layers = 'output'\nnative = true\nemulates = 'bf16'",
+         "leave out linear, bf16_layers.", 0),
+    ],
+)  # fmt: skip
+def test_a_scheme_table_refusal_followed(
+    run, tmp_path, make_checkout, monkeypatch, fields, says, pick
+):
+    """The fields of a scheme of one's own that Megatron cannot run: each way the sentence
+    gives, followed in the --config, and gen-scripts writes the scheme's script."""
+    root = make_checkout(extra=("megatron/core/extensions/transformer_engine.py",))
+    site = tmp_path / "site"  # native schemes ask the training Python for TransformerEngine
+    (site / "transformer_engine").mkdir(parents=True)
+    (site / "transformer_engine" / "__init__.py").write_text("")
+    monkeypatch.setenv("PYTHONPATH", str(site))
+    config = tmp_path / "mine.toml"
+    config.write_text(f"[schemes.x]\nqk = 'bf16'\npv = 'bf16'\n{fields}\n")
+    out = tmp_path / "s"
+    command = ["gen-scripts", "--out", str(out), *SMOKE[:4], "--schemes", "x", "--profile",
+               "smoke", "--config", str(config), "--repo", str(root)]  # fmt: skip
+    res = run(*command)
+    said = " ".join(res.err.split())
+    assert res.code == 2 and said.endswith(says), res
+    _follow_scheme_fields(said, config, "x", pick)
+    res = run(*command)
+    assert res.code == 0, (config.read_text(), res)
+    assert len(list(out.rglob("pretrain_*_x.sh"))) == 1

@@ -225,8 +225,10 @@ def test_bad_inputs_exit_2_and_write_nothing(run, tmp_path):
         "args": ("[models.llama32-1b.args]\n'--num-layers' = 3\n", "args.--num-layers"),
         "twice": (
             "[models.llama32-1b.args]\nexpert-model-parallel-size = 2\n",
-            "llama32-1b/full: expert-model-parallel-size must not be set in args: the script "
-            "passes it itself",
+            "llama32-1b/full: expert-model-parallel-size must not be set in args, since the "
+            "script passes it itself; drop expert-model-parallel-size from the "
+            "[models.llama32-1b.args] table (ep = 2 in the [profiles.full.parallel] table sets "
+            "it) in a --config.",
         ),
     }
     for name, (body, message) in configs.items():

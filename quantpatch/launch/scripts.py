@@ -256,6 +256,45 @@ def resolved_args(reg: Registry, model: str, profile: str) -> dict[str, ArgValue
     return dict(_model_args(reg, model, profile).values)
 
 
+# a flag the script passes itself: the --config entry that sets it instead
+_OWN_FLAG_ENTRY = {
+    "tensor-model-parallel-size": ("tp", "parallel"),
+    "pipeline-model-parallel-size": ("pp", "parallel"),
+    "context-parallel-size": ("cp", "parallel"),
+    "expert-model-parallel-size": ("ep", "parallel"),
+    "expert-tensor-parallel-size": ("etp", "parallel"),
+    "num-virtual-stages-per-pipeline-rank": ("vpp", "parallel"),
+    "sequence-parallel": ("sequence_parallel", "parallel"),
+    "mock-data": ("mock_data", "profile"),
+    "tokenizer-type": ("tokenizer_type", "model"),
+    "tokenizer-model": ("tokenizer_model", "model"),
+    "vocab-size": ("vocab_size", "model"),
+}
+
+
+def _instead_of_own_flag(flag: str, value: ArgValue, model: str, profile: str) -> str:
+    """Where a flag the script passes itself is set instead, as a --config entry (empty
+    where the run gives it: the dataset's prefix and split, the run folder)."""
+    if flag in ("data-path", "split"):
+        return "the dataset's prefix and split in its [datasets.NAME] table give it"
+    entry = _OWN_FLAG_ENTRY.get(flag)
+    if entry is None:
+        return "the run's folder gives it" if flag in ("save", "load", "tensorboard-dir") else ""
+    key, where = entry
+    if key == "sequence_parallel":
+        shown = json.dumps("on" if value is True else "off" if value is False else str(value))
+    elif key == "mock_data":
+        shown = "true" if value is not False else "false"
+    else:
+        shown = json.dumps(value)
+    table = {
+        "parallel": f"profiles.{profile}.parallel",
+        "profile": f"profiles.{profile}",
+        "model": f"models.{model}",
+    }[where]
+    return f"{key} = {shown} in the [{table}] table sets it"
+
+
 def _model_args(reg: Registry, model: str, profile: str) -> _Args:
     m, p = reg.models[model], reg.profiles[profile]
     model_args = {**m.args}
@@ -267,10 +306,25 @@ def _model_args(reg: Registry, model: str, profile: str) -> _Args:
     }
     own = [k for k in (*model_args, *training_args, *impl_args) if k in TEMPLATE_FLAGS]
     if own:
+        tables = (
+            (f"models.{model}.args", m.args),
+            (f"profiles.{profile}.args", p.args),
+            (f"models.{model}.profiles.{profile}.args", m.profile_args.get(profile, {})),
+            ("common.args", reg.common_args),
+        )
+        fixes = []
+        for flag in own:
+            held = [name for name, args in tables if flag in args]
+            value = next(args[flag] for _, args in tables if flag in args)
+            instead = _instead_of_own_flag(flag, value, model, profile)
+            fixes.append(
+                f"drop {flag} from the [{'] and ['.join(held)}] table"
+                f"{'s' if len(held) > 1 else ''}{f' ({instead})' if instead else ''}"
+            )
         raise UserError(
-            f"{model}/{profile}: {', '.join(own)} must not be set in args: the script passes "
-            f"{'it' if len(own) == 1 else 'them'} itself (parallel sizes from TP/PP/CP/EP/VPP, "
-            "data and output flags from the dataset and the environment)."
+            f"{model}/{profile}: {', '.join(own)} must not be set in args, since the script "
+            f"passes {'it' if len(own) == 1 else 'them'} itself; {'; '.join(fixes)} in a "
+            "--config."
         )
     groups = (_flag_pairs(model_args), _flag_pairs(training_args), _flag_pairs(impl_args))
     is_moe = "num-experts" in model_args
@@ -430,9 +484,12 @@ def check_scheme_args(
         flags = tuple(w.split("=", 1)[0][2:] for w in words if w.startswith("--"))
         own = [f for f in flags if f in TEMPLATE_FLAGS]
         if own:
+            one = len(own) == 1
             raise UserError(
-                f"scheme '{name}': args must not set --{', --'.join(own)}: the script passes "
-                f"{'it' if len(own) == 1 else 'them'} itself."
+                f"scheme '{name}': args must not set --{', --'.join(own)}, since the script "
+                f"passes {'it' if one else 'them'} itself; drop {'it' if one else 'them'} "
+                f"(with {'its value' if one else 'their values'}) from the args of the "
+                f"[schemes.{name}] table of the --config."
             )
         used[f"scheme {name}"] = flags
     _reject_unaccepted(used, source)
