@@ -847,6 +847,39 @@ def test_swift_refuses_an_ms_swift_that_cannot_run_the_local_layers(run, tmp_pat
         assert res.code == 2 and sentence in res.err and not out.exists(), res
 
 
+def test_swift_refusals_followed(make_checkout, run, tmp_path, swift3, swift4):
+    """The ms-swift that cannot run the local layers: the release the sentence names (the
+    3.x line's 3.12.6) is taken; a scheme carrying Megatron arguments: the launchers named
+    write its script."""
+    root = make_checkout()
+    out = tmp_path / "swift"
+    base = ["gen-scripts", "--out", out, "--models", "llama32-1b", "--datasets", "dolma",
+            "--profile", "smoke", "--repo", root]  # fmt: skip
+    res = run(*base, "--schemes", "bf16", "--launcher", "swift", "--swift", swift4)
+    said = " ".join(res.err.split())
+    named = re.search(r"\(the 3\.x line, e\.g\. ([\d.]+)\)", said)
+    assert res.code == 2 and named, res
+    wheel = swift3
+    assert wheel.name.startswith(f"ms_swift-{named[1]}-")  # the wheel of the release named
+    res = run(*base, "--schemes", "bf16", "--launcher", "swift", "--swift", wheel)
+    assert res.code == 0, res
+    config = tmp_path / "mine.toml"
+    config.write_text(
+        "[schemes.mine]\nlinear = 'bf16'\nqk = 'bf16'\npv = 'bf16'\n"
+        "args = ['--log-interval', '5']\n"
+    )
+    mine = [*base, "--schemes", "mine", "--config", config, "--force"]
+    res = run(*mine, "--launcher", "swift", "--swift", wheel)
+    said = " ".join(res.err.split())
+    named = re.search(r"use --launcher (\w+) or (\w+) for it\.", said)
+    assert res.code == 2 and named, res
+    for launcher in named.groups():
+        res = run(*mine, "--launcher", launcher)
+        assert res.code == 0, (launcher, res)
+        (script,) = out.rglob("pretrain_*_mine.sh")
+        assert "--log-interval 5" in " ".join(script.read_text().split())
+
+
 def test_swift_script_end_to_end_with_a_stub_megatron(make_checkout, tmp_path, stubs, run, swift3):
     env, record = stubs
     root = make_checkout()

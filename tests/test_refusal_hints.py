@@ -729,3 +729,27 @@ def test_a_scheme_table_refusal_followed(
     res = run(*command)
     assert res.code == 0, (config.read_text(), res)
     assert len(list(out.rglob("pretrain_*_x.sh"))) == 1
+
+
+def test_no_quantpatch_executable_followed(cluster, run, tmp_path, monkeypatch):
+    """A Python whose quantpatch is neither beside it nor on PATH (QUANTPATCH unset): the
+    sweep's scripts could not call quantpatch back; setting QUANTPATCH, as said, runs it."""
+    root, _stub = cluster
+    monkeypatch.delenv("QUANTPATCH")
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "elsewhere" / "python3"))
+    monkeypatch.setenv("PATH", os.pathsep.join([str(tmp_path / "bin"), "/usr/bin", "/bin"]))
+    command = ["sweep", "run", str(tmp_path / "sw"), *SMOKE, "--gpus", "0", "--repo", str(root)]
+    res = run(*command)
+    said = " ".join(res.err.split())
+    assert res.code == 2 and "set QUANTPATCH to its path" in said, res
+    assert not (tmp_path / "sw").exists(), list((tmp_path / "sw").iterdir())
+    single = ["run", "--model", "llama32-1b", "--dataset", "wikipedia", "--scheme", "bf16",
+              "--profile", "smoke", "--repo", str(root)]  # fmt: skip
+    res = run(*single)
+    assert res.code == 2 and "set QUANTPATCH to its path" in " ".join(res.err.split()), res
+    assert not (root / ".git" / "quantpatch" / "scripts").exists()
+    monkeypatch.setenv("QUANTPATCH", QUANTPATCH)  # followed: the installation's executable
+    res = run(*command)
+    assert res.code == 0, res
+    assert "1 of 1 finished, 0 failed" in res.out
+    assert run(*single).code == 0

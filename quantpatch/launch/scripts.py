@@ -1094,9 +1094,10 @@ def launch(root: Path, script: Script, *, dry_run: bool) -> int:
         raise UserError(script.blocked)
 
     checkout = gitrepo.find_checkout(root, need_git=True)
+    exe = quantpatch_command()  # refused before the script is kept
     path = checkout.state_dir / "scripts" / script.rel
     apply_edits(path.parent, [Edit(path.name, read_exact(path), script.text, 0o755)])
-    env = {**os.environ, "MEGATRON_ROOT": str(checkout.root), "QUANTPATCH": quantpatch_command()}
+    env = {**os.environ, "MEGATRON_ROOT": str(checkout.root), "QUANTPATCH": exe}
     if dry_run:
         env["QUANTPATCH_DRY_RUN"] = "1"
     return subprocess.run(["bash", str(path)], env=env, check=False).returncode

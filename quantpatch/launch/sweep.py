@@ -369,6 +369,7 @@ def prepare(
     from quantpatch.checkout.worktrees import ensure_worktree
     from quantpatch.git import repo as gitrepo
     from quantpatch.launch.plan import GenRequest, generate_scripts, requested_nodes
+    from quantpatch.launch.scripts import quantpatch_command
 
     old = load(sweep_dir)
     if given is None:
@@ -392,6 +393,7 @@ def prepare(
     _refuse_live_runs(old)
     if selection.launcher == "slurm":
         slurm.sbatch_exe()
+    quantpatch_command()  # the runs call quantpatch back: refused before anything is written
     if old is not None:
         _follow_slurm(sweep_dir, old, selection if given is not None else None)
     env = data_env((old or {}).get("data"), os.environ)
