@@ -753,3 +753,67 @@ def test_no_quantpatch_executable_followed(cluster, run, tmp_path, monkeypatch):
     assert res.code == 0, res
     assert "1 of 1 finished, 0 failed" in res.out
     assert run(*single).code == 0
+
+
+@pytest.mark.parametrize(
+    "command, option, bad",
+    [
+        ("gen-scripts", "--launcher", "mpirun"),
+        ("gen-scripts", "--profile", "huge"),
+        ("gen-scripts", "--attention", "fast"),
+        ("gen-scripts", "--models", "gpt5"),
+        ("gen-scripts", "--datasets", "c4"),
+        ("gen-scripts", "--schemes", "FA_fp8"),
+        ("sweep", "--launcher", "mpirun"),
+        ("sweep", "--profile", "huge"),
+        ("sweep", "--attention", "fast"),
+        ("sweep", "--schemes", "FA_fp8"),
+    ],
+)
+def test_an_unknown_choice_followed_with_a_valid_one(cluster, run, tmp_path, command, option, bad):
+    """`unknown X 'V'; valid: A, B`: a valid one given instead is accepted."""
+    root, _stub = cluster
+    values = dict(zip(SMOKE[::2], SMOKE[1::2], strict=True))
+    values[option] = bad
+    given = [w for o, v in values.items() for w in (o, v)]
+    head = (["gen-scripts", "--out", str(tmp_path / "s")] if command == "gen-scripts"
+            else ["sweep", "run", str(tmp_path / "sw"), "--gpus", "0"])  # fmt: skip
+    res = run(*head, *given, "--repo", str(root))
+    said = " ".join(res.err.split())
+    valid = re.search(rf"unknown \w+ '{bad}'; valid: ([\w.-]+(?:, [\w.-]+)*)", said)
+    assert res.code == 2 and valid, res
+    listed = valid[1].rstrip(".").split(", ")
+    # the smoke selection's own where listed (the others need data or GPUs), else the first
+    values[option] = dict(zip(SMOKE[::2], SMOKE[1::2], strict=True)).get(option, listed[0])
+    assert values[option] in listed, listed
+    given = [w for o, v in values.items() for w in (o, v)]
+    res = run(*head, *given, "--repo", str(root))
+    assert res.code == 0, (values, res)
+
+
+@pytest.mark.parametrize("variable", ["DATA_ROOT", "DATA_PREFIX"])
+def test_data_elsewhere_followed_by_pointing_at_it(cluster, run, tmp_path, monkeypatch, variable):
+    """`point DATA_ROOT / DATA_PREFIX at them`: the data is elsewhere, the variable names it."""
+    from quantpatch.data_prep.layout import data_prefix
+    from quantpatch.launch.registry import load_registry
+
+    root, _stub = cluster
+    monkeypatch.delenv("MOCK_DATA", raising=False)
+    monkeypatch.delenv("DATA_PREFIX", raising=False)
+    monkeypatch.setenv("DATA_ROOT", str(tmp_path / "nodata"))
+    elsewhere = tmp_path / "elsewhere"
+    wiki = load_registry(None).datasets["wikipedia"].prefix
+    prefix = data_prefix(wiki, "llama32-1b", {}, data_root=str(elsewhere))
+    prefix.parent.mkdir(parents=True)
+    for suffix in (".bin", ".idx"):
+        Path(f"{prefix}{suffix}").write_bytes(b"")
+    command = ["sweep", "run", str(tmp_path / "sw"), *SMOKE[:-1], "fast", "--launcher",
+               "slurm", "--gpus-per-node", "2", "--repo", str(root)]  # fmt: skip
+    res = run(*command)
+    said = " ".join(res.err.split())
+    assert res.code == 2 and "point DATA_ROOT / DATA_PREFIX at them" in said, res
+    monkeypatch.setenv(variable, str(elsewhere if variable == "DATA_ROOT" else prefix))
+    res = run(*command)
+    assert res.code == 0, res
+    checked = json.loads((tmp_path / "sw" / "sweep.json").read_text())["data"]["checked"]
+    assert [c["prefix"] for c in checked] == [str(prefix)]
