@@ -863,6 +863,13 @@ def test_swift_refusals_followed(make_checkout, run, tmp_path, swift3, swift4):
     assert wheel.name.startswith(f"ms_swift-{named[1]}-")  # the wheel of the release named
     res = run(*base, "--schemes", "bf16", "--launcher", "swift", "--swift", wheel)
     assert res.code == 0, res
+    # a folder without ms-swift: a wheel, as said, is taken
+    (tmp_path / "empty").mkdir()
+    res = run(*base, "--schemes", "bf16", "--launcher", "swift", "--swift", tmp_path / "empty")
+    said = " ".join(res.err.split())
+    assert res.code == 2 and "give a wheel, an unpacked wheel or the site-packages" in said
+    res = run(*base, "--schemes", "bf16", "--launcher", "swift", "--swift", wheel, "--force")
+    assert res.code == 0, res
     config = tmp_path / "mine.toml"
     config.write_text(
         "[schemes.mine]\nlinear = 'bf16'\nqk = 'bf16'\npv = 'bf16'\n"

@@ -768,10 +768,11 @@ def test_no_quantpatch_executable_followed(cluster, run, tmp_path, monkeypatch):
         ("sweep", "--profile", "huge"),
         ("sweep", "--attention", "fast"),
         ("sweep", "--schemes", "FA_fp8"),
+        ("gen-scripts", "--megatron-release", "v9"),
     ],
 )
 def test_an_unknown_choice_followed_with_a_valid_one(cluster, run, tmp_path, command, option, bad):
-    """`unknown X 'V'; valid: A, B`: a valid one given instead is accepted."""
+    """`unknown X 'V'; valid: A, B` (or `known:`): a listed one given instead is accepted."""
     root, _stub = cluster
     values = dict(zip(SMOKE[::2], SMOKE[1::2], strict=True))
     values[option] = bad
@@ -780,7 +781,7 @@ def test_an_unknown_choice_followed_with_a_valid_one(cluster, run, tmp_path, com
             else ["sweep", "run", str(tmp_path / "sw"), "--gpus", "0"])  # fmt: skip
     res = run(*head, *given, "--repo", str(root))
     said = " ".join(res.err.split())
-    valid = re.search(rf"unknown \w+ '{bad}'; valid: ([\w.-]+(?:, [\w.-]+)*)", said)
+    valid = re.search(rf"unknown \w+ '{bad}'; (?:valid|known): ([\w.-]+(?:, [\w.-]+)*)", said)
     assert res.code == 2 and valid, res
     listed = valid[1].rstrip(".").split(", ")
     # the smoke selection's own where listed (the others need data or GPUs), else the first
@@ -817,3 +818,38 @@ def test_data_elsewhere_followed_by_pointing_at_it(cluster, run, tmp_path, monke
     assert res.code == 0, res
     checked = json.loads((tmp_path / "sw" / "sweep.json").read_text())["data"]["checked"]
     assert [c["prefix"] for c in checked] == [str(prefix)]
+
+
+def test_a_twin_that_is_no_scheme_followed(run, tmp_path, make_checkout, monkeypatch):
+    """A native scheme's `emulates` naming no scheme: one of the schemes listed is taken."""
+    root = make_checkout(extra=("megatron/core/extensions/transformer_engine.py",))
+    site = tmp_path / "site"  # native schemes ask the training Python for TransformerEngine
+    (site / "transformer_engine").mkdir(parents=True)
+    (site / "transformer_engine" / "__init__.py").write_text("")
+    monkeypatch.setenv("PYTHONPATH", str(site))
+    config = tmp_path / "mine.toml"
+    config.write_text("[schemes.x]\nnative = true\nemulates = 'nothing'\n")
+    command = ["gen-scripts", "--out", str(tmp_path / "s"), *SMOKE[:4], "--schemes", "x",
+               "--profile", "smoke", "--config", str(config), "--repo", str(root)]  # fmt: skip
+    res = run(*command)
+    said = " ".join(res.err.split())
+    listed = re.search(r"emulates 'nothing', which is no scheme; valid: ([^.]+)\.", said)
+    assert res.code == 2 and listed, res
+    assert "bf16" in listed[1].split(", ")
+    config.write_text("[schemes.x]\nnative = true\nemulates = 'bf16'\n")
+    res = run(*command)
+    assert res.code == 0, res
+
+
+def test_status_of_a_folder_without_a_sweep_followed(cluster, run, tmp_path):
+    """`not a sweep (start one with sweep run)`: sweep run there, and status answers."""
+    root, _stub = cluster
+    out = tmp_path / "sw"
+    out.mkdir()
+    for command in ("status", "cancel"):
+        res = run("sweep", command, out)
+        assert res.code == 2 and "(start one with sweep run)" in res.err, res
+    res = run("sweep", "run", out, *SMOKE, "--gpus", "0", "--repo", root)
+    assert res.code == 0, res
+    res = run("sweep", "status", out)
+    assert res.code == 0 and "1 runs: 1 finished" in res.out, res
