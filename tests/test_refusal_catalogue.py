@@ -46,6 +46,7 @@ FOLLOWED: dict[str, tuple[str, ...]] = {
         f"{HINTS}::test_an_unknown_choice_followed_with_a_valid_one",
         "test_scripts::test_an_unknown_dataset_names_the_config_table_and_its_fields",
     ),
+    "--scheme: unknown scheme": (f"{HINTS}::test_an_unknown_choice_followed_with_a_valid_one",),
     "--megatron-release: unknown release": (
         f"{HINTS}::test_an_unknown_choice_followed_with_a_valid_one",
     ),
@@ -168,7 +169,6 @@ NOT_FOLLOWED: dict[str, str] = {
     "name more with --gpus.": "run_local's own check: prepare refuses the same first, so only "
     "a caller of run_local meets it",
     "scancel is not on PATH": "sweep cancel's, not sweep run's",
-    "--scheme: unknown scheme": "quantpatch run's option",
     "give either --gpus or --nodes": "quantpatch layout's options",
     "would pass this check": "a size that fixes one rule while another still fails: the next "
     "refusal names the next change",

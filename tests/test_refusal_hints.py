@@ -769,23 +769,29 @@ def test_no_quantpatch_executable_followed(cluster, run, tmp_path, monkeypatch):
         ("sweep", "--attention", "fast"),
         ("sweep", "--schemes", "FA_fp8"),
         ("gen-scripts", "--megatron-release", "v9"),
+        ("run", "--scheme", "FA_fp8"),
     ],
 )
 def test_an_unknown_choice_followed_with_a_valid_one(cluster, run, tmp_path, command, option, bad):
     """`unknown X 'V'; valid: A, B` (or `known:`): a listed one given instead is accepted."""
     root, _stub = cluster
-    values = dict(zip(SMOKE[::2], SMOKE[1::2], strict=True))
-    values[option] = bad
+    smoke = dict(zip(SMOKE[::2], SMOKE[1::2], strict=True))
+    if command == "run":  # one combination: the options in the singular
+        smoke = {o.rstrip("s") if o != "--profile" else o: v for o, v in smoke.items()}
+    values = {**smoke, option: bad}
     given = [w for o, v in values.items() for w in (o, v)]
-    head = (["gen-scripts", "--out", str(tmp_path / "s")] if command == "gen-scripts"
-            else ["sweep", "run", str(tmp_path / "sw"), "--gpus", "0"])  # fmt: skip
+    head = {
+        "gen-scripts": ["gen-scripts", "--out", str(tmp_path / "s")],
+        "sweep": ["sweep", "run", str(tmp_path / "sw"), "--gpus", "0"],
+        "run": ["run"],
+    }[command]
     res = run(*head, *given, "--repo", str(root))
     said = " ".join(res.err.split())
     valid = re.search(rf"unknown \w+ '{bad}'; (?:valid|known): ([\w.-]+(?:, [\w.-]+)*)", said)
     assert res.code == 2 and valid, res
     listed = valid[1].rstrip(".").split(", ")
     # the smoke selection's own where listed (the others need data or GPUs), else the first
-    values[option] = dict(zip(SMOKE[::2], SMOKE[1::2], strict=True)).get(option, listed[0])
+    values[option] = smoke.get(option, listed[0])
     assert values[option] in listed, listed
     given = [w for o, v in values.items() for w in (o, v)]
     res = run(*head, *given, "--repo", str(root))
