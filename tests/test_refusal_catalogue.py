@@ -104,6 +104,9 @@ FOLLOWED: dict[str, tuple[str, ...]] = {
         f"{HINTS}::test_the_cpus_a_node_offers_followed",
     ),
     'or gpu_request = "none" there': (f"{HINTS}::test_a_partition_without_gpus_followed",),
+    "choose a partition with GPUs, partition = ": (
+        f"{HINTS}::test_a_partition_without_gpus_names_the_one_with_gpus_followed",
+    ),
     "ask for one CPU per rank, cpus_per_task": (
         f"{HINTS}::test_sbatchs_node_configuration_refusal_followed",
     ),
@@ -178,8 +181,8 @@ NOT_FOLLOWED: dict[str, str] = {
     "asked, which sweep run's own check refuses before sbatch is asked",
     "leave them out of the args of the schemes or tables that set them": "the flags of a "
     "scheme's own args or of the script itself, which no table of a --config drops",
-    "choose a GPU partition": "followed by its other way (gpu_request), a partition name being "
-    "the cluster's",
+    "choose a GPU partition": "sinfo shows gpu GRES in no partition: followed by its other way "
+    "(gpu_request)",
 }
 
 # a refusal with nothing to follow (a fact, or the form a value must take) -> kind

@@ -230,6 +230,44 @@ def test_a_partition_without_gpus_followed(cluster, run, tmp_path, monkeypatch):
     )
 
 
+# two partitions: cpu (the default, no GPUs) and gpu (nodes with 2)
+SINFO_TWO = r"""#!/usr/bin/env bash
+case "$*" in
+    *"-p gpu"*) echo "1 gpu:2 8 64000" ;;
+    *"%P %G"*) printf '%s\n' "cpu* (null)" "gpu gpu:2" ;;
+    *) echo "2 (null) 8 64000" ;;
+esac
+"""
+SCONTROL_TWO = r"""#!/usr/bin/env bash
+if [[ "$1 $2" == "show partition" ]]; then
+    echo "PartitionName=cpu Default=YES MaxNodes=UNLIMITED State=UP"
+    echo "PartitionName=gpu MaxNodes=UNLIMITED State=UP"
+    exit 0
+fi
+echo "JobId=4243 ArrayJobId=4242 ArrayTaskId=0 JobState=PENDING Reason=None ExitCode=0:0"
+"""
+
+
+def test_a_partition_without_gpus_names_the_one_with_gpus_followed(cluster, run, tmp_path):
+    """The default partition has no GPUs and another has: the refusal names it as the
+    [slurm] partition, and the sweep sent there is submitted to it."""
+    root, _stub = cluster
+    for name, text in (("sinfo", SINFO_TWO), ("scontrol", SCONTROL_TWO)):
+        (tmp_path / "bin" / name).write_text(text)
+    out = tmp_path / "sw"
+    command = ["sweep", "run", str(out), *SMOKE, "--launcher", "slurm", "--repo", str(root)]
+    res = run(*command)
+    said = " ".join(res.err.split())
+    named = re.search(r'choose a partition with GPUs, (partition = "\w+") in the \[slurm\] '
+                      r"table of a --config \(sinfo shows gpu GRES in gpu\)", said)  # fmt: skip
+    assert res.code == 2 and named, res
+    config = tmp_path / "gpu.toml"
+    config.write_text(f"[slurm]\n{named[1]}\n")
+    res = run(*command, "--config", config)
+    assert res.code == 0, res
+    assert "#SBATCH --partition=gpu\n" in (out / "sweep.sbatch").read_text()
+
+
 def test_a_local_sweep_on_several_nodes_followed(cluster, run, tmp_path, monkeypatch):
     root, _stub = cluster
     monkeypatch.setenv("STUB_SINFO", "2 gpu:2 8 64000")

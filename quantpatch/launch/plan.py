@@ -156,6 +156,7 @@ def _slurm_fit(reg: Registry, scripts: Sequence[Script], request: GenRequest) ->
         gpu_request=reg.slurm.gpu_request,
         profile=request.profile,
         cpus=max(s.cpus for s in scripts),
+        gpu_partitions=slurm_nodes.gpu_partitions() if partition.most_gpus == 0 else (),
     )
 
 

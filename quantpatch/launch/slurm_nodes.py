@@ -122,14 +122,23 @@ def refusal(
     gpu_request: str,
     profile: str,
     cpus: int | None = None,
+    gpu_partitions: Sequence[str] = (),
 ) -> str | None:
-    """One sentence where no placement of the request fits the partition, else None."""
+    """One sentence where no placement of the request fits the partition, else None;
+    ``gpu_partitions``: the partitions sinfo shows with GPUs (named where this one has none)."""
     where = f"partition {partition.name}" if partition.name else "the default partition"
     offers = f"{where} has {partition.describe()}"
     asks = f"the {profile} profile asks Slurm for {nodes} node(s) with {gpus_per_node} GPU(s) each"
     if gpu_request != "none" and gpus_per_node > partition.most_gpus:
         most = partition.most_gpus
         if most == 0:
+            if gpu_partitions:
+                return (
+                    f"{asks}, but {offers} (sinfo shows no gpu GRES): choose a partition with "
+                    f'GPUs, partition = "{gpu_partitions[0]}" in the [slurm] table of a --config '
+                    f"(sinfo shows gpu GRES in {', '.join(gpu_partitions)}), or "
+                    'gpu_request = "none" there if the GPUs come with the node.'
+                )
             return (
                 f"{asks}, but {offers} (sinfo shows no gpu GRES): choose a GPU partition "
                 '(partition in the [slurm] table of --config), or gpu_request = "none" there '
@@ -178,6 +187,19 @@ def _ask(cmd: Sequence[str]) -> str | None:
     except (OSError, subprocess.TimeoutExpired):
         return None
     return res.stdout if res.returncode == 0 else None
+
+
+def gpu_partitions() -> list[str]:
+    """The partitions whose nodes sinfo shows with gpu GRES, in its order (empty where it
+    does not say)."""
+    names: list[str] = []
+    for line in (_ask(["sinfo", "-h", "-o", "%P %G"]) or "").splitlines():
+        parts = line.split(None, 1)
+        if len(parts) == 2 and gpus_of_gres(parts[1]) > 0:
+            name = parts[0].rstrip("*")  # the default partition is starred
+            if name not in names:
+                names.append(name)
+    return names
 
 
 def query(name: str | None, env: Mapping[str, str] = os.environ) -> Partition | None:
