@@ -159,11 +159,16 @@ def test_each_value_is_described_once_in_the_docs() -> None:
     assert not extra, "a value described again beside the generated table:\n" + "\n".join(extra)
 
 
-TRACKER = re.compile(r"(?i)\bissues? ?#?[0-9]+|\bissue[0-9]+|(?<![&\w])#[0-9]{2}\b")
+TRACKER = re.compile(
+    r"(?i)\bissues? ?#?[0-9]+|\bissue[0-9]+|(?<![&\w])#[0-9]{2}\b"
+    # a tracker's finding by its number: "Findings N and M:", a section "# -- N: ..."
+    r"|\bfindings? [0-9]+[a-z]?(?: and [0-9]+[a-z]?)?:|^\s*# -- [0-9]+[a-z]?[:,]"
+)
 
 
 def test_no_tracker_numbers_in_the_project_text() -> None:
     assert TRACKER.search("see issue " + "41") and TRACKER.search("(#" + "56)")
+    assert TRACKER.search("Findings " + "2 and 4: x") and TRACKER.search("# -- " + "1a, 1b: x")
     assert not TRACKER.search("color: #fff; 32 issues remain? no")
     places = [ROOT / "README.md", ROOT / "pyproject.toml"]
     for folder in ("docs", "quantpatch", "tests", "benchmarks", "templates", ".ci"):

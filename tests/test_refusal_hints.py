@@ -159,8 +159,9 @@ def test_a_layout_refusal_of_sweep_run_followed(cluster, run, tmp_path):
 
 @pytest.mark.parametrize("variant", ["option", "config"])
 def test_the_partitions_gpus_and_nodes_followed(cluster, run, tmp_path, monkeypatch, variant):
-    """Findings 2 and 4: the nodes advice names the table that holds `nodes`, and a
-    partition whose MaxNodes is 0 (no limit) counts its nodes."""
+    """The nodes advice names the table that holds `nodes` (not the profile's own table,
+    which has no such field), and a partition whose MaxNodes is 0 (no limit) counts its
+    nodes (not 0, which --nodes refuses)."""
     root, _stub = cluster
     monkeypatch.setenv("STUB_SINFO", "2 gpu:2 8 64000")
     monkeypatch.setenv("STUB_MAX_NODES", "0")

@@ -52,7 +52,7 @@ def status(root: Path, tokenizer: str | None, *, cwd: Path | None = None):
                    "--data-root", root, "--json", env=env, cwd=cwd)  # fmt: skip
 
 
-# -- 1c: the dataset's files against the manifest --------------------------------------------
+# -- the dataset's files against the manifest --------------------------------------------
 
 
 def test_a_file_cut_or_replaced_differs_from_its_manifest(tmp_path):
@@ -140,7 +140,7 @@ def test_status_and_the_launch_check_find_a_cut_or_swapped_dataset(tok, tmp_path
     assert Path(f"{prefix}.bin").read_bytes() == good["bin"]
 
 
-# -- 1d: a tokenizer folder is known by its absolute path and all its files -------------------
+# -- a tokenizer folder is known by its absolute path and all its files -------------------
 
 
 def test_a_local_folder_named_like_a_hub_id_is_recorded_local_and_never_matched_by_name(
@@ -188,7 +188,7 @@ def test_the_fingerprint_covers_every_file_of_the_folder(tmp_path):
     assert files_hash(folder) != first
 
 
-# -- 1a, 1b: mock data and the attention path, as the runs take them ----------------------------
+# -- mock data and the attention path, as the runs take them ----------------------------
 
 
 @pytest.mark.slow  # about 12 s
@@ -250,7 +250,7 @@ def test_flash_runs_on_an_older_runtime_are_refused_before_anything_is_written(
     assert {r["attention"] for r in record(out)["runs"]} == {"flash"}
 
 
-# -- 2: paths that work from any directory and after a move -----------------------------------
+# -- paths that work from any directory and after a move -----------------------------------
 
 
 def test_status_and_report_work_from_anywhere_after_a_move_and_migrate_an_old_record(
@@ -297,7 +297,7 @@ def test_status_and_report_work_from_anywhere_after_a_move_and_migrate_an_old_re
     ]
 
 
-# -- 3: what the user shares is readable by colleagues -----------------------------------------
+# -- what the user shares is readable by colleagues -----------------------------------------
 
 
 @pytest.mark.parametrize(("mask", "mode"), [(0o022, 0o644), (0o027, 0o640)])
@@ -331,7 +331,7 @@ def test_shared_files_get_the_umask_mode_and_are_still_atomic(run, tmp_path, mas
     assert not [p for p in sweep_dir.iterdir() if p.name.startswith(".")]
 
 
-# -- 4: validation loss and perplexity ----------------------------------------------------------
+# -- validation loss and perplexity ----------------------------------------------------------
 
 VALIDATION_LOG = Path(__file__).parent / "data" / "training-log-validation-core_v0.13.1.txt"
 """core_v0.13.1's iteration lines with the validation lines ``evaluate_and_print_results``
@@ -404,7 +404,7 @@ def test_the_validation_loss_has_its_figure(tmp_path):
     ]
 
 
-# -- 4: provenance ------------------------------------------------------------------------------
+# -- provenance ------------------------------------------------------------------------------
 
 
 def provenance_sweep(tmp_path: Path) -> tuple[Path, str]:
@@ -512,7 +512,7 @@ def test_the_report_with_its_provenance_fits_the_page(run, tmp_path, width):
     assert "<title>NVFP4 recipe ablation - quantpatch report</title>" in html
 
 
-# -- 5: noise: every scheme over several seeds ----------------------------------------------------
+# -- noise: every scheme over several seeds ----------------------------------------------------
 
 SEEDED_TORCHRUN = r"""#!/usr/bin/env bash
 set -u
@@ -583,7 +583,7 @@ def test_seeds_give_each_scheme_a_mean_and_spread_against_bf16s(
     assert ">5.01<" in cells["bf16"] and ">0.29<" in cells["linear_mxfp4"]  # mean, Δ
 
 
-# -- 6: readable -----------------------------------------------------------------------------------
+# -- readable -----------------------------------------------------------------------------------
 
 
 def test_watch_without_a_terminal_prints_only_changes(tmp_path):
