@@ -803,10 +803,7 @@ def test_no_quantpatch_executable_followed(cluster, run, tmp_path, monkeypatch):
         ("gen-scripts", "--models", "gpt5"),
         ("gen-scripts", "--datasets", "c4"),
         ("gen-scripts", "--schemes", "FA_fp8"),
-        ("sweep", "--launcher", "mpirun"),
-        ("sweep", "--profile", "huge"),
-        ("sweep", "--attention", "fast"),
-        ("sweep", "--schemes", "FA_fp8"),
+        ("sweep", "--launcher", "mpirun"),  # sweep run's own list (local, slurm)
         ("gen-scripts", "--megatron-release", "v9"),
         ("run", "--scheme", "FA_fp8"),
     ],
