@@ -160,6 +160,7 @@ FOLLOWED: dict[str, tuple[str, ...]] = {
     ),
     "set {} of a --config to leave them out": (
         "test_scripts::test_a_flag_the_checkout_does_not_accept",
+        f"{HINTS}::test_a_flag_of_a_schemes_args_the_release_refuses_followed",
     ),
     "export TOKENIZER_MODEL={} (the tokenizer it was made with)": (
         f"{HINTS}::test_data_made_with_another_tokenizer_every_fix_followed",
@@ -179,8 +180,8 @@ NOT_FOLLOWED: dict[str, str] = {
     "one-node request on a partition sinfo says nothing about: only the cluster knows",
     "add `--gpus-per-node {} --nodes {}` to sweep run": "sinfo shows fewer GPUs or nodes than "
     "asked, which sweep run's own check refuses before sbatch is asked",
-    "leave them out of the args of the schemes or tables that set them": "the flags of a "
-    "scheme's own args or of the script itself, which no table of a --config drops",
+    "leave them out of the args of the schemes or tables that set them": "flags the script "
+    "passes itself or a scheme's recipe sets, which no entry of a --config drops",
     "choose a GPU partition": "sinfo shows gpu GRES in no partition: followed by its other way "
     "(gpu_request)",
 }

@@ -895,3 +895,31 @@ def test_status_of_a_folder_without_a_sweep_followed(cluster, run, tmp_path):
     assert res.code == 0, res
     res = run("sweep", "status", out)
     assert res.code == 0 and "1 runs: 1 finished" in res.out, res
+
+
+def test_a_flag_of_a_schemes_args_the_release_refuses_followed(run, tmp_path, make_checkout):
+    """A scheme's own args with a flag Megatron does not take: the refusal gives the scheme's
+    args list without it, and the script of that list is written."""
+    root = make_checkout()
+    config = tmp_path / "mine.toml"
+    config.write_text(
+        "[schemes.mine]\nlinear = 'bf16'\nqk = 'bf16'\npv = 'bf16'\n"
+        "args = ['--log-interval', '5', '--no-such-flag', '--no-such-size', '3']\n"
+    )
+    out = tmp_path / "s"
+    command = ["gen-scripts", "--out", str(out), *SMOKE[:4], "--schemes", "mine", "--profile",
+               "smoke", "--config", str(config), "--repo", str(root)]  # fmt: skip
+    res = run(*command)
+    said = " ".join(res.err.split())
+    entry = re.search(r"set (args = \[[^\]]*\]) in the \[schemes\.mine\] table of a --config "
+                      r"to leave them out", said)  # fmt: skip
+    assert res.code == 2 and entry, res
+    assert entry[1] == 'args = ["--log-interval", "5"]'
+    data = tomllib.loads(config.read_text())
+    data["schemes"]["mine"]["args"] = tomllib.loads(entry[1])["args"]
+    config.write_text(_toml(data))
+    res = run(*command)
+    assert res.code == 0, (config.read_text(), res)
+    (script,) = out.rglob("pretrain_*_mine.sh")
+    assert "--log-interval 5" in " ".join(script.read_text().split())
+    assert "--no-such" not in script.read_text()

@@ -492,7 +492,7 @@ def check_scheme_args(
                 f"[schemes.{name}] table of the --config."
             )
         used[f"scheme {name}"] = flags
-    _reject_unaccepted(used, source)
+    _reject_unaccepted(used, source, reg)
 
 
 def mla_unbuildable(
@@ -610,19 +610,27 @@ def _reject_unaccepted(
 
 def _drop_entries(users: Mapping[str, Sequence[str]], reg: Registry | None) -> str:
     """``a = false, b = false in the [profiles.full.args] table`` (one table per profile, or a
-    model's own profile table where that holds the flag): the entries that leave each flag
-    out of the scripts ("" where a flag is the script's own, a scheme's, or too many)."""
+    model's own profile table where that holds the flag; a scheme's ``args`` list without
+    them): the entries that leave each flag out of the scripts ("" where a flag is the
+    script's own, one of a scheme's recipe, or too many)."""
     if reg is None or len(users) > 6:
         return ""
     tables: dict[str, list[str]] = {}
+    schemes: dict[str, list[str]] = {}  # a scheme's args: its list without the flags
     for flag, who in users.items():
         name = flag[2:]
         if name in TEMPLATE_FLAGS:
             return ""
         for user in who:
+            if user.startswith("scheme "):
+                scheme = reg.schemes.get(user.removeprefix("scheme "))
+                if scheme is None or flag not in (w.split("=", 1)[0] for w in scheme.args):
+                    return ""  # a flag of its recipe, not of its args
+                schemes.setdefault(scheme.name, [])
+                continue
             model, sep, profile = user.partition("/")
             if not sep or model not in reg.models:
-                return ""  # a scheme's args: its own list, not a table of flags
+                return ""
             own = reg.models[model].profile_args.get(profile, {})
             table = (
                 f"models.{model}.profiles.{profile}.args"
@@ -631,6 +639,15 @@ def _drop_entries(users: Mapping[str, Sequence[str]], reg: Registry | None) -> s
             )
             if f"{name} = false" not in tables.setdefault(table, []):
                 tables[table].append(f"{name} = false")
+    for scheme_name in schemes:
+        kept: list[str] = []
+        dropping = False
+        for word in reg.schemes[scheme_name].args:
+            if word.startswith("--"):
+                dropping = word.split("=", 1)[0] in users
+            if not dropping:
+                kept.append(word)
+        tables[f"schemes.{scheme_name}"] = [f"args = {json.dumps(kept)}"]
     return "; ".join(f"{', '.join(keys)} in the [{table}] table" for table, keys in tables.items())
 
 
