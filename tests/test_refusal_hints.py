@@ -923,3 +923,22 @@ def test_a_flag_of_a_schemes_args_the_release_refuses_followed(run, tmp_path, ma
     (script,) = out.rglob("pretrain_*_mine.sh")
     assert "--log-interval 5" in " ".join(script.read_text().split())
     assert "--no-such" not in script.read_text()
+
+
+def test_a_size_that_passes_one_check_followed_to_the_end(run, tmp_path, make_checkout):
+    """`TP 2 would pass this check` (32 heads, 6 GPUs: no TP works alone): followed, the next
+    refusal names the next change, and that one is accepted."""
+    root = make_checkout()
+    config = tmp_path / "mine.toml"
+    command = ["gen-scripts", "--out", str(tmp_path / "s"), *SMOKE, "--gpus-per-node", "6",
+               "--tp", "3", "--repo", str(root)]  # fmt: skip
+    res = run(*command)
+    said = " ".join(res.err.split())
+    assert res.code == 2 and "TP 2 would pass this check (--tp 2 instead of --tp 3)" in said, res
+    command = follow(said, command, config)
+    res = run(*command)
+    said = " ".join(res.err.split())
+    assert res.code == 2 and "global batch 3 would work" in said, res
+    command = follow(said, command, config)
+    res = run(*command)
+    assert res.code == 0, (config.read_text(), res)
