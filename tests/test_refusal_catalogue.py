@@ -83,6 +83,7 @@ FOLLOWED: dict[str, tuple[str, ...]] = {
         "test_fork::test_before_init_every_script_is_written_and_mla_ones_stop_before_torchrun",
     ),
     # layout
+    "give either --gpus or --nodes": (f"{HINTS}::test_gpus_and_nodes_that_disagree_followed",),
     "would pass this check": (f"{HINTS}::test_a_size_that_passes_one_check_followed_to_the_end",),
     "instead of --{} {}": (f"{HINTS}::test_a_layout_refusal_of_gen_scripts_followed",),
     "{} = {} in the [profiles.{}.parallel] table of a --config": (
@@ -174,7 +175,6 @@ NOT_FOLLOWED: dict[str, str] = {
     "name more with --gpus.": "run_local's own check: prepare refuses the same first, so only "
     "a caller of run_local meets it",
     "scancel is not on PATH": "sweep cancel's, not sweep run's",
-    "give either --gpus or --nodes": "quantpatch layout's options",
     "`sinfo -o '%D %G %c %m'` shows what the partition's nodes offer": "sbatch refused a one-GPU "
     "one-node request on a partition sinfo says nothing about: only the cluster knows",
     "add `--gpus-per-node {} --nodes {}` to sweep run": "sinfo shows fewer GPUs or nodes than "

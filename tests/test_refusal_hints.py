@@ -942,3 +942,14 @@ def test_a_size_that_passes_one_check_followed_to_the_end(run, tmp_path, make_ch
     command = follow(said, command, config)
     res = run(*command)
     assert res.code == 0, (config.read_text(), res)
+
+
+def test_gpus_and_nodes_that_disagree_followed(run):
+    """`quantpatch layout --gpus 2 --nodes 2`: give either, as said; --gpus alone is taken."""
+    command = ["layout", "--model", "llama32-1b", "--profile", "smoke", "--gpus-per-node", "2",
+               "--gpus", "2", "--nodes", "2", "--line"]  # fmt: skip
+    res = run(*command)
+    assert res.code == 2 and "give either --gpus or --nodes" in res.err, res
+    at = command.index("--nodes")
+    res = run(*command[:at], *command[at + 2 :])
+    assert res.code == 0 and res.out.startswith("world 2 (1 node x 2 GPUs)"), res
