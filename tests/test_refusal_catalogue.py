@@ -94,6 +94,7 @@ FOLLOWED: dict[str, tuple[str, ...]] = {
         f"{HINTS}::test_a_layout_refusal_of_gen_scripts_followed",
     ),
     # Slurm
+    "scancel is not on PATH": (f"{HINTS}::test_no_scancel_on_path_followed",),
     "sbatch is not on PATH": (f"{HINTS}::test_no_sbatch_on_path_followed",),
     "give --gpus-per-node {} to sweep run or gen-scripts": (
         f"{HINTS}::test_the_partitions_gpus_and_nodes_followed",
@@ -174,7 +175,6 @@ FOLLOWED: dict[str, tuple[str, ...]] = {
 NOT_FOLLOWED: dict[str, str] = {
     "name more with --gpus.": "run_local's own check: prepare refuses the same first, so only "
     "a caller of run_local meets it",
-    "scancel is not on PATH": "sweep cancel's, not sweep run's",
     "`sinfo -o '%D %G %c %m'` shows what the partition's nodes offer": "sbatch refused a one-GPU "
     "one-node request on a partition sinfo says nothing about: only the cluster knows",
     "add `--gpus-per-node {} --nodes {}` to sweep run": "sinfo shows fewer GPUs or nodes than "

@@ -953,3 +953,25 @@ def test_gpus_and_nodes_that_disagree_followed(run):
     at = command.index("--nodes")
     res = run(*command[:at], *command[at + 2 :])
     assert res.code == 0 and res.out.startswith("world 2 (1 node x 2 GPUs)"), res
+
+
+def test_no_scancel_on_path_followed(cluster, run, tmp_path, monkeypatch):
+    """`scancel is not on PATH: cancel the sweep from a machine with Slurm`: where scancel
+    is there, the same cancel goes through."""
+    root, stub = cluster
+    out = tmp_path / "sw"
+    res = run("sweep", "run", out, *SMOKE, "--launcher", "slurm", "--repo", root)
+    assert res.code == 0, res
+    scancel = tmp_path / "bin" / "scancel"
+    hidden = scancel.rename(tmp_path / "scancel")
+    path = os.environ["PATH"]
+    monkeypatch.setenv(
+        "PATH",
+        os.pathsep.join(d for d in path.split(os.pathsep) if not (Path(d) / "scancel").exists()),
+    )
+    res = run("sweep", "cancel", out)
+    assert res.code == 2 and "cancel the sweep from a machine with Slurm" in res.err, res
+    hidden.rename(scancel)  # followed: a machine whose PATH has Slurm's scancel
+    monkeypatch.setenv("PATH", path)
+    res = run("sweep", "cancel", out)
+    assert res.code == 0 and (stub / "scancel.args").exists(), res
