@@ -702,7 +702,9 @@ def test_cuda_pinned_buffers_made_by_either_thread(saver_module, monkeypatch, ha
     ts = saver_module()
     device_copy = sp.device_copy
     monkeypatch.setattr(device_copy, "HANDOVER_BYTES", handover)
-    ts._SAVER.snapshots.device = copies_ = device_copy.DeviceCopies()
+    ts._SAVER.snapshots.device = copies_ = device_copy.DeviceCopies(
+        sp.capture.HostPool(device_copy.PINNED_POOL_BYTES)
+    )
     copies = []
     real = device_copy.DeviceCopies.copy_to_host
     monkeypatch.setattr(
