@@ -324,24 +324,16 @@ def _resolve_values(requested: Mapping[str, str], sites: Sequence[Site]) -> dict
     linear GEMMs (``--fprop``/``--dgrad``/``--wgrad``) need a site each; the result holds
     ``linear`` where they agree and the three GEMMs where they differ (``per_gemm``)."""
     current, mismatched = role_values(sites)
-    present = {r for s in sites for r in s.roles}
     named_gemms = [g for g in GEMMS if g in requested]
     linear_sites = [s for s in sites if s.role == "linear" and s.kind != "dynamic"]
     tagged = bool(linear_sites) and {s.gemm for s in linear_sites} >= set(GEMMS)
-    out: dict[str, str] = {}
-    for role in ROLES:
-        if role in requested:
-            if role not in present:
-                raise UserError(f"--{role}: the checkout has no {role} site to set.")
-            out[role] = requested[role]
-        elif role == "linear" and (named_gemms or "linear" not in mismatched):
-            if current["linear"] is not None:
-                out["linear"] = current["linear"]
-        elif role in mismatched:
-            where = ", ".join(f"{s.file}:{s.line}" for s in mismatched[role])
-            raise UserError(f"the {role} sites disagree ({where}); name --{role} to set them all.")
-        elif (value := current[role]) is not None:
-            out[role] = value
+    present = {r for s in sites for r in s.roles}
+    out = {
+        role: value
+        for role in ROLES
+        if (value := _role_value(role, requested, current, mismatched, present, named_gemms))
+        is not None
+    }
     if named_gemms and not tagged:
         where = linear_sites[0].file if linear_sites else "the checkout"
         raise UserError(
@@ -350,14 +342,8 @@ def _resolve_values(requested: Mapping[str, str], sites: Sequence[Site]) -> dict
         )
     if tagged and "linear" not in requested and (named_gemms or current["linear"] is None):
         for gemm in GEMMS:
-            if gemm in requested:
-                out[gemm] = requested[gemm]
-            elif gemm in mismatched:
-                where = ", ".join(f"{s.file}:{s.line}" for s in mismatched[gemm])
-                raise UserError(
-                    f"the {gemm} sites disagree ({where}); name --{gemm} to set them all."
-                )
-            elif (value := current[gemm]) is not None:
+            value = _own_value(gemm, requested, current, mismatched)
+            if value is not None:
                 out[gemm] = value
     elif named_gemms:
         out.update({g: requested[g] for g in named_gemms})
@@ -368,6 +354,39 @@ def _resolve_values(requested: Mapping[str, str], sites: Sequence[Site]) -> dict
             f"three GEMMs ({', '.join(f'{g}={resolved[g]}' for g in GEMMS)}); use --linear."
         )
     return resolved
+
+
+def _own_value(
+    name: str,
+    requested: Mapping[str, str],
+    current: Mapping[str, str | None],
+    mismatched: Mapping[str, Sequence[Site]],
+) -> str | None:
+    """A role's (or GEMM's) value: the one named, else its sites' one (refused where they
+    disagree), else None."""
+    if name in requested:
+        return requested[name]
+    if name in mismatched:
+        where = ", ".join(f"{s.file}:{s.line}" for s in mismatched[name])
+        raise UserError(f"the {name} sites disagree ({where}); name --{name} to set them all.")
+    return current[name]
+
+
+def _role_value(
+    role: str,
+    requested: Mapping[str, str],
+    current: Mapping[str, str | None],
+    mismatched: Mapping[str, Sequence[Site]],
+    present: set[str],
+    named_gemms: Sequence[str],
+) -> str | None:
+    """A role's value (``_own_value``); a named role needs a site, and linear sites that
+    differ by GEMM keep ``linear`` unset (the GEMMs say) unless it is named."""
+    if role in requested and role not in present:
+        raise UserError(f"--{role}: the checkout has no {role} site to set.")
+    if role == "linear" and role not in requested and (named_gemms or role not in mismatched):
+        return current[role]
+    return _own_value(role, requested, current, mismatched)
 
 
 def _plan(
