@@ -14,7 +14,7 @@ import contextlib
 import shutil
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -44,6 +44,7 @@ from quantpatch.checkout.parts import parts_status, runtime_source
 from quantpatch.checkout.saver import status as saver_status
 from quantpatch.git import repo as gitrepo
 from quantpatch.git.installs import upgrade_interrupted
+from quantpatch.git.state import Base, CheckoutState, Current, KeptFile, Mode, Pending
 from quantpatch.sites import cache as site_cache
 from quantpatch.sites.model import Site, refuse_links, role_values
 
@@ -266,16 +267,16 @@ def _check(
     base = None
     if state:
         base = {
-            "mode": state["mode"],
-            **state.get("base", {}),
-            "current": (state.get("current") or {}).get("branch"),
+            "mode": state.mode.value,
+            **state.base.as_dict(),
+            "current": state.current.branch if state.current else None,
             "moved_to": None,
-            "interrupted": state.get("pending"),
+            "interrupted": state.pending.as_dict() if state.pending else None,
         }
-        if checkout.has_git and state["mode"] == "branch":
-            branch = state["base"].get("branch")
-            tip = (branch and gitrepo.branch_tip_plain(checkout, branch)) or state["base"]["commit"]
-            if tip != state["base"]["commit"]:
+        if checkout.has_git and state.mode is Mode.BRANCH:
+            branch = state.base.branch
+            tip = (branch and gitrepo.branch_tip_plain(checkout, branch)) or state.base.commit
+            if tip != state.base.commit:
                 base["moved_to"] = tip
     return CheckReport(
         root=checkout.root,
@@ -318,6 +319,19 @@ class SetResult:
     """created, reused or rebuilt (branch mode)."""
     notes: list[str] = field(default_factory=list)
 
+    def as_json(self, dry_run: bool) -> dict[str, Any]:
+        """What ``set --json`` prints."""
+        return {
+            "values": self.values,
+            "branch": self.branch,
+            "commit": self.commit,
+            "base": self.base,
+            "reused": self.reused,
+            "dry_run": dry_run,
+            "diff": self.diff,
+            "notes": self.notes,
+        }
+
 
 def _resolve_values(requested: Mapping[str, str], sites: Sequence[Site]) -> dict[str, str]:
     """The values the sites will hold: those named, the current ones for the rest. The
@@ -341,10 +355,7 @@ def _resolve_values(requested: Mapping[str, str], sites: Sequence[Site]) -> dict
             "input-gradient and weight-gradient GEMMs, so they cannot differ; use --linear."
         )
     if tagged and "linear" not in requested and (named_gemms or current["linear"] is None):
-        for gemm in GEMMS:
-            value = _own_value(gemm, requested, current, mismatched)
-            if value is not None:
-                out[gemm] = value
+        out.update(_values_of(GEMMS, requested, current, mismatched))
     elif named_gemms:
         out.update({g: requested[g] for g in named_gemms})
     resolved = per_gemm(out)
@@ -354,6 +365,17 @@ def _resolve_values(requested: Mapping[str, str], sites: Sequence[Site]) -> dict
             f"three GEMMs ({', '.join(f'{g}={resolved[g]}' for g in GEMMS)}); use --linear."
         )
     return resolved
+
+
+def _values_of(
+    names: Sequence[str],
+    requested: Mapping[str, str],
+    current: Mapping[str, str | None],
+    mismatched: Mapping[str, Sequence[Site]],
+) -> dict[str, str]:
+    """Each GEMM's value (``_own_value``), those that have one."""
+    found = {g: _own_value(g, requested, current, mismatched) for g in names}
+    return {g: v for g, v in found.items() if v is not None}
 
 
 def _own_value(
@@ -636,8 +658,8 @@ def _set_unlocked(checkout: gitrepo.Checkout, targets: Targets, req: SetRequest)
         layers = checkout.root / LAYERS_MODULE
         refuse_older_policy(values["bf16_layers"], read_exact(layers) if layers.is_file() else None)
     state = gitrepo.load_state(checkout)
-    if state and state["mode"] != ("branch" if req.branch else "in-place"):
-        other = "--no-branch" if state["mode"] == "in-place" else "branch"
+    if state and state.mode is not (Mode.BRANCH if req.branch else Mode.IN_PLACE):
+        other = "--no-branch" if state.mode is Mode.IN_PLACE else "branch"
         raise UserError(
             f"a {other} set is active on this checkout; run 'quantpatch restore' first."
         )
@@ -653,7 +675,7 @@ def _refuse_dirty(repo: Any, targets: Targets) -> None:
 
 
 def _base_of(
-    repo: Any, targets: Targets, state: dict[str, Any] | None, head: str, notes: list[str]
+    repo: Any, targets: Targets, state: CheckoutState | None, head: str, notes: list[str]
 ) -> dict[str, Any]:
     """The base of this set: the record's, or the checkout as it is. A scheme branch with no
     record (a set killed before it wrote one, by an older quantpatch) is never taken as the
@@ -661,7 +683,7 @@ def _base_of(
     from quantpatch.git import scheme_branch  # GitPython: only commands that write load it
 
     if state:
-        return dict(state["base"])
+        return state.base.as_dict()
     branch = gitrepo.active_branch(repo)
     if not scheme_branch.is_scheme_branch(branch, targets.branch_prefix):
         if branch is None:
@@ -697,7 +719,7 @@ def _set_branch(
     req: SetRequest,
     values: dict[str, str],
     current_files: Sequence[FileSites],
-    state: dict[str, Any] | None,
+    state: CheckoutState | None,
 ) -> SetResult:
     from quantpatch.git import scheme_branch
 
@@ -735,18 +757,18 @@ def _set_branch(
     if req.dry_run:
         return result
 
-    history = (state or {}).get("history", [])
-    record = {
-        "mode": "branch",
-        "base": base,
-        "current": (state or {}).get("current"),
-        "history": history,
-    }
+    history = state.history if state else []
+    record = CheckoutState(
+        mode=Mode.BRANCH,
+        base=Base(base["branch"], base["commit"]),
+        current=state.current if state else None,
+        history=history,
+    )
     # objects only (a refusal here changes nothing anyone can see)
     plan = scheme_branch.plan_scheme_commit(repo, name, base, tip, planned, values)
     # the intent before the first visible change: whatever happens next, the record names
     # the real base
-    gitrepo.save_state(checkout, {**record, "pending": {"op": "set", "branch": name}})
+    gitrepo.save_state(checkout, replace(record, pending=Pending("set", name)))
     previous = gitrepo.active_branch(repo)
     try:
         if gitrepo.active_branch(repo) == name:
@@ -777,10 +799,7 @@ def _set_branch(
             + "."
         )
     history.append({"time": time.time(), "values": values, "branch": name, "commit": plan.commit})
-    gitrepo.save_state(
-        checkout,
-        {**record, "current": {"branch": name, "commit": plan.commit, "values": values}},
-    )
+    gitrepo.save_state(checkout, replace(record, current=Current(name, values, commit=plan.commit)))
     return result
 
 
@@ -790,14 +809,11 @@ def _set_in_place(
     req: SetRequest,
     values: dict[str, str],
     current_files: Sequence[FileSites],
-    state: dict[str, Any] | None,
+    state: CheckoutState | None,
 ) -> SetResult:
+    kept = dict(state.files or {}) if state else {}
     if state:
-        changed = [
-            fs.rel
-            for fs in current_files
-            if sha256_text(fs.text) != state["files"][fs.rel]["written"]
-        ]
+        changed = [fs.rel for fs in current_files if sha256_text(fs.text) != kept[fs.rel].written]
         if changed:
             raise UserError(
                 f"{', '.join(changed)} changed since quantpatch wrote them; "
@@ -812,26 +828,23 @@ def _set_in_place(
     result = SetResult(values=values, edits=edits, diff=unified_diff(edits))
     if req.dry_run:
         return result
-    files_state = {k: dict(v) for k, v in (state or {}).get("files", {}).items()}
     if not state:
         originals = checkout.state_dir / "originals"
         for fs in current_files:
             dest = originals / fs.rel
             write_exact(dest, fs.text)
-            files_state[fs.rel] = {
-                "original": str(dest.relative_to(checkout.state_dir)),
-                "original_sha": sha256_text(fs.text),
-            }
+            original = str(dest.relative_to(checkout.state_dir))
+            kept[fs.rel] = KeptFile(original, "", original_sha=sha256_text(fs.text))
     for rel, text in planned.items():
-        files_state[rel]["written"] = sha256_text(text)
-    history = [*(state or {}).get("history", []), {"time": time.time(), "values": values}]
-    new_state = {
-        "mode": "in-place",
-        "base": {"branch": None, "commit": None},
-        "current": {"branch": None, "values": values},
-        "files": files_state,
-        "history": history,
-    }
+        kept[rel] = replace(kept[rel], written=sha256_text(text))
+    history = [*(state.history if state else []), {"time": time.time(), "values": values}]
+    new_state = CheckoutState(
+        mode=Mode.IN_PLACE,
+        base=Base(None, None),
+        current=Current(None, values),
+        files=kept,
+        history=history,
+    )
     # journal (old texts + the record that marks completion) before the first replacement:
     # a kill anywhere below is rolled back, or found complete, by the next command
     record = checkout.state_dir / "state.json"
@@ -872,7 +885,7 @@ def restore(path: Path | None, *, forget: bool = False) -> RestoreResult:
         if not state:
             raise UserError(f"{checkout.root}: nothing to restore (no active quantpatch set).")
         targets = load_targets(checkout.root)
-        if state["mode"] == "in-place":
+        if state.mode is Mode.IN_PLACE:
             return _restore_in_place(checkout, state)
         result = _restore_branch(checkout, targets, state)
         gitrepo.clear_state(checkout)
@@ -895,17 +908,15 @@ def _forget(checkout: gitrepo.Checkout) -> RestoreResult:
     return RestoreResult("forget", {}, [], [f"dropped {', '.join(gone)}"])
 
 
-def _restore_in_place(checkout: gitrepo.Checkout, state: dict[str, Any]) -> RestoreResult:
+def _restore_in_place(checkout: gitrepo.Checkout, state: CheckoutState) -> RestoreResult:
     edits = []
-    for rel, info in state["files"].items():
+    for rel, info in (state.files or {}).items():
         current = read_exact(checkout.root / rel)
-        if current is None or sha256_text(current) != info["written"]:
+        if current is None or sha256_text(current) != info.written:
             raise UserError(f"{rel} changed since quantpatch wrote it; revert it first.")
-        original_path = checkout.state_dir / info["original"]
+        original_path = checkout.state_dir / info.original
         original = read_exact(original_path)
-        if original is None or (
-            info.get("original_sha") and sha256_text(original) != info["original_sha"]
-        ):
+        if original is None or (info.original_sha and sha256_text(original) != info.original_sha):
             # a missing or altered copy is an error, never a reason to delete the file
             raise UserError(
                 f"{original_path}: the kept original of {rel} is missing or altered, so "
@@ -916,27 +927,27 @@ def _restore_in_place(checkout: gitrepo.Checkout, state: dict[str, Any]) -> Rest
     with journaled(gitrepo.journal_dir(checkout), checkout.root, edits, record, None):
         written = apply_edits(checkout.root, edits)
         gitrepo.clear_state(checkout)
-    return RestoreResult("in-place", state["base"], written)
+    return RestoreResult("in-place", state.base.as_dict(), written)
 
 
 def _restore_branch(
-    checkout: gitrepo.Checkout, targets: Targets, state: dict[str, Any]
+    checkout: gitrepo.Checkout, targets: Targets, state: CheckoutState
 ) -> RestoreResult:
     repo = checkout.git()
     _refuse_dirty(repo, targets)
-    base = state["base"]
+    base = state.base
     notes = []
-    target = base["commit"]
-    if base["branch"]:
-        tip = gitrepo.branch_tip(repo, base["branch"])
+    target = str(base.commit)  # a branch set's record always names it (load_state)
+    if base.branch:
+        tip = gitrepo.branch_tip(repo, base.branch)
         if tip is None:
-            notes.append(f"branch {base['branch']} no longer exists; checked out {target[:12]}.")
+            notes.append(f"branch {base.branch} no longer exists; checked out {target[:12]}.")
         else:
-            target = base["branch"]
-            if tip != base["commit"]:
+            target = base.branch
+            if tip != base.commit:
                 notes.append(
-                    f"{base['branch']} moved on since the set ({base['commit'][:12]} -> "
-                    f"{tip[:12]}); it is checked out as it is now."
+                    f"{base.branch} moved on since the set ({str(base.commit)[:12]} "
+                    f"-> {tip[:12]}); it is checked out as it is now."
                 )
     # never --force: the user's uncommitted changes in other files are carried as git does
     if gitrepo.active_branch(repo) != target:
@@ -946,7 +957,7 @@ def _restore_branch(
             _written_or_back(repo, targets, previous, str(before))
         except UserError as exc:
             raise UserError(f"{exc} Nothing was restored; the record is kept.") from None
-    return RestoreResult("branch", base, list(targets.all_files), notes)
+    return RestoreResult("branch", base.as_dict(), list(targets.all_files), notes)
 
 
 def _written_or_back(repo: Any, targets: Targets, previous: str | None, before: str) -> None:

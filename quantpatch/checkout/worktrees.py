@@ -33,6 +33,7 @@ from quantpatch.base.errors import UserError
 from quantpatch.checkout.switch import base_tip, plan_from_base
 from quantpatch.git import repo as gitrepo
 from quantpatch.git import scheme_branch
+from quantpatch.git.state import Mode
 from quantpatch.sites import cache as site_cache
 from quantpatch.sites.model import role_values
 
@@ -141,8 +142,8 @@ def ensure_worktree(
         scheme_branch.check_prefix(repo, targets)
         state = gitrepo.load_state(checkout)
         head = gitrepo.head_commit(repo)
-        if state and state["mode"] == "branch":
-            base = dict(state["base"])
+        if state and state.mode is Mode.BRANCH:
+            base = state.base.as_dict()
         elif head is not None and not scheme_branch.is_scheme_branch(
             gitrepo.active_branch(repo), targets.branch_prefix
         ):
@@ -340,9 +341,9 @@ def existing_worktree(path: Path | None, values: Mapping[str, str]) -> WorktreeR
             f"(this deletes those edits), and {again}."
         )
     state = gitrepo.load_state(checkout)
-    base: dict[str, object] | None = None
-    if state and state["mode"] == "branch":
-        base = dict(state["base"])
+    base: dict[str, str | None] | None = None
+    if state and state.mode is Mode.BRANCH:
+        base = state.base.as_dict()
     else:
         branch = gitrepo.active_branch(repo)
         if branch and not scheme_branch.is_scheme_branch(branch, targets.branch_prefix):

@@ -688,3 +688,12 @@ def release_flags(release: str) -> frozenset[str]:
         .read_text("utf-8")
     )
     return frozenset(line.strip() for line in text.splitlines() if line.strip())
+
+
+def scheme_values(name: str, extra: Path | None = None) -> dict[str, str]:
+    """The values of the scheme ``name`` (``set --scheme``), refused in one sentence where no
+    scheme has that name."""
+    schemes = load_registry(extra).schemes
+    if name not in schemes:
+        raise UserError(f"--scheme: unknown scheme '{name}'; valid: {', '.join(schemes)}.")
+    return dict(schemes[name].values())
