@@ -40,11 +40,20 @@ from quantpatch.base.edits import (
     write_exact,
 )
 from quantpatch.base.errors import UserError
-from quantpatch.checkout.parts import parts_status, runtime_source
+from quantpatch.checkout.parts import PartStatus, parts_status, runtime_source
+from quantpatch.checkout.saver import SaverStatus
 from quantpatch.checkout.saver import status as saver_status
 from quantpatch.git import repo as gitrepo
 from quantpatch.git.installs import upgrade_interrupted
-from quantpatch.git.state import Base, CheckoutState, Current, KeptFile, Mode, Pending
+from quantpatch.git.state import (
+    Base,
+    CheckoutState,
+    Current,
+    HistoryEntry,
+    KeptFile,
+    Mode,
+    Pending,
+)
 from quantpatch.sites import cache as site_cache
 from quantpatch.sites.model import Site, refuse_links, role_values
 
@@ -62,11 +71,11 @@ class CheckReport:
     roles: dict[str, str | None]
     mismatched: dict[str, list[Site]]
     git: gitrepo.GitInfo | None
-    base: dict[str, Any] | None
-    saver: dict[str, Any]
+    base: BaseStatus | None
+    saver: SaverStatus
     warnings: list[str] = field(default_factory=list)
     """What is wrong around the sites (an unreadable record, an interrupted write)."""
-    parts: list[dict[str, Any]] = field(default_factory=list)
+    parts: list[PartStatus] = field(default_factory=list)
     """Every installed part: current, older or edited (``quantpatch.checkout.parts``)."""
 
     def problems(self, expect: Mapping[str, str] | None = None) -> list[str]:
@@ -78,10 +87,10 @@ class CheckReport:
         for role, want in (expect or {}).items():
             if role == "parts":
                 out += [
-                    f"the installed part {p['part']} is {p['status']}, expected current"
-                    + (f" ({p['detail']})." if p["detail"] else ".")
+                    f"the installed part {p.part} is {p.status}, expected current"
+                    + (f" ({p.detail})." if p.detail else ".")
                     for p in self.parts
-                    if p["status"] != "current"
+                    if p.status != "current"
                 ]
             elif self.roles.get(role) != want:
                 out.append(f"{role} is {self.roles.get(role)}, expected {want}.")
@@ -128,9 +137,9 @@ class CheckReport:
             "bf16_layers": self.roles.get("bf16_layers"),
             "mismatched": sorted(self.mismatched),
             "git": self.git.as_json() if self.git else None,
-            "base": self.base,
-            "saver": self.saver,
-            "parts": self.parts,
+            "base": self.base.as_json() if self.base else None,
+            "saver": self.saver.as_json(),
+            "parts": [p.as_json() for p in self.parts],
             "warnings": self.warnings,
         }
 
@@ -257,27 +266,18 @@ def _check(
             "a quantpatch write was interrupted; the next set or restore finishes it."
         )
     try:
-        parts = [
-            p.as_json()
-            for p in parts_status(checkout, targets, set_active=bool(state), upgrading=upgrading)
-        ]
+        parts = parts_status(checkout, targets, set_active=bool(state), upgrading=upgrading)
     except UserError as exc:  # an unreadable install record
         parts = []
         problems_found.append(str(exc))
     base = None
     if state:
-        base = {
-            "mode": state.mode.value,
-            **state.base.as_dict(),
-            "current": state.current.branch if state.current else None,
-            "moved_to": None,
-            "interrupted": state.pending.as_dict() if state.pending else None,
-        }
+        base = BaseStatus(state)
         if checkout.has_git and state.mode is Mode.BRANCH:
             branch = state.base.branch
             tip = (branch and gitrepo.branch_tip_plain(checkout, branch)) or state.base.commit
             if tip != state.base.commit:
-                base["moved_to"] = tip
+                base.moved_to = tip
     return CheckReport(
         root=checkout.root,
         sites=sites,
@@ -285,10 +285,29 @@ def _check(
         mismatched=mismatched,
         git=git_info() if git_info else None,
         base=base,
-        saver=saver_status(checkout).as_json(),
+        saver=saver_status(checkout),
         warnings=problems_found,
         parts=parts,
     )
+
+
+@dataclass
+class BaseStatus:
+    """The active set as ``check`` shows it: its mode and base, its scheme branch, where the
+    base branch has moved to since (None: nowhere), and the intent of an interrupted set."""
+
+    state: CheckoutState
+    moved_to: str | None = None
+
+    def as_json(self) -> dict[str, object]:
+        state = self.state
+        return {
+            "mode": state.mode.value,
+            **state.base.as_dict(),
+            "current": state.current.branch if state.current else None,
+            "moved_to": self.moved_to,
+            "interrupted": state.pending.as_dict() if state.pending else None,
+        }
 
 
 # -- set ------------------------------------------------------------------------------------
@@ -313,7 +332,7 @@ class SetResult:
     diff: str
     branch: str | None = None
     commit: str | None = None
-    base: dict[str, Any] | None = None
+    base: Base | None = None
     reused: bool = False
     how: str = ""
     """created, reused or rebuilt (branch mode)."""
@@ -325,7 +344,7 @@ class SetResult:
             "values": self.values,
             "branch": self.branch,
             "commit": self.commit,
-            "base": self.base,
+            "base": self.base.as_dict() if self.base else None,
             "reused": self.reused,
             "dry_run": dry_run,
             "diff": self.diff,
@@ -676,27 +695,27 @@ def _refuse_dirty(repo: Any, targets: Targets) -> None:
 
 def _base_of(
     repo: Any, targets: Targets, state: CheckoutState | None, head: str, notes: list[str]
-) -> dict[str, Any]:
+) -> Base:
     """The base of this set: the record's, or the checkout as it is. A scheme branch with no
     record (a set killed before it wrote one, by an older quantpatch) is never taken as the
     base: the base is recovered from its quantpatch commit, or the set is refused."""
     from quantpatch.git import scheme_branch  # GitPython: only commands that write load it
 
     if state:
-        return state.base.as_dict()
+        return state.base
     branch = gitrepo.active_branch(repo)
     if not scheme_branch.is_scheme_branch(branch, targets.branch_prefix):
         if branch is None:
             notes.append(f"HEAD is detached at {head[:12]}; restore will check that commit out.")
-        return {"branch": branch, "commit": head}
+        return Base(branch, head)
     for commit in repo.iter_commits(head, max_count=50, first_parent=True):
         recovered = scheme_branch.base_from_commit(repo, commit.hexsha)
         if recovered is None and str(commit.message).startswith(scheme_branch.SUBJECT_PREFIX):
-            recovered = {"branch": None, "commit": commit.parents[0].hexsha}
+            recovered = Base(None, commit.parents[0].hexsha)
         if recovered is not None:
             notes.append(
                 f"{branch} is a scheme branch with no quantpatch record; recovered the base "
-                f"{recovered['branch'] or 'detached'} @ {recovered['commit'][:12]} from its commit."
+                f"{recovered.branch or 'detached'} @ {str(recovered.commit)[:12]} from its commit."
             )
             return recovered
     raise UserError(
@@ -705,12 +724,11 @@ def _base_of(
     )
 
 
-def base_tip(repo: Any, base: Mapping[str, Any]) -> str:
+def base_tip(repo: Any, base: Base) -> str:
     """The commit a scheme branch must sit on: the base branch as it is now (the recorded
     commit when the base is a detached HEAD or its branch is gone)."""
-    branch = base.get("branch")
-    tip = gitrepo.branch_tip(repo, branch) if branch else None
-    return tip or str(base["commit"])
+    tip = gitrepo.branch_tip(repo, base.branch) if base.branch else None
+    return tip or str(base.commit)
 
 
 def _set_branch(
@@ -734,12 +752,12 @@ def _set_branch(
     notes: list[str] = []
     base = _base_of(repo, targets, state, head, notes)
     tip = base_tip(repo, base)
-    if tip != base["commit"]:
+    if tip != base.commit:
         notes.append(
-            f"the base {base['branch']} moved on ({base['commit'][:12]} -> {tip[:12]}); the "
+            f"the base {base.branch} moved on ({str(base.commit)[:12]} -> {tip[:12]}); the "
             "scheme branch is built on its new tip."
         )
-    base = {**base, "commit": tip}
+    base = replace(base, commit=tip)
     _, planned = plan_from_base(
         repo,
         tip,
@@ -760,7 +778,7 @@ def _set_branch(
     history = state.history if state else []
     record = CheckoutState(
         mode=Mode.BRANCH,
-        base=Base(base["branch"], base["commit"]),
+        base=base,
         current=state.current if state else None,
         history=history,
     )
@@ -794,11 +812,11 @@ def _set_branch(
     result.how = plan.state
     if plan.state == "rebuilt":
         notes.append(
-            f"rebuilt {name} on {base['branch'] or 'the base'} @ {tip[:12]}"
+            f"rebuilt {name} on {base.branch or 'the base'} @ {tip[:12]}"
             + (f", carrying {len(plan.carried)} commit(s) of yours" if plan.carried else "")
             + "."
         )
-    history.append({"time": time.time(), "values": values, "branch": name, "commit": plan.commit})
+    history.append(HistoryEntry(time=time.time(), values=values, branch=name, commit=plan.commit))
     gitrepo.save_state(checkout, replace(record, current=Current(name, values, commit=plan.commit)))
     return result
 
@@ -837,7 +855,7 @@ def _set_in_place(
             kept[fs.rel] = KeptFile(original, "", original_sha=sha256_text(fs.text))
     for rel, text in planned.items():
         kept[rel] = replace(kept[rel], written=sha256_text(text))
-    history = [*(state.history if state else []), {"time": time.time(), "values": values}]
+    history = [*(state.history if state else []), HistoryEntry(time=time.time(), values=values)]
     new_state = CheckoutState(
         mode=Mode.IN_PLACE,
         base=Base(None, None),
@@ -862,7 +880,7 @@ def _set_in_place(
 @dataclass
 class RestoreResult:
     mode: str
-    base: dict[str, Any]
+    base: Base | None
     files: list[str]
     notes: list[str] = field(default_factory=list)
 
@@ -876,7 +894,7 @@ def restore(path: Path | None, *, forget: bool = False) -> RestoreResult:
         # quantpatch's state directory replaced by a file: set it aside (never deleted)
         aside = state_dir.with_name(f"{state_dir.name}.not-a-directory.{int(time.time())}")
         state_dir.rename(aside)
-        return RestoreResult("forget", {}, [], [f"moved {state_dir} aside to {aside}"])
+        return RestoreResult("forget", None, [], [f"moved {state_dir} aside to {aside}"])
     with gitrepo.locked(checkout):
         if forget:
             return _forget(checkout)
@@ -905,7 +923,7 @@ def _forget(checkout: gitrepo.Checkout) -> RestoreResult:
     if gitrepo.journal_dir(checkout).exists():
         shutil.rmtree(gitrepo.journal_dir(checkout))
         gone.append(str(gitrepo.journal_dir(checkout)))
-    return RestoreResult("forget", {}, [], [f"dropped {', '.join(gone)}"])
+    return RestoreResult("forget", None, [], [f"dropped {', '.join(gone)}"])
 
 
 def _restore_in_place(checkout: gitrepo.Checkout, state: CheckoutState) -> RestoreResult:
@@ -927,7 +945,7 @@ def _restore_in_place(checkout: gitrepo.Checkout, state: CheckoutState) -> Resto
     with journaled(gitrepo.journal_dir(checkout), checkout.root, edits, record, None):
         written = apply_edits(checkout.root, edits)
         gitrepo.clear_state(checkout)
-    return RestoreResult("in-place", state.base.as_dict(), written)
+    return RestoreResult("in-place", state.base, written)
 
 
 def _restore_branch(
@@ -957,7 +975,7 @@ def _restore_branch(
             _written_or_back(repo, targets, previous, str(before))
         except UserError as exc:
             raise UserError(f"{exc} Nothing was restored; the record is kept.") from None
-    return RestoreResult("branch", base.as_dict(), list(targets.all_files), notes)
+    return RestoreResult("branch", base, list(targets.all_files), notes)
 
 
 def _written_or_back(repo: Any, targets: Targets, previous: str | None, before: str) -> None:

@@ -141,8 +141,8 @@ def set_(
         how = result.how or ("reused" if result.reused else "created")
         out.print(
             f"{vals}: {how} branch {result.branch} at {(result.commit or '')[:12]} "
-            f"(base {result.base and (result.base['branch'] or 'detached')} @ "
-            f"{result.base and result.base['commit'][:12]})"
+            f"(base {result.base and (result.base.branch or 'detached')} @ "
+            f"{result.base and str(result.base.commit)[:12]})"
         )
     else:
         out.print(
@@ -169,9 +169,9 @@ def restore(
         print_notes(result.notes)
         return
     print_notes(result.notes)
-    if result.mode == "branch":
+    if result.mode == "branch" and result.base:
         b = result.base
-        out.print(f"restored: {b['branch'] or 'detached HEAD'} @ {b['commit'][:12]}")
+        out.print(f"restored: {b.branch or 'detached HEAD'} @ {str(b.commit)[:12]}")
     else:
         out.print(f"restored the original bytes of {', '.join(result.files)}")
 
@@ -223,7 +223,7 @@ def saver_status_cmd(repo: Path | None = RepoOpt, json_: bool = JsonOpt) -> None
     else:
         from quantpatch.cli.render_check import saver_line
 
-        out.print(saver_line(st.as_json()))
+        out.print(saver_line(st))
 
 
 @app.command("init")

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 
 class Mode(str, Enum):
@@ -28,6 +28,16 @@ class Mode(str, Enum):
 
     def __format__(self, spec: str) -> str:
         return format(self.value, spec)
+
+
+class HistoryEntry(TypedDict, total=False):
+    """One set of the record's history: when, its values, and a branch set's branch and
+    commit."""
+
+    time: float
+    values: dict[str, str]
+    branch: str
+    commit: str
 
 
 @dataclass(frozen=True)
@@ -50,8 +60,8 @@ class Current:
     values: dict[str, str]
     commit: str | None = None
 
-    def as_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"branch": self.branch}
+    def as_dict(self) -> dict[str, str | dict[str, str] | None]:
+        out: dict[str, str | dict[str, str] | None] = {"branch": self.branch}
         if self.commit is not None:
             out["commit"] = self.commit
         out["values"] = self.values
@@ -82,7 +92,7 @@ class Pending:
     op: str
     branch: str | None = None
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> dict[str, str | None]:
         return {"op": self.op, "branch": self.branch}
 
 
@@ -93,7 +103,7 @@ class CheckoutState:
     mode: Mode
     base: Base
     current: Current | None = None
-    history: list[dict[str, Any]] = field(default_factory=list)
+    history: list[HistoryEntry] = field(default_factory=list)
     """One entry a set: its time, values and (a branch set's) branch and commit."""
     files: dict[str, KeptFile] | None = None
     """The files an in-place set rewrote (a branch set: None)."""
@@ -101,8 +111,8 @@ class CheckoutState:
     extra: dict[str, Any] = field(default_factory=dict)
     """Keys quantpatch does not know (and ``version``), kept as they were read."""
 
-    def as_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
+    def as_dict(self) -> dict[str, object]:
+        out: dict[str, object] = {
             "mode": self.mode.value,
             "base": self.base.as_dict(),
             "current": self.current.as_dict() if self.current else None,

@@ -19,11 +19,10 @@ RUN_COLUMNS = [
 
 
 def _layout(record: SweepRecord) -> str | None:
-    layout = record.layout or {}
-    if not layout.get("gpus_per_node"):
+    if not record.gpus_per_node:
         return None
-    nodes = int(layout.get("nodes") or 1)
-    return f"{nodes} node{'s' if nodes != 1 else ''} x {layout['gpus_per_node']} GPUs"
+    nodes = int(record.nodes or 1)
+    return f"{nodes} node{'s' if nodes != 1 else ''} x {record.gpus_per_node} GPUs"
 
 
 def header(sweep_dir: Path, record: SweepRecord) -> list[tuple[str, str]]:

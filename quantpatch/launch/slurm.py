@@ -290,10 +290,9 @@ def _refusal_hint(said: str, gpu_request: str, record: SweepRecord, partition: s
     the partition's nodes have), the GPU request for a refusal that names GPUs."""
     from quantpatch.launch import slurm_nodes
 
-    layout = record.layout or {}
     if "node configuration" in said.lower():
         return slurm_nodes.sbatch_hint(
-            said, layout.get("gpus_per_node"), layout.get("nodes"), slurm_nodes.query(partition)
+            said, record.gpus_per_node, record.nodes, slurm_nodes.query(partition)
         )
     return _gpu_hint(said, gpu_request)
 

@@ -39,8 +39,14 @@ from quantpatch.launch.sweep_record import (
     RECORD,
     STATES,
     VERSION,
+    CheckedData,
+    Layout,
+    MadeFrom,
+    Manifest,
+    Provenance,
     RunState,
     Selection,
+    SweepData,
     SweepRecord,
     SweepRun,
     at,
@@ -180,7 +186,7 @@ def prepare(
         layout=_asked_layout(scripts),
         attention=scripts[0].attention.as_dict() if scripts and scripts[0].attention else None,
         provenance=made,
-        data={"env": env, "mock": mock, "checked": [_checked_facts(n) for n in checked]},
+        data=SweepData(env=env, mock=mock, checked=[_checked_facts(n) for n in checked]),
         runs=runs,
     )
     if selection.launcher == "local":
@@ -233,11 +239,11 @@ def _scripts(sweep_dir: Path, root: Path, selection: Selection) -> tuple[list[An
     return list(done.result.scripts), done.flags.release
 
 
-def _asked_layout(scripts: Sequence[Any]) -> dict[str, int | None] | None:
+def _asked_layout(scripts: Sequence[Any]) -> Layout | None:
     from quantpatch.launch.plan import requested_nodes
 
     asked = requested_nodes(scripts)
-    return {"gpus_per_node": asked[0], "nodes": asked[1]} if asked else None
+    return Layout(gpus_per_node=asked[0], nodes=asked[1]) if asked else None
 
 
 def _values_key(script: Any) -> str:
@@ -327,17 +333,17 @@ class _Resume:
         return run
 
 
-def _checked_facts(need: Any) -> dict[str, Any]:
-    return {
-        "model": need.model,
-        "dataset": need.dataset,
-        "prefix": str(need.prefix),
-        "tokenizer": need.tokenizer,
+def _checked_facts(need: Any) -> CheckedData:
+    return CheckedData(
+        model=need.model,
+        dataset=need.dataset,
+        prefix=str(need.prefix),
+        tokenizer=need.tokenizer,
         **manifest_facts(need.prefix),
-    }
+    )
 
 
-def manifest_facts(prefix: Path) -> dict[str, Any]:
+def manifest_facts(prefix: Path) -> CheckedData:
     """What the dataset's manifest says of it, for the report: documents, tokens, the files'
     sha256 (``data prepare``), the tokenizer's fingerprint and vocabulary size."""
     from quantpatch.data_prep.layout import read_manifest
@@ -345,23 +351,23 @@ def manifest_facts(prefix: Path) -> dict[str, Any]:
     manifest = read_manifest(prefix) or {}
     tok = manifest.get("tokenizer") if isinstance(manifest.get("tokenizer"), dict) else {}
     assert isinstance(tok, dict)
-    return {
-        "manifest": {
-            "documents": manifest.get("documents"),
-            "tokens": manifest.get("tokens"),
-            "sha256": manifest.get("sha256"),
-            "made_with": tok.get("name"),
-            "tokenizer_hash": tok.get("hash"),
-            "vocab_size": tok.get("vocab_size"),
-        }
+    return CheckedData(
+        manifest=Manifest(
+            documents=manifest.get("documents"),
+            tokens=manifest.get("tokens"),
+            sha256=manifest.get("sha256"),
+            made_with=tok.get("name"),
+            tokenizer_hash=tok.get("hash"),
+            vocab_size=tok.get("vocab_size"),
+        )
         if manifest
         else None
-    }
+    )
 
 
 def provenance_of(
     checkout: Any, selection: Selection, scripts: Sequence[Any], release: str
-) -> dict[str, Any]:
+) -> Provenance:
     """What the report says the runs were made from, as ``sweep run`` found it: quantpatch's
     version, the checkout's Megatron release (its own argument parser's) and base commit, and
     each model's resolved pretrain_gpt.py arguments under the profile (``-- EXTRA`` after)."""
@@ -370,23 +376,23 @@ def provenance_of(
     from quantpatch.launch.scripts import resolved_args
 
     reg = load_registry(Path(selection.config) if selection.config else None)
-    base: dict[str, Any] = {"commit": None, "branch": None}
+    base = MadeFrom(commit=None, branch=None)
     repo = checkout.repo
     if repo is not None:
         with suppress(ValueError, TypeError):  # a repository without commits, a detached head
             base["commit"] = str(repo.head.commit.hexsha)
             base["branch"] = None if repo.head.is_detached else str(repo.active_branch.name)
     models = sorted({s.model for s in scripts})
-    return {
-        "quantpatch": __version__,
-        "megatron": release,
-        "base": base,
-        "args": {
+    return Provenance(
+        quantpatch=__version__,
+        megatron=release,
+        base=base,
+        args={
             m: {k: v for k, v in resolved_args(reg, m, selection.profile).items()}
             for m in models
             if m in reg.models and selection.profile in reg.profiles
         },
-    }
+    )
 
 
 def seeds_of(selection: Selection) -> list[int | None]:
@@ -793,11 +799,10 @@ def status(sweep_dir: Path) -> Status:
     if slurm.refresh(sweep_dir, record):
         save(sweep_dir, record)
     runs = [r.copy() for r in record.runs]
-    layout = record.layout or {}
-    per = layout.get("gpus_per_node")
+    per = record.gpus_per_node
     for r in runs:  # a Slurm run's GPUs: its allocation's shape, as the scripts asked for it
         if not r.gpus and r.slurm_job and per:
-            nodes = int(layout.get("nodes") or 1)
+            nodes = int(record.nodes or 1)
             r.update(
                 gpus=f"{per} GPU{'s' if per != 1 else ''}"
                 + (f" x {nodes} nodes" if nodes > 1 else "")

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from quantpatch.base.edits import shared_mode
 from quantpatch.base.errors import UserError
@@ -52,6 +52,60 @@ class RunState(str, Enum):
 STATES = tuple(s.value for s in RunState)
 
 
+class Layout(TypedDict):
+    """The GPUs a node and the nodes the scripts ask for."""
+
+    gpus_per_node: int | None
+    nodes: int | None
+
+
+class Manifest(TypedDict, total=False):
+    """What a dataset's manifest (``data prepare``) says of it."""
+
+    documents: int | None
+    tokens: int | None
+    sha256: dict[str, str] | None
+    made_with: str | None
+    tokenizer_hash: str | None
+    vocab_size: int | None
+
+
+class CheckedData(TypedDict, total=False):
+    """A dataset the sweep checked before it ran: its prefix, tokenizer and manifest."""
+
+    model: str
+    dataset: str
+    prefix: str
+    tokenizer: str | None
+    manifest: Manifest | None
+
+
+class SweepData(TypedDict, total=False):
+    """The data variables the runs get (``env``), whether they train on mock data, and the
+    datasets checked (records before ``mock`` or ``checked`` lack them)."""
+
+    env: dict[str, str]
+    mock: bool
+    checked: list[CheckedData]
+
+
+class MadeFrom(TypedDict, total=False):
+    """The checkout's base branch and commit a sweep ran from."""
+
+    commit: str | None
+    branch: str | None
+
+
+class Provenance(TypedDict, total=False):
+    """What the runs were made from: quantpatch's version, the Megatron release, the base,
+    and each model's resolved arguments (``sweep.provenance_of``)."""
+
+    quantpatch: str
+    megatron: str
+    base: MadeFrom
+    args: dict[str, dict[str, object]]
+
+
 @dataclass(frozen=True)
 class Selection:
     """What a sweep was made with; ``run`` without options resumes it."""
@@ -74,7 +128,7 @@ class Selection:
     seeds: int = 1
     """Runs of each combination, with Megatron's ``--seed`` ``FIRST_SEED``, the next, ..."""
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> dict[str, object]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
     @classmethod
@@ -159,9 +213,9 @@ class SweepRun:
             if key not in self.keys:
                 self.keys.append(key)
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> dict[str, object]:
         """The run as ``sweep.json`` keeps it."""
-        out: dict[str, Any] = {}
+        out: dict[str, object] = {}
         for key in self.keys:
             if key in _RUN_FIELDS:
                 value = getattr(self, key)
@@ -229,19 +283,16 @@ class SweepRecord:
     slurm_job: str | None = None
     """The last job array submitted (a Slurm sweep)."""
     created: str | None = None
-    layout: dict[str, int | None] | None = None
-    """The nodes and GPUs a node the scripts ask for (``gpus_per_node``, ``nodes``)."""
-    attention: dict[str, Any] | None = None
+    layout: Layout | None = None
+    attention: dict[str, str] | None = None
     """The attention path the sweep gave its runs (``launch.attention``'s ``as_dict``)."""
-    provenance: dict[str, Any] | None = None
-    """What the runs were made from (``sweep.provenance_of``)."""
-    data: dict[str, Any] | None = None
-    """The data variables the runs get (``env``), ``mock``, and the datasets ``checked``."""
+    provenance: Provenance | None = None
+    data: SweepData | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     keys: list[str] = field(default_factory=lambda: list(_TOP_KEYS))
 
-    def as_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
+    def as_dict(self) -> dict[str, object]:
+        out: dict[str, object] = {}
         for key in self.keys:
             if key == "selection":
                 out[key] = self.selection.as_dict()
@@ -268,7 +319,17 @@ class SweepRecord:
         )
 
     @property
-    def data_env(self) -> dict[str, Any]:
+    def gpus_per_node(self) -> int | None:
+        """The GPUs a node the scripts ask for (None: not recorded)."""
+        return self.layout.get("gpus_per_node") if self.layout else None
+
+    @property
+    def nodes(self) -> int | None:
+        """The nodes the scripts ask for (None: not recorded)."""
+        return self.layout.get("nodes") if self.layout else None
+
+    @property
+    def data_env(self) -> dict[str, str]:
         """The data variables the sweep recorded for its runs (none for an older record)."""
         return dict((self.data or {}).get("env") or {})
 
