@@ -112,3 +112,36 @@ def test_a_record_round_trips_through_its_dict():
     record = SweepRecord.from_dict(RECORD)
     assert record.as_dict() == RECORD
     assert [r.as_dict() for r in record.runs] == RECORD["runs"]
+
+
+def _run(name="r", state=RunState.PENDING, **fields):
+    return SweepRun(name=name, script=f"{name}.sh", state=state, **fields)
+
+
+def test_a_resume_keeps_what_still_stands_and_says_why_a_run_runs_again():
+    from quantpatch.launch.sweep import Resume, Selection
+
+    commit, moved = "a" * 40, "b" * 40
+    before = {
+        "live": _run("live", slurm_job="7", array_task=0, state=RunState.SUBMITTED),
+        "failed": _run("failed", state=RunState.FAILED, exit_code=1),
+        "done": _run("done", state=RunState.FINISHED, commit=commit, attention=None, log="l"),
+        "other_path": _run("other_path", state=RunState.FINISHED, attention="flash"),
+        "moved": _run("moved", state=RunState.FINISHED, commit=moved),
+        "stopped": _run("stopped", state=RunState.INTERRUPTED, exit_code=-15),
+    }
+    plan = Resume(before, Selection(attention="auto"), repo=None, only_pending=True)
+    new = {name: _run(name, attention="stock") for name in before}
+    kept = {name: plan.run(run, commit) for name, run in new.items()}
+    assert kept["live"].state is RunState.SUBMITTED and kept["live"] is not before["live"]
+    assert kept["failed"].state is RunState.FAILED  # --only-pending keeps a failed run
+    assert (kept["done"].state, kept["done"].log, kept["done"].attention) == (
+        RunState.FINISHED, "l", "stock"
+    )  # fmt: skip
+    assert kept["other_path"] is new["other_path"] and kept["moved"] is new["moved"]
+    assert kept["stopped"] is new["stopped"]
+    assert [n.split(":")[0] for n in plan.notes] == ["other_path", "moved"]
+    assert "attention path is stock now (--attention auto), it ran on flash" in plan.notes[0]
+    assert f"moved from {moved[:10]} to {commit[:10]} since it finished" in plan.notes[1]
+    again = Resume(before, Selection(), repo=None, only_pending=False)
+    assert again.run(new["failed"], commit) is new["failed"]

@@ -165,7 +165,7 @@ def prepare(
             "runs on this machine only (use --launcher slurm)."
         )
     commits = _worktree_commits(checkout.root, scripts, progress)
-    plan = _Resume(
+    plan = Resume(
         previous={r.name: r for r in (old.runs if old else [])},
         selection=selection,
         repo=checkout.repo,
@@ -289,7 +289,7 @@ def _new_run(script: Any, seed: int | None) -> SweepRun:
 
 
 @dataclass
-class _Resume:
+class Resume:
     """What an earlier record's runs keep when the sweep runs again, and why one runs again."""
 
     previous: dict[str, SweepRun]
