@@ -110,15 +110,19 @@ def _step(weights, micro_batches, fmt, seed):
 def _count_weight_quantizations(monkeypatch, weights) -> list[tuple[int, str, bool]]:
     """Every quantization of a weight's storage, as (which weight, format, backward)."""
     seen: list[tuple[int, str, bool]] = []
-    real = wc.quantize
 
-    def spy(x, fmt, *, dim=-1, backward=False):
-        for i, w in enumerate(weights):
-            if x.data_ptr() == w.data_ptr():
-                seen.append((i, fmt, backward))
-        return real(x, fmt, dim=dim, backward=backward)
+    def spying(real):
+        def spy(x, fmt, *, dim=-1, backward=False):
+            for i, w in enumerate(weights):
+                if x.data_ptr() == w.data_ptr():
+                    seen.append((i, fmt, backward))
+            return real(x, fmt, dim=dim, backward=backward)
 
-    monkeypatch.setattr(wc, "quantize", spy)  # what the weight cache quantizes with
+        return spy
+
+    # what the weight cache quantizes with (bf16 NVFP4 and FP8 tensor scaling: factored)
+    monkeypatch.setattr(wc, "quantize", spying(wc.quantize))
+    monkeypatch.setattr(wc, "quantize_factored", spying(wc.quantize_factored))
     return seen
 
 
@@ -637,11 +641,11 @@ def test_every_gemm_configuration_is_correct(kernels):
         grid = (-(-40 // kw["BLOCK_M"]) * -(-36 // kw["BLOCK_N"]), 1)
         mx = kernels.gemm_operand("mxfp8", False)
         kernels._qgemm_kernel.fn[grid](
-            a, b, c, 40, 36, 70, 0, *a.stride(), 0, *b.stride(), *c.stride(), a, b, a, b,
+            a, b, c, 40, 36, 70, 0, *a.stride(), 0, *b.stride(), *c.stride(), a, b, a, b, a,
             A_KIND=mx[0], A_MBITS=mx[1], A_EMIN=mx[2], A_VMAX=mx[3], A_EMAX=mx[4], A_SR=False,
             B_KIND=mx[0], B_MBITS=mx[1], B_EMIN=mx[2], B_VMAX=mx[3], B_EMAX=mx[4], B_SR=False,
             BF16=True, BIG=float(torch.finfo(torch.bfloat16).max), IEEE=False, UPCAST=not CUDA,
-            **kw,
+            FACTORED=False, **kw,
         )  # fmt: skip
         assert bool(((c[0].double() - ref).abs() <= tol).all()), cfg
 

@@ -90,6 +90,30 @@ def fp8_tensor(
     return torch.where(finite, q * scale_inv, v).to(x.dtype)
 
 
+def tensor_codes(x: torch.Tensor, scale: torch.Tensor, elem: formats.Element) -> torch.Tensor:
+    """The codes of ``x`` under the float32 per-tensor ``scale``, ``E(x * scale)`` (nearest
+    even, the float32 product rounded once, saturating), in ``x``'s dtype, which holds them
+    exactly (E4M3 and E5M2 have at most 4 significant bits and lie within bf16's and fp16's
+    range); NaN and +-Inf pass through."""
+    v = x.to(torch.float32)
+    finite = torch.isfinite(v)
+    q = round_element(torch.where(finite, v, torch.zeros_like(v)) * scale, elem)
+    return torch.where(finite, q, v).to(x.dtype)
+
+
+def fp8_tensor_factored(
+    x: torch.Tensor, backward: bool = False, amax: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fp8-tensor`` with its scale factored out: ``(codes, scale_inv)``, the codes in ``x``'s
+    dtype (:func:`tensor_codes`), ``scale_inv`` float32 0-d; ``codes * scale_inv`` in float32
+    is :func:`fp8_tensor`'s value before its rounding to ``x``'s dtype."""
+    elem = E5M2 if backward else E4M3
+    if amax is None:
+        amax = finite_amax(x)
+    scale, scale_inv = tensor_scales(amax, elem[2], x.dtype)
+    return tensor_codes(x, scale, elem), scale_inv.reshape(())
+
+
 def fp8_block(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """``fp8-block`` for an activation or gradient: 1 x 128 blocks along ``dim`` (zero-padded)."""
     if x.dim() == 0:

@@ -141,6 +141,31 @@ def _fp8_tile_kernel(
         tl.store(y_ptr + offs, out, mask=inside)
 
 
+def codes(x: torch.Tensor, scale: torch.Tensor, elem: formats.Element) -> torch.Tensor:
+    """``quantpatch_fp8.tensor_codes`` in one kernel: the codes of ``x`` under the float32
+    per-tensor ``scale`` (the tensor kernel with a reciprocal of 1), in ``x``'s dtype."""
+    if x.numel() == 0:
+        return x.clone()
+    if x.dim() == 0:
+        return codes(x.reshape(1), scale, elem).reshape(())
+    if not non_overlapping_and_dense(x):
+        x = x.contiguous()
+    y = torch.empty_like(x)
+    if y.stride() != x.stride():
+        x = x.contiguous()
+        y = torch.empty_like(x)
+    one = torch.ones((), dtype=torch.float32, device=x.device)
+    scales = torch.stack([scale.reshape(()).to(torch.float32), one])
+    numel = x.numel()
+    mbits, emin, vmax, _ = elem
+    _fp8_tensor_kernel[(triton.cdiv(numel, _ELEMENTWISE_BLOCK),)](
+        storage_view(x), storage_view(y), scales, numel,
+        MBITS=mbits, EMIN=emin, VMAX=vmax, BLOCK_SIZE=_ELEMENTWISE_BLOCK,
+        BF16=x.dtype == torch.bfloat16,
+    )  # fmt: skip
+    return y
+
+
 def fake_quant(x: torch.Tensor, fmt: str, dim: int = -1, backward: bool = False) -> torch.Tensor:
     """``quantpatch_fp8.fp8_quantize`` in one kernel (``fmt`` in fp8-tensor, fp8-block,
     fp8-block-2d)."""

@@ -277,13 +277,14 @@ def round_nonneg(p, MBITS: tl.constexpr, EMIN: tl.constexpr, VMAX: tl.constexpr)
 
 
 @triton.jit
-def nv_fake_quant(v, finite, bmax, amax, u, SR: tl.constexpr):
+def nv_fake_quant(v, finite, bmax, amax, u, SR: tl.constexpr, FACTORED: tl.constexpr = False):
     """NVFP4 of float32 ``v`` (``finite``: where it is; ``bmax``: each element's block
     maximum; ``amax``: the tensor's, broadcast; ``u``: 8 random bits per element as float32
     where ``SR``), dequantized to float32, in the reference's order (TE 2.20.2's; see
     ``quantpatch_nvfp4``): ``g = min(2688 / A, FLT_MAX)``, ``s = E4M3(min(b * (g * fl(1/6)),
     448))``, ``enc = min(1 / (s * fl(1 / g)), FLT_MAX)``, ``q = E2M1(clamp(x * enc, +-6))``
-    negative iff ``x * enc < 0``, result ``q * (s * (A / 2688))``; non-finite ``v`` unchanged."""
+    negative iff ``x * enc < 0``, result ``q * (s * (A / 2688))`` (``FACTORED``: ``q * s``, the
+    tensor's ``A / 2688`` left to the product's result); non-finite ``v`` unchanged."""
     fmax = 3.4028234663852886e38
     one = tl.full(v.shape, 1.0, tl.float32)
     g = tl.where(amax > 0, tl.math.div_rn(one * 2688.0, tl.where(amax > 0, amax, 1.0)), fmax)
@@ -304,6 +305,8 @@ def nv_fake_quant(v, finite, bmax, amax, u, SR: tl.constexpr):
     else:
         q = round_nonneg(p, 1, 0, 6.0)
     q = tl.where(scaled < 0, -q, q)
+    if FACTORED:  # exact: at most 6 significant bits
+        return tl.where(finite, q * s, v)
     dec = tl.math.div_rn(amax, one * 2688.0)
     return tl.where(finite, q * (s * dec), v)
 
@@ -324,6 +327,7 @@ def _nvfp4_kernel(
     BF16: tl.constexpr,
     TWO_D: tl.constexpr,
     SR: tl.constexpr,
+    FACTORED: tl.constexpr,
 ):
     pid_r = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -349,15 +353,21 @@ def _nvfp4_kernel(
     u = tl.zeros((BLOCK_R, BLOCK_N), tl.float32)  # unread without stochastic rounding
     if SR:
         u = tl.load(u_ptr + offs, mask=inside, other=0).to(tl.float32)
-    res = nv_fake_quant(v, finite, bmax, amax, u, SR)
+    res = nv_fake_quant(v, finite, bmax, amax, u, SR, FACTORED)
     out = tl.where(finite, store_as(res, y_ptr.dtype.element_ty, BF16), x)
     tl.store(y_ptr + offs, out, mask=inside)
 
 
 def _nvfp4(
-    x: torch.Tensor, two_d: bool, dim: int, y: torch.Tensor, rand: torch.Tensor | None
+    x: torch.Tensor,
+    two_d: bool,
+    dim: int,
+    y: torch.Tensor,
+    rand: torch.Tensor | None,
+    factored: bool = False,
 ) -> torch.Tensor:
-    """NVFP4 of dense ``x`` into ``y`` (``empty_like(x)``): blocks along ``dim``, or tiles."""
+    """NVFP4 of dense ``x`` into ``y`` (``empty_like(x)``): blocks along ``dim``, or tiles
+    (``factored``: code x block scale, the tensor's scale left out)."""
     bf16 = x.dtype == torch.bfloat16
     amax = torch.where(torch.isfinite(x), x.abs(), torch.zeros_like(x)).amax()
     amax = amax.to(torch.float32).reshape(1)
@@ -382,6 +392,7 @@ def _nvfp4(
     _nvfp4_kernel[grid](
         x, y, u, amax, rows, n, sb, sr, sn,
         BLOCK_R=block_r, BLOCK_N=block_n, BF16=bf16, TWO_D=two_d, SR=rand is not None,
+        FACTORED=factored,
     )  # fmt: skip
     return y
 
@@ -420,10 +431,13 @@ def fake_quant(
     dim: int = -1,
     backward: bool = False,
     rand: torch.Tensor | None = None,
+    factored: bool = False,
 ) -> torch.Tensor:
     """``quantpatch_ops.fake_quant`` in one kernel (``fmt`` of the spec's MX, HiF8 or NVFP4
     families, ``nvfp4-rht`` aside; ``rand``: the 8 random bits per element (uint8) of NVFP4's
-    stochastic rounding, the shape of ``x``)."""
+    stochastic rounding, the shape of ``x``). ``factored`` (NVFP4 only): each element's code
+    times its block scale, the per-tensor scale left out (``quantpatch_quantize``'s
+    ``quantize_factored``)."""
     if x.numel() == 0:
         return x.clone()
     if not _non_overlapping_and_dense(x):
@@ -443,10 +457,12 @@ def fake_quant(
         return y
     if x.dim() == 0:  # a scalar is a block of one
         r = None if rand is None else rand.reshape(1)
-        return fake_quant(x.reshape(1), fmt, 0, backward, r).reshape(())
+        return fake_quant(x.reshape(1), fmt, 0, backward, r, factored).reshape(())
     if spec.family == "nvfp4" and not spec.rht:
         two_d = spec.tiled and x.dim() >= 2
-        return _nvfp4(x, two_d, dim, y, rand if backward else None)
+        return _nvfp4(x, two_d, dim, y, rand if backward else None, factored)
+    if factored:
+        raise ValueError(f"{fmt!r} has no per-tensor scale to factor out")
     forward_elem, gradient_elem, rceil = MX_VALUES[fmt]
     elem = _ELEMENTS[gradient_elem if backward else forward_elem]
     x, (b, rows, n), (sb, sr, sn) = _as_3d(x, dim)
@@ -494,7 +510,9 @@ storage_view = _storage_view
 # as zeros, exactly the reference's padding, so any K is handled. The per-tensor scale of
 # ``fp8-tensor`` and NVFP4's tensor amax are computed before the launch and read by every
 # tile; the quantized tile is the reference's value rounded to the operand's dtype (the same
-# arithmetic as the fake-quant kernels, so the operands are bit-identical to ``fake_quant``'s);
+# arithmetic as the fake-quant kernels, so the operands are bit-identical to ``fake_quant``'s;
+# ``factored``: to ``quantize_factored``'s, code x block scale, the per-tensor scales of both
+# operands multiplying the float32 accumulator once after the tile loop);
 # the products accumulate in float32 (float32 operands: ``input_precision="ieee"``, not TF32,
 # as ``torch.matmul``'s default) and the result is rounded once to the output dtype. Only the
 # order of the float32 sums differs from ``torch.matmul`` of the quantized operands.
@@ -725,10 +743,12 @@ def _nv_quant_tile(
     SR: tl.constexpr,
     OUT: tl.constexpr,
     BF16: tl.constexpr,
+    FACTORED: tl.constexpr,
 ):
     """A loaded ``[R, C]`` tile in NVFP4 as ``_nvfp4_kernel`` computes it: blocks of 16 along
     C (or R), or 16 x 16 tiles (``TWO_D``), the tensor's amax at ``amax_ptr``, ``u`` the
-    random bits of stochastic rounding (float32, read where ``SR``)."""
+    random bits of stochastic rounding (float32, read where ``SR``); ``FACTORED``: code x
+    block scale, the tensor's scale left to the GEMM's result."""
     v = load_f32(x, BF16)
     a = tl.abs(v)
     finite = a < float("inf")
@@ -743,7 +763,7 @@ def _nv_quant_tile(
     else:
         bmax = tl.max(tl.reshape(mags, (R // 16, 16, C)), axis=1)
         bmax = tl.broadcast_to(bmax[:, None, :], (R // 16, 16, C))
-    res = nv_fake_quant(v, finite, tl.reshape(bmax, (R, C)), amax, u, SR)
+    res = nv_fake_quant(v, finite, tl.reshape(bmax, (R, C)), amax, u, SR, FACTORED)
     return tl.where(finite, store_as(res, OUT, BF16), x)
 
 
@@ -766,8 +786,10 @@ def _quant_operand(
     OUT: tl.constexpr,
     BF16: tl.constexpr,
     BIG: tl.constexpr,
+    FACTORED: tl.constexpr,
 ):
-    """A GEMM operand's loaded tile quantized as its KIND says (``GEMM_*``)."""
+    """A GEMM operand's loaded tile quantized as its KIND says (``GEMM_*``; ``FACTORED``:
+    NVFP4 as code x block scale, its tensor scale left to the result)."""
     if KIND == 1:
         x = _mx_quant_tile(x, R, C, BLOCKS_ALONG_C, MBITS, EMIN, VMAX, EMAX, OUT, BF16, False)
     elif KIND == 3:
@@ -778,7 +800,7 @@ def _quant_operand(
         u = tl.zeros((R, C), tl.float32)
         if SR:
             u = tl.load(u_ptr + u_offs, mask=inside, other=0).to(tl.float32)
-        x = _nv_quant_tile(x, u, aux_ptr, R, C, BLOCKS_ALONG_C, KIND == 8, SR, OUT, BF16)
+        x = _nv_quant_tile(x, u, aux_ptr, R, C, BLOCKS_ALONG_C, KIND == 8, SR, OUT, BF16, FACTORED)
     elif KIND >= 4:
         x = _fp8_quant_tile(
             x, aux_ptr, KIND, R, C, BLOCKS_ALONG_C, MBITS, EMIN, VMAX, OUT, BF16, BIG
@@ -812,6 +834,7 @@ def _qgemm_kernel(
     b_aux_ptr,
     a_u_ptr,
     b_u_ptr,
+    alpha_ptr,
     A_KIND: tl.constexpr,
     A_MBITS: tl.constexpr,
     A_EMIN: tl.constexpr,
@@ -828,6 +851,7 @@ def _qgemm_kernel(
     BIG: tl.constexpr,
     IEEE: tl.constexpr,
     UPCAST: tl.constexpr,
+    FACTORED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -859,11 +883,11 @@ def _qgemm_kernel(
         b = tl.load(b_ptr + b_offs, mask=b_in, other=0.0)
         a = _quant_operand(
             a, a_u_ptr, a_offs, a_in, a_aux_ptr, A_KIND, A_MBITS, A_EMIN, A_VMAX, A_EMAX, A_SR,
-            BLOCK_M, BLOCK_K, True, a_ptr.dtype.element_ty, BF16, BIG,
+            BLOCK_M, BLOCK_K, True, a_ptr.dtype.element_ty, BF16, BIG, FACTORED,
         )  # fmt: skip
         b = _quant_operand(
             b, b_u_ptr, b_offs, b_in, b_aux_ptr, B_KIND, B_MBITS, B_EMIN, B_VMAX, B_EMAX, B_SR,
-            BLOCK_K, BLOCK_N, False, b_ptr.dtype.element_ty, BF16, BIG,
+            BLOCK_K, BLOCK_N, False, b_ptr.dtype.element_ty, BF16, BIG, FACTORED,
         )  # fmt: skip
         if UPCAST:  # the interpreter multiplies bf16 as its raw bits: exact float32 instead
             acc = tl.dot(load_f32(a, BF16), load_f32(b, BF16), acc, input_precision="ieee")
@@ -871,6 +895,8 @@ def _qgemm_kernel(
             acc = tl.dot(a, b, acc, input_precision="ieee")
         else:
             acc = tl.dot(a, b, acc)
+    if FACTORED:  # the operands' per-tensor scales, once, on the float32 result
+        acc = acc * tl.load(alpha_ptr)
     c = store_as(acc, c_ptr.dtype.element_ty, BF16)
     c_offs = batch * scb + rm[:, None].to(tl.int64) * scm + rn[None, :].to(tl.int64) * scn
     tl.store(c_ptr + c_offs, c, mask=(rm[:, None] < M) & (rn[None, :] < N))
@@ -898,28 +924,42 @@ def gemm_operand(fmt: str, backward: bool) -> tuple[int, int, int, float, int]:
 
 
 def _operand_aux(
-    t: torch.Tensor, kind: int, backward: bool, rand: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    t: torch.Tensor,
+    kind: int,
+    backward: bool,
+    rand: torch.Tensor | None,
+    factored: bool = False,
+    scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, bool, torch.Tensor | None]:
     """What an operand's tile loop reads besides it: the per-tensor scale and its reciprocal
-    (``fp8-tensor``) or amax (NVFP4), float32; the random bits of stochastic rounding laid
-    out like ``t`` (uint8); whether they are read."""
+    (``fp8-tensor``; ``factored``: 1 for the reciprocal, the codes left as they are) or amax
+    (NVFP4), float32; the random bits of stochastic rounding laid out like ``t`` (uint8);
+    whether they are read; and (``factored``) the per-tensor scale the result takes for this
+    operand (None: none), or ``scale`` where the operand enters already quantized."""
     aux = t
+    factor = scale
     if kind == GEMM_FP8_TENSOR:
         from .quantpatch_fp8 import finite_amax, tensor_scales
 
         vmax = _ELEMENTS["e5m2" if backward else "e4m3"][2]
         scale, scale_inv = tensor_scales(finite_amax(t), vmax, t.dtype)
+        if factored:
+            factor, scale_inv = scale_inv.reshape(()), torch.ones_like(scale_inv)
         aux = torch.stack([scale.reshape(()), scale_inv.reshape(())]).to(torch.float32)
     elif kind in (GEMM_NVFP4, GEMM_NVFP4_2D):
         amax = torch.where(torch.isfinite(t), t.abs(), torch.zeros_like(t)).amax()
         aux = amax.to(torch.float32).reshape(1)
+        if factored:
+            from .quantpatch_nvfp4 import tensor_decode
+
+            factor = tensor_decode(aux)
     if rand is None or kind not in (GEMM_NVFP4, GEMM_NVFP4_2D):
-        return aux, t, False
+        return aux, t, False, factor
     u = torch.empty_like(t, dtype=torch.uint8)
     u.copy_(rand.reshape(t.shape))
     if u.stride() != t.stride():
         raise AssertionError("random bits laid out unlike their operand")
-    return aux, u, True
+    return aux, u, True, factor
 
 
 def quant_gemm(
@@ -931,6 +971,9 @@ def quant_gemm(
     b_backward: bool = False,
     a_rand: torch.Tensor | None = None,
     b_rand: torch.Tensor | None = None,
+    factored: bool = False,
+    a_scale: torch.Tensor | None = None,
+    b_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``torch.matmul(fake_quant(a, a_fmt, dim=-1), fake_quant(b, b_fmt, dim=-2))`` in one
     kernel: ``a`` ``[M, K]`` or ``[batch, M, K]``, ``b`` ``[K, N]`` or ``[batch, K, N]`` (a 2-D
@@ -939,7 +982,11 @@ def quant_gemm(
     ``fmt``: a value's element format (``fp8-block-2d`` / ``nvfp4-2d``: a weight's tiles);
     ``a_rand`` / ``b_rand``: NVFP4's 8 random bits per element (uint8, the operand's shape)
     where that operand rounds stochastically; the per-tensor amax of ``fp8-tensor`` and
-    NVFP4 is taken (one torch reduction) before the launch."""
+    NVFP4 is taken (one torch reduction) before the launch. ``factored`` (bf16 and fp16: see
+    ``quantpatch_quantize``'s ``factors``): the tiles of ``fp8-tensor`` and NVFP4 operands are
+    code x block scale, and their per-tensor scales multiply the float32 accumulator once,
+    before its rounding to the output dtype; ``a_scale`` / ``b_scale``: that scale of an
+    operand that enters already quantized (``bf16``, from the weight cache)."""
     if a.dtype != b.dtype or a.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"quant_gemm takes bf16, fp16 or fp32 operands, not {a.dtype}, {b.dtype}")
     if a.dim() not in (2, 3) or b.dim() not in (2, 3) or a.shape[-1] != b.shape[-2]:
@@ -971,18 +1018,26 @@ def quant_gemm(
             raise ValueError("quant_gemm: random bits belong to an NVFP4 operand, its shape")
     if (ak == GEMM_FP8_TILE and a.dim() == 3) or (bk == GEMM_FP8_TILE and b.dim() == 3):
         raise ValueError("quant_gemm: 128 x 128 weight tiles need a 2-D operand")
-    a_aux, a_u, a_sr = _operand_aux(a, ak, a_backward, a_rand)
-    b_aux, b_u, b_sr = _operand_aux(b, bk, b_backward, b_rand)
+    a_aux, a_u, a_sr, a_f = _operand_aux(a, ak, a_backward, a_rand, factored, a_scale)
+    b_aux, b_u, b_sr, b_f = _operand_aux(b, bk, b_backward, b_rand, factored, b_scale)
+    # the two scales' product, rounded once (as quantpatch_quantize.scaled_matmul takes it)
+    alpha = torch.ones(1, dtype=torch.float32, device=a.device)
+    factors = [f for f in (a_f, b_f) if f is not None]
+    if factors:
+        f = factors[0] if len(factors) == 1 else factors[0] * factors[1]
+        alpha = f.to(device=a.device, dtype=torch.float32).reshape(1)
 
     def grid(meta: dict[str, Any]) -> tuple[int, int]:
         return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), batch)
 
     _qgemm_kernel[grid](
         a, b, c3, m, n, k, sab, sam, sak, sbb, sbk, sbn, *c3.stride(), a_aux, b_aux, a_u, b_u,
+        alpha,
         A_KIND=ak, A_MBITS=am, A_EMIN=aemin, A_VMAX=avmax, A_EMAX=aemax, A_SR=a_sr,
         B_KIND=bk, B_MBITS=bm, B_EMIN=bemin, B_VMAX=bvmax, B_EMAX=bemax, B_SR=b_sr,
         BF16=a.dtype == torch.bfloat16, BIG=float(torch.finfo(a.dtype).max),
         IEEE=a.dtype == torch.float32,
         UPCAST=_interpreting() and a.dtype == torch.bfloat16,
+        FACTORED=factored,
     )  # fmt: skip
     return c

@@ -31,14 +31,19 @@ with ``QUANTPATCH_SR_SEED`` + ``RANK``; ``reset_sr_generators()``), ``quantpatch
 transform) and ``quantpatch_paretoq.py`` (ParetoQ's weights: the layer holds the step and
 quantizes its weight itself, so the products leave ParetoQ operands as they are).
 
-The products quantize both operands along the reduction dimension. ``backward=True`` (at
-Megatron's dgrad and wgrad sites, whose first operand is the output gradient) gives the
-gradient element and rounding to both operands where an entry's ``backward`` is ``all``, and
-to the first alone where it is ``grad_output`` (``GRADIENT_OPERAND_ONLY``), the other keeping
-its forward element and nearest-even rounding. A value with an operand format of its own for
-weights (``nvfp4-2d``'s 16 x 16 tiles, ``fp8-block``'s 128 x 128) gives it to the weight
-alone: the operand ``quant_matmul``'s ``weight=`` names (init's linear sites name it), else a
-2-D ``torch.nn.Parameter`` or a view of one such as ``weight.t()``.
+The products quantize both operands along the reduction dimension. In bf16 and fp16 a value
+with a per-tensor float32 scale (``fp8-tensor``, the delayed values, NVFP4) hands each operand
+to the product as code x block scale, exact in that dtype, and its per-tensor scale multiplies
+the float32 result once, as a tensor core applies it (``quantpatch_quantize``'s section on
+factored operands); other values and float32 products multiply the fake-quantized operands.
+``backward=True`` (at Megatron's dgrad and wgrad sites, whose first operand is the output
+gradient) gives the gradient element and rounding to both operands where an entry's
+``backward`` is ``all``, and to the first alone where it is ``grad_output``
+(``GRADIENT_OPERAND_ONLY``), the other keeping its forward element and nearest-even rounding. A
+value with an operand format of its own for weights (``nvfp4-2d``'s 16 x 16 tiles,
+``fp8-block``'s 128 x 128) gives it to the weight alone: the operand ``quant_matmul``'s
+``weight=`` names (init's linear sites name it), else a 2-D ``torch.nn.Parameter`` or a view of
+one such as ``weight.t()``.
 
 The MX and HiF8 arithmetic is exact float32 work on powers of two (``frexp``/``ldexp``), so
 the result is the same on CPU and CUDA and for bf16, fp16 and fp32 inputs; NVFP4's divisions
@@ -111,8 +116,10 @@ from .quantpatch_paretoq import (
     paretoq_weight,
 )
 from .quantpatch_paretoq import add_weight_scales as _paretoq_add_weight_scales
+from .quantpatch_quantize import factored_product as _factored_product
+from .quantpatch_quantize import factors as _factors
 from .quantpatch_quantize import interpreted as _interpreted
-from .quantpatch_quantize import kernels_in_use, quantize, require_capability
+from .quantpatch_quantize import kernels_in_use, quantize, quantize_factored, require_capability
 from .quantpatch_weights import fused_product as _fused_product
 from .quantpatch_weights import (
     gemm_choices,
@@ -122,6 +129,7 @@ from .quantpatch_weights import (
     weight_cache_stats,
 )
 from .quantpatch_weights import is_weight as _is_weight
+from .quantpatch_weights import weight_factored as _weight_factored
 from .quantpatch_weights import weight_fake_quant as _weight_fake_quant
 
 NV_FORMATS = formats.names(family="nvfp4")
@@ -276,6 +284,24 @@ def _q(
     return fake_quant(x, fmt, dim=dim, backward=backward)
 
 
+def _qf(
+    x: torch.Tensor, fmt: str, dim: int, backward: bool, weight: bool | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``x``'s operand for a product that factors its per-tensor scale out
+    (``quantpatch_quantize``'s section on factored operands): code x block scale in ``x``'s
+    dtype and the float32 scale; a weight (as ``_q`` tells it) through the once-per-step
+    cache. Gradients are the product's (``factored_product``)."""
+    with torch.no_grad():
+        if _is_weight(x) if weight is None else weight:
+            return _weight_factored(x, fmt, dim, backward)
+        return quantize_factored(x, fmt, dim, backward)
+
+
+def _factored(fmt: str, a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the product of ``a`` and ``b`` under ``fmt`` takes factored operands."""
+    return a.dtype == b.dtype and _factors(fmt, a.dtype)
+
+
 def _cached_q(x: torch.Tensor, fmt: str, dim: int, backward: bool) -> torch.Tensor:
     """``_q`` for a weight operand (a weight or a view of one): quantized once per step
     through the cache, the straight-through gradient reaching the weight under autograd."""
@@ -327,6 +353,9 @@ def quant_matmul(
     fused = _fused_product(a, b, fmt, backward, b_backward, fa, fb)
     if fused is not None:
         return fused
+    if _factored(fmt, a, b):  # code x block scale; the tensor scales on the float32 result
+        qa = _qf(a, fa, -1, backward, wa)
+        return _factored_product(a, b, qa, _qf(b, fb, bdim, b_backward, wb))
     return torch.matmul(_q(a, fa, -1, backward, wa), _q(b, fb, bdim, b_backward, wb))
 
 
@@ -342,6 +371,9 @@ def quant_bmm(
         fused = _fused_product(a, b, fmt, backward, backward and not nv, fa, fb)
         if fused is not None:
             return fused
+    if _factored(fmt, a, b):
+        qa = _qf(a, fa, -1, backward)
+        return _factored_product(a, b, qa, _qf(b, fb, -2, backward and not nv))
     return torch.bmm(_q(a, fa, -1, backward), _q(b, fb, -2, backward and not nv))
 
 
@@ -365,6 +397,10 @@ def quant_baddbmm(
         fused = _fused_product(batch1, batch2, fmt, backward, backward and not nv, f1, f2)
         if fused is not None:
             return fused if alpha == 1 else fused * alpha
+    if beta == 0 and _factored(fmt, batch1, batch2):
+        q1f = _qf(batch1, f1, -1, backward)
+        out = _factored_product(batch1, batch2, q1f, _qf(batch2, f2, -2, backward and not nv))
+        return out if alpha == 1 else out * alpha
     q1 = _q(batch1, f1, -1, backward)
     q2 = _q(batch2, f2, -2, backward and not nv)
     if beta == 0:

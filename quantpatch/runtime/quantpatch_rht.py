@@ -45,8 +45,8 @@ from typing import Any
 import torch
 
 from . import quantpatch_env as env
-from .quantpatch_nvfp4 import nvfp4, sr_bits
-from .quantpatch_quantize import require_capability
+from .quantpatch_nvfp4 import nvfp4, nvfp4_factored, sr_bits, tensor_decode
+from .quantpatch_quantize import factored_product, factors, require_capability
 
 RHT_BLOCK = 16
 SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
@@ -185,6 +185,24 @@ def rht_fake_quant(
     return reference_rht_fake_quant(x, dim, bits)
 
 
+def rht_factored(
+    x: torch.Tensor, dim: int = -1, *, backward: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rht_fake_quant`` with the tensor's scale factored out: ``(t, f)``, ``t`` the
+    transformed tensor's codes times their block scales in ``x``'s dtype (exact), ``f`` the
+    per-tensor float32 factor the product's result takes (``quantpatch_quantize``'s section
+    on factored operands)."""
+    check_length(x, dim)
+    bits = sr_bits(x) if backward else None
+    if x.numel() == 0:
+        return torch.empty_like(x), torch.ones((), dtype=torch.float32, device=x.device)
+    if _use_kernels(x):
+        amax: list[torch.Tensor] = []
+        out = _kernels_module.rht_nvfp4(x, dim, bits, transform_matrix(x.device), amax)
+        return out, tensor_decode(amax[0])
+    return nvfp4_factored(rht(x, dim), dim, False, bits)
+
+
 def reference_rht_fake_quant(x: torch.Tensor, dim: int, bits: torch.Tensor | None) -> torch.Tensor:
     """The PyTorch reference of ``rht_fake_quant`` (``bits``: 8 random bits per element, or
     None for nearest even)."""
@@ -214,6 +232,11 @@ class _StraightThrough(torch.autograd.Function):
 
 def _product(a: torch.Tensor, b: torch.Tensor, backward: bool, quantize: bool) -> torch.Tensor:
     bdim = -2 if b.dim() > 1 else -1
+    if quantize and a.dtype == b.dtype and factors("nvfp4-rht", a.dtype):
+        fa = rht_factored(a, -1, backward=backward)
+        fb = rht_factored(b, bdim, backward=False)
+        with torch.no_grad():  # straight through: _StraightThrough's backward, not this
+            return factored_product(a, b, fa, fb)
     qa = rht_fake_quant(a, -1, backward=backward, quantize=quantize)
     qb = rht_fake_quant(b, bdim, backward=False, quantize=quantize)
     out = torch.matmul(qa, qb)
