@@ -273,7 +273,7 @@ def test_fused_gemm_factors_the_tensor_scales_out_of_its_tile_loop(
     the separate path's; a weight from the cache enters with its scale."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("interpreter only")
-    kernels = qz.kernels()
+    kernels = qz.gemm_kernels()
     gen = torch.Generator().manual_seed(5)
     a = (torch.randn(32, 64, generator=gen) * 4).to(torch.bfloat16)
     w = torch.nn.Parameter(torch.randn(48, 64, generator=gen).to(torch.bfloat16))

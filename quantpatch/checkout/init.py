@@ -7,7 +7,8 @@ the modules it imports (``quantpatch_mx.py``, ``quantpatch_nvfp4.py``, ``quantpa
 ``quantpatch_quantize.py``, ``quantpatch_weights.py``, ``quantpatch_rht.py`` (the Hadamard
 transform of ``nvfp4-rht``), ``quantpatch_layers.py`` (the BF16 layer policy's hooks, whose
 policy literal ``init`` puts in the linear file): one concern each),
-``megatron/core/quantpatch_kernels.py``, ``quantpatch_rht_kernels.py`` and
+``megatron/core/quantpatch_kernels.py``, ``quantpatch_fp8_kernels.py``,
+``quantpatch_rht_kernels.py``, ``quantpatch_gemm_kernels.py`` and
 ``megatron/core/quantpatch_flash.py`` (verbatim copies of ``quantpatch/runtime/``: the ops,
 their fused Triton kernels for CUDA tensors, and the flash-attention kernels): a recorded
 install, so ``init --remove`` restores the original bytes exactly.

@@ -32,6 +32,7 @@ KERNELS_MODULE = "megatron/core/quantpatch_kernels.py"
 FLASH_MODULE = "megatron/core/quantpatch_flash.py"
 RHT_KERNELS_MODULE = "megatron/core/quantpatch_rht_kernels.py"
 FP8_KERNELS_MODULE = "megatron/core/quantpatch_fp8_kernels.py"
+GEMM_KERNELS_MODULE = "megatron/core/quantpatch_gemm_kernels.py"
 SAVER_MODULE = "megatron/core/tensor_saver.py"
 SAVER_PARTS = (
     "__init__",
@@ -75,6 +76,7 @@ RUNTIME_MODULES = {
     KERNELS_MODULE: "runtime/quantpatch_kernels.py",
     RHT_KERNELS_MODULE: "runtime/quantpatch_rht_kernels.py",
     FP8_KERNELS_MODULE: "runtime/quantpatch_fp8_kernels.py",
+    GEMM_KERNELS_MODULE: "runtime/quantpatch_gemm_kernels.py",
     FLASH_MODULE: "runtime/quantpatch_flash.py",
 }
 
@@ -85,7 +87,10 @@ the checkouts it rewrote older and ``upgrade`` re-applies it."""
 
 MODULE_PARTS = {
     "ops": (INIT, OPS_MODULES),
-    "kernels": (INIT, (KERNELS_MODULE, RHT_KERNELS_MODULE, FP8_KERNELS_MODULE)),
+    "kernels": (
+        INIT,
+        (KERNELS_MODULE, RHT_KERNELS_MODULE, FP8_KERNELS_MODULE, GEMM_KERNELS_MODULE),
+    ),
     "flash": (INIT, (FLASH_MODULE,)),
     "saver": (SAVER, SAVER_MODULES),
 }

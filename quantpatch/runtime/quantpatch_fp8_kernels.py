@@ -115,19 +115,20 @@ def _fp8_tile_kernel(
 ):
     """One 128 x 128 tile of a contiguous ``[batch, rows, cols]`` tensor per program, read in
     chunks of CHUNK rows twice (its amax, then its elements): a whole tile in registers took
-    all of them and spilled."""
+    all of them and spilled, and so did the chunks unrolled (``tl.static_range``: ptxas
+    hoisted their loads), so both passes are loops."""
     pid_b = tl.program_id(2).to(tl.int64)
     c = tl.program_id(1) * TILE + tl.arange(0, TILE)
-    amax = 0.0
-    for i in tl.static_range(0, TILE, CHUNK):
+    amax = tl.zeros((1,), tl.float32)
+    for i in range(0, TILE, CHUNK):
         r = tl.program_id(0) * TILE + i + tl.arange(0, CHUNK)
         offs = pid_b * rows * cols + r[:, None].to(tl.int64) * cols + c[None, :]
         inside = (r[:, None] < rows) & (c[None, :] < cols)
         v = load_f32(tl.load(x_ptr + offs, mask=inside, other=0.0), BF16)
         clean = tl.where(tl.abs(v) < float("inf"), v, 0.0)
         amax = tl.maximum(amax, tl.max(tl.max(tl.abs(clean), axis=1), axis=0))
-    e = pow2_exponent(tl.full((1,), 0.0, tl.float32) + amax, BIG)  # [1]
-    for i in tl.static_range(0, TILE, CHUNK):
+    e = pow2_exponent(amax, BIG)  # [1]
+    for i in range(0, TILE, CHUNK):
         r = tl.program_id(0) * TILE + i + tl.arange(0, CHUNK)
         offs = pid_b * rows * cols + r[:, None].to(tl.int64) * cols + c[None, :]
         inside = (r[:, None] < rows) & (c[None, :] < cols)

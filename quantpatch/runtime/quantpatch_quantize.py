@@ -87,6 +87,26 @@ def _fp8_kernels() -> Any:
     return _fp8_kernels_module
 
 
+_gemm_kernels_module: Any = None
+_gemm_kernels_error: str | None = None
+
+
+def _gemm_kernels() -> Any:
+    """The quantized GEMM's module beside this one (``quantpatch_gemm_kernels.py``), or None
+    where it or the kernels it shares cannot be imported (:func:`kernels_error` says why)."""
+    global _gemm_kernels_module, _gemm_kernels_error
+    if _kernels() is None:
+        return None
+    if _gemm_kernels_module is None and _gemm_kernels_error is None:
+        try:
+            from . import quantpatch_gemm_kernels
+        except Exception as exc:  # an older checkout without it: the separate path runs
+            _gemm_kernels_error = f"{type(exc).__name__}: {exc}"
+        else:
+            _gemm_kernels_module = quantpatch_gemm_kernels
+    return _gemm_kernels_module
+
+
 def _kernel_mode() -> str:
     return env.kernels()
 
@@ -494,10 +514,12 @@ def factored_product(
 # the names the other runtime modules use (nothing outside this module takes its private names)
 KERNEL_DTYPES = _KERNEL_DTYPES
 kernels = _kernels
+gemm_kernels = _gemm_kernels
 kernel_mode = _kernel_mode
 interpreted = _interpreted
 
 
 def kernels_error() -> str | None:
-    """Why the Triton kernels could not be imported (None: they were, or were not tried)."""
-    return _kernels_error
+    """Why the Triton kernels (or the GEMM's, beside them) could not be imported (None: they
+    were, or were not tried)."""
+    return _kernels_error or _gemm_kernels_error

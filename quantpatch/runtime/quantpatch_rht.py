@@ -45,10 +45,14 @@ from typing import Any
 import torch
 
 from . import quantpatch_env as env
+from . import quantpatch_formats as formats
 from .quantpatch_nvfp4 import nvfp4, nvfp4_factored, sr_bits, tensor_decode
 from .quantpatch_quantize import factored_product, factors, require_capability
 
 RHT_BLOCK = 16
+_VALUE = formats.names(family="nvfp4", rht=True)[0]
+"""The value this module computes, and the operand format its transformed operands take."""
+_OPERAND = formats.names(family="nvfp4", rht=False, tiled=False)[0]
 SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
 """TE's fixed sign vector ``s`` (``get_wgrad_sign_vector``) of the transform
 ``diag(s) @ H16 / 4`` (documented in docs/formats.md): the same for every tensor and step."""
@@ -230,7 +234,28 @@ class _StraightThrough(torch.autograd.Function):
         return ga, gb, None, None
 
 
+def _fused(a: torch.Tensor, b: torch.Tensor, backward: bool) -> torch.Tensor | None:
+    """The quantized product through the fused GEMM (``quantpatch_weights``' choice, as for
+    every value whose entry says ``fused_gemm``), or None where the separate path computes it.
+    The transform cannot join the GEMM's tile loop: NVFP4's per-tensor scale is the amax of
+    the *transformed* operand, known only after a pass over all of it, so both operands are
+    transformed first (in their dtype, as the separate path's kernel rounds them) and the
+    NVFP4 GEMM quantizes the transformed tiles as it loads them; the random bits of the first
+    operand's stochastic rounding are drawn in the separate path's order (it alone draws)."""
+    mode = env.gemm()
+    if mode == "separate" or (mode == "auto" and (backward or not a.is_cuda)) or b.dim() < 2:
+        return None  # auto never fuses stochastic rounding, nor on CPU: not worth transforming
+    check_length(a, -1)
+    check_length(b, -2)
+    from .quantpatch_weights import fused_product
+
+    return fused_product(rht(a, -1), rht(b, -2), _VALUE, backward, False, _OPERAND, _OPERAND)
+
+
 def _product(a: torch.Tensor, b: torch.Tensor, backward: bool, quantize: bool) -> torch.Tensor:
+    fused = _fused(a, b, backward) if quantize else None
+    if fused is not None:
+        return fused.to(torch.promote_types(a.dtype, b.dtype))
     bdim = -2 if b.dim() > 1 else -1
     if quantize and a.dtype == b.dtype and factors("nvfp4-rht", a.dtype):
         fa = rht_factored(a, -1, backward=backward)

@@ -25,9 +25,9 @@ from .quantpatch_quantize import (
     quantize_factored,
     require_capability,
 )
+from .quantpatch_quantize import gemm_kernels as _gemm_kernels
 from .quantpatch_quantize import interpreted as _interpreted
 from .quantpatch_quantize import kernel_mode as _kernel_mode
-from .quantpatch_quantize import kernels as _kernels
 
 
 def _is_weight(t: torch.Tensor) -> bool:
@@ -257,14 +257,17 @@ def _weight_quant(
 #
 # ``quant_matmul``, ``quant_bmm`` and ``quant_baddbmm`` (``beta == 0``) have two ways to
 # compute a quantized product: *separate* (two fake-quant kernels, then ``torch.matmul`` of
-# the quantized operands: the path above) and *fused* (``quantpatch_kernels.quant_gemm``, one
-# Triton GEMM that quantizes each operand tile as it loads it; no quantized copy is written).
+# the quantized operands: the path above) and *fused* (``quantpatch_gemm_kernels.quant_gemm``,
+# one Triton GEMM that quantizes each operand tile as it loads it; no quantized copy is
+# written).
 # ``QUANTPATCH_GEMM`` chooses: ``auto`` (default: on CUDA, both are timed once per problem,
 # i.e. shapes, layouts, dtype, format and direction, on its first call, and the faster is kept
 # for the process, see ``gemm_choices()``; CPU tensors and ``QUANTPATCH_KERNELS=reference``
 # take the separate path), ``separate`` (always), ``fused`` (wherever the GEMM applies; CPU
-# tensors need ``TRITON_INTERPRET=1``). The fused GEMM applies to every value but
-# ``nvfp4-rht`` (its Hadamard transform comes first) and ParetoQ, for a bf16, fp16 or fp32
+# tensors need ``TRITON_INTERPRET=1``). The fused GEMM applies to the values whose spec entry
+# says ``fused_gemm`` (``_GEMM_FORMATS``; every other value takes the separate path, whatever
+# ``QUANTPATCH_GEMM`` says; ``nvfp4-rht`` reaches it from ``quantpatch_rht`` with its operands
+# transformed first, as NVFP4 operands), for a bf16, fp16 or fp32
 # product outside autograd (Megatron's linear layer computes its forward, dgrad and wgrad
 # products inside its own autograd function: there it applies; a product whose operands need
 # gradients keeps the quantized operands for its backward, so it is separate). Each operand
@@ -380,7 +383,7 @@ def _fused_product(
             "kernels run on CUDA tensors only; set TRITON_INTERPRET=1 to interpret them on CPU "
             "tensors, or QUANTPATCH_GEMM=auto."
         )
-    if _kernels() is None:
+    if _gemm_kernels() is None:
         if mode == "fused":
             raise RuntimeError(f"QUANTPATCH_GEMM=fused, but {kernels_error()}")
         return None
@@ -394,7 +397,7 @@ def _fused_product(
     b_rand = sr_bits(qb) if b_backward and fb in NVFP4_FORMATS else None
 
     def fused() -> torch.Tensor:
-        out: torch.Tensor = _kernels().quant_gemm(
+        out: torch.Tensor = _gemm_kernels().quant_gemm(
             qa, qb, fa, fb, a_backward, b_backward, a_rand, b_rand, factored, sa, sb
         )
         return out
