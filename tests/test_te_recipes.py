@@ -24,8 +24,22 @@ TE = {  # scheme -> (value, --fp8-format, --fp8-recipe)
     "te_mxfp8_e4m3": ("mxfp8-rceil", "e4m3", "mxfp8"),
     "te_mxfp8_hybrid": ("mxfp8-rceil-hybrid", "hybrid", "mxfp8"),
     "te_tensorwise_hybrid": ("fp8-tensor", "hybrid", "tensorwise"),
+    "te_tensorwise_e4m3": ("fp8-tensor-e4m3", "e4m3", "tensorwise"),
     "te_blockwise_e4m3": ("fp8-block", "e4m3", "blockwise"),
+    "te_blockwise_hybrid": ("fp8-block-hybrid", "hybrid", "blockwise"),
+    "te_delayed_hybrid": ("fp8-delayed", "hybrid", "delayed"),
+    "te_delayed_e4m3": ("fp8-delayed-e4m3", "e4m3", "delayed"),
 }
+"""Every (--fp8-format, --fp8-recipe) pair core_v0.13.1 accepts (fp8_utils.get_fp8_recipe: TE's
+DelayedScaling, Float8CurrentScaling, Float8BlockScaling and MXFP8BlockScaling, each in E4M3
+and HYBRID), one scheme each."""
+
+
+def test_every_format_and_recipe_pair_megatron_accepts_is_a_scheme():
+    assert {(f, r) for _, f, r in TE.values()} == {
+        (f, r) for f in ("e4m3", "hybrid") for r in ("delayed", "tensorwise", "blockwise", "mxfp8")
+    }
+    assert {v: RECIPE_FLAGS[v] for v, *_ in TE.values()} == RECIPE_FLAGS
 
 
 def test_each_recipe_is_a_scheme_with_its_megatron_flags_and_a_native_twin():
@@ -72,10 +86,6 @@ def test_first_last_layers_and_the_native_twin_of_a_config_scheme(tmp_path):
 @pytest.mark.parametrize(
     ("text", "said"),
     [
-        (  # Megatron hands --no-fp8-wgrad to the delayed recipe only
-            "linear = 'fp8-tensor'\nqk = 'bf16'\npv = 'bf16'\nte_recipe = true\nfp8_wgrad = false",
-            "hands --no-fp8-wgrad to its delayed recipe only and runs --fp8-recipe tensorwise",
-        ),
         (
             "linear = 'mxfp8'\nqk = 'bf16'\npv = 'bf16'\nfirst_last_layers_bf16 = true",
             "add te_recipe = true",
@@ -94,19 +104,67 @@ def test_a_scheme_megatron_cannot_run_is_refused_naming_the_field(tmp_path, text
         load_registry(_config(tmp_path, f"[schemes.x]\n{text}\n"))
 
 
-def test_no_fp8_wgrad_where_megatron_honours_it(tmp_path, monkeypatch):
-    """The delayed recipe takes --no-fp8-wgrad and refuses BF16 first and last layers (a
-    delayed value stood in for by a table entry: the rule is the recipe's, not the value's)."""
-    monkeypatch.setitem(RECIPE_FLAGS, "fp8-tensor", ("hybrid", "delayed"))
-    head = "[schemes.x]\nlinear = 'fp8-tensor'\nqk = 'bf16'\npv = 'bf16'\nte_recipe = true\n"
+def test_no_fp8_wgrad_where_megatron_honours_it(tmp_path):
+    """The delayed schemes take --no-fp8-wgrad (the weight gradient in BF16: fprop and dgrad
+    keep the delayed value) and refuse BF16 first and last layers, as Megatron does; their
+    native twin runs the same flags."""
+    head = "[schemes.x]\nlinear = 'fp8-delayed'\nqk = 'bf16'\npv = 'bf16'\nte_recipe = true\n"
     x = load_registry(_config(tmp_path, head + "fp8_wgrad = false\n")).schemes["x"]
     assert x.values() == {
-        "fprop": "fp8-tensor", "dgrad": "fp8-tensor", "wgrad": "bf16",
+        "fprop": "fp8-delayed", "dgrad": "fp8-delayed", "wgrad": "bf16",
         "qk": "bf16", "pv": "bf16", "bf16_layers": "output",
     }  # fmt: skip
-    assert x.megatron_flags()[-1] == "--no-fp8-wgrad"
+    assert x.megatron_flags() == [
+        "--fp8-format", "hybrid", "--fp8-recipe", "delayed", "--no-fp8-wgrad"
+    ]  # fmt: skip
+    assert "--wgrad bf16" in " ".join(x.set_options())
+    # a shipped delayed scheme with the field, field by field, and its native twin
+    reg = load_registry(_config(tmp_path, "[schemes.te_delayed_e4m3]\nfp8_wgrad = false\n"))
+    assert reg.schemes["te_delayed_e4m3"].values()["wgrad"] == "bf16"
+    assert reg.schemes["native_delayed_e4m3"].argv()[-1] == "--no-fp8-wgrad"
     with pytest.raises(UserError, match="with the delayed recipe, which Megatron refuses"):
         load_registry(_config(tmp_path, head + "first_last_layers_bf16 = true\n"))
+
+
+@pytest.mark.parametrize("value", ["fp8-tensor", "fp8-block-hybrid", "mxfp8-rceil"])
+def test_no_fp8_wgrad_elsewhere_is_refused_naming_the_schemes_that_honour_it(tmp_path, value):
+    """fp8_wgrad = false on a tensorwise, blockwise or MXFP8 scheme: Megatron runs its weight
+    gradient in FP8 regardless, so the scheme is refused in one sentence naming the delayed
+    values and schemes; the advice (a delayed value) followed, the scheme loads."""
+    recipe = RECIPE_FLAGS[value][1]
+    body = "qk = 'bf16'\npv = 'bf16'\nte_recipe = true\nfp8_wgrad = false\n"
+    with pytest.raises(UserError) as err:
+        load_registry(_config(tmp_path, f"[schemes.x]\nlinear = '{value}'\n{body}"))
+    said = str(err.value)
+    assert said.count(". ") == 0 and said.endswith(".")  # one sentence
+    assert f"hands --no-fp8-wgrad to its delayed recipe only and runs --fp8-recipe {recipe}" in said
+    assert (
+        "fp8-delayed or fp8-delayed-e4m3: the schemes te_delayed_hybrid and te_delayed_e4m3" in said
+    )
+    for delayed in ("fp8-delayed", "fp8-delayed-e4m3"):  # the advice
+        reg = load_registry(_config(tmp_path, f"[schemes.x]\nlinear = '{delayed}'\n{body}"))
+        assert reg.schemes["x"].megatron_flags()[-1] == "--no-fp8-wgrad"
+    reg = load_registry(_config(tmp_path, "[schemes.te_delayed_hybrid]\nfp8_wgrad = false\n"))
+    assert reg.schemes["te_delayed_hybrid"].values()["wgrad"] == "bf16"
+
+
+def test_set_takes_no_fp8_wgrad_under_a_delayed_value_and_check_expects_it(run, make_checkout):
+    """``set`` of a delayed value on fprop and dgrad with the weight gradient in BF16 (what a
+    delayed scheme with fp8_wgrad = false sets) is accepted and checked; a delayed value beside
+    any other quantized weight gradient stays refused."""
+    from .conftest import snapshot
+
+    root = make_checkout("0.13.1")
+    before = snapshot(root)
+    res = run("set", "--repo", root, "--fprop", "fp8-delayed", "--dgrad", "fp8-delayed",
+              "--wgrad", "fp8-tensor")  # fmt: skip
+    assert res.code == 2 and "--wgrad bf16 for Megatron's --no-fp8-wgrad" in res.err, res
+    assert snapshot(root) == before
+    res = run("set", "--repo", root, "--fprop", "fp8-delayed", "--dgrad", "fp8-delayed",
+              "--wgrad", "bf16", "--no-branch")  # fmt: skip
+    assert res.code == 0, res
+    want = "fprop=fp8-delayed,dgrad=fp8-delayed,wgrad=bf16"
+    assert run("check", "--repo", root, "--expect", want).code == 0
 
 
 # -- Megatron's own policy, from its get_fp8_context -----------------------------------------
@@ -368,8 +426,12 @@ CASES = [  # (scheme or config fields, Megatron's flags)
             "num_layers_at_start_in_bf16": 2,
         },
     ),
+    ("te_tensorwise_e4m3", {"fp8": "e4m3", "fp8_recipe": "tensorwise"}),
+    ("te_blockwise_hybrid", {"fp8": "hybrid", "fp8_recipe": "blockwise"}),
+    ("te_delayed_hybrid", {"fp8": "hybrid", "fp8_recipe": "delayed"}),
+    ("te_delayed_e4m3", {"fp8": "e4m3", "fp8_recipe": "delayed"}),
     (  # --no-fp8-wgrad where Megatron honours it (delayed): the GEMMs it places in bf16
-        "linear = 'fp8-tensor'\nwgrad = 'bf16'\nbf16_layers = 'output'",
+        "linear = 'fp8-delayed'\nte_recipe = true\nfp8_wgrad = false",
         {"fp8": "hybrid", "fp8_recipe": "delayed", "fp8_wgrad": False},
     ),
 ]

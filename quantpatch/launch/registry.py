@@ -468,10 +468,13 @@ def _check_scheme(name: str, e: dict[str, Any], where: str, names: set[str]) -> 
                 "does not support first / last layers in BF16); drop one of them."
             )
         if e.get("fp8_wgrad") is False and recipe not in HONOURS_NO_FP8_WGRAD:
+            honour = [v for v, (_, r) in RECIPE_FLAGS.items() if r in HONOURS_NO_FP8_WGRAD]
             raise UserError(
                 f"{where}: scheme '{name}' sets fp8_wgrad = false, but Megatron hands "
                 f"--no-fp8-wgrad to its {' and '.join(HONOURS_NO_FP8_WGRAD)} recipe only and "
-                f"runs --fp8-recipe {recipe} with an FP8 weight gradient; drop fp8_wgrad."
+                f"runs --fp8-recipe {recipe} with an FP8 weight gradient; drop fp8_wgrad, or "
+                f"take a value of that recipe ({' or '.join(honour)}: the schemes "
+                "te_delayed_hybrid and te_delayed_e4m3), whose schemes honour it."
             )
     if e.get("native"):
         sites = {r: e[r] for r in ("linear", "qk", "pv", *GEMMS) if r in e and e[r] != "bf16"}

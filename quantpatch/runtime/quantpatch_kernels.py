@@ -655,11 +655,12 @@ def _hifp8_quant_tile(x, OUT: tl.constexpr, BF16: tl.constexpr):
 
 
 @triton.jit
-def pow2_exponent(amax, BIG: tl.constexpr):
-    """fp8-block's scale exponent for float32 amax >= 0: floor(log2(448 / amax)) of the
-    float32 quotient (BIG, the input dtype's largest value, where it overflows); 0 for 0."""
+def pow2_exponent(amax, BIG: tl.constexpr, VMAX: tl.constexpr = 448.0):
+    """fp8-block's scale exponent for float32 amax >= 0: floor(log2(VMAX / amax)) of the
+    float32 quotient (VMAX: the element's largest value, 448 for E4M3, 57344 for E5M2; BIG,
+    the input dtype's largest value, where it overflows); 0 for 0."""
     nonzero = amax > 0
-    quotient = tl.math.div_rn(tl.full(amax.shape, 448.0, tl.float32), tl.where(nonzero, amax, 1.0))
+    quotient = tl.math.div_rn(tl.full(amax.shape, VMAX, tl.float32), tl.where(nonzero, amax, 1.0))
     quotient = tl.where(quotient == float("inf"), BIG, quotient)
     return tl.where(nonzero, floor_log2(quotient), 0)
 
@@ -699,17 +700,17 @@ def _fp8_quant_tile(
         mags = tl.abs(clean)
         if KIND == 6:
             tiles = tl.reshape(mags, (R // 128, 128, C // 128, 128))
-            e = pow2_exponent(tl.max(tl.max(tiles, axis=3), axis=1), BIG)
+            e = pow2_exponent(tl.max(tl.max(tiles, axis=3), axis=1), BIG, VMAX)
             e = tl.broadcast_to(e[:, None, :, None], (R // 128, 128, C // 128, 128))
         elif BLOCKS_ALONG_C:
-            e = pow2_exponent(tl.max(tl.reshape(mags, (R, C // 128, 128)), axis=2), BIG)
+            e = pow2_exponent(tl.max(tl.reshape(mags, (R, C // 128, 128)), axis=2), BIG, VMAX)
             e = tl.broadcast_to(e[:, :, None], (R, C // 128, 128))
         else:
-            e = pow2_exponent(tl.max(tl.reshape(mags, (R // 128, 128, C)), axis=1), BIG)
+            e = pow2_exponent(tl.max(tl.reshape(mags, (R // 128, 128, C)), axis=1), BIG, VMAX)
             e = tl.broadcast_to(e[:, None, :], (R // 128, 128, C))
         e = tl.reshape(e, (R, C))
         p = clean * pow2(e)  # exact
-        res = signed(round_nonneg(tl.abs(p), 3, -6, 448.0), p) * pow2(-e)
+        res = signed(round_nonneg(tl.abs(p), MBITS, EMIN, VMAX), p) * pow2(-e)
     return tl.where(finite, store_as(res, OUT, BF16), x)
 
 
@@ -887,10 +888,12 @@ def gemm_operand(fmt: str, backward: bool) -> tuple[int, int, int, float, int]:
         forward_elem, gradient_elem, rceil = MX_VALUES[fmt]
         elem = _ELEMENTS[gradient_elem if backward else forward_elem]
         return (GEMM_MX_RCEIL if rceil else GEMM_MX, *elem)
-    if fmt == "fp8-tensor":
-        return (GEMM_FP8_TENSOR, *_ELEMENTS["e5m2" if backward else "e4m3"])
-    if fmt in ("fp8-block", "fp8-block-2d"):
-        return (GEMM_FP8_BLOCK if fmt == "fp8-block" else GEMM_FP8_TILE, *_ELEMENTS["e4m3"])
+    spec = formats.SPEC.get(fmt)
+    if spec is not None and spec.family in ("fp8-tensor", "fp8-block"):
+        elem = _ELEMENTS[str(spec.grad_output if backward else spec.input)]
+        if spec.family == "fp8-tensor":
+            return (GEMM_FP8_TENSOR, *elem)
+        return (GEMM_FP8_TILE if spec.tiled else GEMM_FP8_BLOCK, *elem)
     if fmt in ("nvfp4", "nvfp4-2d"):
         return (GEMM_NVFP4 if fmt == "nvfp4" else GEMM_NVFP4_2D, *_ELEMENTS["e2m1"])
     fused = ", ".join(formats.names(fused_gemm=True))
@@ -898,16 +901,16 @@ def gemm_operand(fmt: str, backward: bool) -> tuple[int, int, int, float, int]:
 
 
 def _operand_aux(
-    t: torch.Tensor, kind: int, backward: bool, rand: torch.Tensor | None
+    t: torch.Tensor, kind: int, vmax: float, rand: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """What an operand's tile loop reads besides it: the per-tensor scale and its reciprocal
-    (``fp8-tensor``) or amax (NVFP4), float32; the random bits of stochastic rounding laid
+    (the ``fp8-tensor`` family: ``vmax``, the operand's element's largest value, over the
+    amax) or amax (NVFP4), float32; the random bits of stochastic rounding laid
     out like ``t`` (uint8); whether they are read."""
     aux = t
     if kind == GEMM_FP8_TENSOR:
         from .quantpatch_fp8 import finite_amax, tensor_scales
 
-        vmax = _ELEMENTS["e5m2" if backward else "e4m3"][2]
         scale, scale_inv = tensor_scales(finite_amax(t), vmax, t.dtype)
         aux = torch.stack([scale.reshape(()), scale_inv.reshape(())]).to(torch.float32)
     elif kind in (GEMM_NVFP4, GEMM_NVFP4_2D):
@@ -971,8 +974,8 @@ def quant_gemm(
             raise ValueError("quant_gemm: random bits belong to an NVFP4 operand, its shape")
     if (ak == GEMM_FP8_TILE and a.dim() == 3) or (bk == GEMM_FP8_TILE and b.dim() == 3):
         raise ValueError("quant_gemm: 128 x 128 weight tiles need a 2-D operand")
-    a_aux, a_u, a_sr = _operand_aux(a, ak, a_backward, a_rand)
-    b_aux, b_u, b_sr = _operand_aux(b, bk, b_backward, b_rand)
+    a_aux, a_u, a_sr = _operand_aux(a, ak, avmax, a_rand)
+    b_aux, b_u, b_sr = _operand_aux(b, bk, bvmax, b_rand)
 
     def grid(meta: dict[str, Any]) -> tuple[int, int]:
         return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), batch)
