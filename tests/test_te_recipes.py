@@ -264,146 +264,172 @@ def megatron_policy(megatron: Path, flags: dict[str, object], layers: int) -> di
 
 WORKER = r"""
 import json, sys, torch
+import torch.distributed as dist
 from quantpatch.runtime.megatron_single import init_single_process
-init_single_process("cpu")
-from megatron.core import quantpatch_ops as ops, tensor_parallel
-from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-from megatron.core.transformer.module import Float16Module
-from megatron.core.transformer.transformer_config import TransformerConfig
-FMT = sys.argv[1]
-torch.manual_seed(0)
-tc = TransformerConfig(num_layers=4, hidden_size=128, num_attention_heads=4,
-                       use_cpu_initialization=True, attention_dropout=0.0, hidden_dropout=0.0,
-                       bias_dropout_fusion=False, apply_rope_fusion=False,
-                       masked_softmax_fusion=False, bf16=True, params_dtype=torch.bfloat16,
-                       pipeline_dtype=torch.bfloat16)
-gpt = GPTModel(tc, get_gpt_layer_local_spec(), vocab_size=256, max_sequence_length=32,
-               share_embeddings_and_output_weights=False)
-assert type(gpt.output_layer) is tensor_parallel.ColumnParallelLinear  # as Megatron builds it
-model = Float16Module(tc, gpt)
-# each weight's GEMM module, from the parameter names (independent of quantpatch's hooks)
-weights = {}
-for name, p in gpt.named_parameters():
-    if name.endswith(".weight") and p.dim() == 2 and "embedding" not in name:
-        parts = name.split(".")
-        if parts[0] == "output_layer":
-            weights[p.data_ptr()] = "output/output_layer"
+
+def run_job(root, FMT):
+    # this scheme's checkout, imported afresh: torch and megatron's dependencies stay loaded
+    for name in [m for m in sys.modules if m == "megatron" or m.startswith("megatron.")]:
+        del sys.modules[name]
+    sys.path[:] = [root] + [p for p in sys.path if p not in ROOTS]
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    init_single_process("cpu")
+    from megatron.core import quantpatch_ops as ops, tensor_parallel
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.module import Float16Module
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    assert ops.__file__.startswith(root), (ops.__file__, root)
+    torch.manual_seed(0)
+    tc = TransformerConfig(num_layers=4, hidden_size=128, num_attention_heads=4,
+                           use_cpu_initialization=True, attention_dropout=0.0, hidden_dropout=0.0,
+                           bias_dropout_fusion=False, apply_rope_fusion=False,
+                           masked_softmax_fusion=False, bf16=True, params_dtype=torch.bfloat16,
+                           pipeline_dtype=torch.bfloat16)
+    gpt = GPTModel(tc, get_gpt_layer_local_spec(), vocab_size=256, max_sequence_length=32,
+                   share_embeddings_and_output_weights=False)
+    assert type(gpt.output_layer) is tensor_parallel.ColumnParallelLinear  # as Megatron builds it
+    model = Float16Module(tc, gpt)
+    # each weight's GEMM module, from the parameter names (independent of quantpatch's hooks)
+    weights = {}
+    for name, p in gpt.named_parameters():
+        if name.endswith(".weight") and p.dim() == 2 and "embedding" not in name:
+            parts = name.split(".")
+            if parts[0] == "output_layer":
+                weights[p.data_ptr()] = "output/output_layer"
+            else:
+                layer = gpt.decoder.layers[int(parts[2])].layer_number
+                weights[p.data_ptr()] = f"{layer}/{'.'.join(parts[3:-1])}"
+    inputs = {}
+    products = []
+    real_matmul, real_qm = torch.matmul, ops.quant_matmul
+    # one float32 scale per tensor, amax / 448 (current scaling): divided out below; delayed
+    # scaling's first step quantizes with scale 1 (no history yet), as TE's does: the codes
+    per_tensor = FMT.startswith("fp8-tensor")
+
+    def on_grid(t):
+        # every value a code of E4M3 / E5M2 times one scale per block: at most 4 significant bits
+        # after dividing by the block's power of two (exact in bf16), or by one float32 scale
+        # per tensor (amax / 448; bf16's rounding of code x scale within 1/16)
+        v = t.detach().double().flatten()
+        v = v[v != 0]
+        if v.numel() == 0:  # every value flushed to zero (E5M2 gradients under scale 1)
+            return True
+        if per_tensor:
+            v = v / (v.abs().max() / 448)
+        m, _ = torch.frexp(v)
+        off = (m.abs() * 16 - (m.abs() * 16).round()).abs()
+        return bool(off.max() <= (0.125 if per_tensor else 0.0))
+
+    def classify(raw, seen):
+        if all(r is s or torch.equal(r, s) for r, s in zip(raw, seen)):
+            return "bf16"
+        if all(not torch.equal(r, s) and on_grid(s) for r, s in zip(raw, seen)):
+            return "quantized"
+        return "mixed"
+
+    inside = []  # the operands of the product running inside quant_matmul
+
+    def spy(a, b, fmt, *, backward=False, weight=None):
+        seen = []
+        inside.append(seen)
+        try:
+            out = real_qm(a, b, fmt, backward=backward, weight=weight)
+        finally:
+            inside.pop()
+        assert len(seen) == 2, "the product was not a torch.matmul"
+        gemm = ("dgrad" if weight is not None else "wgrad") if backward else "fprop"
+        if gemm == "wgrad":
+            where = inputs.pop(b.data_ptr())  # grad_output^T . total_input: the saved input
         else:
-            layer = gpt.decoder.layers[int(parts[2])].layer_number
-            weights[p.data_ptr()] = f"{layer}/{'.'.join(parts[3:-1])}"
-inputs = {}
-products = []
-real_matmul, real_qm = torch.matmul, ops.quant_matmul
+            w, x = (a, b) if weight == "a" else (b, a)
+            where = weights[w.data_ptr()]
+            if gemm == "fprop":
+                inputs[x.data_ptr()] = where
+        products.append((where, gemm, classify([a, b], seen)))
+        return out
 
-def on_grid(t):
-    # every value a code of E4M3 / E5M2 times one scale per block: at most 4 significant bits
-    # after dividing by the block's power of two (exact in bf16), or by one float32 scale per
-    # tensor (fp8-tensor: amax / 448; bf16's rounding of code x scale within 1/16)
-    v = t.detach().double().flatten()
-    v = v[v != 0]
-    if FMT == "fp8-tensor":
-        v = v / (v.abs().max() / 448)
-    m, _ = torch.frexp(v)
-    off = (m.abs() * 16 - (m.abs() * 16).round()).abs()
-    return bool(off.max() <= (0.125 if FMT == "fp8-tensor" else 0.0))
-
-def classify(raw, seen):
-    if all(r is s or torch.equal(r, s) for r, s in zip(raw, seen)):
-        return "bf16"
-    if all(not torch.equal(r, s) and on_grid(s) for r, s in zip(raw, seen)):
-        return "quantized"
-    return "mixed"
-
-inside = []  # the operands of the product running inside quant_matmul
-
-def spy(a, b, fmt, *, backward=False, weight=None):
-    seen = []
-    inside.append(seen)
-    try:
-        out = real_qm(a, b, fmt, backward=backward, weight=weight)
-    finally:
-        inside.pop()
-    assert len(seen) == 2, "the product was not a torch.matmul"
-    gemm = ("dgrad" if weight is not None else "wgrad") if backward else "fprop"
-    if gemm == "wgrad":
-        where = inputs.pop(b.data_ptr())  # grad_output^T . total_input: the saved input
-    else:
-        w, x = (a, b) if weight == "a" else (b, a)
-        where = weights[w.data_ptr()]
+    def plain(x, y, gemm):
+        # a product outside quant_matmul: a site whose value is bf16 runs Megatron's own line
+        # (torch.matmul(total_input, weight.t()) for fprop, grad_output.matmul(weight) for
+        # dgrad, grad_output.t().matmul(total_input) for wgrad); its GEMM, classified from its
+        # operands
+        if y.data_ptr() in weights and gemm in ("fprop", "dgrad"):
+            where = weights[y.data_ptr()]
+        elif y.data_ptr() in inputs and gemm == "dgrad":
+            gemm, where = "wgrad", inputs.pop(y.data_ptr())
+        else:
+            return
         if gemm == "fprop":
             inputs[x.data_ptr()] = where
-    products.append((where, gemm, classify([a, b], seen)))
-    return out
+        grid = on_grid(x) and on_grid(y)
+        products.append((where, gemm, "quantized" if grid else "bf16"))
 
-def plain(x, y, gemm):
-    # a product outside quant_matmul: a site whose value is bf16 runs Megatron's own line
-    # (torch.matmul(total_input, weight.t()) for fprop, grad_output.matmul(weight) for dgrad,
-    # grad_output.t().matmul(total_input) for wgrad); its GEMM, classified from its operands
-    if y.data_ptr() in weights and gemm in ("fprop", "dgrad"):
-        where = weights[y.data_ptr()]
-    elif y.data_ptr() in inputs and gemm == "dgrad":
-        gemm, where = "wgrad", inputs.pop(y.data_ptr())
-    else:
-        return
-    if gemm == "fprop":
-        inputs[x.data_ptr()] = where
-    grid = on_grid(x) and on_grid(y)
-    products.append((where, gemm, "quantized" if grid else "bf16"))
+    def torch_matmul(x, y, *rest, **kw):
+        if inside:
+            inside[-1][:] = [x, y]
+        elif x.dim() >= 2 and y.dim() == 2:
+            plain(x, y, "fprop")
+        return real_matmul(x, y, *rest, **kw)
 
-def torch_matmul(x, y, *rest, **kw):
-    if inside:
-        inside[-1][:] = [x, y]
-    elif x.dim() >= 2 and y.dim() == 2:
-        plain(x, y, "fprop")
-    return real_matmul(x, y, *rest, **kw)
+    real_tensor_matmul = torch.Tensor.matmul
+    def tensor_matmul(x, y):
+        if not inside and x.dim() >= 2 and y.dim() == 2:
+            plain(x, y, "dgrad")  # or wgrad, where y is a layer's saved input
+        return real_tensor_matmul(x, y)
 
-real_tensor_matmul = torch.Tensor.matmul
-def tensor_matmul(x, y):
-    if not inside and x.dim() >= 2 and y.dim() == 2:
-        plain(x, y, "dgrad")  # or wgrad, where y is a layer's saved input
-    return real_tensor_matmul(x, y)
+    attention = []
+    real_baddbmm, real_bmm = torch.baddbmm, torch.bmm
+    def core(real, name):
+        def product(*args, **kw):
+            operands = [t for t in args if isinstance(t, torch.Tensor) and t.dim() == 3][-2:]
+            attention.append((name, [on_grid(t) for t in operands]))
+            return real(*args, **kw)
+        return product
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 256, (2, 33), generator=gen)
+    pos = torch.arange(32).expand(2, 32)
+    mask = torch.triu(torch.ones(1, 1, 32, 32, dtype=torch.bool), 1)
+    torch.matmul, torch.Tensor.matmul = torch_matmul, tensor_matmul
+    ops.quant_matmul = spy
+    torch.baddbmm, torch.bmm = core(real_baddbmm, "qk"), core(real_bmm, "pv")
+    try:
+        out = model(tokens[:, :-1], pos, mask, labels=tokens[:, 1:])
+        torch.baddbmm, torch.bmm = real_baddbmm, real_bmm
+        out.float().mean().backward()
+    finally:
+        torch.matmul, torch.Tensor.matmul = real_matmul, real_tensor_matmul
+        torch.baddbmm, torch.bmm = real_baddbmm, real_bmm
+        ops.quant_matmul = real_qm
+    return {"products": products, "attention": attention}
 
-torch.matmul, torch.Tensor.matmul = torch_matmul, tensor_matmul
-ops.quant_matmul = spy
-attention = []
-real_baddbmm, real_bmm = torch.baddbmm, torch.bmm
-def core(real, name):
-    def product(*args, **kw):
-        operands = [t for t in args if isinstance(t, torch.Tensor) and t.dim() == 3][-2:]
-        attention.append((name, [on_grid(t) for t in operands]))
-        return real(*args, **kw)
-    return product
-torch.baddbmm, torch.bmm = core(real_baddbmm, "qk"), core(real_bmm, "pv")
-gen = torch.Generator().manual_seed(1)
-tokens = torch.randint(0, 256, (2, 33), generator=gen)
-pos = torch.arange(32).expand(2, 32)
-mask = torch.triu(torch.ones(1, 1, 32, 32, dtype=torch.bool), 1)
-out = model(tokens[:, :-1], pos, mask, labels=tokens[:, 1:])
-torch.baddbmm, torch.bmm = real_baddbmm, real_bmm
-out.float().mean().backward()
-print(json.dumps({"products": products, "attention": attention}))
+JOBS = json.loads(sys.argv[1])
+ROOTS = {root for root, _ in JOBS}
+print(json.dumps([run_job(root, fmt) for root, fmt in JOBS]))
 """
 
 
-def _gemms(root: Path, fmt: str) -> dict[str, object]:
+def _gemms(jobs: list[tuple[Path, str]]) -> list[dict[str, object]]:
+    """Each job's (checkout, linear value) tiny GPT, one process for all of them: each GEMM's
+    module, GEMM and classification, and the attention core's operands."""
     import quantpatch
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("TENSOR_SAVE")}
     for name in ("CUSTOM_QUANT_TYPE", "QUANTPATCH_FLASH", "QUANTPATCH_FLASH_BF16"):
         env.pop(name, None)
     here = Path(quantpatch.__file__).resolve().parents[1]
-    env["PYTHONPATH"] = os.pathsep.join([str(root), str(here)])
+    env["PYTHONPATH"] = str(here)
     done = subprocess.run(
-        [sys.executable, "-c", WORKER, fmt],
-        cwd=root,
+        [sys.executable, "-c", WORKER, json.dumps([(str(r), f) for r, f in jobs])],
+        cwd=here,
         env=env,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=900,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    result: dict[str, object] = json.loads(done.stdout.strip().splitlines()[-1])
+    result: list[dict[str, object]] = json.loads(done.stdout.strip().splitlines()[-1])
     return result
 
 
@@ -439,21 +465,27 @@ CASES = [  # (scheme or config fields, Megatron's flags)
 
 @pytest.mark.slow
 def test_each_gemm_of_a_tiny_gpt_follows_megatrons_own_policy(run, make_checkout, trees, tmp_path):
+    """Each case's values in a worktree of one checkout (``worktree --scheme``, checked by
+    ``check --expect``), then one worker process trains every case's tiny GPT a step (torch
+    and megatron's dependencies imported once, each checkout's megatron imported afresh)."""
     root = make_checkout("0.13.1", inject=False, full=True)
     assert run("init", "--repo", root).code == 0
     megatron = trees["0.13.1"]  # the wheel's megatron package
-    figures = []
-    for i, (scheme, flags) in enumerate(CASES):
-        if scheme in TE:
-            args, fmt = ["--scheme", scheme], TE[scheme][0]
-        else:
+    jobs: list[tuple[Path, str]] = []
+    for i, (scheme, _) in enumerate(CASES):
+        args, config = ["--scheme", scheme], None
+        if scheme not in TE:
             config = tmp_path / f"case{i}.toml"
             config.write_text(f"[schemes.case]\n{scheme}\nqk = 'bf16'\npv = 'bf16'\n")
             args = ["--scheme", "case", "--config", str(config)]
-            fmt = load_registry(config).schemes["case"].linear
-        res = run("set", "--repo", root, *args, "--no-branch")
+        s = load_registry(config).schemes[args[1]]
+        res = run("worktree", "--repo", root, *args, "--path-only")
         assert res.code == 0, res
-        got = _gemms(root, fmt)
+        wt = Path(res.out.strip())
+        assert run("check", "--repo", wt, "--expect", s.expect()).code == 0
+        jobs.append((wt, s.fprop or s.linear))
+    figures = []
+    for (scheme, flags), got in zip(CASES, _gemms(jobs), strict=True):
         want = megatron_policy(megatron, flags, 4)
         seen: dict[str, dict[str, str]] = {}
         for where, gemm, kind in got["products"]:  # type: ignore[union-attr]
@@ -473,7 +505,6 @@ def test_each_gemm_of_a_tiny_gpt_follows_megatrons_own_policy(run, make_checkout
         assert len(attention) == 8 and not any(any(g) for _, g in attention), attention
         quantized = sum(k == "quantized" for _, _, k in got["products"])  # type: ignore[union-attr]
         figures.append((scheme.split("\n")[0], quantized, len(got["products"])))  # type: ignore[arg-type]
-        assert run("restore", "--repo", root).code == 0
     print(figures)
 
 
