@@ -16,7 +16,7 @@ import pytest
 
 from quantpatch.base.config import GEMMS
 from quantpatch.base.errors import UserError
-from quantpatch.launch.registry import RECIPE_FLAGS, load_registry
+from quantpatch.launch.registry import RECIPE_FLAGS, load_registry, recipe_table
 
 from .conftest import LINEAR
 
@@ -55,6 +55,21 @@ def test_each_recipe_is_a_scheme_with_its_megatron_flags_and_a_native_twin():
         assert twin.argv() == ["--transformer-impl", "transformer_engine", *s.megatron_flags()]
     every = reg.pick("schemes", ["all"])
     assert set(TE) <= set(every) and not any(reg.schemes[n].native for n in every)
+
+
+def test_the_docs_show_every_pair_with_its_value_scheme_and_twin():
+    """docs/formats.md and docs/launch.md show the table the registry generates: each of the
+    eight pairs with a value, a te_recipe scheme of that value and its native twin."""
+    reg = load_registry()
+    table = recipe_table(reg)
+    rows = [r.split(" | ") for r in table.splitlines()[2:]]
+    assert len(rows) == 8 and not any("-" in (c.strip("| ") for c in r) for r in rows)
+    for name, (value, fmt, recipe) in TE.items():
+        twin = name.replace("te_", "native_")
+        assert f"| `{fmt}` | `{recipe}` | `{value}` | `{name}` | `{twin}` |" in table
+    docs = Path(__file__).parents[1] / "docs"
+    for page in ("formats.md", "launch.md"):
+        assert table in (docs / page).read_text(encoding="utf-8"), page
 
 
 def _config(tmp_path: Path, text: str) -> Path:

@@ -669,6 +669,33 @@ def twin_pairs(schemes: dict[str, Scheme], ran: list[str]) -> list[tuple[str, st
     ]
 
 
+FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
+"""core_v0.13.1's ``--fp8-recipe`` choices (``fp8_utils.get_fp8_recipe``), each taken with
+``--fp8-format e4m3`` or ``hybrid``."""
+
+
+def recipe_table(reg: Registry) -> str:
+    """Every (``--fp8-format``, ``--fp8-recipe``) pair: the value that emulates it, the
+    ``te_recipe`` scheme and its native twin, as docs/formats.md and docs/launch.md show them
+    (a test keeps the three equal)."""
+    lines = [
+        "| `--fp8-format` | `--fp8-recipe` | value | scheme (emulation) | native twin |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for recipe in FP8_RECIPES:
+        for fmt in ("e4m3", "hybrid"):
+            value = next((v for v, f in RECIPE_FLAGS.items() if f == (fmt, recipe)), None)
+            scheme = next(
+                (n for n, s in reg.schemes.items() if s.te_recipe and s.linear == value), None
+            )
+            twin = next(
+                (n for n, s in reg.schemes.items() if s.native and s.emulates == scheme), None
+            )
+            cells = [fmt, recipe, value, scheme, twin]
+            lines.append("| " + " | ".join(f"`{c}`" if c else "-" for c in cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def releases() -> list[str]:
     folder = resources.files("quantpatch").joinpath("data/megatron")
     return sorted(
