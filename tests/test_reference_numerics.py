@@ -714,12 +714,15 @@ def test_tensors_formats_measures_the_new_candidates_as_fake_quant_does() -> Non
 
     x = _rows(1200, 1024, seed=16).float()
     x[1100, 3] = 3e3  # the tensor's amax, outside the first slices
-    fmts = ("mxfp8-rceil", "mxfp4-rceil", "fp8-tensor", "fp8-block")
-    sums = formats_sums(x, fmts, -1, False)
-    for fmt in fmts:
-        q = ops.fake_quant(x, fmt).double()
-        noise = float(((x.double() - q) ** 2).sum())
-        assert sums[fmt].noise == pytest.approx(noise, rel=1e-9), fmt
+    fmts = ("mxfp8-rceil", "mxfp4-rceil", "fp8-tensor", "fp8-tensor-e4m3", "fp8-block")
+    fmts += ("fp8-block-hybrid",)
+    for backward in (False, True):  # a gradient: E5M2 in the HYBRID values, E4M3 otherwise
+        sums = formats_sums(x, fmts, -1, backward)
+        for fmt in fmts:
+            q = ops.fake_quant(x, fmt, backward=backward).double()
+            noise = float(((x.double() - q) ** 2).sum())
+            assert sums[fmt].noise == pytest.approx(noise, rel=1e-9), (fmt, backward)
+    assert sums["fp8-tensor-e4m3"].noise < sums["fp8-tensor"].noise
 
 
 @pytest.mark.parametrize("value", ["mxfp8-rceil", "fp8-tensor", "fp8-block"])
