@@ -665,6 +665,19 @@ def test_a_native_scheme_on_a_fork_without_te_layers_is_refused_until_it_has_the
     assert res.code == 0, res
     assert run("check", "--repo", root, "--expect", "linear=fp8-block,bf16_layers=output").code == 0
     assert run("restore", "--repo", root).code == 0
+    # the new pairs, and the delayed recipe with --no-fp8-wgrad, on the fork's own sites
+    config = tmp_path / "no_wgrad.toml"
+    config.write_text("[schemes.te_delayed_hybrid]\nfp8_wgrad = false\n")
+    for scheme, want in (
+        ("te_blockwise_hybrid", "linear=fp8-block-hybrid"),
+        ("te_tensorwise_e4m3", "linear=fp8-tensor-e4m3"),
+        ("te_delayed_hybrid", "fprop=fp8-delayed,dgrad=fp8-delayed,wgrad=bf16"),
+    ):
+        res = run("set", "--repo", root, "--scheme", scheme, "--config", config)
+        assert res.code == 0, res
+        expect = f"{want},qk=bf16,pv=bf16,bf16_layers=output"
+        assert run("check", "--repo", root, "--expect", expect).code == 0, scheme
+        assert run("restore", "--repo", root).code == 0
     _stubs(tmp_path, monkeypatch)
     site = tmp_path / "site" / "transformer_engine"
     site.mkdir(parents=True)
