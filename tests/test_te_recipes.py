@@ -762,6 +762,29 @@ def test_a_native_scheme_takes_the_layout_of_transformer_engines_layers(run, tmp
     assert "--seq-length 256 --transformer-impl transformer_engine \\" in script
 
 
+def test_gen_scripts_gives_each_native_twin_its_pairs_flags(run, tmp_path, monkeypatch):
+    """Every native twin in one ``gen-scripts``: each script's scheme arguments are its pair's
+    flags (checked against Megatron's flag list on the way), a delayed twin's with
+    ``--no-fp8-wgrad`` where its emulation's config sets fp8_wgrad = false."""
+    site = tmp_path / "site" / "transformer_engine"
+    site.mkdir(parents=True)
+    (site / "__init__.py").write_text("")
+    monkeypatch.setenv("PYTHONPATH", str(site.parent))
+    monkeypatch.setenv("PYTHON", sys.executable)
+    config = _config(tmp_path, "[schemes.te_delayed_e4m3]\nfp8_wgrad = false\n")
+    twins = [name.replace("te_", "native_") for name in TE]
+    gen = ["gen-scripts", "--profile", "smoke", "--models", "llama32-1b", "--datasets"]
+    gen += ["wikipedia", "--out", tmp_path / "out", "--schemes", ",".join(twins)]
+    res = run(*gen, "--config", config)
+    assert res.code == 0, res
+    for name, (_, fmt, recipe) in TE.items():
+        twin = name.replace("te_", "native_")
+        script = next((tmp_path / "out").rglob(f"*_{twin}.sh")).read_text()
+        flags = f"--fp8-format {fmt} --fp8-recipe {recipe}"
+        flags += " --no-fp8-wgrad" if name == "te_delayed_e4m3" else ""
+        assert f"SCHEME_ARGS=(--transformer-impl transformer_engine {flags})" in script, twin
+
+
 def test_run_refuses_a_native_scheme_on_a_gpu_without_its_format(
     tmp_path, make_checkout, monkeypatch, run
 ):
