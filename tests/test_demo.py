@@ -53,6 +53,10 @@ def test_demo_walks_and_restores_byte_identical(run, tmp_path):
     assert rows["fp8-delayed"] == rows["fp8-tensor"]
     assert rows["fp8-delayed-e4m3"][0] == rows["fp8-tensor"][0]
     assert rows["fp8-delayed-e4m3"][1] < rows["fp8-delayed"][1]
+    assert rows["fp8-delayed-e4m3"] == rows["fp8-tensor-e4m3"]  # Format.E4M3's two recipes
+    # Format.HYBRID's blocks: E4M3 forward as fp8-block's, E5M2 gradients err more
+    assert rows["fp8-block-hybrid"][0] == rows["fp8-block"][0]
+    assert rows["fp8-block-hybrid"][1] > rows["fp8-block"][1]
     assert rows["mxfp4"][0] > rows["mxfp8"][0]  # 2 mantissa bits less than E4M3
     assert rows["nvfp4"][0] < rows["mxfp4"][0]  # E4M3 scales of 16, not powers of two of 32
     # ParetoQ: the weight quantized (ternary, 2-bit) with the first forward's step, activations

@@ -559,6 +559,9 @@ EVERY_VALUE_CASES = [
     ("fp8-tensor", "fp8-tensor", True, False, torch.float32),
     ("fp8-block", "fp8-block-2d", False, False, torch.bfloat16),
     ("fp8-block", "fp8-block", False, False, torch.float16),
+    ("fp8-tensor-e4m3", "fp8-tensor-e4m3", True, False, torch.bfloat16),
+    ("fp8-block-hybrid", "fp8-block-2d", True, False, torch.bfloat16),
+    ("fp8-block-hybrid", "fp8-block-hybrid", True, False, torch.float32),
     ("nvfp4", "nvfp4", False, False, torch.bfloat16),
     ("nvfp4", "nvfp4-2d", True, False, torch.bfloat16),
     ("nvfp4", "nvfp4", True, False, torch.float32),
@@ -595,7 +598,7 @@ def test_fused_gemm_quantizes_every_value_bit_for_bit(kernels, gemm, fa, fb, ba,
     # fused GEMM's operands bit for bit: test_fused_gemm_quantizes_every_value_bit_for_bit)
     [
         pytest.param(f, marks=pytest.mark.slow)
-        for f in ("mxfp8-rceil-hybrid", "fp8-tensor", "fp8-block", "nvfp4-2d")
+        for f in ("mxfp8-rceil-hybrid", "fp8-tensor", "fp8-block", "fp8-block-hybrid", "nvfp4-2d")
     ],
 )
 def test_quant_matmul_fuses_every_value_like_the_separate_path(kernels, gemm, monkeypatch, fmt):
@@ -622,7 +625,7 @@ def test_quant_matmul_fuses_every_value_like_the_separate_path(kernels, gemm, mo
                 ops.quant_matmul(g, w, fmt, backward=True, weight="b"),
                 ops.quant_matmul(g.t(), x, fmt, backward=True),
             )
-    weight_fmt = {"fp8-block": "fp8-block-2d"}.get(fmt, fmt)
+    weight_fmt = {"fp8-block": "fp8-block-2d", "fp8-block-hybrid": "fp8-block-2d"}.get(fmt, fmt)
     act_fmt = "nvfp4" if fmt == "nvfp4-2d" else fmt
     assert calls == [(act_fmt, weight_fmt), (act_fmt, weight_fmt), (act_fmt, act_fmt)]
     ops.reset_sr_generators()

@@ -475,10 +475,13 @@ def _check_recipe(name: str, e: dict[str, Any], where: str) -> None:
             "does not support first / last layers in BF16); drop one of them."
         )
     if e.get("fp8_wgrad") is False and recipe not in HONOURS_NO_FP8_WGRAD:
+        honour = [v for v, (_, r) in RECIPE_FLAGS.items() if r in HONOURS_NO_FP8_WGRAD]
         raise UserError(
             f"{where}: scheme '{name}' sets fp8_wgrad = false, but Megatron hands "
             f"--no-fp8-wgrad to its {' and '.join(HONOURS_NO_FP8_WGRAD)} recipe only and "
-            f"runs --fp8-recipe {recipe} with an FP8 weight gradient; drop fp8_wgrad."
+            f"runs --fp8-recipe {recipe} with an FP8 weight gradient; drop fp8_wgrad, or "
+            f"take a value of that recipe ({' or '.join(honour)}: the schemes "
+            "te_delayed_hybrid and te_delayed_e4m3), whose schemes honour it."
         )
 
 
@@ -690,6 +693,33 @@ def twin_pairs(schemes: dict[str, Scheme], ran: list[str]) -> list[tuple[str, st
         for name in dict.fromkeys(ran)
         if (s := schemes.get(name)) is not None and s.native and s.emulates in ran
     ]
+
+
+FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
+"""core_v0.13.1's ``--fp8-recipe`` choices (``fp8_utils.get_fp8_recipe``), each taken with
+``--fp8-format e4m3`` or ``hybrid``."""
+
+
+def recipe_table(reg: Registry) -> str:
+    """Every (``--fp8-format``, ``--fp8-recipe``) pair: the value that emulates it, the
+    ``te_recipe`` scheme and its native twin, as docs/formats.md and docs/launch.md show them
+    (a test keeps the three equal)."""
+    lines = [
+        "| `--fp8-format` | `--fp8-recipe` | value | scheme (emulation) | native twin |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for recipe in FP8_RECIPES:
+        for fmt in ("e4m3", "hybrid"):
+            value = next((v for v, f in RECIPE_FLAGS.items() if f == (fmt, recipe)), None)
+            scheme = next(
+                (n for n, s in reg.schemes.items() if s.te_recipe and s.linear == value), None
+            )
+            twin = next(
+                (n for n, s in reg.schemes.items() if s.native and s.emulates == scheme), None
+            )
+            cells = [fmt, recipe, value, scheme, twin]
+            lines.append("| " + " | ".join(f"`{c}`" if c else "-" for c in cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def releases() -> list[str]:

@@ -163,7 +163,7 @@ _ELEMENTS_OF = {
     "mx": set(ELEMENTS),
     "fp8-tensor": {"e4m3", "e5m2"},
     "fp8-delayed": {"e4m3", "e5m2"},
-    "fp8-block": {"e4m3"},
+    "fp8-block": {"e4m3", "e5m2"},
     "hifp8": {"hif8"},
     "nvfp4": {"e2m1"},
 }
@@ -299,6 +299,14 @@ SPECS: tuple[Format, ...] = (
         megatron="--fp8-format hybrid --fp8-recipe tensorwise",
     ),
     Format(
+        "fp8-tensor-e4m3", "fp8-tensor", "e4m3", "e4m3", "e4m3", scale="fp32",
+        backward="grad_output", fused_gemm=True, weight_cache="forward",
+        summary="`fp8-tensor` with E4M3 for the output gradient too (TE's `Format.E4M3`)",
+        reference="TransformerEngine 2.20.2 CurrentScalingQuantizerRef (Float8CurrentScaling, "
+        "Format.E4M3) and its dequantize",
+        megatron="--fp8-format e4m3 --fp8-recipe tensorwise",
+    ),
+    Format(
         "fp8-delayed", "fp8-delayed", "e4m3", "e4m3", "e5m2", scale="fp32-delayed",
         roles=("linear",), backward="grad_output", linear_only=_DELAYED_ROLE,
         summary=(
@@ -328,6 +336,20 @@ SPECS: tuple[Format, ...] = (
         "(tests/pytorch/references), proven against quantpatch's own oracle in "
         "tests/test_reference_numerics.py",
         megatron="--fp8-format e4m3 --fp8-recipe blockwise",
+    ),
+    Format(
+        "fp8-block-hybrid", "fp8-block", "e4m3", "e4m3", "e5m2", (1, 128), (128, 128), "pow2",
+        fused_gemm=True, backward="grad_output", weight_operand="fp8-block-2d",
+        summary=(
+            "`fp8-block` with E5M2 for the output gradient's 1 x 128 blocks (scale "
+            "2^floor(log2(57344 / amax)); TE's `Format.HYBRID`); the other operand of a gradient "
+            "GEMM keeps E4M3"
+        ),
+        reference="the formulas of TE's BlockwiseQuantizerReference with the E5M2 dtype's "
+        "largest value for the output gradient (TransformerEngine Float8BlockScaling, "
+        "Format.HYBRID), proven against quantpatch's own oracle in "
+        "tests/test_reference_numerics.py",
+        megatron="--fp8-format hybrid --fp8-recipe blockwise",
     ),
     Format(
         "fp8-block-2d", "fp8-block", "e4m3", "e4m3", "e4m3", (1, 128), (128, 128), "pow2",

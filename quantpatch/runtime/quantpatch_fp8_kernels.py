@@ -14,7 +14,8 @@ log2, bf16 loads and stores through their bits) it uses; ``quantpatch_quantize``
 * ``fp8-block``: each program loads rows x (a multiple of 128) elements along the reduction
   dimension (read in place through the tensor's strides, as the MX kernel does), takes each
   1 x 128 block's amax and power-of-two scale (``div_rn``: the float32 quotient 448 / amax,
-  correctly rounded), rounds and stores once. ``fp8-block-2d``: one program per 128 x 128
+  57344 / amax for ``fp8-block-hybrid``'s E5M2 gradients, correctly rounded), rounds and
+  stores once. ``fp8-block-2d``: one program per 128 x 128
   tile of the last two dimensions.
 """
 
@@ -79,6 +80,9 @@ def _fp8_block_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BF16: tl.constexpr,
+    MBITS: tl.constexpr = 3,
+    EMIN: tl.constexpr = -6,
+    VMAX: tl.constexpr = 448.0,
 ):
     pid_r = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -92,12 +96,12 @@ def _fp8_block_kernel(
     finite = tl.abs(v) < float("inf")
     clean = tl.where(finite, v, 0.0)
     blocks = tl.reshape(tl.abs(clean), (BLOCK_R, BLOCK_N // 128, 128))
-    e = pow2_exponent(tl.max(blocks, axis=2), BIG)  # [BLOCK_R, BLOCK_N // 128]
+    e = pow2_exponent(tl.max(blocks, axis=2), BIG, VMAX)  # [BLOCK_R, BLOCK_N // 128]
     e = tl.reshape(
         tl.broadcast_to(e[:, :, None], (BLOCK_R, BLOCK_N // 128, 128)), (BLOCK_R, BLOCK_N)
     )
     p = clean * pow2(e)  # exact
-    q = signed(round_nonneg(tl.abs(p), 3, -6, 448.0), p)
+    q = signed(round_nonneg(tl.abs(p), MBITS, EMIN, VMAX), p)
     out = tl.where(finite, store_as(q * pow2(-e), y_ptr.dtype.element_ty, BF16), x)
     tl.store(y_ptr + offs, out, mask=inside)
 
@@ -168,8 +172,8 @@ def codes(x: torch.Tensor, scale: torch.Tensor, elem: formats.Element) -> torch.
 
 
 def fake_quant(x: torch.Tensor, fmt: str, dim: int = -1, backward: bool = False) -> torch.Tensor:
-    """``quantpatch_fp8.fp8_quantize`` in one kernel (``fmt`` in fp8-tensor, fp8-block,
-    fp8-block-2d)."""
+    """``quantpatch_fp8.fp8_quantize`` in one kernel (``fmt`` of the fp8-tensor and fp8-block
+    families, fp8-block-2d included)."""
     if x.numel() == 0:
         return x.clone()
     if x.dim() == 0:
@@ -215,7 +219,9 @@ def fake_quant(x: torch.Tensor, fmt: str, dim: int = -1, backward: bool = False)
     block_r, block_n = (8, 256) if sn == 1 else (32, 128)
 
     grid3 = (triton.cdiv(rows, block_r), triton.cdiv(n, block_n), b)
+    mbits, emin, vmax, _ = formats.ELEMENTS[str(spec.grad_output if backward else spec.input)]
     _fp8_block_kernel[grid3](
-        x, y, rows, n, sb, sr, sn, BIG=big, BLOCK_R=block_r, BLOCK_N=block_n, BF16=bf16
-    )
+        x, y, rows, n, sb, sr, sn, BIG=big, BLOCK_R=block_r, BLOCK_N=block_n, BF16=bf16,
+        MBITS=mbits, EMIN=emin, VMAX=vmax,
+    )  # fmt: skip
     return y

@@ -250,17 +250,17 @@ def _fp8_quant_tile(
         mags = tl.abs(clean)
         if KIND == 6:
             tiles = tl.reshape(mags, (R // 128, 128, C // 128, 128))
-            e = pow2_exponent(tl.max(tl.max(tiles, axis=3), axis=1), BIG)
+            e = pow2_exponent(tl.max(tl.max(tiles, axis=3), axis=1), BIG, VMAX)
             e = tl.broadcast_to(e[:, None, :, None], (R // 128, 128, C // 128, 128))
         elif BLOCKS_ALONG_C:
-            e = pow2_exponent(tl.max(tl.reshape(mags, (R, C // 128, 128)), axis=2), BIG)
+            e = pow2_exponent(tl.max(tl.reshape(mags, (R, C // 128, 128)), axis=2), BIG, VMAX)
             e = tl.broadcast_to(e[:, :, None], (R, C // 128, 128))
         else:
-            e = pow2_exponent(tl.max(tl.reshape(mags, (R // 128, 128, C)), axis=1), BIG)
+            e = pow2_exponent(tl.max(tl.reshape(mags, (R // 128, 128, C)), axis=1), BIG, VMAX)
             e = tl.broadcast_to(e[:, None, :], (R // 128, 128, C))
         e = tl.reshape(e, (R, C))
         p = clean * pow2(e)  # exact
-        res = signed(round_nonneg(tl.abs(p), 3, -6, 448.0), p) * pow2(-e)
+        res = signed(round_nonneg(tl.abs(p), MBITS, EMIN, VMAX), p) * pow2(-e)
     return tl.where(finite, store_as(res, OUT, BF16), x)
 
 

@@ -500,11 +500,12 @@ storage_view = _storage_view
 
 
 @triton.jit
-def pow2_exponent(amax, BIG: tl.constexpr):
-    """fp8-block's scale exponent for float32 amax >= 0: floor(log2(448 / amax)) of the
-    float32 quotient (BIG, the input dtype's largest value, where it overflows); 0 for 0."""
+def pow2_exponent(amax, BIG: tl.constexpr, VMAX: tl.constexpr = 448.0):
+    """fp8-block's scale exponent for float32 amax >= 0: floor(log2(VMAX / amax)) of the
+    float32 quotient (VMAX: the element's largest value, 448 for E4M3, 57344 for E5M2; BIG,
+    the input dtype's largest value, where it overflows); 0 for 0."""
     nonzero = amax > 0
-    quotient = tl.math.div_rn(tl.full(amax.shape, 448.0, tl.float32), tl.where(nonzero, amax, 1.0))
+    quotient = tl.math.div_rn(tl.full(amax.shape, VMAX, tl.float32), tl.where(nonzero, amax, 1.0))
     quotient = tl.where(quotient == float("inf"), BIG, quotient)
     return tl.where(nonzero, floor_log2(quotient), 0)
 

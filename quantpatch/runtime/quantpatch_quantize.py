@@ -397,7 +397,7 @@ def quantize_factored(
             return _by_slices(
                 x, set(), 1, lambda sp, st, n: tensor_codes(x.narrow(sp, st, n), scale, elem)
             ), scale_inv.reshape(())
-        return fp8_tensor_factored(x, backward, amax)
+        return fp8_tensor_factored(x, backward, amax, fmt)
     if fmt not in NVFP4_FORMATS:
         raise ValueError(f"{fmt!r} has no per-tensor scale to factor out")
     if rand is None and backward:
