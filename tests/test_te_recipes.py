@@ -208,7 +208,8 @@ WORKER = r"""
 import json, sys, torch
 from quantpatch.runtime.megatron_single import init_single_process
 init_single_process("cpu")
-from megatron.core import quantpatch_ops as ops, tensor_parallel
+from megatron.core import tensor_parallel
+from megatron.core.quantpatch import quantpatch_ops as ops
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.module import Float16Module
@@ -601,7 +602,7 @@ def test_an_output_policy_on_an_older_policy_runtime_is_refused_until_upgrade(ru
 
     root = make_checkout(inject=False)
     assert run("init", "--repo", root).code == 0
-    rel = "megatron/core/quantpatch_layers.py"
+    rel = "megatron/core/quantpatch/quantpatch_layers.py"
     text = BEFORE_OUTPUT.read_text(encoding="utf-8")
     (root / rel).write_text(text, encoding="utf-8")  # as an earlier init left it
     state = root / ".git/quantpatch/init/record.json"

@@ -173,7 +173,7 @@ def test_a_checkout_with_the_nvfp4_runtime_before_te_numerics_is_older_and_upgra
     state = root / ".git/quantpatch/init/record.json"
     record = json.loads(state.read_text())
     for name in ("quantpatch_nvfp4.py", "quantpatch_rht.py"):
-        rel = f"megatron/core/{name}"
+        rel = f"megatron/core/quantpatch/{name}"
         text = (BEFORE_TE / name).read_text(encoding="utf-8")
         assert text != runtime_source(rel)
         (root / rel).write_text(text, encoding="utf-8")
@@ -182,7 +182,7 @@ def test_a_checkout_with_the_nvfp4_runtime_before_te_numerics_is_older_and_upgra
     repo = git.Repo(root)
     repo.git.add("-A", "megatron")
     repo.git.commit("-qm", "quantpatch init: (before TE's NVFP4 numerics)")
-    old = (root / "megatron/core/quantpatch_nvfp4.py").read_text()
+    old = (root / "megatron/core/quantpatch/quantpatch_nvfp4.py").read_text()
     assert "(bmax / 6.0) * g" in old and "torch.rand(" in old  # the old arithmetic, installed
 
     assert _parts(run, root)["ops"] == "older"
@@ -194,7 +194,7 @@ def test_a_checkout_with_the_nvfp4_runtime_before_te_numerics_is_older_and_upgra
     assert repo.head.commit.parents == (head,) and not repo.is_dirty()
     for rel in OPS_MODULES:
         assert (root / rel).read_text() == runtime_source(rel), rel
-    new = (root / "megatron/core/quantpatch_nvfp4.py").read_text()
+    new = (root / "megatron/core/quantpatch/quantpatch_nvfp4.py").read_text()
     assert "TransformerEngine 2.20.2" in new and "sr_bits" in new
     assert set(_parts(run, root).values()) == {"current"}
 
