@@ -233,14 +233,17 @@ def parts_status(
         if record is None:
             continue
         rels = [r for r in files if r in record["files"]]
+        # where the releases before the package installed the part (``upgrade`` moves them)
+        flats = [r for r in dict.fromkeys(map(flat, files)) if r not in files]
+        before = [r for r in flats if r in record["files"]]
         # a part an earlier version did not install has no files in its record: older
         version = record.get("version")
-        hand = edited(rels)
+        hand = edited(rels + before)
         if hand and upgrading:
             status, detail = "older", UPGRADING
         elif hand:
             status, detail = "edited", f"{', '.join(hand)} changed by hand since it was installed"
-        elif len(rels) == len(files) and all(
+        elif not before and len(rels) == len(files) and all(
             record["files"][r]["written"] == sha256_text(runtime_source(r)) for r in rels
         ):
             status, detail = "current", ""
