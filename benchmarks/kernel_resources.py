@@ -290,8 +290,8 @@ def drive() -> None:
                     for gemm in ("separate", "fused"):
                         os.environ["QUANTPATCH_GEMM"] = gemm
                         with torch.no_grad():
-                            ops.quant_matmul(x, w.t(), fmt, weight="b")  # forward
-                            ops.quant_matmul(g, w, fmt, backward=True, weight="b")  # dgrad
+                            ops.quant_matmul(x, w.t(), fmt, roles=("input", "weight"))  # forward
+                            ops.quant_matmul(g, w, fmt, roles=("grad_output", "weight"))  # dgrad
                             ops.quant_matmul(g.t(), x, fmt, backward=True)  # wgrad
         for shape in shapes:  # attention: each model's own head dims and groups
             heads, groups, d, dv = shape["heads"], shape["groups"], shape["head"], shape["vhead"]

@@ -41,7 +41,13 @@ def _steps(root: Path, tmp_path: Path, *args: str) -> list[list[str]]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "label", ["replace megatron/core/quantpatch_mx.py", "write upgrade record", "git commit"]
+    "label",
+    [
+        "replace megatron/core/quantpatch_ops.py",  # the flat module of the release, removed
+        "replace megatron/core/quantpatch/quantpatch_mx.py",
+        "write upgrade record",
+        "git commit",
+    ],
 )
 def test_check_after_an_upgrade_killed_mid_way_names_it_and_upgrade_finishes_it(
     run, make_checkout, tmp_path, label

@@ -30,8 +30,8 @@ def test_demo_walks_and_restores_byte_identical(run, tmp_path):
     # the whole package tree is there, not only the two target files
     assert len(list((dest / "megatron" / "core").rglob("*.py"))) > 200
     assert [c.summary for c in repo.iter_commits("main")] == [
-        "quantpatch init: fork-layout custom_quant_type sites (bf16), "
-        "megatron/core/quantpatch_ops.py and its Triton kernels",
+        "quantpatch init: fork-layout custom_quant_type sites (bf16) and the runtime they "
+        "call, megatron/core/quantpatch/",
         "megatron-core 0.13.1, unmodified",
     ]
     # the error table: bf16 is the reference, every quantized format differs from it

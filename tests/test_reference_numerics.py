@@ -708,8 +708,8 @@ def test_fp8_weight_is_cached_once_for_forward_and_dgrad(
         with monkeypatch.context() as m:
             m.setattr(wc, "quantize", spy)
             with torch.no_grad():
-                y = ops.quant_matmul(x, w.t(), value, weight="b")
-                dx = ops.quant_matmul(g, w, value, backward=True, weight="b")
+                y = ops.quant_matmul(x, w.t(), value, roles=("input", "weight"))
+                dx = ops.quant_matmul(g, w, value, roles=("grad_output", "weight"))
         results[cache] = (y, dx)
         if cache == "1":
             assert seen == [(weight_fmt, False)]

@@ -290,7 +290,8 @@ def run_job(root, FMT):
     if dist.is_initialized():
         dist.destroy_process_group()
     init_single_process("cpu")
-    from megatron.core import quantpatch_ops as ops, tensor_parallel
+    from megatron.core import tensor_parallel
+    from megatron.core.quantpatch import quantpatch_ops as ops
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.module import Float16Module
@@ -346,13 +347,14 @@ def run_job(root, FMT):
 
     inside = []  # the operands of the product running inside quant_matmul
 
-    def spy(a, b, fmt, *, backward=False, weight=None):
+    def spy(a, b, fmt, *, roles=None, backward=False, weight=None):
         seen = []
         inside.append(seen)
         try:
-            out = real_qm(a, b, fmt, backward=backward, weight=weight)
+            out = real_qm(a, b, fmt, roles=roles, backward=backward, weight=weight)
         finally:
             inside.pop()
+        backward, weight = ops._operand_roles(roles, backward, weight)
         assert len(seen) == 2, "the product was not a torch.matmul"
         gemm = ("dgrad" if weight is not None else "wgrad") if backward else "fprop"
         if gemm == "wgrad":
@@ -722,7 +724,7 @@ def test_an_output_policy_on_an_older_policy_runtime_is_refused_until_upgrade(ru
 
     root = make_checkout(inject=False)
     assert run("init", "--repo", root).code == 0
-    rel = "megatron/core/quantpatch_layers.py"
+    rel = "megatron/core/quantpatch/quantpatch_layers.py"
     text = BEFORE_OUTPUT.read_text(encoding="utf-8")
     (root / rel).write_text(text, encoding="utf-8")  # as an earlier init left it
     state = root / ".git/quantpatch/init/record.json"

@@ -175,8 +175,8 @@ def test_gradient_accumulation_quantizes_each_weight_once_per_step(monkeypatch, 
 
 MEGATRON_PROBE = """
 import inspect, os, sys, torch
-from megatron.core import quantpatch_ops as ops
-from megatron.core import quantpatch_weights as wc
+from megatron.core.quantpatch import quantpatch_ops as ops
+from megatron.core.quantpatch import quantpatch_weights as wc
 from megatron.core.tensor_parallel.layers import (
     LinearWithGradAccumulationAndAsyncCommunication as Linear,
 )
@@ -621,8 +621,8 @@ def test_quant_matmul_fuses_every_value_like_the_separate_path(kernels, gemm, mo
         ops.reset_sr_generators()
         with torch.no_grad():
             results[mode] = (
-                ops.quant_matmul(x, w.t(), fmt, weight="b"),
-                ops.quant_matmul(g, w, fmt, backward=True, weight="b"),
+                ops.quant_matmul(x, w.t(), fmt, roles=("input", "weight")),
+                ops.quant_matmul(g, w, fmt, roles=("grad_output", "weight")),
                 ops.quant_matmul(g.t(), x, fmt, backward=True),
             )
     weight_fmt = {"fp8-block": "fp8-block-2d", "fp8-block-hybrid": "fp8-block-2d"}.get(fmt, fmt)

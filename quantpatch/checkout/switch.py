@@ -40,7 +40,7 @@ from quantpatch.base.edits import (
     write_exact,
 )
 from quantpatch.base.errors import UserError
-from quantpatch.checkout.parts import PartStatus, parts_status, runtime_source
+from quantpatch.checkout.parts import LAYERS_MODULE, PartStatus, parts_status, runtime_source
 from quantpatch.checkout.saver import SaverStatus
 from quantpatch.checkout.saver import status as saver_status
 from quantpatch.git import repo as gitrepo
@@ -520,7 +520,8 @@ spec it takes its values from), each None where it is not there."""
 
 
 def ops_text_at(repo: Any, commit: str) -> OpsTexts:
-    """The checkout's installed ops module and format spec at ``commit``."""
+    """The checkout's installed ops module and format spec at ``commit`` (in the package, or
+    where a release before it put them: the modules its site code imports)."""
     from quantpatch.checkout.parts import FORMATS_MODULE, OPS_MODULE
 
     def read(rel: str) -> str | None:
@@ -529,7 +530,7 @@ def ops_text_at(repo: Any, commit: str) -> OpsTexts:
         except (UserError, UnicodeDecodeError):
             return None
 
-    return read(OPS_MODULE), read(FORMATS_MODULE)
+    return _installed(read, OPS_MODULE), _installed(read, FORMATS_MODULE)
 
 
 def ops_text_in(root: Path) -> OpsTexts:
@@ -539,7 +540,16 @@ def ops_text_in(root: Path) -> OpsTexts:
     def read(rel: str) -> str | None:
         return read_exact(root / rel) if (root / rel).is_file() else None
 
-    return read(OPS_MODULE), read(FORMATS_MODULE)
+    return _installed(read, OPS_MODULE), _installed(read, FORMATS_MODULE)
+
+
+def _installed(read: Callable[[str], str | None], rel: str) -> str | None:
+    """The runtime file ``rel`` as ``read`` finds it in the package, else where the releases
+    before the package installed it (a checkout not upgraded yet: its sites import that one)."""
+    from quantpatch.checkout.parts import flat
+
+    text = read(rel)
+    return read(flat(rel)) if text is None else text
 
 
 def refuse_unknown_to_dispatch(
@@ -617,15 +627,15 @@ def plan_from_base(
         refuse_unknown_to_dispatch(base_files, known, ops_text_at(repo, commit))
     if values.get("bf16_layers"):
         _with_policy(dict(values), values["bf16_layers"], base_files, targets)
-        try:
-            installed: str | None = gitrepo.read_at(repo, commit, LAYERS_MODULE)
-        except UserError:
-            installed = None  # no policy runtime: _with_policy refused the checkout already
-        refuse_older_policy(values["bf16_layers"], installed)
+
+        def read(rel: str) -> str | None:
+            try:
+                return gitrepo.read_at(repo, commit, rel)
+            except UserError:
+                return None  # no policy runtime: _with_policy refused the checkout already
+
+        refuse_older_policy(values["bf16_layers"], _installed(read, LAYERS_MODULE))
     return base_texts, _plan(base_files, values, targets, split, cache_dir)
-
-
-LAYERS_MODULE = "megatron/core/quantpatch_layers.py"
 
 
 def refuse_older_policy(spec: str, installed: str | None) -> None:
@@ -637,8 +647,8 @@ def refuse_older_policy(spec: str, installed: str | None) -> None:
     if installed != runtime_source(LAYERS_MODULE):
         raise UserError(
             f"--bf16-layers: 'output' needs the policy runtime of quantpatch {__version__}, "
-            f"but {LAYERS_MODULE} is another one; run 'quantpatch upgrade' (or leave out "
-            "output)."
+            "but the checkout's quantpatch_layers.py is another one; run 'quantpatch "
+            "upgrade' (or leave out output)."
         )
 
 
@@ -674,8 +684,11 @@ def _set_unlocked(checkout: gitrepo.Checkout, targets: Targets, req: SetRequest)
     values = _resolve_values(req.values, [s for f in current_files for s in f.sites])
     values = _with_policy(values, req.bf16_layers, current_files, targets)
     if values.get("bf16_layers"):
-        layers = checkout.root / LAYERS_MODULE
-        refuse_older_policy(values["bf16_layers"], read_exact(layers) if layers.is_file() else None)
+        root = checkout.root
+        installed = _installed(
+            lambda rel: read_exact(root / rel) if (root / rel).is_file() else None, LAYERS_MODULE
+        )
+        refuse_older_policy(values["bf16_layers"], installed)
     state = gitrepo.load_state(checkout)
     if state and state.mode is not (Mode.BRANCH if req.branch else Mode.IN_PLACE):
         other = "--no-branch" if state.mode is Mode.IN_PLACE else "branch"

@@ -1,6 +1,6 @@
 """Flash attention (forward and backward) in Triton for the FA schemes' local attention.
 
-Installed by ``quantpatch init`` as ``megatron/core/quantpatch_flash.py`` beside
+Installed by ``quantpatch init`` as ``megatron/core/quantpatch/quantpatch_flash.py`` beside
 ``quantpatch_ops.py``, whose ``quant_flash_attention`` fake-quantizes Q and K (straight-through,
 exactly as the unfused ``quant_baddbmm`` does) and then calls :func:`flash_attention` here.
 Depends on torch and triton only. With ``TRITON_INTERPRET=1`` set before import the kernels run

@@ -2,7 +2,7 @@
 ``fp8-block`` and its weight tiles ``fp8-block-2d``): one pass per call, bit-identical to the
 PyTorch reference (tested in Triton's interpreter, ``TRITON_INTERPRET=1``).
 
-Installed by ``quantpatch init`` as ``megatron/core/quantpatch_fp8_kernels.py`` beside
+Installed by ``quantpatch init`` as ``megatron/core/quantpatch/quantpatch_fp8_kernels.py`` beside
 ``quantpatch_kernels.py``, whose exact float32 helpers (powers of two from their bits, floor
 log2, bf16 loads and stores through their bits) it uses; ``quantpatch_quantize`` calls
 :func:`fake_quant` here for CUDA tensors (``QUANTPATCH_KERNELS``).

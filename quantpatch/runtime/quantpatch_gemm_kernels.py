@@ -1,7 +1,7 @@
 """The quantized GEMM of ``quantpatch_ops``: a Triton GEMM that fake-quantizes each operand
 tile as it loads it (no quantized copy of either operand is written).
 
-Installed by ``quantpatch init`` as ``megatron/core/quantpatch_gemm_kernels.py`` beside
+Installed by ``quantpatch init`` as ``megatron/core/quantpatch/quantpatch_gemm_kernels.py`` beside
 ``quantpatch_kernels.py``, whose exact float32 arithmetic (powers of two from their bits,
 floor log2, bf16 loads and stores through their bits, NVFP4's order of operations) each tile
 shares with the fake-quant kernels, so the quantized operands are bit for bit theirs.

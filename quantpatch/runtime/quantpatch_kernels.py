@@ -1,6 +1,6 @@
 """Fused Triton kernels for ``quantpatch_ops.fake_quant``: one pass per call for every format.
 
-Installed by ``quantpatch init`` as ``megatron/core/quantpatch_kernels.py`` beside
+Installed by ``quantpatch init`` as ``megatron/core/quantpatch/quantpatch_kernels.py`` beside
 ``quantpatch_ops.py``, which calls :func:`fake_quant` here for CUDA tensors (unless
 ``QUANTPATCH_KERNELS=reference``). Depends on torch and triton only; triton ships with CUDA
 builds of torch. With ``TRITON_INTERPRET=1`` set before import the same kernels run on CPU

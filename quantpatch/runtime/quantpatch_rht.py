@@ -1,6 +1,6 @@
 """Random Hadamard transform (RHT) for the weight-gradient GEMM, NVIDIA's NVFP4 recipe.
 
-Installed by ``quantpatch init`` as ``megatron/core/quantpatch_rht.py`` beside
+Installed by ``quantpatch init`` as ``megatron/core/quantpatch/quantpatch_rht.py`` beside
 ``quantpatch_ops.py``, which hands it the products of the value ``nvfp4-rht``; depends on
 torch and the standard library only (the fused kernel in ``quantpatch_rht_kernels.py`` needs
 triton). Public API::

@@ -1,8 +1,8 @@
 """The fused Triton kernel of ``quantpatch_rht.rht_fake_quant``: Hadamard transform and NVFP4
 quantization in one pass.
 
-Installed by ``quantpatch init`` as ``megatron/core/quantpatch_rht_kernels.py``; depends on
-torch, triton and ``quantpatch_kernels`` (whose NVFP4 arithmetic, ``nv_fake_quant``, it
+Installed by ``quantpatch init`` as ``megatron/core/quantpatch/quantpatch_rht_kernels.py``;
+depends on torch, triton and ``quantpatch_kernels`` (whose NVFP4 arithmetic, ``nv_fake_quant``, it
 shares). With ``TRITON_INTERPRET=1`` it runs on CPU tensors, which is how it is tested bit for
 bit against the reference.
 
