@@ -36,14 +36,15 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("quantpatch/launch/native.py", "mxfp8"): (
         "Megatron's own --fp8-recipe argument value, not a quantpatch value"
     ),
-    # the fused GEMM's per-format constexpr selection in the kernel module: to be derived
-    # from the spec's fields like the rest of that module
-    ("quantpatch/runtime/quantpatch_kernels.py", "hifp8"): "the fused GEMM's format code",
-    ("quantpatch/runtime/quantpatch_kernels.py", "fp8-tensor"): "the fused GEMM's format code",
-    ("quantpatch/runtime/quantpatch_kernels.py", "fp8-block"): "the fused GEMM's format code",
-    ("quantpatch/runtime/quantpatch_kernels.py", "fp8-block-2d"): "the fused GEMM's format code",
-    ("quantpatch/runtime/quantpatch_kernels.py", "nvfp4"): "the fused GEMM's format code",
-    ("quantpatch/runtime/quantpatch_kernels.py", "nvfp4-2d"): "the fused GEMM's format code",
+    ("quantpatch/launch/registry.py", "mxfp8"): (
+        "Megatron's own --fp8-recipe choice (FP8_RECIPES), not a quantpatch value"
+    ),
+    # the fused GEMM's operand kinds keyed by the spec's (family, scale, tiled): family names
+    # that are also values' names
+    ("quantpatch/runtime/quantpatch_gemm_kernels.py", "hifp8"): "a family keying a GEMM kind",
+    ("quantpatch/runtime/quantpatch_gemm_kernels.py", "fp8-tensor"): "a family keying a GEMM kind",
+    ("quantpatch/runtime/quantpatch_gemm_kernels.py", "fp8-block"): "a family keying a GEMM kind",
+    ("quantpatch/runtime/quantpatch_gemm_kernels.py", "nvfp4"): "a family keying a GEMM kind",
 }
 """(file, literal) -> why that literal may stay."""
 

@@ -54,7 +54,9 @@ FOLLOWED: dict[str, tuple[str, ...]] = {
     # scheme tables and args
     "a field of Megatron's FP8 recipes": (f"{HINTS}::test_a_scheme_table_refusal_followed",),
     "drop first_last_layers_bf16.": (f"{HINTS}::test_a_scheme_table_refusal_followed",),
-    "; drop fp8_wgrad.": (f"{HINTS}::test_a_scheme_table_refusal_followed",),
+    "drop fp8_wgrad, or take a value of that recipe": (
+        f"{HINTS}::test_a_scheme_table_refusal_followed",
+    ),
     "where no site runs; leave out": (f"{HINTS}::test_a_scheme_table_refusal_followed",),
     "must not be set in args, since the script": (
         f"{HINTS}::test_a_flag_the_script_passes_itself_followed",

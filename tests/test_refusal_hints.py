@@ -709,15 +709,19 @@ def test_a_flag_the_script_passes_itself_followed(
 
 def _follow_scheme_fields(said: str, config: Path, name: str, pick: int) -> None:
     """A scheme table's refusal followed in ``config``: `add KEY = VALUE`, `drop K1, K2`,
-    `leave out K1, K2`, `drop native`; where it offers two ways, the ``pick``-th."""
+    `leave out K1, K2`, `drop native`, `take a value of that recipe (V ...`; where it offers
+    two ways, the ``pick``-th."""
     data = tomllib.loads(config.read_text())
     entry = data["schemes"][name]
     advice = said.rsplit("; ", 1)[1].rstrip(".")
-    ways = re.split(r",? or (?=add |drop )", advice)
+    ways = re.split(r",? or (?=add |drop |take )", advice)
     way = ways[min(pick, len(ways) - 1)]
     added = re.match(r"add (\w+) = (\S+)", way)
+    taken = re.match(r"take a value of that recipe \(([\w.-]+)", way)
     if added:
         entry[added[1]] = tomllib.loads(f"v = {added[2]}")["v"]
+    elif taken:
+        entry["linear"] = taken[1]
     else:
         gone = re.fullmatch(r"(?:drop|leave out) ([\w, ]+)", way)
         assert gone, way
@@ -727,6 +731,10 @@ def _follow_scheme_fields(said: str, config: Path, name: str, pick: int) -> None
 
 
 TWO_WAYS = "add te_recipe = true (its GEMMs then follow Megatron's policy) or drop "
+FP8_WGRAD = (
+    "drop fp8_wgrad, or take a value of that recipe (fp8-delayed or fp8-delayed-e4m3: the "
+    "schemes te_delayed_hybrid and te_delayed_e4m3), whose schemes honour it."
+)
 
 
 @pytest.mark.parametrize(
@@ -739,7 +747,8 @@ TWO_WAYS = "add te_recipe = true (its GEMMs then follow Megatron's policy) or dr
         ("linear = 'mxfp8'\nfp8_wgrad = false", "recipes; drop fp8_wgrad.", 0),
         ("linear = 'fp8-delayed'\nte_recipe = true\nfirst_last_layers_bf16 = true",
          "drop first_last_layers_bf16.", 0),
-        ("linear = 'fp8-tensor'\nte_recipe = true\nfp8_wgrad = false", "drop fp8_wgrad.", 0),
+        ("linear = 'fp8-tensor'\nte_recipe = true\nfp8_wgrad = false", FP8_WGRAD, 0),
+        ("linear = 'fp8-tensor'\nte_recipe = true\nfp8_wgrad = false", FP8_WGRAD, 1),
         ("linear = 'mxfp8'\nnative = true", "leave out linear, or drop native.", 0),
         ("linear = 'mxfp8'\nnative = true", "leave out linear, or drop native.", 1),
         ("linear = 'mxfp8'\nbf16_layers = 'output'\nnative = true\nemulates = 'bf16'",
