@@ -90,15 +90,15 @@ RULES = [
         {"seq_length": 4098, "tp": 4, "sequence_parallel": "on"},
         "sequence length 4098 / CP 1 = 4098 is not divisible by TP 4 (sequence parallel splits "
         "each CP rank's part of the sequence across TP ranks); sequence parallel off "
-        "(SEQUENCE_PARALLEL=off) would work.",
+        "(--sequence-parallel off, SEQUENCE_PARALLEL=off) would work.",
         id="sequence-divisible-by-tp",
     ),
     pytest.param(
         {"tp": 2, "normalization": "RMSNorm"},
         {"tp": 2, "normalization": "RMSNorm", "sequence_parallel": "on"},
         "sequence parallel cannot run with the local layers: their RMSNorm is torch's norm "
-        "(WrappedTorchNorm), which refuses it; sequence parallel off (SEQUENCE_PARALLEL=off) "
-        "would work.",
+        "(WrappedTorchNorm), which refuses it; sequence parallel off (--sequence-parallel off, "
+        "SEQUENCE_PARALLEL=off) would work.",
         id="local-rmsnorm-refuses-sequence-parallel",
     ),
     pytest.param(
@@ -106,7 +106,7 @@ RULES = [
         {"tp": 4, "transformer_impl": "transformer_engine", "seq_length": 4100, "cp": 2},
         "sequence length 4100 / CP 2 = 2050 is not divisible by TP 4 (sequence parallel splits "
         "each CP rank's part of the sequence across TP ranks); sequence parallel off "
-        "(SEQUENCE_PARALLEL=off) would work.",
+        "(--sequence-parallel off, SEQUENCE_PARALLEL=off) would work.",
         id="sequence-over-cp-divisible-by-tp",
     ),
     pytest.param(
@@ -168,7 +168,7 @@ RULES = [
             "sequence_parallel": "off",
         },
         "EP 2 with TP 2 needs sequence parallel (it is off); sequence parallel on "
-        "(SEQUENCE_PARALLEL=on) would work.",
+        "(--sequence-parallel on, SEQUENCE_PARALLEL=on) would work.",
         id="ep-with-tp-needs-sequence-parallel",
     ),
     pytest.param(
@@ -182,14 +182,15 @@ RULES = [
         {"global_batch": 272},
         {"global_batch": 264},
         "global batch 264 is not divisible by micro batch 1 x DP 16 = 16; global batch 256 "
-        "(GLOBAL_BATCH_SIZE=256) would work.",
+        "(--global-batch 256, GLOBAL_BATCH_SIZE=256) would work.",
         id="global-batch-divisible-by-micro-dp",
     ),
     pytest.param(
         {"pp": 4, "vpp": 2, "global_batch": 16},
         {"pp": 4, "vpp": 2, "global_batch": 8},
         "VPP 2 needs the micro-batches per step (8 / (micro batch 1 x DP 4) = 2) to be a "
-        "multiple of PP 4, at least PP; global batch 16 (GLOBAL_BATCH_SIZE=16) would work.",
+        "multiple of PP 4, at least PP; global batch 16 (--global-batch 16, "
+        "GLOBAL_BATCH_SIZE=16) would work.",
         id="vpp-micro-batches-multiple-of-pp",
     ),
 ]
@@ -203,7 +204,8 @@ def test_every_layout_rule_on_both_sides_of_its_boundary(good, bad, sentence):
     assert str(exc.value) == sentence
     # the suggested choice does work
     found = re.search(
-        r"; (TP|PP|CP|EP|VPP|global batch|sequence parallel) (\w+)( \(\w+=\w+\))? would work\.$",
+        r"; (TP|PP|CP|EP|VPP|global batch|sequence parallel) (\w+)( \([\w-]+ \w+, \w+=\w+\))? "
+        r"would work\.$",
         sentence,
     )
     assert found is not None

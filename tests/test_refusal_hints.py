@@ -954,7 +954,8 @@ def test_a_size_that_passes_one_check_followed_to_the_end(run, tmp_path, make_ch
 
 
 def test_gpus_and_nodes_that_disagree_followed(run):
-    """`quantpatch layout --gpus 2 --nodes 2`: give either, as said; --gpus alone is taken."""
+    """`quantpatch layout --gpus 2 --nodes 2`: give either, as said; --gpus alone is taken.
+    And a --gpus that is no whole number of nodes: a number it names is taken."""
     command = ["layout", "--model", "llama32-1b", "--profile", "smoke", "--gpus-per-node", "2",
                "--gpus", "2", "--nodes", "2", "--line"]  # fmt: skip
     res = run(*command)
@@ -962,6 +963,11 @@ def test_gpus_and_nodes_that_disagree_followed(run):
     at = command.index("--nodes")
     res = run(*command[:at], *command[at + 2 :])
     assert res.code == 0 and res.out.startswith("world 2 (1 node x 2 GPUs)"), res
+    # --gpus 3 on 2-GPU nodes: `2 or 4 GPUs would be`; the first, given, is taken
+    res = run(*command[:at], "--gpus", "3", "--line")
+    would = re.search(r"; (\d+) or (\d+) GPUs would be\.", " ".join(res.err.split()))
+    assert res.code == 2 and would, res
+    assert run(*command[:at], "--gpus", would[1], "--line").code == 0
 
 
 def test_no_scancel_on_path_followed(cluster, run, tmp_path, monkeypatch):
@@ -984,3 +990,34 @@ def test_no_scancel_on_path_followed(cluster, run, tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", path)
     res = run("sweep", "cancel", out)
     assert res.code == 0 and (stub / "scancel.args").exists(), res
+
+
+def test_a_batch_the_layout_command_refuses_followed_both_ways(
+    run, tmp_path, make_checkout, monkeypatch
+):
+    """`global batch 4 (--global-batch 4, GLOBAL_BATCH_SIZE=4) would work`: the option for
+    `quantpatch layout` itself (it reads no variable: the variable alone was refused again),
+    the variable for a script, whose check is that command."""
+    command = ["layout", "--model", "llama32-1b", "--profile", "smoke", "--gpus-per-node", "2",
+               "--nodes", "2", "--line"]  # fmt: skip
+    res = run(*command)
+    said = " ".join(res.err.split())
+    fix = re.search(r"global batch 4 \((--global-batch) (4), (GLOBAL_BATCH_SIZE)=(4)\) would", said)
+    assert res.code == 2 and fix, res
+    monkeypatch.setenv(fix[3], fix[4])  # the variable does nothing for the command itself
+    assert run(*command).code == 2
+    res = run(*command, fix[1], fix[2])
+    assert res.code == 0 and "global batch 4" in res.out, res
+    # a script: the same check refuses it, the variable makes it start
+    root = make_checkout()
+    out = tmp_path / "s"
+    assert run("gen-scripts", "--out", out, *SMOKE, "--repo", root).code == 0
+    (script,) = out.rglob("pretrain_*.sh")
+    env = {**os.environ, "QUANTPATCH_DRY_RUN": "1", "QUANTPATCH": QUANTPATCH, "NNODES": "2",
+           "GPUS_PER_NODE": "2", "MASTER_ADDR": "node0"}  # fmt: skip
+    env.pop(fix[3])
+    done = subprocess.run([str(script)], cwd=root, env=env, capture_output=True, text=True)
+    assert done.returncode == 2 and fix[0] in " ".join(done.stderr.split()), done.stderr
+    done = subprocess.run([str(script)], cwd=root, env={**env, fix[3]: fix[4]},
+                          capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
