@@ -93,6 +93,9 @@ FOLLOWED: dict[str, tuple[str, ...]] = {
         "test_launchers::test_torchrun_two_nodes_and_a_bad_override",
     ),
     "{} ({} {}, {}={})": (f"{HINTS}::test_a_batch_the_layout_command_refuses_followed_both_ways",),
+    "give --schemes without {} (their recipe passes": (
+        f"{HINTS}::test_a_recipe_flag_the_checkout_does_not_accept_followed",
+    ),
     "give either --gpus or --nodes": (f"{HINTS}::test_gpus_and_nodes_that_disagree_followed",),
     "would pass this check": (f"{HINTS}::test_a_size_that_passes_one_check_followed_to_the_end",),
     "instead of --{} {}": (f"{HINTS}::test_a_layout_refusal_of_gen_scripts_followed",),
@@ -190,7 +193,7 @@ NOT_FOLLOWED: dict[str, str] = {
     "add `--gpus-per-node {} --nodes {}` to sweep run": "sinfo shows fewer GPUs or nodes than "
     "asked, which sweep run's own check refuses before sbatch is asked",
     "leave them out of the args of the schemes or tables that set them": "flags the script "
-    "passes itself or a scheme's recipe sets, which no entry of a --config drops",
+    "passes itself, which only another Megatron-LM takes",
     "choose a GPU partition": "sinfo shows gpu GRES in no partition: followed by its other way "
     "(gpu_request)",
 }

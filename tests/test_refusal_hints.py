@@ -1021,3 +1021,22 @@ def test_a_batch_the_layout_command_refuses_followed_both_ways(
     done = subprocess.run([str(script)], cwd=root, env={**env, fix[3]: fix[4]},
                           capture_output=True, text=True)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_a_recipe_flag_the_checkout_does_not_accept_followed(run, tmp_path, monkeypatch):
+    """A checkout whose parser lacks --fp8-recipe, which a native scheme's recipe passes: the
+    refusal says to run without that scheme, and --schemes without it is taken."""
+    from .test_scripts import _megatron_checkout
+
+    root = _megatron_checkout(tmp_path / "Megatron-LM", drop=["--fp8-recipe"])
+    monkeypatch.chdir(root)
+    command = ["gen-scripts", "--out", str(tmp_path / "s"), *SMOKE[:4], "--profile", "smoke",
+               "--schemes", "bf16,native_tensorwise_hybrid"]  # fmt: skip
+    res = run(*command)
+    said = " ".join(res.err.split())
+    named = re.search(r"give --schemes without ([\w, -]+) \(their recipe passes it\)", said)
+    assert res.code == 2 and named, res
+    left = [s for s in command[-1].split(",") if s not in named[1].split(", ")]
+    assert left == ["bf16"]
+    res = run(*command[:-1], ",".join(left))
+    assert res.code == 0, res

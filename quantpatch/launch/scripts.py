@@ -590,7 +590,15 @@ def _reject_unaccepted(
     dropped = _drop_entries(users, reg)
     if dropped:
         remedies.append(f"set {dropped} of a --config to leave them out")
-    if not remedies:  # a scheme's args, or the script's own flags: the args or the checkout
+    by_schemes = {u.removeprefix("scheme ") for who in users.values() for u in who}
+    if not remedies and all(u.startswith("scheme ") for who in users.values() for u in who):
+        # flags of the schemes' recipes (a native scheme's --fp8-recipe ...): run without them
+        schemes = sorted(by_schemes)
+        remedies.append(
+            f"give --schemes without {', '.join(schemes)} (their recipe passes "
+            f"{'it' if len(users) == 1 else 'them'})"
+        )
+    if not remedies:  # the script's own flags: the checkout
         remedies.append(
             "leave them out of the args of the schemes or tables that set them in a --config, "
             "or use a Megatron-LM that has them"
