@@ -53,7 +53,9 @@ Modules (one concern each):
 ``quantpatch_layers.py``
     the BF16 layer policy (``quantpatch set --bf16-layers``)
 ``quantpatch_kernels.py``, ``quantpatch_fp8_kernels.py``, ``quantpatch_rht_kernels.py``
-    the Triton kernels (bit-identical to the reference) and the fused quantized GEMM
+    the Triton kernels (bit-identical to the reference)
+``quantpatch_gemm_kernels.py``
+    the fused quantized GEMM: each operand tile quantized as the GEMM loads it
 ``quantpatch_flash.py``
     the flash-attention kernels of the FA schemes
 ``tensor_saver.py``
