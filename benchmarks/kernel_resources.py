@@ -31,6 +31,7 @@ import io
 import json
 import os
 import re
+import resource
 import sys
 import tempfile
 import time
@@ -488,6 +489,7 @@ def run(
                 parts = list(pool.map(_generation, work))
         else:
             parts = [_generation(job) for job in work]
+    used = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
     return {
         "launches": sum(p["launches"] for p in parts),
         "distinct": sum(p["distinct"] for p in parts),
@@ -496,6 +498,7 @@ def run(
         "kernels": sorted({k for p in parts for k in p["kernels"]}),
         "seconds_driving": sum(p["seconds_driving"] for p in parts),
         "seconds": time.perf_counter() - start,
+        "cpu_seconds": sum(u.ru_utime + u.ru_stime for u in used),  # ptxas and the workers too
         "rows": [r for p in parts for r in p["rows"]],
     }
 
@@ -571,7 +574,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"{report['launches']} launches, {report['distinct']} distinct specializations of "
         f"{len(report['kernels'])} kernels, {report['compiled']} compiled for "
-        f"{len(ccs)} generations in {report['seconds']:.0f} s"
+        f"{len(ccs)} generations in {report['seconds']:.0f} s ({report['cpu_seconds']:.0f} s of "
+        "CPU)"
     )
     print(text)
     bad = problems(report)

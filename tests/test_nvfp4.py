@@ -446,10 +446,12 @@ def test_the_ops_modules_import_torch_and_the_standard_library_only():
     from pathlib import Path
 
     from quantpatch.checkout.init import OPS_MODULES
+    from quantpatch.checkout.parts import RUNTIME_MODULES
 
-    runtime = Path(ops.__file__).parent
-    for installed in OPS_MODULES:  # quantpatch_ops.py and the parts it imports
-        tree = ast.parse((runtime / Path(installed).name).read_text())
+    package = Path(ops.__file__).parent.parent
+    for installed in OPS_MODULES:  # quantpatch_ops.py, the package's __init__ and the parts
+        source = package / RUNTIME_MODULES[installed]
+        tree = ast.parse(source.read_text())
         names = {
             a.name.split(".")[0]
             for n in ast.walk(tree)
@@ -462,10 +464,11 @@ def test_the_ops_modules_import_torch_and_the_standard_library_only():
             if isinstance(n, ast.ImportFrom) and n.module and n.level == 0
         }
         # the format spec and the environment module: the standard library alone
-        stdlib_only = Path(installed).stem in ("quantpatch_formats", "quantpatch_env")
+        # (and the package's __init__, which imports nothing)
+        stdlib_only = source.stem in ("quantpatch_formats", "quantpatch_env", "package_init")
         # delayed scaling asks Megatron (in whose process it runs) for the amax reduction
         # group, inside the function that reduces: never at import
-        inside = {"megatron"} if Path(installed).stem == "quantpatch_delayed" else set()
+        inside = {"megatron"} if source.stem == "quantpatch_delayed" else set()
         want = set() if stdlib_only else {"torch", *inside}
         assert names - set(sys.stdlib_module_names) == want
 

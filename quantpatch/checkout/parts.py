@@ -243,19 +243,14 @@ def parts_status(
         before = [r for r in flats if r in record["files"]]
         # a part an earlier version did not install has no files in its record: older
         version = record.get("version")
-        hand = edited(rels + before)
-        if hand and upgrading:
-            status, detail = "older", UPGRADING
-        elif hand:
-            status, detail = "edited", f"{', '.join(hand)} changed by hand since it was installed"
-        elif (
+        current = (
             not before
             and len(rels) == len(files)
             and all(record["files"][r]["written"] == sha256_text(runtime_source(r)) for r in rels)
-        ):
-            status, detail = "current", ""
-        else:
-            status, detail = "older", "'quantpatch upgrade' installs this version's"
+        )
+        hand = edited(rels + before)
+        older = "'quantpatch upgrade' installs this version's"
+        status, detail = _judged(hand, upgrading, current, older)
         out.append(PartStatus(part, owner, status, list(files), version, detail))
     for part, (owner, which) in CODEMOD_PARTS.items():
         record = records.get(owner)
@@ -267,16 +262,21 @@ def parts_status(
         version = record.get("version")
         hand = [] if set_active or not main else edited(rels)
         form = (record.get("forms") or {}).get(part)
-        if hand and upgrading:
-            status, detail = "older", UPGRADING
-        elif hand:
-            status, detail = "edited", f"{', '.join(hand)} changed by hand since it was installed"
-        elif form == FORMS[part]:
-            status, detail = "current", ""
-        else:
-            status, detail = "older", "'quantpatch upgrade' re-applies it"
+        status, detail = _judged(
+            hand, upgrading, form == FORMS[part], "'quantpatch upgrade' re-applies it"
+        )
         out.append(PartStatus(part, owner, status, rels, version, detail))
     return out
+
+
+def _judged(hand: list[str], upgrading: bool, current: bool, older: str) -> tuple[str, str]:
+    """A part's status and its detail: edited (``hand``: the files changed by hand), older
+    (an unfinished upgrade's, or ``older``'s advice) or current."""
+    if hand and upgrading:
+        return "older", UPGRADING
+    if hand:
+        return "edited", f"{', '.join(hand)} changed by hand since it was installed"
+    return ("current", "") if current else ("older", older)
 
 
 def _codemod_files(record: dict[str, Any], which: str, targets: Targets) -> list[str]:

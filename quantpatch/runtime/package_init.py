@@ -55,7 +55,7 @@ Modules (one concern each):
 ``quantpatch_kernels.py``, ``quantpatch_fp8_kernels.py``, ``quantpatch_rht_kernels.py``
     the Triton kernels (bit-identical to the reference)
 ``quantpatch_gemm_kernels.py``
-    the fused quantized GEMM: each operand quantized in the tile loop
+    the fused quantized GEMM: each operand tile quantized as the GEMM loads it
 ``quantpatch_flash.py``
     the flash-attention kernels of the FA schemes
 ``tensor_saver.py``

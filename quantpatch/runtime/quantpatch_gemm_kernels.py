@@ -495,6 +495,38 @@ def _operand_aux(
     return aux, u, True, factor
 
 
+def _batch(a: torch.Tensor, b: torch.Tensor) -> int:
+    """The batch of ``quant_gemm``'s operands, once their dtypes and shapes are checked."""
+    if a.dtype != b.dtype or a.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"quant_gemm takes bf16, fp16 or fp32 operands, not {a.dtype}, {b.dtype}")
+    if a.dim() not in (2, 3) or b.dim() not in (2, 3) or a.shape[-1] != b.shape[-2]:
+        raise ValueError(f"quant_gemm cannot multiply {tuple(a.shape)} by {tuple(b.shape)}")
+    batch = max(a.shape[0] if a.dim() == 3 else 1, b.shape[0] if b.dim() == 3 else 1)
+    for t in (a, b):
+        if t.dim() == 3 and t.shape[0] not in (1, batch):
+            raise ValueError(f"quant_gemm: batch sizes {a.shape[0]} and {b.shape[0]} differ")
+    return batch
+
+
+def _strides3(t: torch.Tensor) -> tuple[int, int, int]:
+    """A 2-D or 3-D operand's (batch, row, column) strides; a shared 2-D operand's batch: 0."""
+    if t.dim() == 2:
+        return (0, t.stride(0), t.stride(1))
+    return (0 if t.shape[0] == 1 else t.stride(0), t.stride(1), t.stride(2))
+
+
+def _alpha(
+    a_f: torch.Tensor | None, b_f: torch.Tensor | None, device: torch.device
+) -> torch.Tensor:
+    """The per-tensor scales' product that multiplies the float32 accumulator (1 where none),
+    rounded once, as ``quantpatch_quantize.scaled_matmul`` takes it."""
+    factors = [f for f in (a_f, b_f) if f is not None]
+    if not factors:
+        return torch.ones(1, dtype=torch.float32, device=device)
+    f = factors[0] if len(factors) == 1 else factors[0] * factors[1]
+    return f.to(device=device, dtype=torch.float32).reshape(1)
+
+
 def quant_gemm(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -520,14 +552,7 @@ def quant_gemm(
     code x block scale, and their per-tensor scales multiply the float32 accumulator once,
     before its rounding to the output dtype; ``a_scale`` / ``b_scale``: that scale of an
     operand that enters already quantized (``bf16``, from the weight cache)."""
-    if a.dtype != b.dtype or a.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise ValueError(f"quant_gemm takes bf16, fp16 or fp32 operands, not {a.dtype}, {b.dtype}")
-    if a.dim() not in (2, 3) or b.dim() not in (2, 3) or a.shape[-1] != b.shape[-2]:
-        raise ValueError(f"quant_gemm cannot multiply {tuple(a.shape)} by {tuple(b.shape)}")
-    batch = max(a.shape[0] if a.dim() == 3 else 1, b.shape[0] if b.dim() == 3 else 1)
-    for t in (a, b):
-        if t.dim() == 3 and t.shape[0] not in (1, batch):
-            raise ValueError(f"quant_gemm: batch sizes {a.shape[0]} and {b.shape[0]} differ")
+    batch = _batch(a, b)
     m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
     out_shape = (batch, m, n) if max(a.dim(), b.dim()) == 3 else (m, n)
     c = torch.empty(out_shape, dtype=a.dtype, device=a.device)
@@ -536,13 +561,8 @@ def quant_gemm(
     if k == 0:
         return c.zero_()
 
-    def strides3(t: torch.Tensor) -> tuple[int, int, int]:
-        if t.dim() == 2:
-            return (0, t.stride(0), t.stride(1))
-        return (0 if t.shape[0] == 1 else t.stride(0), t.stride(1), t.stride(2))
-
-    sab, sam, sak = strides3(a)
-    sbb, sbk, sbn = strides3(b)
+    sab, sam, sak = _strides3(a)
+    sbb, sbk, sbn = _strides3(b)
     c3 = c if c.dim() == 3 else c.unsqueeze(0)
     ak, am, aemin, avmax, aemax = gemm_operand(a_fmt, a_backward)
     bk, bm, bemin, bvmax, bemax = gemm_operand(b_fmt, b_backward)
@@ -553,12 +573,7 @@ def quant_gemm(
         raise ValueError("quant_gemm: 128 x 128 weight tiles need a 2-D operand")
     a_aux, a_u, a_sr, a_f = _operand_aux(a, ak, avmax, a_rand, factored, a_scale)
     b_aux, b_u, b_sr, b_f = _operand_aux(b, bk, bvmax, b_rand, factored, b_scale)
-    # the two scales' product, rounded once (as quantpatch_quantize.scaled_matmul takes it)
-    alpha = torch.ones(1, dtype=torch.float32, device=a.device)
-    factors = [f for f in (a_f, b_f) if f is not None]
-    if factors:
-        f = factors[0] if len(factors) == 1 else factors[0] * factors[1]
-        alpha = f.to(device=a.device, dtype=torch.float32).reshape(1)
+    alpha = _alpha(a_f, b_f, a.device)
 
     def grid(meta: dict[str, Any]) -> tuple[int, int]:
         return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), batch)
