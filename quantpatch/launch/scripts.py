@@ -580,6 +580,27 @@ def _reject_unaccepted(
         f"{', '.join(flags)} (used by {', '.join(who)})"
         for who, flags in sorted(by_users.items(), key=lambda item: (-len(item[0]), item[1]))
     )
+    remedy = ", or ".join(_remedies(users, used, source, reg))
+    if source.unresolved:
+        remedy += (
+            f" (the parser also builds flags from {', '.join(source.unresolved)}, which "
+            "quantpatch could not find in the checkout)"
+        )
+    raise UserError(
+        f"Megatron-LM {source.release} does not accept {unknown}, checked against "
+        f"{source.where()}; {remedy}."
+    )
+
+
+def _remedies(
+    users: Mapping[str, Sequence[str]],
+    used: Mapping[str, tuple[str, ...]],
+    source: FlagSource,
+    reg: Registry | None,
+) -> list[str]:
+    """What to give instead of flags the release does not accept: a bundled release whose
+    list has them all, the --config entries that leave them out, a --schemes without the
+    schemes whose recipe passes them; else another Megatron-LM."""
     remedies = []
     if source.root is None:  # a bundled list: another bundled release may have them all
         every = {f"--{f}" for flags in used.values() for f in flags}
@@ -590,10 +611,10 @@ def _reject_unaccepted(
     dropped = _drop_entries(users, reg)
     if dropped:
         remedies.append(f"set {dropped} of a --config to leave them out")
-    by_schemes = {u.removeprefix("scheme ") for who in users.values() for u in who}
-    if not remedies and all(u.startswith("scheme ") for who in users.values() for u in who):
+    everyone = [u for who in users.values() for u in who]
+    if not remedies and all(u.startswith("scheme ") for u in everyone):
         # flags of the schemes' recipes (a native scheme's --fp8-recipe ...): run without them
-        schemes = sorted(by_schemes)
+        schemes = sorted({u.removeprefix("scheme ") for u in everyone})
         remedies.append(
             f"give --schemes without {', '.join(schemes)} (their recipe passes "
             f"{'it' if len(users) == 1 else 'them'})"
@@ -604,16 +625,7 @@ def _reject_unaccepted(
             "or use a Megatron-LM that has them"
             + ("" if source.root is not None else f" (bundled: {', '.join(releases())})")
         )
-    remedy = ", or ".join(remedies)
-    if source.unresolved:
-        remedy += (
-            f" (the parser also builds flags from {', '.join(source.unresolved)}, which "
-            "quantpatch could not find in the checkout)"
-        )
-    raise UserError(
-        f"Megatron-LM {source.release} does not accept {unknown}, checked against "
-        f"{source.where()}; {remedy}."
-    )
+    return remedies
 
 
 def _drop_entries(users: Mapping[str, Sequence[str]], reg: Registry | None) -> str:
