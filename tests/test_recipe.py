@@ -44,6 +44,43 @@ def test_the_recipe_and_its_ablations_differ_in_one_part_each():
     assert not any(schemes[n].default for n in RECIPE)  # outside the default ten
 
 
+def test_the_4over6_recipe_is_the_recipe_with_te_4over6_and_no_hadamard_transform():
+    """TransformerEngine's NVFP4BlockScaling(nvfp4_4over6="all") with its defaults (MAE, E4M3
+    bound 256) on every linear GEMM: 4over6 for the inputs and the 16 x 16 weight tiles, NVFP4's
+    stochastic gradients, no Hadamard transform (TE refuses it beside 4over6), the BF16 layers
+    and the output layer as nvfp4_recipe keeps them; Megatron has no flag for it."""
+    scheme = load_registry().schemes["nvfp4_recipe_4over6"]
+    assert scheme.values() == {
+        "linear": "nvfp4-4over6-mae",
+        "qk": "bf16",
+        "pv": "bf16",
+        "bf16_layers": "recipe,output",
+    }
+    assert not scheme.default and scheme.megatron_flags() == []
+
+
+@pytest.mark.slow
+def test_the_4over6_recipe_trains_the_tiny_gpt_on_cpu(run, make_checkout):
+    pytest.importorskip("torch")
+    root = make_checkout("0.13.1", inject=False, full=True)
+    assert run("init", "--repo", root).code == 0
+    cfg = {"device": "cpu", "steps": 10, "vocab": 256, "layers": 6, "hidden": 64, "heads": 4}
+    cfg |= {"seq": 32, "batch": 2}
+    res = run("set", "--repo", root, "--scheme", "nvfp4_recipe", "--no-branch")
+    assert res.code == 0, res
+    plain_nvfp4 = tiny_gpt(root, cfg)["losses"]
+    assert run("restore", "--repo", root).code == 0
+    res = run("set", "--repo", root, "--scheme", "nvfp4_recipe_4over6", "--no-branch")
+    assert res.code == 0, res
+    expect = "linear=nvfp4-4over6-mae,qk=bf16,pv=bf16,bf16_layers=recipe,output"
+    assert run("check", "--repo", root, "--expect", expect).code == 0
+    losses = tiny_gpt(root, cfg)["losses"]
+    assert isinstance(losses, list) and isinstance(plain_nvfp4, list)
+    assert len(losses) == 10 and all(math.isfinite(v) for v in losses), losses
+    assert losses[-1] < losses[0] - 0.05, losses
+    assert losses != plain_nvfp4  # 4over6's block scales, not nvfp4-2d's
+
+
 @pytest.mark.slow
 def test_the_recipe_trains_the_tiny_gpt_on_cpu(run, make_checkout):
     pytest.importorskip("torch")

@@ -24,8 +24,7 @@ from .quantpatch_fp8 import FP8_BLOCK, FP8_FORMATS, finite_amax, fp8_quantize
 from .quantpatch_mx import BLOCK
 from .quantpatch_mx import hifp8 as _hifp8
 from .quantpatch_mx import mx as _mx
-from .quantpatch_nvfp4 import NV_BLOCK, NVFP4_FORMATS, sr_bits
-from .quantpatch_nvfp4 import nvfp4 as _nvfp4
+from .quantpatch_nvfp4 import FOUR_OVER_SIX, NV_BLOCK, NVFP4_FORMATS, nvfp4_value, sr_bits
 
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -178,6 +177,8 @@ def quantize(x: torch.Tensor, fmt: str, dim: int = -1, backward: bool = False) -
     if x.numel() == 0:
         return x.clone()
     rand = sr_bits(x) if backward and fmt in NVFP4_FORMATS else None
+    if rand is not None and fmt in FOUR_OVER_SIX:  # TE's gradient slots take no 4over6
+        fmt = "nvfp4"
     if _use_kernels(x):
         if fmt in FP8_FORMATS:
             fp8_kernels = _fp8_kernels()
@@ -225,9 +226,11 @@ def _fake_quant(
         return fp8_quantize(x, fmt, dim, backward)
     if fmt in NVFP4_FORMATS:
         two_d, r = formats.spec_of(fmt).tiled, rand if backward else None
+        if r is not None and fmt in FOUR_OVER_SIX:
+            fmt = "nvfp4"
         if x.device.type == "cpu" and x.numel() > 2 * _CHUNK and x.dim() >= 1:
-            return _nv_sliced(x, dim, two_d, r)
-        return _nvfp4(x, dim, two_d, r)
+            return _nv_sliced(x, fmt, dim, two_d, r)
+        return nvfp4_value(x, fmt, dim, two_d, r)
     if x.device.type == "cpu" and x.numel() > 2 * _CHUNK and x.dim() >= 1:
         return _sliced(x, fmt, dim, backward)
     return _whole(x, fmt, dim, backward)
@@ -268,7 +271,9 @@ def _sliced(x: torch.Tensor, fmt: str, dim: int, backward: bool) -> torch.Tensor
     )
 
 
-def _nv_sliced(x: torch.Tensor, dim: int, two_d: bool, rand: torch.Tensor | None) -> torch.Tensor:
+def _nv_sliced(
+    x: torch.Tensor, fmt: str, dim: int, two_d: bool, rand: torch.Tensor | None
+) -> torch.Tensor:
     """NVFP4 slice by slice (:func:`_by_slices`), every slice with the whole tensor's amax;
     blocks of 16 along ``dim``, or 16 x 16 tiles over the last two dimensions."""
     v = x.to(torch.float32)
@@ -278,7 +283,7 @@ def _nv_sliced(x: torch.Tensor, dim: int, two_d: bool, rand: torch.Tensor | None
 
     def part(split: int, start: int, n: int) -> torch.Tensor:
         r = None if rand is None else rand.narrow(split, start, n)
-        return _nvfp4(x.narrow(split, start, n), dim, two_d, r, amax)
+        return nvfp4_value(x.narrow(split, start, n), fmt, dim, two_d, r, amax)
 
     return _by_slices(x, spanned, NV_BLOCK, part)
 
