@@ -20,6 +20,7 @@ RECIPE = (
     "nvfp4_recipe_no_rht",
     "nvfp4_recipe_no_bf16_layers",
     "nvfp4_recipe_no_2d",
+    "nvfp4_recipe_4over6",  # the recipe with TE's 4over6 block scaling
 )
 
 
@@ -124,7 +125,7 @@ def test_one_sweep_reports_the_recipe_and_each_ablation(tmp_path, make_checkout,
         "--profile", "smoke", "--schemes", ",".join(RECIPE), "--repo", root,
     )  # fmt: skip
     assert res.code == 0, res
-    assert "4 of 4 finished, 0 failed" in res.out
+    assert f"{len(RECIPE)} of {len(RECIPE)} finished, 0 failed" in res.out
     rec = json.loads((out / "sweep.json").read_text())
     assert sorted(r["scheme"] for r in rec["runs"]) == sorted(RECIPE)
     parsed = json.loads(
@@ -140,12 +141,14 @@ def test_one_sweep_reports_the_recipe_and_each_ablation(tmp_path, make_checkout,
         assert html.count(name) >= 1
     # each run trained its own commit, whose sources hold the scheme's values and policy
     commits = {r["scheme"]: r["commit"] for r in rec["runs"]}
-    assert len(set(commits.values())) == 4
+    assert len(set(commits.values())) == len(RECIPE)
     for name, commit in commits.items():
         linear = git_out(root, "show", f"{commit}:{LINEAR}")
         policy = "'output'" if name == "nvfp4_recipe_no_bf16_layers" else "'recipe,output'"
         assert f"quantpatch_bf16_layers = {policy}" in linear
-        assert ("'nvfp4-rht'" in linear) == (name != "nvfp4_recipe_no_rht")
+        rht = name not in ("nvfp4_recipe_no_rht", "nvfp4_recipe_4over6")
+        assert ("'nvfp4-rht'" in linear) == rht
+        assert ("'nvfp4-4over6-mae'" in linear) == (name == "nvfp4_recipe_4over6")
 
 
 TE_RECIPES = {  # issue 45: NVIDIA's MXFP8 recipe and TransformerEngine's two FP8 recipes
