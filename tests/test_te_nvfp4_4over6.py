@@ -396,3 +396,26 @@ def test_4over6_is_a_linear_value_only(run, make_checkout):
     assert res.code == 0, res
     res = run("check", "--repo", root, "--expect", "linear=nvfp4-4over6-mae,qk=nvfp4")
     assert res.code == 0, res
+
+
+@pytest.mark.slow  # about 15 s: the fork's history is built
+def test_a_forks_checkout_takes_4over6_after_init(run, trees, tmp_path):
+    """On a fork-shaped checkout (history, the fork's own dispatch chains, which know only its
+    own values): 4over6 is refused before ``init`` naming it, at the attention roles always,
+    and after ``init`` set and ``check --expect`` take it, the recipe scheme too."""
+    from .forklike import build_fork, clone_quant
+
+    fork = build_fork(tmp_path / "origin", trees["0.13.1"], full=False)
+    root = clone_quant(fork, tmp_path / "Megatron-LM")
+    res = run("set", "--repo", root, "--linear", "nvfp4-4over6-mse")
+    assert res.code == 2 and "'quantpatch init' teaches it" in " ".join(res.err.split()), res
+    assert run("init", "--repo", root).code == 0  # the advice, followed
+    res = run("set", "--repo", root, "--qk", "nvfp4-4over6-mse")
+    assert res.code == 2 and "use 'nvfp4' for qk" in res.err, res
+    res = run("set", "--repo", root, "--linear", "nvfp4-4over6-mse", "--qk", "nvfp4")
+    assert res.code == 0, res
+    assert run("check", "--repo", root, "--expect", "linear=nvfp4-4over6-mse,qk=nvfp4").code == 0
+    assert run("restore", "--repo", root).code == 0
+    assert run("set", "--repo", root, "--scheme", "nvfp4_recipe_4over6").code == 0
+    expect = "linear=nvfp4-4over6-mae,qk=bf16,pv=bf16,bf16_layers=recipe,output"
+    assert run("check", "--repo", root, "--expect", expect).code == 0
