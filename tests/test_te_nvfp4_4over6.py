@@ -316,6 +316,29 @@ def test_tensors_formats_takes_the_4over6_values_as_candidates(run, tmp_path):
         assert same == {k: v for k, v in rows[("grad_output", fmt)].items() if k != "candidate"}
 
 
+def test_list_json_shows_each_value_its_metric_and_bound_and_the_scheme_no_megatron_flag(run):
+    import json
+
+    res = run("list", "--json")
+    assert res.code == 0, res
+    listed = json.loads(res.out)
+    values = {v["name"]: v for v in listed["values"]}
+    assert [n for n in values if "4over6" in n] == list(VALUES)  # the -2d operands are not values
+    for fmt in VALUES:
+        mode, bound = nv.FOUR_OVER_SIX[fmt]
+        v = values[fmt]
+        assert (v["four_over_six"], v["e4m3_max"], v["roles"]) == (mode, bound, ["linear"])
+        assert (v["megatron"], v["weight_block"], v["gradient_rounding"]) == (
+            None,
+            [16, 16],
+            "stochastic",
+        )
+        assert f"nvfp4_e4m3_max={bound}" in v["reference"]
+    assert (values["nvfp4"]["four_over_six"], values["nvfp4"]["e4m3_max"]) == (None, 448)
+    assert listed["schemes"]["nvfp4_recipe_4over6"]["linear"] == "nvfp4-4over6-mae"
+    assert listed["scheme_runs"]["nvfp4_recipe_4over6"]["megatron"] is None
+
+
 # -- the Triton kernels (interpreter) against the reference -----------------------------------
 
 
