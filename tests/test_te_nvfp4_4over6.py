@@ -442,3 +442,27 @@ def test_a_forks_checkout_takes_4over6_after_init(run, trees, tmp_path):
     assert run("set", "--repo", root, "--scheme", "nvfp4_recipe_4over6").code == 0
     expect = "linear=nvfp4-4over6-mae,qk=bf16,pv=bf16,bf16_layers=recipe,output"
     assert run("check", "--repo", root, "--expect", expect).code == 0
+
+
+@pytest.mark.slow  # about 25 s a case in the interpreter
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.parametrize(
+    ("fmt", "tile", "dtype"),
+    [
+        ("nvfp4-4over6-mae", (1, 16), F32),
+        ("nvfp4-4over6-mse", (1, 16), BF16),
+        ("nvfp4-4over6-mae-448", (16, 16), BF16),
+        ("nvfp4-4over6-mse-448", (16, 16), F32),
+    ],
+    ids=["mae-1x16-fp32", "mse-1x16-bf16", "mae-448-16x16-bf16", "mse-448-16x16-fp32"],
+)
+def test_the_kernel_equals_te_on_a_million_values(kernels, fmt, tile, dtype):
+    """2^20 Gaussian values (a log-normal scale per row) through the kernel, each tile and
+    dtype once and each value once: TE's dequantized operand, bit for bit."""
+    mode, bound = _te_args(fmt)
+    x = gaussian(4096, 256, 20, dtype)
+    kernel_fmt = formats.spec_of(fmt).operands[0] if tile == (16, 16) else fmt
+    got = kernels.fake_quant(x, kernel_fmt, -1)
+    codes, scales, amax = te_nvfp4(x, tile, four_over_six=mode, e4m3_max=bound)
+    want = te_nvfp4_dequant(codes, scales, amax, tile, bound).to(dtype)
+    assert x.numel() == 1 << 20 and _same_bits(got, want)
