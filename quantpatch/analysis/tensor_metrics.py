@@ -431,7 +431,7 @@ def _add_slice(
             two_d = tiles_weights(fmt) and tiled
             q = ops.nvfp4_value(t, nv_fmt, dim, two_d, None, tensor_amax).to(f64)
         elif _family(fmt) == "fp8-tensor" and tensor_amax is not None:  # the whole tensor's
-            q = ops.fp8_tensor(t, backward, tensor_amax).to(f64)
+            q = ops.fp8_tensor(t, backward, tensor_amax, fmt).to(f64)
         elif ops.is_delayed(fmt):  # the scale its history settles on: the tensor's own amax
             q = ops.settled_quantize(t, fmt, backward, tensor_amax).to(f64)
         else:
