@@ -587,6 +587,16 @@ def _declared(v: dict, x: torch.Tensor, backward: bool) -> torch.Tensor | None:
             return None
         from tests.te_reference import te_nvfp4, te_nvfp4_dequant
 
+        if v["four_over_six"]:  # 1 x 16 blocks; the weight operand format's 16 x 16 tiles
+            from quantpatch.runtime.quantpatch_quantize import quantize
+
+            mode, bound = v["four_over_six"].upper(), v["e4m3_max"]
+            codes, scales, amax = te_nvfp4(x, (16, 16), four_over_six=mode, e4m3_max=bound)
+            want = te_nvfp4_dequant(codes, scales, amax, (16, 16), bound).to(x.dtype)
+            weight_fmt = formats.spec_of(v["name"]).operands[0]
+            assert _mismatches(quantize(x, weight_fmt), want) == 0
+            codes, scales, amax = te_nvfp4(x, (1, 16), four_over_six=mode, e4m3_max=bound)
+            return te_nvfp4_dequant(codes, scales, amax, (1, 16), bound).to(x.dtype)
         tile = tuple(v["weight_block"] or v["block"])
         if v["rht"]:  # the transformed operand is TE's with_rht (fake_quant transforms back)
             from quantpatch.runtime import quantpatch_rht

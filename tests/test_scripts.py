@@ -1005,6 +1005,7 @@ def test_nvfp4_schemes_are_listed_chosen_by_name_and_by_all_but_not_by_default(r
         "nvfp4_recipe_no_rht",
         "nvfp4_recipe_no_bf16_layers",
         "nvfp4_recipe_no_2d",
+        "nvfp4_recipe_4over6",  # TE's 4over6 block scaling
     ]
     fp8 = [  # NVIDIA's MXFP8 recipe, the RCEIL values, TE's FP8 recipes
         "mxfp8_recipe",

@@ -149,6 +149,7 @@ def _formats_file(
         rht_sums,
         sample_row_groups,
         sample_rows,
+        tiles_weights,
     )
     from quantpatch.runtime.quantpatch_formats import spec_of
     from quantpatch.runtime.quantpatch_ops import NVFP4_FORMATS
@@ -175,7 +176,7 @@ def _formats_file(
             rows = sample_row_groups(t.reshape(-1, t.shape[-1]), sample) if wgrad else t
             rht = rht_sums(rows, wgrad)
             fmts = tuple(f for f in fmts if f != RHT)
-        tiled = any(spec_of(f).tiled for f in fmts) and is_tiled_weight(meta.tensor, t)
+        tiled = any(tiles_weights(f) for f in fmts) and is_tiled_weight(meta.tensor, t)
         if tiled:  # a sample of whole tiles
             t = sample_row_groups(t, sample)
         else:
