@@ -428,7 +428,7 @@ def _add_slice(
     for fmt in fmts:
         if fmt in ops.NVFP4_FORMATS:
             assert tensor_amax is not None
-            nv_fmt = fmt if _four_over_six(fmt, backward) else "nvfp4"
+            nv_fmt = fmt if _four_over_six(fmt, backward) else nvq.PLAIN
             two_d = tiles_weights(fmt) and tiled
             q = ops.nvfp4_value(t, nv_fmt, dim, two_d, None, tensor_amax).to(f64)
         elif _family(fmt) == "fp8-tensor" and tensor_amax is not None:  # the whole tensor's

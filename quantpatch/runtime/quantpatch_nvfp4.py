@@ -57,6 +57,8 @@ from .quantpatch_mx import round_element as _round_element
 NVFP4_FORMATS = formats.names(family="nvfp4", rht=False, values_only=False)
 """The values and operand formats this module quantizes (``nvfp4-rht`` transforms first:
 ``quantpatch_rht``)."""
+PLAIN = formats.names(family="nvfp4", rht=False, tiled=False, four_over_six="")[0]
+"""NVFP4 itself (no transform, tiles or 4over6): what TE's gradient slots take."""
 FOUR_OVER_SIX = {f.name: (f.four_over_six, f.e4m3_max) for f in formats.SPECS if f.four_over_six}
 """The 4over6 entries: (error metric, E4M3 bound)."""
 NV_BLOCK = 16
@@ -160,7 +162,7 @@ def _nvfp4(
     return torch.where(torch.isfinite(q), out, x.to(torch.float32)).to(x.dtype)
 
 
-def tensor_decode(amax: torch.Tensor, fmt: str = "nvfp4") -> torch.Tensor:
+def tensor_decode(amax: torch.Tensor, fmt: str = PLAIN) -> torch.Tensor:
     """The per-tensor factor a product applies to its result for an NVFP4 operand of ``fmt``:
     ``amax / 2688`` (``amax / (6 * 256)`` under a 4over6 bound of 256; float32, 0-d), 1 where
     that is 0 (an all-zero tensor, whose codes are all 0: the factor then changes nothing, and

@@ -36,6 +36,7 @@ from .quantpatch_nvfp4 import (
     FOUR_OVER_SIX,
     NV_BLOCK,
     NVFP4_FORMATS,
+    PLAIN,
     nvfp4_4over6_factored,
     nvfp4_factored,
     nvfp4_value,
@@ -215,7 +216,7 @@ def quantize(x: torch.Tensor, fmt: str, dim: int = -1, backward: bool = False) -
         return x.clone()
     rand = sr_bits(x) if backward and fmt in NVFP4_FORMATS else None
     if rand is not None and fmt in FOUR_OVER_SIX:  # TE's gradient slots take no 4over6
-        fmt = "nvfp4"
+        fmt = PLAIN
     if _use_kernels(x):
         if fmt in FP8_FORMATS:
             fp8_kernels = _fp8_kernels()
@@ -264,7 +265,7 @@ def _fake_quant(
     if fmt in NVFP4_FORMATS:
         two_d, r = formats.spec_of(fmt).tiled, rand if backward else None
         if r is not None and fmt in FOUR_OVER_SIX:
-            fmt = "nvfp4"
+            fmt = PLAIN
         if x.device.type == "cpu" and x.numel() > 2 * _CHUNK and x.dim() >= 1:
             return _nv_sliced(x, fmt, dim, two_d, r)
         return nvfp4_value(x, fmt, dim, two_d, r)
@@ -415,7 +416,7 @@ def quantize_factored(
     if fmt not in NVFP4_FORMATS:
         raise ValueError(f"{fmt!r} has no per-tensor scale to factor out")
     if backward and fmt in FOUR_OVER_SIX:  # TE's gradient slots take no 4over6
-        fmt = "nvfp4"
+        fmt = PLAIN
     if rand is None and backward:
         rand = sr_bits(x)
     bits = rand if backward else None
