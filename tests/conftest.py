@@ -96,12 +96,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 # worker may start a two-minute test when the others have nothing left, and idle meanwhile.
 # So the slow tests start longest first, by the seconds each took in a recorded run
 # (tests/durations.json, written by ``--record-durations tests/durations.json``; a test not
-# recorded counts as the median one). xdist's worksteal scheduler hands each worker a slice of
-# the collection in order (then moves the ends of the longest queues to idle workers): the
-# tests are dealt so that each worker's slice starts with its own longest tests and ends with
-# short ones. Tests that share a module-scoped fixture, or name one ``xdist_group`` (one real
-# Slurm at a time on a machine), stay together, in their order: one worker builds the fixture
-# once, and never waits on another for the shared resource.
+# recorded counts as its recorded parametrisations' median, else all tests'). xdist's
+# worksteal scheduler hands each worker a slice of the collection in order (then moves the
+# ends of the longest queues to idle workers): the tests are dealt so that each worker's
+# slice starts with its own longest tests and ends with short ones. Tests that share a
+# module-scoped fixture, or name one ``xdist_group`` (one real Slurm at a time on a
+# machine), stay together, in their order: one worker builds the fixture once, and never
+# waits on another for the shared resource.
 DURATIONS = Path(__file__).with_name("durations.json")
 
 
@@ -145,14 +146,12 @@ def slow_first(
     rest = [item for item in items if not item.get_closest_marker("slow")]
     if not slow:
         return items
-    known = sorted(seconds[i.nodeid] for i in slow if i.nodeid in seconds)
-    typical = known[len(known) // 2] if known else 10.0
+    seconds = _estimated(slow, seconds)
     units: dict[str, list[pytest.Item]] = {}
     for item in slow:
         units.setdefault(_unit_key(item), []).append(item)
     ordered = sorted(
-        units.values(),
-        key=lambda unit: (-sum(seconds.get(i.nodeid, typical) for i in unit), unit[0].nodeid),
+        units.values(), key=lambda unit: (-sum(seconds[i.nodeid] for i in unit), unit[0].nodeid)
     )
     if rest or workers <= 1:  # one worker, or slices of a mixed collection: longest first
         return [item for unit in ordered for item in unit] + rest
@@ -170,8 +169,27 @@ def slow_first(
         )
         dealt[w] += unit
         room[w] -= len(unit)
-        work[w] += sum(seconds.get(i.nodeid, typical) for i in unit)
+        work[w] += sum(seconds[i.nodeid] for i in unit)
     return [item for share in dealt for item in share]
+
+
+def _estimated(items: list[pytest.Item], seconds: dict[str, float]) -> dict[str, float]:
+    """Each item's recorded seconds; one never recorded (new since the record): the median of
+    its recorded parametrisations (a new case of a test), else the median of all."""
+
+    def median(values: list[float]) -> float:
+        return sorted(values)[len(values) // 2]
+
+    known = [seconds[i.nodeid] for i in items if i.nodeid in seconds]
+    typical = median(known) if known else 10.0
+    siblings: dict[str, list[float]] = {}
+    for nodeid, value in seconds.items():
+        siblings.setdefault(nodeid.partition("[")[0], []).append(value)
+    estimated = {}
+    for item in items:
+        others = siblings.get(item.nodeid.partition("[")[0], [typical])
+        estimated[item.nodeid] = seconds.get(item.nodeid, median(others))
+    return estimated
 
 
 _seen: dict[str, float] = {}

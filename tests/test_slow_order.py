@@ -69,6 +69,21 @@ def test_a_test_never_recorded_counts_as_the_median_one():
     assert [i.nodeid for i in order] == ["s3", "new", "s2", "s1"]
 
 
+def test_a_new_case_of_a_recorded_test_counts_as_its_recorded_cases():
+    recorded = {"t::kill[set]": 20.0, "t::kill[upgrade]": 100.0, "t::kill[init]": 90.0}
+    recorded |= {f"u::s{i}": 5.0 for i in range(5)}
+    items = [Item(n) for n in (*recorded, "t::kill[upgrade-flat]", "u::new")]
+    order = [i.nodeid for i in slow_first(items, recorded, 1)]
+    # the new kill case counts as 90 s (its cases' median), the new test as 5 s (all tests')
+    assert order[:4] == [
+        "t::kill[upgrade]",
+        "t::kill[init]",
+        "t::kill[upgrade-flat]",
+        "t::kill[set]",
+    ]
+    assert order.index("u::new") > order.index("t::kill[set]")
+
+
 def test_two_workers_each_start_with_long_tests_and_finish_together():
     # as collected: the long tests bunched together, one behind the other in the first slice
     seconds = {f"long{i}": 100.0 - 10 * i for i in range(4)}
