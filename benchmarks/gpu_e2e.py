@@ -68,9 +68,9 @@ for step in range(cfg["steps"]):
     times.append(time.perf_counter() - a)
 saved = None
 if os.environ.get("TENSOR_SAVE_ENABLED") == "true":
-    from megatron.core import tensor_saver
+    from megatron.core.quantpatch import tensor_saver
     saved = tensor_saver.flush()
-from megatron.core import quantpatch_ops
+from megatron.core.quantpatch import quantpatch_ops
 # delayed scaling: each linear layer's scales (input, weight, output gradient) after training
 delayed = [m.scale.tolist() for n, m in model.named_modules() if n.endswith("fp8_delayed")]
 print(json.dumps({"losses": losses, "step": statistics.median(times[2:] or times),

@@ -31,6 +31,7 @@ import io
 import json
 import os
 import re
+import resource
 import sys
 import tempfile
 import time
@@ -185,16 +186,17 @@ class StandIn:
         knobs.runtime.jit_cache_hook = self.recorder.hook
         import torch
 
-        from quantpatch.runtime import quantpatch_flash, quantpatch_kernels
+        from quantpatch.runtime import quantpatch_flash, quantpatch_gemm_kernels, quantpatch_kernels
 
         assert isinstance(quantpatch_kernels._mx_kernel.fn, triton.runtime.jit.JITFunction)
-        quantpatch_kernels._interpreting = lambda: False  # the autotune sets of a GPU
+        for tuned_module in (quantpatch_kernels, quantpatch_gemm_kernels):
+            tuned_module._interpreting = lambda: False  # type: ignore[attr-defined]  # a GPU's
         blocks = quantpatch_flash.blocks
         quantpatch_flash.blocks = lambda d, dv, device: blocks(d, dv, torch.device("cuda"))
         torch.cuda.get_device_capability = lambda device=None: divmod(self.recorder.cc, 10)
         self.tuned = [
             getattr(module, name)
-            for module in (quantpatch_kernels,)
+            for module in (quantpatch_kernels, quantpatch_gemm_kernels)
             for name in dir(module)
             if isinstance(getattr(module, name), triton.runtime.autotuner.Autotuner)
         ]
@@ -234,10 +236,15 @@ def model_shapes() -> list[dict[str, int]]:
     return out
 
 
-QUANT_VALUES = (
-    "mxfp8", "mxfp4", "hifp8", "nvfp4", "nvfp4-2d", "nvfp4-rht", "mxfp8-rceil",
-    "mxfp8-rceil-hybrid", "mxfp4-rceil", "fp8-tensor", "fp8-block",
-)  # fmt: skip
+def quant_values() -> tuple[str, ...]:
+    """The values the Triton kernels compute (the spec's; delayed scaling and ParetoQ run in
+    PyTorch)."""
+    from quantpatch.runtime import quantpatch_formats as formats
+
+    return tuple(
+        f.name for f in formats.SPECS
+        if f.roles and f.family not in ("none", "fp8-delayed", "paretoq")
+    )  # fmt: skip
 
 
 def drive_fast() -> None:
@@ -261,6 +268,7 @@ def drive() -> None:
     import torch
 
     from quantpatch.runtime import quantpatch_ops as ops
+    from quantpatch.runtime.quantpatch_formats import spec_of
 
     shapes = model_shapes()
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
@@ -274,8 +282,8 @@ def drive() -> None:
                 w = torch.nn.Parameter(torch.empty(width, hidden, dtype=dtype))
                 x = torch.empty(tokens, hidden, dtype=dtype)
                 g = torch.empty(tokens, width, dtype=dtype)
-                for fmt in QUANT_VALUES:
-                    if fmt == "nvfp4-rht" and width % 16:
+                for fmt in quant_values():
+                    if spec_of(fmt).rht and width % 16:
                         continue  # refused up front: a reduction not a multiple of 16
                     for backward in (False, True):
                         ops.fake_quant(x, fmt, dim=-1, backward=backward)
@@ -283,14 +291,14 @@ def drive() -> None:
                     for gemm in ("separate", "fused"):
                         os.environ["QUANTPATCH_GEMM"] = gemm
                         with torch.no_grad():
-                            ops.quant_matmul(x, w.t(), fmt, weight="b")  # forward
-                            ops.quant_matmul(g, w, fmt, backward=True, weight="b")  # dgrad
+                            ops.quant_matmul(x, w.t(), fmt, roles=("input", "weight"))  # forward
+                            ops.quant_matmul(g, w, fmt, roles=("grad_output", "weight"))  # dgrad
                             ops.quant_matmul(g.t(), x, fmt, backward=True)  # wgrad
         for shape in shapes:  # attention: each model's own head dims and groups
             heads, groups, d, dv = shape["heads"], shape["groups"], shape["head"], shape["vhead"]
             seq = 64
-            for fmt in ("bf16", *QUANT_VALUES):
-                if fmt == "nvfp4-rht":
+            for fmt in ("bf16", *quant_values()):
+                if fmt != "bf16" and spec_of(fmt).rht:
                     continue  # Q.K^T of the FA schemes: not a value of theirs
                 os.environ["QUANTPATCH_GEMM"] = "fused"
                 with torch.no_grad():  # the unfused attention's Q.K^T
@@ -326,7 +334,7 @@ def _compile(job: tuple[int, int]) -> dict[str, Any]:
     from triton.compiler import ASTSource
 
     index, cc = job
-    launch = _LAUNCHES[index]
+    launch = _LAUNCHES[index]  # this generation's, in the process that drove it
     knobs.nvidia.dump_ptxas_log = True
     src = ASTSource(launch.fn, launch.signature, launch.constants, launch.attrs)
     log = io.StringIO()
@@ -368,10 +376,25 @@ def occupancy(gen: Generation, regs: int, shared: int, warps: int) -> int:
     return blocks * warps
 
 
+_HEAVY = ("KIND", "SR", "TWO_D", "RCEIL", "CAUSAL")
+
+
+def heaviness(launch: Launch) -> int:
+    """How much a launch's constexprs add to its kernel's live values: the operand kinds (the
+    higher, the more: NVFP4's amax, block maxima and random bits), stochastic rounding,
+    2-D tiles, the RCEIL rule, the causal mask."""
+    names = launch.fn.arg_names
+    return sum(
+        int(v) for k, v in launch.constants.items()
+        if isinstance(k, tuple) and isinstance(v, int | bool) and names[k[0]].endswith(_HEAVY)
+    )  # fmt: skip
+
+
 def sample(launches: list[Launch]) -> list[int]:
-    """One bf16 launch per kernel, generation, launch options and tile sizes (the first the
-    runtime made): every autotune configuration of every kernel, once per generation."""
-    first: dict[str, int] = {}
+    """One bf16 launch per kernel, generation, launch options and tile sizes: every autotune
+    configuration of every kernel, once per generation, each with its heaviest constexpr set
+    (:func:`heaviness`; the first the runtime made among equals)."""
+    best: dict[str, int] = {}
     for i, launch in enumerate(launches):
         names = launch.fn.arg_names
         if any(v == "*bf16" for v in launch.signature.values()) or "bf16" not in str(
@@ -382,8 +405,9 @@ def sample(launches: list[Launch]) -> list[int]:
                 if isinstance(k, tuple) and names[k[0]].startswith(("BLOCK", "TILE"))
             )  # fmt: skip
             fam = repr((launch.kernel, launch.cc, sorted(launch.options.items()), tiles))
-            first.setdefault(fam, i)
-    return sorted(first.values())
+            if fam not in best or heaviness(launch) > heaviness(launches[best[fam]]):
+                best[fam] = i
+    return sorted(best.values())
 
 
 def representatives(launches: list[Launch]) -> list[int]:
@@ -397,18 +421,20 @@ def representatives(launches: list[Launch]) -> list[int]:
     return sorted(best.values())
 
 
-def run(
-    fast: bool, mode: str, jobs: int, ccs: tuple[int, ...], dry: bool = False
-) -> dict[str, Any]:
-    """Drive the runtime once per generation (each prunes its own autotune configurations),
-    then compile the distinct launches (or one representative of each family) for it."""
+_STAND_IN: list[StandIn] = []
+
+
+def _generation(job: tuple[int, bool, str, bool]) -> dict[str, Any]:
+    """One generation, in this process: the runtime driven with its autotune configurations,
+    then its chosen launches compiled one after another (what a worker of the pool does)."""
+    cc, fast, mode, dry = job
+    stand_in = _STAND_IN[0]
+    stand_in.recorder = _Recorder()
+    stand_in.generation(cc)
+    knobs_hook(stand_in)
     start = time.perf_counter()
-    stand_in = StandIn()
-    for cc in ccs:
-        stand_in.generation(cc)
-        drive_fast() if fast else drive()
-    recorder = stand_in.recorder
-    launches = list(recorder.launches.values())
+    drive_fast() if fast else drive()
+    launches = list(stand_in.recorder.launches.values())
     _LAUNCHES[:] = launches
     chosen = {
         "exhaustive": lambda: list(range(len(launches))),
@@ -416,16 +442,7 @@ def run(
         "sample": lambda: sample(launches),
     }[mode]()
     driven = time.perf_counter() - start
-    work = [] if dry else [(i, launches[i].cc) for i in chosen]
-    with tempfile.TemporaryDirectory() as cache:
-        os.environ["TRITON_CACHE_DIR"] = cache  # every compilation runs ptxas (its report)
-        if jobs > 1:
-            import multiprocessing
-
-            with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork")) as pool:
-                results = list(pool.map(_compile, work))
-        else:
-            results = [_compile(job) for job in work]
+    results = [] if dry else [_compile((i, cc)) for i in chosen]
     rows = []
     for r in results:
         launch = launches[r["index"]]
@@ -434,14 +451,55 @@ def run(
             {**r, "kernel": launch.kernel, "options": launch.options, "constants": constants}
         )
     return {
-        "launches": recorder.total,
+        "launches": stand_in.recorder.total,
         "distinct": len(launches),
         "compiled": len(chosen),
-        "generations": list(ccs),
         "kernels": sorted({launch.kernel for launch in launches}),
         "seconds_driving": driven,
-        "seconds": time.perf_counter() - start,
         "rows": rows,
+    }
+
+
+def knobs_hook(stand_in: StandIn) -> None:
+    """Point Triton's JIT hook at the stand-in's (new) recorder."""
+    from triton import knobs
+
+    knobs.runtime.jit_cache_hook = stand_in.recorder.hook
+
+
+def run(
+    fast: bool, mode: str, jobs: int, ccs: tuple[int, ...], dry: bool = False
+) -> dict[str, Any]:
+    """Each generation driven (pruning its own autotune configurations) and its distinct
+    launches (or one representative of each family) compiled for it, ``jobs`` generations at
+    a time in forked processes (the runtime is imported once, before the fork); one Triton
+    cache for the run, whose keys hold the target, so no compilation is reused across
+    generations and each runs ptxas (its report)."""
+    start = time.perf_counter()
+    if not _STAND_IN:
+        _STAND_IN.append(StandIn())
+    work = [(cc, fast, mode, dry) for cc in ccs]
+    with tempfile.TemporaryDirectory() as cache:
+        os.environ["TRITON_CACHE_DIR"] = cache
+        if jobs > 1:
+            import multiprocessing
+
+            context = multiprocessing.get_context("fork")
+            with ProcessPoolExecutor(min(jobs, len(work)), mp_context=context) as pool:
+                parts = list(pool.map(_generation, work))
+        else:
+            parts = [_generation(job) for job in work]
+    used = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+    return {
+        "launches": sum(p["launches"] for p in parts),
+        "distinct": sum(p["distinct"] for p in parts),
+        "compiled": sum(p["compiled"] for p in parts),
+        "generations": list(ccs),
+        "kernels": sorted({k for p in parts for k in p["kernels"]}),
+        "seconds_driving": sum(p["seconds_driving"] for p in parts),
+        "seconds": time.perf_counter() - start,
+        "cpu_seconds": sum(u.ru_utime + u.ru_stime for u in used),  # ptxas and the workers too
+        "rows": [r for p in parts for r in p["rows"]],
     }
 
 
@@ -516,7 +574,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"{report['launches']} launches, {report['distinct']} distinct specializations of "
         f"{len(report['kernels'])} kernels, {report['compiled']} compiled for "
-        f"{len(ccs)} generations in {report['seconds']:.0f} s"
+        f"{len(ccs)} generations in {report['seconds']:.0f} s ({report['cpu_seconds']:.0f} s of "
+        "CPU)"
     )
     print(text)
     bad = problems(report)

@@ -48,7 +48,7 @@ vals = {"bias": None, "gradient_accumulation_fusion": False, "allreduce_dgrad": 
 extra = [vals[k] for k in list(inspect.signature(L.forward).parameters)[3:]]
 saver = None
 if args["variant"] != "not_installed":
-    from megatron.core import tensor_saver as saver
+    from megatron.core.quantpatch import tensor_saver as saver
 if args["variant"] == "sync_reference":
     def reference_save(tensor, layer_type, operation, quant_type, name, layer_idx, metadata):
         c = tensor.detach().cpu()  # synchronises the stream
@@ -61,7 +61,7 @@ if args["variant"] == "sync_reference":
     saver._SAVER.save = reference_save
 in_save = [0.0]  # the training thread's time inside the saver's save(), this step
 if args["variant"] in ("enabled", "stats_only"):
-    from megatron.core.quantpatch_saver import writer
+    from megatron.core.quantpatch.quantpatch_saver import writer
     real_save = writer.Saver.save
     def timed_save(self, *a, **k):
         s0 = time.perf_counter()

@@ -254,6 +254,7 @@ def make_checkout(tmp_path: Path, trees: dict[str, Path]) -> MakeCheckout:
             dest.write_text(inject_sites(text, rel, kind, layout) if inject else text)
         if inject and ops:  # as init leaves it: the module its dispatches hand values to
             for installed in OPS_MODULES:  # quantpatch_ops.py and the parts it imports
+                (root / installed).parent.mkdir(parents=True, exist_ok=True)
                 (root / installed).write_text(runtime_source(installed), encoding="utf-8")
         (root / "README.md").write_text("not a target\n")
         if use_git:  # closed at once: a test process makes hundreds (their descriptors)

@@ -97,7 +97,7 @@ def _single(mode: str, steps: int, ckpt: str | None) -> list[dict[str, Any]]:
 def _distributed(rank: int, port: int, path: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     from megatron.core import parallel_state
-    from megatron.core import quantpatch_delayed as qd
+    from megatron.core.quantpatch import quantpatch_delayed as qd
 
     log: list[tuple[int, dict[int, float]]] = []
     record = qd.DelayedState._record

@@ -41,9 +41,9 @@ def main() -> None:
     # defined (te_general_gemm is imported only with TE): None selects its own torch.mm path
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
-    from megatron.core import quantpatch_ops
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.quantpatch import quantpatch_ops
     from megatron.core.transformer.module import Float16Module
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 

@@ -28,7 +28,7 @@ H, S = 64, 32  # hidden size, sequence length (16 tokens a rank)
 
 
 def _nv(t: torch.Tensor, amax: torch.Tensor | None = None) -> torch.Tensor:
-    from megatron.core import quantpatch_ops
+    from megatron.core.quantpatch import quantpatch_ops
 
     return quantpatch_ops.nvfp4(t, -1, False, None, amax)
 

@@ -26,8 +26,8 @@ STEPS = 3
 
 
 def _models(fmt: str | None, group, rank: int, size: int):
-    from megatron.core import quantpatch_ops
     from megatron.core.model_parallel_config import ModelParallelConfig
+    from megatron.core.quantpatch import quantpatch_ops
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
     cfg = ModelParallelConfig(
@@ -66,7 +66,7 @@ def _gather(t: torch.Tensor, dim: int, group, size: int) -> torch.Tensor:
 
 
 def _run(fmt: str | None, group, rank: int, size: int) -> dict:
-    from megatron.core import quantpatch_ops
+    from megatron.core.quantpatch import quantpatch_ops
 
     col, row = _models(fmt, group, rank, size)
     opt = torch.optim.Adam([*col.parameters(), *row.parameters()], lr=1e-2)

@@ -16,6 +16,7 @@ Public helpers::
                                                                          # columnwise RHT path
     te_nvfp4_dequant(codes, scales, global_amax, tile) -> float32 values as TE's GEMM reads them
     te_current_scaling(x, dtype) -> (q as float32, scale_inv)
+    te_blockwise(x, dtype, tile) -> Float8BlockScaling's values (float32), tile (1|128, 128)
     te_delayed_update() -> TE's unfused delayed-scaling update (``_amax_and_scale_update``)
 
 ``quantization.py`` (TE's recipe state and its delayed-scaling update) imports the compiled
@@ -161,6 +162,30 @@ def te_current_scaling(x: Any, dtype: Any) -> tuple[Any, Any]:
     q = ref.CurrentScalingQuantizerRef(dtype=dtype, rowwise=True, columnwise=False)
     qx, sx, _, _ = q._quantize(x if x.dim() == 2 else x.reshape(-1, x.shape[-1]))
     return qx.to(torch.float32).reshape(x.shape), sx
+
+
+def te_blockwise(x: Any, dtype: Any, tile: tuple[int, int]) -> Any:
+    """``Float8BlockScaling``'s quantization of the 2-D ``x`` (``tile`` (1, 128) along its rows,
+    or (128, 128)), dequantized as float32: the steps of TE's ``BlockwiseQuantizerReference``
+    (tests/pytorch/references; not in the wheel) with the wheel's own scale function, the
+    current-scaling reference's ``_scale_from_amax_tensor`` (``pow_2_scales=True``, eps 0, the
+    FP8 dtype's largest value: 448 for E4M3, 57344 for E5M2): tiles zero-padded, the float32
+    amax of each, ``q = dtype(clamp(x * scale, +-max))``, the value ``q * scale_inv``."""
+    import torch
+
+    scale_from_amax = te_modules().reference_current_scaling._scale_from_amax_tensor
+    rows, cols = x.shape
+    th, tw = tile
+    pad = (0, (-cols) % tw, 0, (-rows) % th)
+    v = torch.nn.functional.pad(x, pad).contiguous()
+    m, k = v.shape
+    tiles = v.reshape(m // th, th, k // tw, tw)
+    amax = tiles.abs().amax(dim=(1, 3), keepdim=True).float()
+    scale, scale_inv, _ = scale_from_amax(x.dtype, amax, dtype, eps=0.0, pow_2_scales=True)
+    top = torch.finfo(dtype).max
+    q = torch.clamp(tiles * scale, min=-top, max=top).to(dtype)
+    out = q.to(torch.float32) * scale_inv
+    return out.reshape(m, k)[:rows, :cols]
 
 
 _DELAYED_FUNCTIONS = (

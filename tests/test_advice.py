@@ -41,7 +41,13 @@ def _steps(root: Path, tmp_path: Path, *args: str) -> list[list[str]]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "label", ["replace megatron/core/quantpatch_mx.py", "write upgrade record", "git commit"]
+    "label",
+    [
+        "replace megatron/core/quantpatch_ops.py",  # the flat module of the release, removed
+        "replace megatron/core/quantpatch/quantpatch_mx.py",
+        "write upgrade record",
+        "git commit",
+    ],
 )
 def test_check_after_an_upgrade_killed_mid_way_names_it_and_upgrade_finishes_it(
     run, make_checkout, tmp_path, label
@@ -82,15 +88,18 @@ def test_a_value_the_previous_releases_ops_lacks_names_upgrade_and_upgrade_teach
     """The previous release's quantpatch_ops.py knows no fp8-tensor: the refusal said "'quantpatch
     init' teaches it the quantpatch values", and init then refused (already initialised)."""
     root = _old_checkout(run, make_checkout)
-    for args in (("set", "--linear", "fp8-tensor"), ("set", "--wgrad", "nvfp4-rht")):
+    news = [("set", "--linear", v) for v in ("fp8-tensor", "fp8-tensor-e4m3", "fp8-block-hybrid")]
+    for args in (*news, ("set", "--wgrad", "nvfp4-rht")):
         res = run(*args, "--repo", root)
         assert res.code == 2, res
         said = " ".join(res.err.split())
         assert "'quantpatch upgrade' brings it to this version's values" in said, said
         assert "quantpatch init" not in said, said
     assert run("upgrade", "--repo", root).code == 0  # the advice, followed
-    res = run("set", "--linear", "fp8-tensor", "--repo", root)
-    assert res.code == 0, res
+    for args in news:
+        res = run(*args, "--repo", root)
+        assert res.code == 0, res
+        assert run("check", "--repo", root, "--expect", f"linear={args[-1]}").code == 0
     assert run("set", "--wgrad", "nvfp4-rht", "--repo", root).code == 0
 
 

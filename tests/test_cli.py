@@ -451,4 +451,4 @@ def test_state_lives_in_git_dir_not_work_tree(run, make_checkout):
     assert (root / ".git" / "quantpatch" / "state.json").is_file()
     assert git_out(root, "status", "--porcelain", "--untracked-files=all") == ""
     state = repo_mod.load_state(repo_mod.find_checkout(root, need_git=True))
-    assert state and state["current"]["values"]["qk"] == "mxfp4"
+    assert state and state.current and state.current.values["qk"] == "mxfp4"

@@ -119,8 +119,8 @@ def test_every_step_equals_te_kernel_update_bit_for_bit(
         x, g = step_inputs(t, gen)
         if t:  # an optimizer step changed the weight
             w.mul_(1.5 if t != 6 else 2.0**-30)
-        xq, wq = state.forward_operands(x, w)
-        gq, wq_d = state.dgrad_operands(g, w)
+        (xq, _), (wq, _) = state.forward_operands(x, w)  # float32: not factored
+        (gq, _), (wq_d, _) = state.dgrad_operands(g, w)
         out = qd.delayed_matmul(g.t(), x, fmt, backward=True, weight=None)
         expect_x = reference_quantize(x, scales[0], maxes[0])
         expect_w = reference_quantize(w, scales[1], maxes[1])
@@ -208,7 +208,7 @@ def test_first_step_scale_is_one_and_an_infinite_amax_keeps_the_scale() -> None:
     state = qd.DelayedState(qd.recipe_for("fp8-delayed"))
     assert state.scale.tolist() == [1.0, 1.0, 1.0]
     x = torch.full((4, 4), 1000.0)
-    xq, _ = state.forward_operands(x, torch.ones(2, 4))
+    (xq, _), _ = state.forward_operands(x, torch.ones(2, 4))
     assert torch.all(xq == 448.0)  # scale 1: saturated
     state.forward_operands(x.new_full((4, 4), float("inf")), torch.ones(2, 4))
     expected = torch.div(torch.tensor(448.0), torch.tensor(1000.0)).item()

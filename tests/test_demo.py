@@ -37,8 +37,8 @@ def test_demo_at_a_terminal_walks_and_restores_byte_identical(run, tmp_path):
     # the whole package tree is there, not only the two target files
     assert len(list((dest / "megatron" / "core").rglob("*.py"))) > 200
     assert [c.summary for c in repo.iter_commits("main")] == [
-        "quantpatch init: fork-layout custom_quant_type sites (bf16), "
-        "megatron/core/quantpatch_ops.py and its Triton kernels",
+        "quantpatch init: fork-layout custom_quant_type sites (bf16) and the runtime they "
+        "call, megatron/core/quantpatch/",
         "megatron-core 0.13.1, unmodified",
     ]
     # the error table: bf16 is the reference, every quantized format differs from it
@@ -60,6 +60,10 @@ def test_demo_at_a_terminal_walks_and_restores_byte_identical(run, tmp_path):
     assert rows["fp8-delayed"] == rows["fp8-tensor"]
     assert rows["fp8-delayed-e4m3"][0] == rows["fp8-tensor"][0]
     assert rows["fp8-delayed-e4m3"][1] < rows["fp8-delayed"][1]
+    assert rows["fp8-delayed-e4m3"] == rows["fp8-tensor-e4m3"]  # Format.E4M3's two recipes
+    # Format.HYBRID's blocks: E4M3 forward as fp8-block's, E5M2 gradients err more
+    assert rows["fp8-block-hybrid"][0] == rows["fp8-block"][0]
+    assert rows["fp8-block-hybrid"][1] > rows["fp8-block"][1]
     assert rows["mxfp4"][0] > rows["mxfp8"][0]  # 2 mantissa bits less than E4M3
     assert rows["nvfp4"][0] < rows["mxfp4"][0]  # E4M3 scales of 16, not powers of two of 32
     # ParetoQ: the weight quantized (ternary, 2-bit) with the first forward's step, activations

@@ -62,7 +62,7 @@ class DotProductAttention:
         if custom_quant_type == 'bf16':
             y = {product}
         else:
-            from megatron.core import quantpatch_ops
+            from megatron.core.quantpatch import quantpatch_ops
             y = quantpatch_ops.quant_{op}, fmt=custom_quant_type)
         return y
 """
@@ -170,6 +170,7 @@ def _fork(tmp_path, pv: str = PV_STOCK, ops: bool = False, generic: bool = False
     if ops:
         from quantpatch.checkout.parts import FORMATS_MODULE
 
+        (root / OPS_MODULE).parent.mkdir(parents=True, exist_ok=True)
         (root / OPS_MODULE).write_text(ops_source())
         (root / FORMATS_MODULE).write_text(_spec_source())
     repo = git.Repo.init(root, initial_branch="quant")
@@ -223,6 +224,7 @@ def test_quantpatch_dispatch_knows_what_its_ops_module_declares(run, tmp_path):
     for name in sorted(declared, key=lambda n: -spans[n][0]):  # bottom up: spans stay valid
         start, end = spans[name]
         lines[start:end] = [declared[name]]
+    (root / OPS_MODULE).parent.mkdir(parents=True, exist_ok=True)
     (root / OPS_MODULE).write_text("".join(lines))
     assert read_ops_values("".join(lines)) == OpsValues(frozenset({"bf16", "mxfp8"}))
     git.Repo(root).git.add("-A")
@@ -254,9 +256,9 @@ def test_init_teaches_the_chains_and_remove_restores_every_byte(run, tmp_path):
         FORK_LINEAR.replace(
             "        else:\n            output = torch.matmul",
             "        elif custom_quant_type != 'bf16':\n"
-            "            from megatron.core import quantpatch_ops\n"
+            "            from megatron.core.quantpatch import quantpatch_ops\n"
             "            output = quantpatch_ops.quant_matmul(total_input, weight.t(), "
-            'fmt=custom_quant_type, weight="b")\n'
+            'fmt=custom_quant_type, roles=("input", "weight"))\n'
             "        else:\n            output = torch.matmul",
         ).replace("import torch\n", "import torch\n\n" + POLICY_BLOCK, 1)
         == text
@@ -341,9 +343,9 @@ def test_teaching_finds_the_stock_product_in_a_bf16_branch_and_skips_what_it_can
     assert taught == text.replace(
         "        else:\n            raise",
         '        elif custom_quant_type != "bf16":\n'
-        "            from megatron.core import quantpatch_ops\n"
+        "            from megatron.core.quantpatch import quantpatch_ops\n"
         "            grad_input = quantpatch_ops.quant_matmul(grad_output, weight, "
-        'fmt=custom_quant_type, backward=True, weight="b")\n'
+        'fmt=custom_quant_type, roles=("grad_output", "weight"))\n'
         "        else:\n            raise",
     )
     (site,) = discover_source(taught, LINEAR, "linear").sites

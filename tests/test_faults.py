@@ -24,7 +24,7 @@ import pytest
 from quantpatch.base import faults
 
 from .conftest import ATTENTION, LINEAR
-from .oldrelease import make_old_release
+from .oldrelease import make_flat_release, make_old_release
 
 TARGETS = (LINEAR, ATTENTION)
 LAYER = "megatron/core/transformer/transformer_layer.py"
@@ -101,6 +101,9 @@ class Scenario:
     """The command that returns to the start afterwards (None: nothing to undo)."""
     old_release: bool = False
     """After ``prepare``: the installs made as the previous release made them (``upgrade``)."""
+    flat_release: bool = False
+    """After ``prepare``: the installs on the flat layout, as the last release before the
+    runtime's package made them (``upgrade`` moves them into it)."""
 
 
 def _roles(root: Path, run) -> dict[str, str | None]:
@@ -223,6 +226,18 @@ SCENARIOS.append(
         undo=("saver", "remove"),
     )
 )
+SCENARIOS.append(
+    Scenario(
+        "upgrade-flat",
+        ("upgrade",),
+        inject=False,
+        extra=(LAYER,),
+        prepare=(("init",), ("saver", "install")),
+        flat_release=True,
+        done=_upgraded,
+        undo=("saver", "remove"),
+    )
+)
 
 CTRL_C = ("set", "set-no-branch", "saver-install")
 """Scenarios also interrupted (KeyboardInterrupt after each step, as Ctrl-C)."""
@@ -245,6 +260,8 @@ def template(make_checkout, tmp_path: Path):
             assert res.returncode == 0, (prep, res.stderr)
         if sc.old_release:
             make_old_release(root)
+        if sc.flat_release:
+            make_flat_release(root)
         dirty_user_files(root, sc.use_git)
         _BUILT[sc.name] = (root, start, _steps(root, sc, tmp_path))
         return root, start

@@ -118,7 +118,10 @@ def _bits(t):
 @pytest.mark.parametrize("fmt", ["mxfp8", "mxfp4", "hifp8", "nvfp4"])
 def test_qk_operands_are_the_unfused_paths_bit_for_bit(flash, fmt):
     """The Q and K the kernel multiplies (what it keeps for its backward) are, bit for bit,
-    the quantized operands the unfused quant_baddbmm multiplies (and keeps), GQA included."""
+    the quantized operands the unfused quant_baddbmm multiplies (and keeps), GQA included. In
+    bf16 the unfused product of a value with a per-tensor scale (NVFP4) multiplies code x block
+    scale and applies the tensor scales to its float32 result; the kernel keeps the
+    dequantized operands, ``fake_quant``'s."""
     sq, b, h, g, d = 40, 2, 4, 2, 32
     q, k, v, _ = inputs(sq, sq, b, h, g, d, d, seed=1)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
@@ -132,6 +135,15 @@ def test_qk_operands_are_the_unfused_paths_bit_for_bit(flash, fmt):
     uk = next(t for t in ref if t.shape == (b * h, d, sq))
     got_q = fq.reshape(sq, b * h, d).transpose(0, 1)
     got_k = fk.repeat_interleave(h // g, dim=2).reshape(sq, b * h, d).permute(1, 2, 0)
+    from quantpatch.runtime import quantpatch_quantize as qz
+
+    if qz.factors(fmt, q.dtype):
+        q_bh = q.detach().reshape(sq, b * h, d).transpose(0, 1)
+        k_bh = k.detach().repeat_interleave(h // g, dim=2).reshape(sq, b * h, d).permute(1, 2, 0)
+        got_q, got_k = (
+            qz.quantize_factored(q_bh, fmt, -1)[0],
+            qz.quantize_factored(k_bh, fmt, -2)[0],
+        )
     assert torch.equal(_bits(got_q), _bits(uq)) and torch.equal(_bits(got_k), _bits(uk))
     assert not torch.equal(fq, q.detach()) and not torch.equal(fk, k.detach())
     assert torch.equal(fq, ops.fake_quant(q.detach(), fmt))

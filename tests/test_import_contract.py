@@ -216,43 +216,54 @@ def test_every_runtime_module_stays_under_1200_lines_and_the_savers_under_800():
         for p in (PACKAGE / "runtime").rglob("*.py")
     }
     saver = {n: s for n, s in sizes.items() if n.startswith("quantpatch_saver/")}
-    assert len(saver) == 10 and "tensor_saver.py" in sizes
+    assert len(saver) == 11 and "tensor_saver.py" in sizes
     saver["tensor_saver.py"] = sizes["tensor_saver.py"]
     assert {n: s for n, s in saver.items() if s > 800} == {}
     assert {n: s for n, s in sizes.items() if s >= 1200} == {}
 
 
-def test_saver_install_copies_every_part_the_saver_imports():
-    """A checkout imports ``megatron.core.tensor_saver``; every runtime module it reaches by
-    its relative imports must be among the files ``saver install`` copies beside it."""
-    from quantpatch.checkout.parts import SAVER_MODULES
-
-    graph, _ = _graph()
-    installed = {
-        "quantpatch.runtime."
-        + rel.removeprefix("megatron/core/")
-        .removesuffix(".py")
-        .replace("/", ".")
-        .removesuffix(".__init__")
-        for rel in SAVER_MODULES
+def _installed_modules(sources: dict[str, str]) -> set[str]:
+    """The ``quantpatch.runtime`` modules that an install's files copy (installed path ->
+    runtime file), a package's ``__init__`` by the package's name."""
+    return {
+        "quantpatch." + src.removesuffix(".py").replace("/", ".").removesuffix(".__init__")
+        for src in sources.values()
     }
+
+
+def test_saver_install_copies_every_part_the_saver_imports():
+    """A checkout imports ``megatron.core.quantpatch.tensor_saver`` (and, a fork's callers,
+    ``megatron.core.tensor_saver``, which is that module); every runtime module it reaches
+    by its relative imports must be among the files ``saver install`` copies into the
+    runtime's package."""
+    from quantpatch.checkout.parts import PACKAGE, SAVER_IMPL, SAVER_MODULE, SAVER_SOURCES
+
+    assert SAVER_SOURCES[SAVER_IMPL] == "runtime/tensor_saver.py"
+    assert all(rel.startswith(PACKAGE + "/") for rel in SAVER_SOURCES if rel != SAVER_MODULE)
+    graph, _ = _graph()
+    installed = _installed_modules(SAVER_SOURCES)
     reached, todo = set(), ["quantpatch.runtime.tensor_saver"]
     while todo:
         mod = todo.pop()
         if mod not in reached:
             reached.add(mod)
             todo += graph[mod]
-    # the package's ``__init__`` is imported with its modules (it imports nothing itself)
-    assert len(reached) == 10 and reached | {"quantpatch.runtime.quantpatch_saver"} == installed
+    # the package's ``__init__`` is imported with its modules (it imports nothing itself), and
+    # saver_path.py (megatron.core.tensor_saver) imports the saver by name at run time
+    assert reached | {"quantpatch.runtime.quantpatch_saver", "quantpatch.runtime.saver_path"} == (
+        installed
+    )
 
 
 def test_init_installs_every_runtime_module_the_installed_ones_import():
-    """A checkout imports ``megatron.core.quantpatch_ops``; every runtime module it reaches by
-    its relative imports must be among the files ``init`` installs beside it."""
-    from quantpatch.checkout.init import RUNTIME_MODULES
+    """A checkout imports ``megatron.core.quantpatch.quantpatch_ops``; every runtime module it
+    reaches by its relative imports must be among the files ``init`` installs beside it, in
+    the package, and the package's ``__init__.py`` names every one of them."""
+    from quantpatch.checkout.parts import PACKAGE, RUNTIME_MODULES, SAVER_SOURCES
 
     graph, _ = _graph()
-    installed = {"quantpatch.runtime." + Path(rel).stem for rel in RUNTIME_MODULES}
+    installed = _installed_modules(RUNTIME_MODULES)
+    assert all(rel.startswith(PACKAGE + "/") for rel in RUNTIME_MODULES)
     reached, todo = set(), ["quantpatch.runtime.quantpatch_ops"]
     while todo:
         mod = todo.pop()
@@ -260,6 +271,13 @@ def test_init_installs_every_runtime_module_the_installed_ones_import():
             reached.add(mod)
             todo += graph[mod]
     assert len(reached) > 5 and reached <= installed
+    doc = (PACKAGE_DIR := Path(__file__).parent.parent / "quantpatch/runtime/package_init.py")
+    text = ast.get_docstring(ast.parse(doc.read_text(encoding="utf-8"))) or ""
+    for rel in (*RUNTIME_MODULES, *SAVER_SOURCES):
+        name = rel.removeprefix(PACKAGE + "/")
+        if rel.startswith(PACKAGE + "/") and name != "__init__.py":
+            shown = name.split("/")[0] + "/" if "/" in name else name
+            assert f"``{shown}``" in text, f"{PACKAGE_DIR.name} does not describe {name}"
 
 
 def test_only_the_env_module_reads_the_environment():

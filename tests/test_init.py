@@ -91,6 +91,7 @@ def test_init_refusals(run, make_checkout, tmp_path, monkeypatch):
     res = run("init", "--repo", stock)
     assert res.code == 2 and f"uncommitted changes to {LINEAR}" in res.err
     git.Repo(stock).git.checkout("--", LINEAR)
+    (stock / OPS_MODULE).parent.mkdir(parents=True)
     (stock / OPS_MODULE).write_text("# someone else's module\n")
     res = run("init", "--repo", stock)
     assert res.code == 2 and "a different file is already there" in res.err
@@ -220,14 +221,14 @@ def test_nvfp4_through_real_megatron_layers(run, make_checkout, tmp_path, monkey
     two_d = _probe(stock, tmp_path / "2d.pt")
     assert all(torch.isfinite(v).all() for v in two_d.values())
     # Megatron's autograd function hands the weight over as a plain tensor: the sites name
-    # it (weight="b"), so its 16 x 16 tiles are taken in the forward and in dgrad
+    # it (roles=("input", "weight")), so its 16 x 16 tiles are taken in the forward and in dgrad
     from .test_nvfp4 import nvfp4_oracle
 
     want = torch.matmul(nvfp4_oracle(x), nvfp4_oracle(w, two_d=True).t())
     assert torch.equal(two_d["linear_forward"], want)
     assert not torch.equal(two_d["linear_forward"], quant["linear_forward"])
     ops.reset_sr_generators()
-    dgrad = ops.quant_matmul(gy, w, "nvfp4-2d", backward=True, weight="b")
+    dgrad = ops.quant_matmul(gy, w, "nvfp4-2d", roles=("grad_output", "weight"))
     assert torch.equal(two_d["linear_dgrad"], dgrad)
     assert not torch.equal(two_d["linear_dgrad"], quant["linear_dgrad"])
     assert torch.equal(two_d["linear_wgrad"], quant["linear_wgrad"])  # no weight operand

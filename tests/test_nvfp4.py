@@ -269,21 +269,56 @@ def test_products_round_the_gradient_stochastically_and_tile_the_weight_only():
 
 def test_the_named_weight_operand_takes_the_tiles():
     """Megatron's linear autograd function hands ``weight.t()`` over as a plain tensor:
-    ``weight=`` names it, and the named operand alone takes 16 x 16 tiles; without it the
-    old call form still tiles a Parameter only."""
+    ``roles`` names it the ``weight``, and the named operand alone takes 16 x 16 tiles;
+    without roles a Parameter alone is tiled. The earlier spelling (``weight="a"|"b"``,
+    ``backward=True``) computes the same, bit for bit, through the next release."""
     a, w = _mixed((8, 32), 41), _mixed((16, 32), 42)
     tiled = torch.matmul(nvfp4_oracle(a), nvfp4_oracle(w, two_d=True).t())
+    assert_bits(ops.quant_matmul(a, w.t(), "nvfp4-2d", roles=("input", "weight")), tiled)
     assert_bits(ops.quant_matmul(a, w.t(), "nvfp4-2d", weight="b"), tiled)
     assert_bits(ops.quant_matmul(a, w.t(), "nvfp4-2d"), ops.quant_matmul(a, w.t(), "nvfp4"))
+    assert_bits(  # both inputs: neither is tiled, though the second is a weight's view
+        ops.quant_matmul(a, w.t(), "nvfp4-2d", roles=("input", "input")),
+        ops.quant_matmul(a, w.t(), "nvfp4"),
+    )
     assert not torch.equal(tiled, ops.quant_matmul(a, w.t(), "nvfp4"))
     g = _mixed((16, 8), 43)
     want = torch.matmul(nvfp4_oracle(w, two_d=True).t(), nvfp4_oracle(g, dim=0))
+    assert_bits(ops.quant_matmul(w.t(), g, "nvfp4-2d", roles=("weight", "input")), want)
     assert_bits(ops.quant_matmul(w.t(), g, "nvfp4-2d", weight="a"), want)
     assert_bits(
-        ops.quant_matmul(a, w.t(), "nvfp4", weight="b"), ops.quant_matmul(a, w.t(), "nvfp4")
+        ops.quant_matmul(a, w.t(), "nvfp4", roles=("input", "weight")),
+        ops.quant_matmul(a, w.t(), "nvfp4"),
     )
+    gy = _mixed((8, 16), 44)  # dgrad: the output gradient (stochastic) against the weight
+    for value in ("nvfp4", "nvfp4-2d"):
+        ops.reset_sr_generators()
+        named = ops.quant_matmul(gy, w, value, roles=("grad_output", "weight"))
+        ops.reset_sr_generators()
+        assert_bits(named, ops.quant_matmul(gy, w, value, backward=True, weight="b"))
     with pytest.raises(ValueError, match="weight='w'"):
         ops.quant_matmul(a, w.t(), "nvfp4-2d", weight="w")
+    for roles in (("input", "grad_output"), ("weight", "weight"), ("input",), ("x", "input")):
+        with pytest.raises(ValueError, match=r"roles=.*expected two of input, weight"):
+            ops.quant_matmul(a, w.t(), "nvfp4", roles=roles)
+    with pytest.raises(TypeError, match="roles= alone"):
+        ops.quant_matmul(gy, w, "nvfp4", roles=("grad_output", "weight"), backward=True)
+
+
+def test_fake_quant_of_a_named_operand():
+    """``fake_quant(x, fmt, role=...)`` quantizes ``x`` as the products quantize that operand:
+    a ``weight`` with the value's weight format (``nvfp4-2d``'s tiles), an ``input`` with the
+    other operands' (1 x 16 blocks), a ``grad_output`` as ``backward=True`` did."""
+    w = _mixed((16, 32), 45)
+    assert_bits(ops.fake_quant(w, "nvfp4-2d", role="weight"), nvfp4_oracle(w, two_d=True))
+    assert_bits(ops.fake_quant(w, "nvfp4-2d", role="input"), nvfp4_oracle(w))
+    assert_bits(ops.fake_quant(w, "nvfp4-2d"), nvfp4_oracle(w, two_d=True))  # its own tiles
+    ops.reset_sr_generators()
+    named = ops.fake_quant(w, "nvfp4", role="grad_output")
+    ops.reset_sr_generators()
+    assert_bits(named, ops.fake_quant(w, "nvfp4", backward=True))
+    with pytest.raises(ValueError, match="role='gradient'; expected one of input, weight"):
+        ops.fake_quant(w, "nvfp4", role="gradient")
 
 
 def test_straight_through_gradient():
@@ -411,10 +446,12 @@ def test_the_ops_modules_import_torch_and_the_standard_library_only():
     from pathlib import Path
 
     from quantpatch.checkout.init import OPS_MODULES
+    from quantpatch.checkout.parts import RUNTIME_MODULES
 
-    runtime = Path(ops.__file__).parent
-    for installed in OPS_MODULES:  # quantpatch_ops.py and the parts it imports
-        tree = ast.parse((runtime / Path(installed).name).read_text())
+    package = Path(ops.__file__).parent.parent
+    for installed in OPS_MODULES:  # quantpatch_ops.py, the package's __init__ and the parts
+        source = package / RUNTIME_MODULES[installed]
+        tree = ast.parse(source.read_text())
         names = {
             a.name.split(".")[0]
             for n in ast.walk(tree)
@@ -427,10 +464,11 @@ def test_the_ops_modules_import_torch_and_the_standard_library_only():
             if isinstance(n, ast.ImportFrom) and n.module and n.level == 0
         }
         # the format spec and the environment module: the standard library alone
-        stdlib_only = Path(installed).stem in ("quantpatch_formats", "quantpatch_env")
+        # (and the package's __init__, which imports nothing)
+        stdlib_only = source.stem in ("quantpatch_formats", "quantpatch_env", "package_init")
         # delayed scaling asks Megatron (in whose process it runs) for the amax reduction
         # group, inside the function that reduces: never at import
-        inside = {"megatron"} if Path(installed).stem == "quantpatch_delayed" else set()
+        inside = {"megatron"} if source.stem == "quantpatch_delayed" else set()
         want = set() if stdlib_only else {"torch", *inside}
         assert names - set(sys.stdlib_module_names) == want
 

@@ -118,7 +118,7 @@ def test_a_per_gemm_scheme_reaches_the_scripts(run, tmp_path):
 
 PROBE = """
 import inspect, sys, torch
-from megatron.core import quantpatch_ops as ops
+from megatron.core.quantpatch import quantpatch_ops as ops
 from megatron.core.tensor_parallel.layers import (
     LinearWithGradAccumulationAndAsyncCommunication as Linear,
 )

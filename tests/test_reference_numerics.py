@@ -262,15 +262,34 @@ def _te_dequant(x: torch.Tensor, fp8: torch.dtype) -> torch.Tensor:
     return (q.to(torch.float32) * sx).to(x.dtype)  # TE's dequantize
 
 
-@pytest.mark.parametrize("backward", [False, True])
-def test_fp8_tensor_against_transformer_engine(rows: torch.Tensor, backward: bool) -> None:
-    """E4M3 forward and E5M2 gradients, bf16 and fp32, 1 M values and tiny tensors: 0
-    mismatches with TE 2.20.2's reference and its dequantize."""
-    fp8 = torch.float8_e5m2 if backward else torch.float8_e4m3fn
+_FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+_FP8_VALUES = [  # (value, backward): every fp8-tensor and fp8-block value, both directions
+    (f.name, backward)
+    for f in formats.SPECS
+    if f.roles and f.family in ("fp8-tensor", "fp8-block")
+    for backward in (False, True)
+]
+
+
+def _fp8_dtype(value: str, backward: bool) -> torch.dtype:
+    spec = formats.spec_of(value)
+    return _FP8_DTYPES[str(spec.grad_output if backward else spec.input)]
+
+
+@pytest.mark.parametrize(
+    ("value", "backward"), [c for c in _FP8_VALUES if c[0].startswith("fp8-tensor")]
+)
+def test_fp8_tensor_against_transformer_engine(
+    rows: torch.Tensor, value: str, backward: bool
+) -> None:
+    """E4M3 forward; E5M2 gradients (fp8-tensor, Format.HYBRID) or E4M3 ones (fp8-tensor-e4m3,
+    Format.E4M3); bf16 and fp32, 1 M values and tiny tensors: 0 mismatches with TE 2.20.2's
+    reference and its dequantize."""
+    fp8 = _fp8_dtype(value, backward)
     cases = [rows, rows.float() * 1.0001, _edges(1024, torch.float32)[1:], torch.zeros(4, 32)]
     cases += [rows[:3, :33] * 2.0**-126, torch.full((2, 3), 2.0**-140)]  # 448/amax overflows
     for x in cases:
-        got = ops.fake_quant(x, "fp8-tensor", backward=backward)
+        got = ops.fake_quant(x, value, backward=backward)
         assert _mismatches(got, _te_dequant(x, fp8)) == 0, x.dtype
 
 
@@ -323,6 +342,111 @@ def test_fp8_block_activations_against_oracle(rows: torch.Tensor) -> None:
     # E4M3 for gradients too
     gradient = ops.fake_quant(rows, "fp8-block", backward=True)
     assert torch.equal(gradient, ops.fake_quant(rows, "fp8-block"))
+
+
+@pytest.mark.parametrize(
+    ("value", "backward"), [c for c in _FP8_VALUES if c[0].startswith("fp8-block")]
+)
+def test_fp8_block_against_transformer_engine_blockwise(
+    rows: torch.Tensor, value: str, backward: bool
+) -> None:
+    """fp8-block (Format.E4M3) and fp8-block-hybrid (Format.HYBRID: the output gradient's
+    blocks E5M2, 2^floor(log2(57344 / amax))) against Float8BlockScaling's quantization with
+    TE 2.20.2's own scale function (tests/te_reference.py ``te_blockwise``): 1 M values, bf16
+    and fp32, along either dimension, odd lengths, the edge rows; a weight's 128 x 128 tiles
+    E4M3 in either format."""
+    from quantpatch.runtime.quantpatch_quantize import quantize
+    from tests.te_reference import te_blockwise
+
+    fp8 = _fp8_dtype(value, backward)
+    cases = [rows, rows.float() * 1.0001, _edges(1024, torch.bfloat16), rows[:64, :1000]]
+    for x in cases:
+        got = ops.fake_quant(x, value, backward=backward)
+        assert _mismatches(got, te_blockwise(x, fp8, (1, 128)).to(x.dtype)) == 0, x.dtype
+        t = x[:, :384]
+        got = ops.fake_quant(t, value, dim=0, backward=backward)
+        want = te_blockwise(t.t().contiguous(), fp8, (1, 128)).t().to(t.dtype)
+        assert _mismatches(got, want) == 0, x.dtype
+    weight = formats.spec_of(value).operands[0]
+    for w in (rows[:300, :200].float(), _edges(1024, torch.bfloat16)):
+        want = te_blockwise(w, torch.float8_e4m3fn, (128, 128)).to(w.dtype)
+        assert _mismatches(quantize(w, weight, backward=backward), want) == 0
+
+
+def _te_operand(x: torch.Tensor, value: str, backward: bool, weight: bool = False) -> torch.Tensor:
+    """TE 2.20.2's reference for one operand of a linear GEMM in ``value``, quantized along its
+    last dimension (a 2-D weight: in 128 x 128 tiles where the value tiles weights)."""
+    from tests.te_reference import te_blockwise
+
+    spec = formats.spec_of(value)
+    fp8 = _fp8_dtype(value, backward)
+    if spec.family == "fp8-tensor":
+        return _te_dequant(x, fp8)
+    tile = (128, 128) if weight else (1, 128)
+    return te_blockwise(x, fp8, tile).to(x.dtype)
+
+
+@pytest.mark.parametrize("value", sorted({v for v, _ in _FP8_VALUES}))
+def test_linear_layer_gemms_against_transformer_engine(value: str) -> None:
+    """The three GEMMs of Megatron's linear layer as ``init`` rewrites them (fprop X . W^T,
+    dgrad dY . W, wgrad dY^T . X, each operand along its own reduction dimension), in each
+    tensorwise and blockwise value: every operand the product multiplies equals TE 2.20.2's
+    reference quantization of it (the input and the weight E4M3; the output gradient E5M2 in
+    the HYBRID values, E4M3 in the E4M3 ones), and so every product equals the product of
+    TE's operands, bit for bit."""
+    x = _rows(256, 384, seed=21)
+    w = torch.nn.Parameter(_rows(256, 384, seed=22) * 0.05)
+    gy = _rows(256, 256, seed=23)
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+    real = torch.matmul
+
+    def spy(a: torch.Tensor, b: torch.Tensor, *rest: object, **kw: object) -> torch.Tensor:
+        seen.append((a, b))
+        return real(a, b, *rest, **kw)  # type: ignore[arg-type]
+
+    ops.weight_cache_clear()
+    with pytest.MonkeyPatch.context() as mp, torch.no_grad():
+        mp.setattr(torch, "matmul", spy)
+        mp.setenv("QUANTPATCH_GEMM", "separate")
+        y = ops.quant_matmul(x, w.t(), value, weight="b")
+        dx = ops.quant_matmul(gy, w, value, backward=True, weight="b")
+        dw = ops.quant_matmul(gy.t(), x, value, backward=True)
+    wd = w.detach()
+    gt, xt, wt = gy.t().contiguous(), x.t().contiguous(), wd.t().contiguous()
+    from quantpatch.runtime import quantpatch_quantize as qz
+
+    if qz.factors(value, x.dtype):
+        # a per-tensor scale: the product multiplies TE's FP8 codes (exact in float32) and
+        # applies the two scales to its float32 result, as TE's GEMM takes them (alpha)
+        from tests.te_reference import te_current_scaling
+
+        def codes(t: torch.Tensor, backward: bool) -> tuple[torch.Tensor, torch.Tensor]:
+            return te_current_scaling(t, _fp8_dtype(value, backward))
+
+        pairs = [
+            (codes(x, False), codes(wd, False)),
+            (codes(gy, True), codes(wt, False)),
+            (codes(gt, True), codes(xt, False)),
+        ]
+        want = [(qa, qb.t()) for (qa, _), (qb, _) in pairs]
+        scales = [sa.reshape(()) * sb.reshape(()) for (_, sa), (_, sb) in pairs]
+    else:
+        want = [  # TE's operands, each along its reduction dimension
+            (_te_operand(x, value, False), _te_operand(wd, value, False, True).t()),
+            (_te_operand(gy, value, True), _te_operand(wt, value, False, True).t()),
+            (_te_operand(gt, value, True), _te_operand(xt, value, False).t()),
+        ]
+        scales = [None, None, None]
+    assert len(seen) == 3
+    values = 0
+    for (a, b), (ta, tb) in zip(seen, want, strict=True):
+        assert _mismatches(a.contiguous(), ta.contiguous()) == 0, value
+        assert _mismatches(b.contiguous(), tb.contiguous()) == 0, value
+        values += a.numel() + b.numel()
+    assert values == 4 * 256 * 384 + 2 * 256 * 256  # 524 288 operand values per value
+    for got, (ta, tb), alpha in zip((y, dx, dw), want, scales, strict=True):
+        expect = real(ta, tb) if alpha is None else (real(ta, tb) * alpha).to(got.dtype)
+        assert torch.equal(got, expect), value
 
 
 def test_fp8_block_weights_take_128_by_128_tiles(rows: torch.Tensor) -> None:
@@ -443,12 +567,15 @@ def _declared(v: dict, x: torch.Tensor, backward: bool) -> torch.Tensor | None:
         assert v["scale"] == "fp32" and v["block"] is None
         return _te_dequant(x, {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}[elem])
     if family == "fp8-block":
-        assert (v["scale"], elem) == ("pow2", "e4m3")
+        assert v["scale"] == "pow2" and elem in ("e4m3", "e5m2")
         from quantpatch.runtime.quantpatch_quantize import quantize
+        from tests.te_reference import te_blockwise
 
         weight = quantize(x, "fp8-block-2d", backward=backward)
         assert _mismatches(weight, _oracle_block(x, tuple(v["weight_block"]))) == 0
-        return _oracle_block(x, tuple(v["block"]))
+        if elem == "e4m3":
+            return _oracle_block(x, tuple(v["block"]))
+        return te_blockwise(x, _FP8_DTYPES[elem], tuple(v["block"])).to(x.dtype)
     if family == "hifp8":
         from tests.test_quant_ops import hif8_oracle
 
@@ -535,7 +662,7 @@ def test_products_give_the_gradient_element_to_the_gradient_operand_only() -> No
     mxfp8 keeps E5M2 for both, as it always has."""
     g = _rows(16, 256, seed=11).float()
     w = _rows(256, 64, seed=12).float()
-    for value in ("mxfp8-rceil-hybrid", "fp8-tensor", "mxfp8"):
+    for value in ("mxfp8-rceil-hybrid", "fp8-tensor", "fp8-block-hybrid", "mxfp8"):
         got = ops.quant_matmul(g, w, value, backward=True)
         b_backward = value == "mxfp8"
         qa = ops.fake_quant(g, value, backward=True)
@@ -581,8 +708,8 @@ def test_fp8_weight_is_cached_once_for_forward_and_dgrad(
         with monkeypatch.context() as m:
             m.setattr(wc, "quantize", spy)
             with torch.no_grad():
-                y = ops.quant_matmul(x, w.t(), value, weight="b")
-                dx = ops.quant_matmul(g, w, value, backward=True, weight="b")
+                y = ops.quant_matmul(x, w.t(), value, roles=("input", "weight"))
+                dx = ops.quant_matmul(g, w, value, roles=("grad_output", "weight"))
         results[cache] = (y, dx)
         if cache == "1":
             assert seen == [(weight_fmt, False)]
@@ -607,12 +734,15 @@ def test_tensors_formats_measures_the_new_candidates_as_fake_quant_does() -> Non
 
     x = _rows(1200, 1024, seed=16).float()
     x[1100, 3] = 3e3  # the tensor's amax, outside the first slices
-    fmts = ("mxfp8-rceil", "mxfp4-rceil", "fp8-tensor", "fp8-block")
-    sums = formats_sums(x, fmts, -1, False)
-    for fmt in fmts:
-        q = ops.fake_quant(x, fmt).double()
-        noise = float(((x.double() - q) ** 2).sum())
-        assert sums[fmt].noise == pytest.approx(noise, rel=1e-9), fmt
+    fmts = ("mxfp8-rceil", "mxfp4-rceil", "fp8-tensor", "fp8-tensor-e4m3", "fp8-block")
+    fmts += ("fp8-block-hybrid",)
+    for backward in (False, True):  # a gradient: E5M2 in the HYBRID values, E4M3 otherwise
+        sums = formats_sums(x, fmts, -1, backward)
+        for fmt in fmts:
+            q = ops.fake_quant(x, fmt, backward=backward).double()
+            noise = float(((x.double() - q) ** 2).sum())
+            assert sums[fmt].noise == pytest.approx(noise, rel=1e-9), (fmt, backward)
+    assert sums["fp8-tensor-e4m3"].noise < sums["fp8-tensor"].noise
 
 
 @pytest.mark.parametrize("value", ["mxfp8-rceil", "fp8-tensor", "fp8-block"])

@@ -17,7 +17,7 @@ from pathlib import Path
 import git
 import pytest
 
-from quantpatch.checkout.parts import SAVER_MODULES, runtime_source
+from quantpatch.checkout.parts import SAVER_IMPL, SAVER_MODULES, runtime_source
 from quantpatch.checkout.saver import SAVER_MODULE, saver_source
 
 from .conftest import ATTENTION, LINEAR, VERSIONS, run_probe, snapshot
@@ -56,8 +56,10 @@ def test_install_remove_idempotent_and_byte_identical(run, make_checkout, versio
     assert res.code == 0, res
     for rel in (LINEAR, ATTENTION, LAYER_FILE):
         text = (root / rel).read_text()
-        assert "# quantpatch: saver" in text and "from megatron.core import tensor_saver" in text
-    assert (root / SAVER_MODULE).read_text() == saver_source()
+        assert "# quantpatch: saver" in text
+        assert "from megatron.core.quantpatch import tensor_saver as _qp_saver" in text
+    assert (root / SAVER_MODULE).read_text() == runtime_source(SAVER_MODULE)  # the same module
+    assert (root / SAVER_IMPL).read_text() == saver_source()
     for rel in SAVER_MODULES:  # the API and its parts, recorded
         assert (root / rel).read_text() == runtime_source(rel), rel
     assert (
@@ -107,7 +109,7 @@ def test_install_refuses_a_different_saver_unless_forced(run, make_checkout):
     assert res.code == 2 and "a different tensor saver is already there" in res.err
     assert snapshot(root) == before
     assert run("saver", "install", "--repo", root, "--force").code == 0
-    assert (root / SAVER_MODULE).read_text() == saver_source()
+    assert (root / SAVER_MODULE).read_text() == runtime_source(SAVER_MODULE)
     assert part.read_text() == runtime_source(SAVER_MODULES[-1])
     assert run("saver", "remove", "--repo", root).code == 0
     assert snapshot(root)["files"] == before["files"]
@@ -702,7 +704,9 @@ def test_cuda_pinned_buffers_made_by_either_thread(saver_module, monkeypatch, ha
     ts = saver_module()
     device_copy = sp.device_copy
     monkeypatch.setattr(device_copy, "HANDOVER_BYTES", handover)
-    ts._SAVER.snapshots.device = copies_ = device_copy.DeviceCopies()
+    ts._SAVER.snapshots.device = copies_ = device_copy.DeviceCopies(
+        sp.capture.HostPool(device_copy.PINNED_POOL_BYTES)
+    )
     copies = []
     real = device_copy.DeviceCopies.copy_to_host
     monkeypatch.setattr(

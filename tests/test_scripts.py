@@ -991,7 +991,11 @@ def test_nvfp4_schemes_are_listed_chosen_by_name_and_by_all_but_not_by_default(r
         "te_mxfp8_e4m3",
         "te_mxfp8_hybrid",
         "te_tensorwise_hybrid",
+        "te_tensorwise_e4m3",
         "te_blockwise_e4m3",
+        "te_blockwise_hybrid",
+        "te_delayed_hybrid",
+        "te_delayed_e4m3",
     ]  # (their native twins need TransformerEngine: by name only, never by all)
     assert reg.pick("schemes", ["all"]) == [*default, *nv, *paretoq, *recipe, *fp8, *te]
     res = run("list")
@@ -1043,7 +1047,9 @@ def test_list_states_every_value_with_its_reference(run):
         "mxfp8-rceil": "--fp8-format e4m3 --fp8-recipe mxfp8",
         "mxfp8-rceil-hybrid": "--fp8-format hybrid --fp8-recipe mxfp8",
         "fp8-tensor": "--fp8-format hybrid --fp8-recipe tensorwise",
+        "fp8-tensor-e4m3": "--fp8-format e4m3 --fp8-recipe tensorwise",
         "fp8-block": "--fp8-format e4m3 --fp8-recipe blockwise",
+        "fp8-block-hybrid": "--fp8-format hybrid --fp8-recipe blockwise",
         "fp8-delayed": "--fp8-format hybrid --fp8-recipe delayed",
         "fp8-delayed-e4m3": "--fp8-format e4m3 --fp8-recipe delayed",
     }

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from quantpatch.launch.sweep import group_alive
+from quantpatch.launch.sweep_record import RunState, SweepRecord
 
 from .conftest import Pipe, group_members, paused, release, wait_exited
 from .test_scripts import QUANTPATCH
@@ -502,17 +503,24 @@ def test_slurm_states_map_to_quantpatch_states_and_the_output_speaks_last(tmp_pa
         "[quantpatch] source commit " + "a" * 40 + " in /wt\n"
         "[quantpatch] training exited with status 3\n"
     )
-    rec = {
-        "runs": [
-            {"name": "a", "state": "submitted", "slurm_job": "77", "array_task": 0},
-            {"name": "b", "state": "submitted", "slurm_job": "77", "array_task": 1},
-        ]
-    }
+    rec = SweepRecord.from_dict(
+        {
+            "checkout": "/c",
+            "launcher": "slurm",
+            "selection": {},
+            "runs": [
+                {"name": n, "script": f"{n}.sh", "state": "submitted", "slurm_job": "77",
+                 "array_task": i}
+                for i, n in enumerate("ab")
+            ],
+        }
+    )  # fmt: skip
     assert slurm.refresh(tmp_path, rec)
-    unknown, failed = rec["runs"]
-    assert unknown["state"] == "submitted"  # nothing says how it stands: left as it was
-    assert (failed["state"], failed["exit_code"], failed["reason"]) == ("failed", 3, "FAILED")
-    assert failed["commit"] == "a" * 40 and failed["ended"]
+    unknown, failed = rec.runs
+    assert unknown.state is RunState.SUBMITTED  # nothing says how it stands: left as it was
+    assert (failed.state, failed.exit_code, failed.reason) == (RunState.FAILED, 3, "FAILED")
+    assert failed.commit == "a" * 40 and failed.ended
+    assert failed.as_dict()["state"] == "failed"
     assert not slurm.refresh(tmp_path, rec)  # nothing new
 
 

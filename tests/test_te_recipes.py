@@ -16,7 +16,7 @@ import pytest
 
 from quantpatch.base.config import GEMMS
 from quantpatch.base.errors import UserError
-from quantpatch.launch.registry import RECIPE_FLAGS, load_registry
+from quantpatch.launch.registry import RECIPE_FLAGS, load_registry, recipe_table
 
 from .conftest import LINEAR
 
@@ -24,8 +24,22 @@ TE = {  # scheme -> (value, --fp8-format, --fp8-recipe)
     "te_mxfp8_e4m3": ("mxfp8-rceil", "e4m3", "mxfp8"),
     "te_mxfp8_hybrid": ("mxfp8-rceil-hybrid", "hybrid", "mxfp8"),
     "te_tensorwise_hybrid": ("fp8-tensor", "hybrid", "tensorwise"),
+    "te_tensorwise_e4m3": ("fp8-tensor-e4m3", "e4m3", "tensorwise"),
     "te_blockwise_e4m3": ("fp8-block", "e4m3", "blockwise"),
+    "te_blockwise_hybrid": ("fp8-block-hybrid", "hybrid", "blockwise"),
+    "te_delayed_hybrid": ("fp8-delayed", "hybrid", "delayed"),
+    "te_delayed_e4m3": ("fp8-delayed-e4m3", "e4m3", "delayed"),
 }
+"""Every (--fp8-format, --fp8-recipe) pair core_v0.13.1 accepts (fp8_utils.get_fp8_recipe: TE's
+DelayedScaling, Float8CurrentScaling, Float8BlockScaling and MXFP8BlockScaling, each in E4M3
+and HYBRID), one scheme each."""
+
+
+def test_every_format_and_recipe_pair_megatron_accepts_is_a_scheme():
+    assert {(f, r) for _, f, r in TE.values()} == {
+        (f, r) for f in ("e4m3", "hybrid") for r in ("delayed", "tensorwise", "blockwise", "mxfp8")
+    }
+    assert {v: RECIPE_FLAGS[v] for v, *_ in TE.values()} == RECIPE_FLAGS
 
 
 def test_each_recipe_is_a_scheme_with_its_megatron_flags_and_a_native_twin():
@@ -41,6 +55,21 @@ def test_each_recipe_is_a_scheme_with_its_megatron_flags_and_a_native_twin():
         assert twin.argv() == ["--transformer-impl", "transformer_engine", *s.megatron_flags()]
     every = reg.pick("schemes", ["all"])
     assert set(TE) <= set(every) and not any(reg.schemes[n].native for n in every)
+
+
+def test_the_docs_show_every_pair_with_its_value_scheme_and_twin():
+    """docs/formats.md and docs/launch.md show the table the registry generates: each of the
+    eight pairs with a value, a te_recipe scheme of that value and its native twin."""
+    reg = load_registry()
+    table = recipe_table(reg)
+    rows = [r.split(" | ") for r in table.splitlines()[2:]]
+    assert len(rows) == 8 and not any("-" in (c.strip("| ") for c in r) for r in rows)
+    for name, (value, fmt, recipe) in TE.items():
+        twin = name.replace("te_", "native_")
+        assert f"| `{fmt}` | `{recipe}` | `{value}` | `{name}` | `{twin}` |" in table
+    docs = Path(__file__).parents[1] / "docs"
+    for page in ("formats.md", "launch.md"):
+        assert table in (docs / page).read_text(encoding="utf-8"), page
 
 
 def _config(tmp_path: Path, text: str) -> Path:
@@ -72,10 +101,6 @@ def test_first_last_layers_and_the_native_twin_of_a_config_scheme(tmp_path):
 @pytest.mark.parametrize(
     ("text", "said"),
     [
-        (  # Megatron hands --no-fp8-wgrad to the delayed recipe only
-            "linear = 'fp8-tensor'\nqk = 'bf16'\npv = 'bf16'\nte_recipe = true\nfp8_wgrad = false",
-            "hands --no-fp8-wgrad to its delayed recipe only and runs --fp8-recipe tensorwise",
-        ),
         (
             "linear = 'mxfp8'\nqk = 'bf16'\npv = 'bf16'\nfirst_last_layers_bf16 = true",
             "add te_recipe = true",
@@ -94,19 +119,67 @@ def test_a_scheme_megatron_cannot_run_is_refused_naming_the_field(tmp_path, text
         load_registry(_config(tmp_path, f"[schemes.x]\n{text}\n"))
 
 
-def test_no_fp8_wgrad_where_megatron_honours_it(tmp_path, monkeypatch):
-    """The delayed recipe takes --no-fp8-wgrad and refuses BF16 first and last layers (a
-    delayed value stood in for by a table entry: the rule is the recipe's, not the value's)."""
-    monkeypatch.setitem(RECIPE_FLAGS, "fp8-tensor", ("hybrid", "delayed"))
-    head = "[schemes.x]\nlinear = 'fp8-tensor'\nqk = 'bf16'\npv = 'bf16'\nte_recipe = true\n"
+def test_no_fp8_wgrad_where_megatron_honours_it(tmp_path):
+    """The delayed schemes take --no-fp8-wgrad (the weight gradient in BF16: fprop and dgrad
+    keep the delayed value) and refuse BF16 first and last layers, as Megatron does; their
+    native twin runs the same flags."""
+    head = "[schemes.x]\nlinear = 'fp8-delayed'\nqk = 'bf16'\npv = 'bf16'\nte_recipe = true\n"
     x = load_registry(_config(tmp_path, head + "fp8_wgrad = false\n")).schemes["x"]
     assert x.values() == {
-        "fprop": "fp8-tensor", "dgrad": "fp8-tensor", "wgrad": "bf16",
+        "fprop": "fp8-delayed", "dgrad": "fp8-delayed", "wgrad": "bf16",
         "qk": "bf16", "pv": "bf16", "bf16_layers": "output",
     }  # fmt: skip
-    assert x.megatron_flags()[-1] == "--no-fp8-wgrad"
+    assert x.megatron_flags() == [
+        "--fp8-format", "hybrid", "--fp8-recipe", "delayed", "--no-fp8-wgrad"
+    ]  # fmt: skip
+    assert "--wgrad bf16" in " ".join(x.set_options())
+    # a shipped delayed scheme with the field, field by field, and its native twin
+    reg = load_registry(_config(tmp_path, "[schemes.te_delayed_e4m3]\nfp8_wgrad = false\n"))
+    assert reg.schemes["te_delayed_e4m3"].values()["wgrad"] == "bf16"
+    assert reg.schemes["native_delayed_e4m3"].argv()[-1] == "--no-fp8-wgrad"
     with pytest.raises(UserError, match="with the delayed recipe, which Megatron refuses"):
         load_registry(_config(tmp_path, head + "first_last_layers_bf16 = true\n"))
+
+
+@pytest.mark.parametrize("value", ["fp8-tensor", "fp8-block-hybrid", "mxfp8-rceil"])
+def test_no_fp8_wgrad_elsewhere_is_refused_naming_the_schemes_that_honour_it(tmp_path, value):
+    """fp8_wgrad = false on a tensorwise, blockwise or MXFP8 scheme: Megatron runs its weight
+    gradient in FP8 regardless, so the scheme is refused in one sentence naming the delayed
+    values and schemes; the advice (a delayed value) followed, the scheme loads."""
+    recipe = RECIPE_FLAGS[value][1]
+    body = "qk = 'bf16'\npv = 'bf16'\nte_recipe = true\nfp8_wgrad = false\n"
+    with pytest.raises(UserError) as err:
+        load_registry(_config(tmp_path, f"[schemes.x]\nlinear = '{value}'\n{body}"))
+    said = str(err.value)
+    assert said.count(". ") == 0 and said.endswith(".")  # one sentence
+    assert f"hands --no-fp8-wgrad to its delayed recipe only and runs --fp8-recipe {recipe}" in said
+    assert (
+        "fp8-delayed or fp8-delayed-e4m3: the schemes te_delayed_hybrid and te_delayed_e4m3" in said
+    )
+    for delayed in ("fp8-delayed", "fp8-delayed-e4m3"):  # the advice
+        reg = load_registry(_config(tmp_path, f"[schemes.x]\nlinear = '{delayed}'\n{body}"))
+        assert reg.schemes["x"].megatron_flags()[-1] == "--no-fp8-wgrad"
+    reg = load_registry(_config(tmp_path, "[schemes.te_delayed_hybrid]\nfp8_wgrad = false\n"))
+    assert reg.schemes["te_delayed_hybrid"].values()["wgrad"] == "bf16"
+
+
+def test_set_takes_no_fp8_wgrad_under_a_delayed_value_and_check_expects_it(run, make_checkout):
+    """``set`` of a delayed value on fprop and dgrad with the weight gradient in BF16 (what a
+    delayed scheme with fp8_wgrad = false sets) is accepted and checked; a delayed value beside
+    any other quantized weight gradient stays refused."""
+    from .conftest import snapshot
+
+    root = make_checkout("0.13.1")
+    before = snapshot(root)
+    res = run("set", "--repo", root, "--fprop", "fp8-delayed", "--dgrad", "fp8-delayed",
+              "--wgrad", "fp8-tensor")  # fmt: skip
+    assert res.code == 2 and "--wgrad bf16 for Megatron's --no-fp8-wgrad" in res.err, res
+    assert snapshot(root) == before
+    res = run("set", "--repo", root, "--fprop", "fp8-delayed", "--dgrad", "fp8-delayed",
+              "--wgrad", "bf16", "--no-branch")  # fmt: skip
+    assert res.code == 0, res
+    want = "fprop=fp8-delayed,dgrad=fp8-delayed,wgrad=bf16"
+    assert run("check", "--repo", root, "--expect", want).code == 0
 
 
 # -- Megatron's own policy, from its get_fp8_context -----------------------------------------
@@ -206,146 +279,174 @@ def megatron_policy(megatron: Path, flags: dict[str, object], layers: int) -> di
 
 WORKER = r"""
 import json, sys, torch
+import torch.distributed as dist
 from quantpatch.runtime.megatron_single import init_single_process
-init_single_process("cpu")
-from megatron.core import quantpatch_ops as ops, tensor_parallel
-from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-from megatron.core.transformer.module import Float16Module
-from megatron.core.transformer.transformer_config import TransformerConfig
-FMT = sys.argv[1]
-torch.manual_seed(0)
-tc = TransformerConfig(num_layers=4, hidden_size=128, num_attention_heads=4,
-                       use_cpu_initialization=True, attention_dropout=0.0, hidden_dropout=0.0,
-                       bias_dropout_fusion=False, apply_rope_fusion=False,
-                       masked_softmax_fusion=False, bf16=True, params_dtype=torch.bfloat16,
-                       pipeline_dtype=torch.bfloat16)
-gpt = GPTModel(tc, get_gpt_layer_local_spec(), vocab_size=256, max_sequence_length=32,
-               share_embeddings_and_output_weights=False)
-assert type(gpt.output_layer) is tensor_parallel.ColumnParallelLinear  # as Megatron builds it
-model = Float16Module(tc, gpt)
-# each weight's GEMM module, from the parameter names (independent of quantpatch's hooks)
-weights = {}
-for name, p in gpt.named_parameters():
-    if name.endswith(".weight") and p.dim() == 2 and "embedding" not in name:
-        parts = name.split(".")
-        if parts[0] == "output_layer":
-            weights[p.data_ptr()] = "output/output_layer"
+
+def run_job(root, FMT):
+    # this scheme's checkout, imported afresh: torch and megatron's dependencies stay loaded
+    for name in [m for m in sys.modules if m == "megatron" or m.startswith("megatron.")]:
+        del sys.modules[name]
+    sys.path[:] = [root] + [p for p in sys.path if p not in ROOTS]
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    init_single_process("cpu")
+    from megatron.core import tensor_parallel
+    from megatron.core.quantpatch import quantpatch_ops as ops
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.module import Float16Module
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    assert ops.__file__.startswith(root), (ops.__file__, root)
+    torch.manual_seed(0)
+    tc = TransformerConfig(num_layers=4, hidden_size=128, num_attention_heads=4,
+                           use_cpu_initialization=True, attention_dropout=0.0, hidden_dropout=0.0,
+                           bias_dropout_fusion=False, apply_rope_fusion=False,
+                           masked_softmax_fusion=False, bf16=True, params_dtype=torch.bfloat16,
+                           pipeline_dtype=torch.bfloat16)
+    gpt = GPTModel(tc, get_gpt_layer_local_spec(), vocab_size=256, max_sequence_length=32,
+                   share_embeddings_and_output_weights=False)
+    assert type(gpt.output_layer) is tensor_parallel.ColumnParallelLinear  # as Megatron builds it
+    model = Float16Module(tc, gpt)
+    # each weight's GEMM module, from the parameter names (independent of quantpatch's hooks)
+    weights = {}
+    for name, p in gpt.named_parameters():
+        if name.endswith(".weight") and p.dim() == 2 and "embedding" not in name:
+            parts = name.split(".")
+            if parts[0] == "output_layer":
+                weights[p.data_ptr()] = "output/output_layer"
+            else:
+                layer = gpt.decoder.layers[int(parts[2])].layer_number
+                weights[p.data_ptr()] = f"{layer}/{'.'.join(parts[3:-1])}"
+    inputs = {}
+    products = []
+    real_matmul, real_qm = torch.matmul, ops.quant_matmul
+    # one float32 scale per tensor, amax / 448 (current scaling): divided out below; delayed
+    # scaling's first step quantizes with scale 1 (no history yet), as TE's does: the codes
+    per_tensor = FMT.startswith("fp8-tensor")
+
+    def on_grid(t):
+        # every value a code of E4M3 / E5M2 times one scale per block: at most 4 significant bits
+        # after dividing by the block's power of two (exact in bf16), or by one float32 scale
+        # per tensor (amax / 448; bf16's rounding of code x scale within 1/16)
+        v = t.detach().double().flatten()
+        v = v[v != 0]
+        if v.numel() == 0:  # every value flushed to zero (E5M2 gradients under scale 1)
+            return True
+        if per_tensor:
+            v = v / (v.abs().max() / 448)
+        m, _ = torch.frexp(v)
+        off = (m.abs() * 16 - (m.abs() * 16).round()).abs()
+        return bool(off.max() <= (0.125 if per_tensor else 0.0))
+
+    def classify(raw, seen):
+        if all(r is s or torch.equal(r, s) for r, s in zip(raw, seen)):
+            return "bf16"
+        if all(not torch.equal(r, s) and on_grid(s) for r, s in zip(raw, seen)):
+            return "quantized"
+        return "mixed"
+
+    inside = []  # the operands of the product running inside quant_matmul
+
+    def spy(a, b, fmt, *, roles=None, backward=False, weight=None):
+        seen = []
+        inside.append(seen)
+        try:
+            out = real_qm(a, b, fmt, roles=roles, backward=backward, weight=weight)
+        finally:
+            inside.pop()
+        backward, weight = ops._operand_roles(roles, backward, weight)
+        assert len(seen) == 2, "the product was not a torch.matmul"
+        gemm = ("dgrad" if weight is not None else "wgrad") if backward else "fprop"
+        if gemm == "wgrad":
+            where = inputs.pop(b.data_ptr())  # grad_output^T . total_input: the saved input
         else:
-            layer = gpt.decoder.layers[int(parts[2])].layer_number
-            weights[p.data_ptr()] = f"{layer}/{'.'.join(parts[3:-1])}"
-inputs = {}
-products = []
-real_matmul, real_qm = torch.matmul, ops.quant_matmul
+            w, x = (a, b) if weight == "a" else (b, a)
+            where = weights[w.data_ptr()]
+            if gemm == "fprop":
+                inputs[x.data_ptr()] = where
+        products.append((where, gemm, classify([a, b], seen)))
+        return out
 
-def on_grid(t):
-    # every value a code of E4M3 / E5M2 times one scale per block: at most 4 significant bits
-    # after dividing by the block's power of two (exact in bf16), or by one float32 scale per
-    # tensor (fp8-tensor: amax / 448; bf16's rounding of code x scale within 1/16)
-    v = t.detach().double().flatten()
-    v = v[v != 0]
-    if FMT == "fp8-tensor":
-        v = v / (v.abs().max() / 448)
-    m, _ = torch.frexp(v)
-    off = (m.abs() * 16 - (m.abs() * 16).round()).abs()
-    return bool(off.max() <= (0.125 if FMT == "fp8-tensor" else 0.0))
-
-def classify(raw, seen):
-    if all(r is s or torch.equal(r, s) for r, s in zip(raw, seen)):
-        return "bf16"
-    if all(not torch.equal(r, s) and on_grid(s) for r, s in zip(raw, seen)):
-        return "quantized"
-    return "mixed"
-
-inside = []  # the operands of the product running inside quant_matmul
-
-def spy(a, b, fmt, *, backward=False, weight=None):
-    seen = []
-    inside.append(seen)
-    try:
-        out = real_qm(a, b, fmt, backward=backward, weight=weight)
-    finally:
-        inside.pop()
-    assert len(seen) == 2, "the product was not a torch.matmul"
-    gemm = ("dgrad" if weight is not None else "wgrad") if backward else "fprop"
-    if gemm == "wgrad":
-        where = inputs.pop(b.data_ptr())  # grad_output^T . total_input: the saved input
-    else:
-        w, x = (a, b) if weight == "a" else (b, a)
-        where = weights[w.data_ptr()]
+    def plain(x, y, gemm):
+        # a product outside quant_matmul: a site whose value is bf16 runs Megatron's own line
+        # (torch.matmul(total_input, weight.t()) for fprop, grad_output.matmul(weight) for
+        # dgrad, grad_output.t().matmul(total_input) for wgrad); its GEMM, classified from its
+        # operands
+        if y.data_ptr() in weights and gemm in ("fprop", "dgrad"):
+            where = weights[y.data_ptr()]
+        elif y.data_ptr() in inputs and gemm == "dgrad":
+            gemm, where = "wgrad", inputs.pop(y.data_ptr())
+        else:
+            return
         if gemm == "fprop":
             inputs[x.data_ptr()] = where
-    products.append((where, gemm, classify([a, b], seen)))
-    return out
+        grid = on_grid(x) and on_grid(y)
+        products.append((where, gemm, "quantized" if grid else "bf16"))
 
-def plain(x, y, gemm):
-    # a product outside quant_matmul: a site whose value is bf16 runs Megatron's own line
-    # (torch.matmul(total_input, weight.t()) for fprop, grad_output.matmul(weight) for dgrad,
-    # grad_output.t().matmul(total_input) for wgrad); its GEMM, classified from its operands
-    if y.data_ptr() in weights and gemm in ("fprop", "dgrad"):
-        where = weights[y.data_ptr()]
-    elif y.data_ptr() in inputs and gemm == "dgrad":
-        gemm, where = "wgrad", inputs.pop(y.data_ptr())
-    else:
-        return
-    if gemm == "fprop":
-        inputs[x.data_ptr()] = where
-    grid = on_grid(x) and on_grid(y)
-    products.append((where, gemm, "quantized" if grid else "bf16"))
+    def torch_matmul(x, y, *rest, **kw):
+        if inside:
+            inside[-1][:] = [x, y]
+        elif x.dim() >= 2 and y.dim() == 2:
+            plain(x, y, "fprop")
+        return real_matmul(x, y, *rest, **kw)
 
-def torch_matmul(x, y, *rest, **kw):
-    if inside:
-        inside[-1][:] = [x, y]
-    elif x.dim() >= 2 and y.dim() == 2:
-        plain(x, y, "fprop")
-    return real_matmul(x, y, *rest, **kw)
+    real_tensor_matmul = torch.Tensor.matmul
+    def tensor_matmul(x, y):
+        if not inside and x.dim() >= 2 and y.dim() == 2:
+            plain(x, y, "dgrad")  # or wgrad, where y is a layer's saved input
+        return real_tensor_matmul(x, y)
 
-real_tensor_matmul = torch.Tensor.matmul
-def tensor_matmul(x, y):
-    if not inside and x.dim() >= 2 and y.dim() == 2:
-        plain(x, y, "dgrad")  # or wgrad, where y is a layer's saved input
-    return real_tensor_matmul(x, y)
+    attention = []
+    real_baddbmm, real_bmm = torch.baddbmm, torch.bmm
+    def core(real, name):
+        def product(*args, **kw):
+            operands = [t for t in args if isinstance(t, torch.Tensor) and t.dim() == 3][-2:]
+            attention.append((name, [on_grid(t) for t in operands]))
+            return real(*args, **kw)
+        return product
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 256, (2, 33), generator=gen)
+    pos = torch.arange(32).expand(2, 32)
+    mask = torch.triu(torch.ones(1, 1, 32, 32, dtype=torch.bool), 1)
+    torch.matmul, torch.Tensor.matmul = torch_matmul, tensor_matmul
+    ops.quant_matmul = spy
+    torch.baddbmm, torch.bmm = core(real_baddbmm, "qk"), core(real_bmm, "pv")
+    try:
+        out = model(tokens[:, :-1], pos, mask, labels=tokens[:, 1:])
+        torch.baddbmm, torch.bmm = real_baddbmm, real_bmm
+        out.float().mean().backward()
+    finally:
+        torch.matmul, torch.Tensor.matmul = real_matmul, real_tensor_matmul
+        torch.baddbmm, torch.bmm = real_baddbmm, real_bmm
+        ops.quant_matmul = real_qm
+    return {"products": products, "attention": attention}
 
-torch.matmul, torch.Tensor.matmul = torch_matmul, tensor_matmul
-ops.quant_matmul = spy
-attention = []
-real_baddbmm, real_bmm = torch.baddbmm, torch.bmm
-def core(real, name):
-    def product(*args, **kw):
-        operands = [t for t in args if isinstance(t, torch.Tensor) and t.dim() == 3][-2:]
-        attention.append((name, [on_grid(t) for t in operands]))
-        return real(*args, **kw)
-    return product
-torch.baddbmm, torch.bmm = core(real_baddbmm, "qk"), core(real_bmm, "pv")
-gen = torch.Generator().manual_seed(1)
-tokens = torch.randint(0, 256, (2, 33), generator=gen)
-pos = torch.arange(32).expand(2, 32)
-mask = torch.triu(torch.ones(1, 1, 32, 32, dtype=torch.bool), 1)
-out = model(tokens[:, :-1], pos, mask, labels=tokens[:, 1:])
-torch.baddbmm, torch.bmm = real_baddbmm, real_bmm
-out.float().mean().backward()
-print(json.dumps({"products": products, "attention": attention}))
+JOBS = json.loads(sys.argv[1])
+ROOTS = {root for root, _ in JOBS}
+print(json.dumps([run_job(root, fmt) for root, fmt in JOBS]))
 """
 
 
-def _gemms(root: Path, fmt: str) -> dict[str, object]:
+def _gemms(jobs: list[tuple[Path, str]]) -> list[dict[str, object]]:
+    """Each job's (checkout, linear value) tiny GPT, one process for all of them: each GEMM's
+    module, GEMM and classification, and the attention core's operands."""
     import quantpatch
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("TENSOR_SAVE")}
     for name in ("CUSTOM_QUANT_TYPE", "QUANTPATCH_FLASH", "QUANTPATCH_FLASH_BF16"):
         env.pop(name, None)
     here = Path(quantpatch.__file__).resolve().parents[1]
-    env["PYTHONPATH"] = os.pathsep.join([str(root), str(here)])
+    env["PYTHONPATH"] = str(here)
     done = subprocess.run(
-        [sys.executable, "-c", WORKER, fmt],
-        cwd=root,
+        [sys.executable, "-c", WORKER, json.dumps([(str(r), f) for r, f in jobs])],
+        cwd=here,
         env=env,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=900,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    result: dict[str, object] = json.loads(done.stdout.strip().splitlines()[-1])
+    result: list[dict[str, object]] = json.loads(done.stdout.strip().splitlines()[-1])
     return result
 
 
@@ -368,8 +469,12 @@ CASES = [  # (scheme or config fields, Megatron's flags)
             "num_layers_at_start_in_bf16": 2,
         },
     ),
+    ("te_tensorwise_e4m3", {"fp8": "e4m3", "fp8_recipe": "tensorwise"}),
+    ("te_blockwise_hybrid", {"fp8": "hybrid", "fp8_recipe": "blockwise"}),
+    ("te_delayed_hybrid", {"fp8": "hybrid", "fp8_recipe": "delayed"}),
+    ("te_delayed_e4m3", {"fp8": "e4m3", "fp8_recipe": "delayed"}),
     (  # --no-fp8-wgrad where Megatron honours it (delayed): the GEMMs it places in bf16
-        "linear = 'fp8-tensor'\nwgrad = 'bf16'\nbf16_layers = 'output'",
+        "linear = 'fp8-delayed'\nte_recipe = true\nfp8_wgrad = false",
         {"fp8": "hybrid", "fp8_recipe": "delayed", "fp8_wgrad": False},
     ),
 ]
@@ -377,21 +482,27 @@ CASES = [  # (scheme or config fields, Megatron's flags)
 
 @pytest.mark.slow
 def test_each_gemm_of_a_tiny_gpt_follows_megatrons_own_policy(run, make_checkout, trees, tmp_path):
+    """Each case's values in a worktree of one checkout (``worktree --scheme``, checked by
+    ``check --expect``), then one worker process trains every case's tiny GPT a step (torch
+    and megatron's dependencies imported once, each checkout's megatron imported afresh)."""
     root = make_checkout("0.13.1", inject=False, full=True)
     assert run("init", "--repo", root).code == 0
     megatron = trees["0.13.1"]  # the wheel's megatron package
-    figures = []
-    for i, (scheme, flags) in enumerate(CASES):
-        if scheme in TE:
-            args, fmt = ["--scheme", scheme], TE[scheme][0]
-        else:
+    jobs: list[tuple[Path, str]] = []
+    for i, (scheme, _) in enumerate(CASES):
+        args, config = ["--scheme", scheme], None
+        if scheme not in TE:
             config = tmp_path / f"case{i}.toml"
             config.write_text(f"[schemes.case]\n{scheme}\nqk = 'bf16'\npv = 'bf16'\n")
             args = ["--scheme", "case", "--config", str(config)]
-            fmt = load_registry(config).schemes["case"].linear
-        res = run("set", "--repo", root, *args, "--no-branch")
+        s = load_registry(config).schemes[args[1]]
+        res = run("worktree", "--repo", root, *args, "--path-only")
         assert res.code == 0, res
-        got = _gemms(root, fmt)
+        wt = Path(res.out.strip())
+        assert run("check", "--repo", wt, "--expect", s.expect()).code == 0
+        jobs.append((wt, s.fprop or s.linear))
+    figures = []
+    for (scheme, flags), got in zip(CASES, _gemms(jobs), strict=True):
         want = megatron_policy(megatron, flags, 4)
         seen: dict[str, dict[str, str]] = {}
         for where, gemm, kind in got["products"]:  # type: ignore[union-attr]
@@ -411,7 +522,6 @@ def test_each_gemm_of_a_tiny_gpt_follows_megatrons_own_policy(run, make_checkout
         assert len(attention) == 8 and not any(any(g) for _, g in attention), attention
         quantized = sum(k == "quantized" for _, _, k in got["products"])  # type: ignore[union-attr]
         figures.append((scheme.split("\n")[0], quantized, len(got["products"])))  # type: ignore[arg-type]
-        assert run("restore", "--repo", root).code == 0
     print(figures)
 
 
@@ -557,6 +667,19 @@ def test_a_native_scheme_on_a_fork_without_te_layers_is_refused_until_it_has_the
     assert res.code == 0, res
     assert run("check", "--repo", root, "--expect", "linear=fp8-block,bf16_layers=output").code == 0
     assert run("restore", "--repo", root).code == 0
+    # the new pairs, and the delayed recipe with --no-fp8-wgrad, on the fork's own sites
+    config = tmp_path / "no_wgrad.toml"
+    config.write_text("[schemes.te_delayed_hybrid]\nfp8_wgrad = false\n")
+    for scheme, want in (
+        ("te_blockwise_hybrid", "linear=fp8-block-hybrid"),
+        ("te_tensorwise_e4m3", "linear=fp8-tensor-e4m3"),
+        ("te_delayed_hybrid", "fprop=fp8-delayed,dgrad=fp8-delayed,wgrad=bf16"),
+    ):
+        res = run("set", "--repo", root, "--scheme", scheme, "--config", config)
+        assert res.code == 0, res
+        expect = f"{want},qk=bf16,pv=bf16,bf16_layers=output"
+        assert run("check", "--repo", root, "--expect", expect).code == 0, scheme
+        assert run("restore", "--repo", root).code == 0
     _stubs(tmp_path, monkeypatch)
     site = tmp_path / "site" / "transformer_engine"
     site.mkdir(parents=True)
@@ -601,7 +724,7 @@ def test_an_output_policy_on_an_older_policy_runtime_is_refused_until_upgrade(ru
 
     root = make_checkout(inject=False)
     assert run("init", "--repo", root).code == 0
-    rel = "megatron/core/quantpatch_layers.py"
+    rel = "megatron/core/quantpatch/quantpatch_layers.py"
     text = BEFORE_OUTPUT.read_text(encoding="utf-8")
     (root / rel).write_text(text, encoding="utf-8")  # as an earlier init left it
     state = root / ".git/quantpatch/init/record.json"
@@ -639,6 +762,29 @@ def test_a_native_scheme_takes_the_layout_of_transformer_engines_layers(run, tmp
     assert res.code == 0, res
     script = next((tmp_path / "b").rglob("*.sh")).read_text()
     assert "--seq-length 256 --transformer-impl transformer_engine \\" in script
+
+
+def test_gen_scripts_gives_each_native_twin_its_pairs_flags(run, tmp_path, monkeypatch):
+    """Every native twin in one ``gen-scripts``: each script's scheme arguments are its pair's
+    flags (checked against Megatron's flag list on the way), a delayed twin's with
+    ``--no-fp8-wgrad`` where its emulation's config sets fp8_wgrad = false."""
+    site = tmp_path / "site" / "transformer_engine"
+    site.mkdir(parents=True)
+    (site / "__init__.py").write_text("")
+    monkeypatch.setenv("PYTHONPATH", str(site.parent))
+    monkeypatch.setenv("PYTHON", sys.executable)
+    config = _config(tmp_path, "[schemes.te_delayed_e4m3]\nfp8_wgrad = false\n")
+    twins = [name.replace("te_", "native_") for name in TE]
+    gen = ["gen-scripts", "--profile", "smoke", "--models", "llama32-1b", "--datasets"]
+    gen += ["wikipedia", "--out", tmp_path / "out", "--schemes", ",".join(twins)]
+    res = run(*gen, "--config", config)
+    assert res.code == 0, res
+    for name, (_, fmt, recipe) in TE.items():
+        twin = name.replace("te_", "native_")
+        script = next((tmp_path / "out").rglob(f"*_{twin}.sh")).read_text()
+        flags = f"--fp8-format {fmt} --fp8-recipe {recipe}"
+        flags += " --no-fp8-wgrad" if name == "te_delayed_e4m3" else ""
+        assert f"SCHEME_ARGS=(--transformer-impl transformer_engine {flags})" in script, twin
 
 
 def test_run_refuses_a_native_scheme_on_a_gpu_without_its_format(

@@ -12,10 +12,19 @@ import git
 import libcst as cst
 import pytest
 
-from quantpatch.checkout.parts import OPS_MODULE, OPS_MODULES, SAVER_MODULES, runtime_source
+from quantpatch.checkout.parts import (
+    OPS_MODULE,
+    OPS_MODULES,
+    PACKAGE,
+    RUNTIME_MODULES,
+    SAVER_MODULE,
+    SAVER_MODULES,
+    flat,
+    runtime_source,
+)
 
 from .conftest import ATTENTION, LINEAR
-from .oldrelease import OLD_OPS, make_old_release
+from .oldrelease import OLD_OPS, make_flat_release, make_old_release
 
 pytestmark = pytest.mark.slow
 
@@ -46,11 +55,11 @@ def test_an_old_release_checkout_is_upgraded_in_one_commit(run, make_checkout):
     res = run("worktree", "--repo", root, "--scheme", "FA_mxfp4", "--path-only")
     assert res.code == 0, res
     tree = Path(res.out.strip())
-    assert (tree / OPS_MODULE).read_text() == OLD_OPS
+    assert (tree / flat(OPS_MODULE)).read_text() == OLD_OPS
 
     parts = _parts(run, root)
     assert parts["ops"] == parts["sites"] == parts["saver"] == "older"  # the single-file saver
-    assert parts["kernels"] == parts["flash"] == "current"
+    assert parts["kernels"] == parts["flash"] == "older"  # beside Megatron's files, not in
     res = run("check", "--repo", root, "--expect", "parts=current")
     assert res.code == 1 and "ops is older" in res.err
     assert "installed parts: ops older" in run("check", "--repo", root).out
@@ -62,6 +71,7 @@ def test_an_old_release_checkout_is_upgraded_in_one_commit(run, make_checkout):
     assert repo.head.commit.message.startswith("quantpatch upgrade:")
     for rel in (*OPS_MODULES, *SAVER_MODULES):
         assert (root / rel).read_text() == runtime_source(rel), rel
+    assert not (root / flat(OPS_MODULE)).exists()  # moved into the package
     assert set(_parts(run, root).values()) == {"current"}
     assert run("check", "--repo", root, "--expect", "parts=current").code == 0
     again = run("upgrade", "--repo", root)
@@ -92,19 +102,19 @@ def test_an_old_release_checkout_is_upgraded_in_one_commit(run, make_checkout):
 
 def test_a_hand_edited_ops_module_is_refused_by_name(run, make_checkout):
     root, _ = _old_checkout(run, make_checkout)
-    ops = root / OPS_MODULE
+    ops = root / flat(OPS_MODULE)
     ops.write_text(OLD_OPS + "# my tweak\n")
     repo = git.Repo(root)
     repo.git.commit("-qam", "tweak the ops")
     assert _parts(run, root)["ops"] == "edited"
     head = repo.head.commit
     res = run("upgrade", "--repo", root)
-    assert res.code == 2 and OPS_MODULE in res.err and "--force" in res.err
+    assert res.code == 2 and flat(OPS_MODULE) in res.err and "--force" in res.err
     assert repo.head.commit == head and ops.read_text() == OLD_OPS + "# my tweak\n"
     res = run("upgrade", "--repo", root, "--force")
     assert res.code == 0, res
-    assert f"{OPS_MODULE}: its hand edits were overwritten" in res.out + res.err
-    assert ops.read_text() == runtime_source(OPS_MODULE)
+    assert f"{flat(OPS_MODULE)}: its hand edits were overwritten" in res.out + res.err
+    assert not ops.exists() and (root / OPS_MODULE).read_text() == runtime_source(OPS_MODULE)
     assert set(_parts(run, root).values()) == {"current"}
 
 
@@ -116,6 +126,91 @@ def test_upgrade_refuses_while_a_set_is_active_and_without_installs(run, make_ch
     stock = make_checkout(inject=False)
     res = run("upgrade", "--repo", stock)
     assert res.code == 2 and "nothing to upgrade" in res.err
+
+
+FLAT_FILES = (
+    flat(OPS_MODULE),
+    "megatron/core/quantpatch_kernels.py",
+    "megatron/core/quantpatch_saver",
+)
+
+
+def _flat_left(root: Path) -> list[str]:
+    """The runtime files of the flat layout still in ``megatron/core/``."""
+    core = root / "megatron/core"
+    return sorted(
+        str(p.relative_to(root))
+        for p in (*core.glob("quantpatch_*.py"), *core.glob("quantpatch_saver/*.py"))
+    )
+
+
+IMPORTS = """
+import sys
+import megatron.core.tensor_saver as by_path
+from megatron.core.quantpatch import quantpatch_ops, tensor_saver
+assert by_path is tensor_saver and sys.modules["megatron.core.tensor_saver"] is tensor_saver
+assert quantpatch_ops.__name__ == "megatron.core.quantpatch.quantpatch_ops"
+import megatron.core.quantpatch as package
+assert "quant_matmul(a, b, fmt, roles=" in package.__doc__
+print("ok")
+"""
+
+
+def test_a_checkout_on_the_flat_layout_moves_into_the_package(run, make_checkout, tmp_path):
+    """The last release put every runtime file in ``megatron/core/`` beside Megatron's own and
+    its sites called ``quant_matmul(..., backward=True, weight="b")``: such a checkout still
+    sets its values before the upgrade (the modules its sites import answer), ``check`` calls
+    every part older, and ``upgrade`` moves it into ``megatron/core/quantpatch/`` in one
+    commit, the sites as ``init`` writes them now; the installs still come off byte for
+    byte."""
+    import subprocess
+    import sys
+
+    root = make_checkout(inject=False, extra=(LAYER,))
+    upstream = {rel: (root / rel).read_bytes() for rel in (LINEAR, ATTENTION, LAYER)}
+    assert run("init", "--repo", root).code == 0
+    assert run("saver", "install", "--repo", root).code == 0
+    fresh = {rel: (root / rel).read_text() for rel in (LINEAR, ATTENTION, LAYER)}
+    make_flat_release(root)
+    repo = git.Repo(root)
+    assert not (root / PACKAGE).exists() and _flat_left(root)
+    linear = (root / LINEAR).read_text()
+    assert "from megatron.core import quantpatch_ops" in linear and 'weight="b"' in linear
+    assert "roles=" not in linear and "megatron.core.quantpatch " not in linear
+    parts = _parts(run, root)
+    # every part but MLA's head dims (which import nothing): the package is this version's
+    assert {part for part, st in parts.items() if st != "older"} == {"mla-params"}, parts
+    # not upgraded yet: set still reads the values of the ops module its sites import
+    res = run("set", "--repo", root, "--scheme", "FA_linear_nvfp4")
+    assert res.code == 0, res
+    assert run("restore", "--repo", root).code == 0
+
+    old_head = repo.head.commit
+    res = run("upgrade", "--repo", root)
+    assert res.code == 0, res
+    assert repo.head.commit.parents == (old_head,) and not repo.is_dirty(untracked_files=True)
+    assert _flat_left(root) == [] and not (root / "megatron/core/quantpatch_saver").exists()
+    for rel in (*RUNTIME_MODULES, *SAVER_MODULES):
+        assert (root / rel).read_text() == runtime_source(rel), rel
+    for rel, text in fresh.items():  # the sites as this version's init and saver write them
+        assert (root / rel).read_text() == text, rel
+    assert set(_parts(run, root).values()) == {"current"}
+    assert run("check", "--repo", root, "--expect", "parts=current").code == 0
+    torch = pytest.importorskip("torch")
+    assert torch is not None
+    got = subprocess.run(
+        [sys.executable, "-c", IMPORTS], cwd=tmp_path, capture_output=True, text=True,
+        env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin", "PYTHONDONTWRITEBYTECODE": "1"},
+    )  # fmt: skip
+    assert got.returncode == 0 and got.stdout.strip() == "ok", got.stderr
+
+    assert run("saver", "remove", "--repo", root).code == 0
+    assert run("init", "--repo", root, "--remove").code == 0
+    for rel, data in upstream.items():
+        assert (root / rel).read_bytes() == data, rel
+    assert not any((root / rel).exists() for rel in (*RUNTIME_MODULES, *SAVER_MODULES))
+    assert _flat_left(root) == [] and not (root / SAVER_MODULE).exists()
+    assert not (root / PACKAGE).exists() and not (root / "megatron/core/quantpatch_saver").exists()
 
 
 @pytest.fixture(scope="module")
@@ -173,7 +268,7 @@ def test_a_checkout_with_the_nvfp4_runtime_before_te_numerics_is_older_and_upgra
     state = root / ".git/quantpatch/init/record.json"
     record = json.loads(state.read_text())
     for name in ("quantpatch_nvfp4.py", "quantpatch_rht.py"):
-        rel = f"megatron/core/{name}"
+        rel = f"megatron/core/quantpatch/{name}"
         text = (BEFORE_TE / name).read_text(encoding="utf-8")
         assert text != runtime_source(rel)
         (root / rel).write_text(text, encoding="utf-8")
@@ -182,7 +277,7 @@ def test_a_checkout_with_the_nvfp4_runtime_before_te_numerics_is_older_and_upgra
     repo = git.Repo(root)
     repo.git.add("-A", "megatron")
     repo.git.commit("-qm", "quantpatch init: (before TE's NVFP4 numerics)")
-    old = (root / "megatron/core/quantpatch_nvfp4.py").read_text()
+    old = (root / "megatron/core/quantpatch/quantpatch_nvfp4.py").read_text()
     assert "(bmax / 6.0) * g" in old and "torch.rand(" in old  # the old arithmetic, installed
 
     assert _parts(run, root)["ops"] == "older"
@@ -194,7 +289,7 @@ def test_a_checkout_with_the_nvfp4_runtime_before_te_numerics_is_older_and_upgra
     assert repo.head.commit.parents == (head,) and not repo.is_dirty()
     for rel in OPS_MODULES:
         assert (root / rel).read_text() == runtime_source(rel), rel
-    new = (root / "megatron/core/quantpatch_nvfp4.py").read_text()
+    new = (root / "megatron/core/quantpatch/quantpatch_nvfp4.py").read_text()
     assert "TransformerEngine 2.20.2" in new and "sr_bits" in new
     assert set(_parts(run, root).values()) == {"current"}
 
@@ -256,7 +351,7 @@ def test_an_interrupted_upgrade_blocks_set_and_its_completion_checks_the_files(
     # the half-written files discarded by hand: the completion writes them again
     repo.git.checkout("--", ".")
     repo.git.clean("-fdq", "--", "megatron")
-    assert (root / OPS_MODULE).read_text() == OLD_OPS
+    assert (root / flat(OPS_MODULE)).read_text() == OLD_OPS
     res = run("upgrade", "--repo", root)
     assert res.code == 0, res
     assert "written again" in res.out + res.err
@@ -268,7 +363,7 @@ def test_an_interrupted_upgrade_blocks_set_and_its_completion_checks_the_files(
 def test_force_and_a_detached_head_say_where_the_old_commit_is(run, make_checkout):
     root, _ = _old_checkout(run, make_checkout)
     repo = git.Repo(root)
-    (root / OPS_MODULE).write_text(OLD_OPS + "# my tweak\n")
+    (root / flat(OPS_MODULE)).write_text(OLD_OPS + "# my tweak\n")
     repo.git.commit("-qam", "tweak the ops")
     edited = repo.head.commit.hexsha
     repo.git.checkout("-q", "--detach")

@@ -41,6 +41,11 @@ def fresh_cache(monkeypatch):
 
 
 @pytest.fixture(scope="module")
+def gemm(kernels):
+    return importlib.import_module("quantpatch.runtime.quantpatch_gemm_kernels")
+
+
+@pytest.fixture(scope="module")
 def kernels():
     assert CUDA or os.environ.get("TRITON_INTERPRET") == "1"
     with warnings.catch_warnings():
@@ -110,15 +115,19 @@ def _step(weights, micro_batches, fmt, seed):
 def _count_weight_quantizations(monkeypatch, weights) -> list[tuple[int, str, bool]]:
     """Every quantization of a weight's storage, as (which weight, format, backward)."""
     seen: list[tuple[int, str, bool]] = []
-    real = wc.quantize
 
-    def spy(x, fmt, *, dim=-1, backward=False):
-        for i, w in enumerate(weights):
-            if x.data_ptr() == w.data_ptr():
-                seen.append((i, fmt, backward))
-        return real(x, fmt, dim=dim, backward=backward)
+    def spying(real):
+        def spy(x, fmt, *, dim=-1, backward=False):
+            for i, w in enumerate(weights):
+                if x.data_ptr() == w.data_ptr():
+                    seen.append((i, fmt, backward))
+            return real(x, fmt, dim=dim, backward=backward)
 
-    monkeypatch.setattr(wc, "quantize", spy)  # what the weight cache quantizes with
+        return spy
+
+    # what the weight cache quantizes with (bf16 NVFP4 and FP8 tensor scaling: factored)
+    monkeypatch.setattr(wc, "quantize", spying(wc.quantize))
+    monkeypatch.setattr(wc, "quantize_factored", spying(wc.quantize_factored))
     return seen
 
 
@@ -166,8 +175,8 @@ def test_gradient_accumulation_quantizes_each_weight_once_per_step(monkeypatch, 
 
 MEGATRON_PROBE = """
 import inspect, os, sys, torch
-from megatron.core import quantpatch_ops as ops
-from megatron.core import quantpatch_weights as wc
+from megatron.core.quantpatch import quantpatch_ops as ops
+from megatron.core.quantpatch import quantpatch_weights as wc
 from megatron.core.tensor_parallel.layers import (
     LinearWithGradAccumulationAndAsyncCommunication as Linear,
 )
@@ -415,7 +424,7 @@ def test_every_autotune_configuration_is_bit_exact(kernels):
         assert same_bits(torch.nan_to_num(y), torch.nan_to_num(ref)), cfg
 
 
-def test_autotune_keys_and_pruning(kernels, monkeypatch):
+def test_autotune_keys_and_pruning(kernels, gemm, monkeypatch):
     wide, tall = kernels.shape_class(8192, 4096, 1), kernels.shape_class(4096, 8192, 4096)
     assert wide != tall and kernels.shape_class(8000, 4000, 1) == wide
     assert kernels.shape_class(8193, 4096, 1) != wide
@@ -425,30 +434,30 @@ def test_autotune_keys_and_pruning(kernels, monkeypatch):
     strided = kernels._prune_by_layout(configs, {"sn": 64})
     assert len(contiguous) == 5 and len(strided) == 4
     assert {kernels.layout_of(c) for c in contiguous} == {1}
-    gemm = kernels._qgemm_kernel.configs
+    tuned = gemm._qgemm_kernel.configs
     mx, tile = {"A_KIND": 1, "B_KIND": 1}, {"A_KIND": 5, "B_KIND": 6}
     bf16 = {"a_ptr": torch.empty(1, dtype=torch.bfloat16)}
     fp32 = {"a_ptr": torch.empty(1, dtype=torch.float32)}
     for cap, limit in (((9, 0), 232448), ((8, 6), 101376), ((12, 0), 101376)):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None, c=cap: c)
-        assert kernels.smem_limit() == limit  # no CUDA here: the generation's table entry
+        assert gemm.smem_limit() == limit  # no CUDA here: the generation's table entry
         for args, kinds in ((bf16, mx), (fp32, mx), (bf16, tile), (fp32, tile)):
-            kept = kernels._prune_gemm(gemm, args, **kinds)
+            kept = gemm._prune_gemm(tuned, args, **kinds)
             size = args["a_ptr"].element_size()
-            assert kept and all(kernels.gemm_smem(c, size) <= limit for c in kept)
-            assert all(kernels.gemm_fits(c, kinds["A_KIND"], kinds["B_KIND"]) for c in kept)
-            dropped = [c for c in gemm[1:] if c not in kept and kernels.gemm_fits(c, **_ab(kinds))]
-            assert all(kernels.gemm_smem(c, size) > limit for c in dropped)
+            assert kept and all(gemm.gemm_smem(c, size) <= limit for c in kept)
+            assert all(gemm.gemm_fits(c, kinds["A_KIND"], kinds["B_KIND"]) for c in kept)
+            dropped = [c for c in tuned[1:] if c not in kept and gemm.gemm_fits(c, **_ab(kinds))]
+            assert all(gemm.gemm_smem(c, size) > limit for c in dropped)
     # fp32 on an H100: every MX configuration fits (not the interpreter's, nor fp8-block's
     # 128-element K-tiles); on an RTX 4090 the 96 KiB ones do not
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
-    assert len(kernels._prune_gemm(gemm, fp32, **mx)) == len(gemm) - 2
+    assert len(gemm._prune_gemm(tuned, fp32, **mx)) == len(tuned) - 2
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (8, 9))
-    assert len(kernels._prune_gemm(gemm, fp32, **mx)) < len(kernels._prune_gemm(gemm, bf16, **mx))
+    assert len(gemm._prune_gemm(tuned, fp32, **mx)) < len(gemm._prune_gemm(tuned, bf16, **mx))
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # interpreted: the first that fits, no timing
     assert kernels._prune_by_layout(configs, {"sn": 64}) == strided[:1]
-    assert kernels._prune_gemm(gemm, bf16, **mx) == [gemm[0]]
-    assert [c.kwargs["BLOCK_K"] for c in kernels._prune_gemm(gemm, bf16, **tile)] == [128]
+    assert gemm._prune_gemm(tuned, bf16, **mx) == [tuned[0]]
+    assert [c.kwargs["BLOCK_K"] for c in gemm._prune_gemm(tuned, bf16, **tile)] == [128]
 
 
 def _ab(kinds):
@@ -487,7 +496,7 @@ def _tolerance(qa, qb, out_dtype):
 
 @pytest.mark.parametrize(("fmt", "backward", "dtype"), GEMM_CASES)
 def test_fused_gemm_quantizes_operands_bit_for_bit_and_multiplies_within_the_bound(
-    kernels, fmt, backward, dtype
+    kernels, gemm, fmt, backward, dtype
 ):
     """64 x 80 @ 80 x 96 (K not a multiple of 32, the weight read transposed in place): the
     GEMM times the identity gives each quantized operand exactly; the product is within the
@@ -498,24 +507,24 @@ def test_fused_gemm_quantizes_operands_bit_for_bit_and_multiplies_within_the_bou
     eye = torch.eye(80, dtype=dtype, device=DEVICE)
     # rows of A and columns of B quantize independently: one tile row / column of each (a
     # sum turns -0 into +0, so zeros are compared without their sign)
-    got_a = kernels.quant_gemm(a[:32], eye, fmt, "bf16", backward)
+    got_a = gemm.quant_gemm(a[:32], eye, fmt, "bf16", backward)
     assert same_bits(got_a + 0.0, qa[:32] + 0.0)
-    got_b = kernels.quant_gemm(eye, b[:, :32], "bf16", fmt, False, backward)
+    got_b = gemm.quant_gemm(eye, b[:, :32], "bf16", fmt, False, backward)
     assert same_bits(got_b + 0.0, qb[:, :32] + 0.0)
-    got = kernels.quant_gemm(a, b, fmt, fmt, backward, backward)
+    got = gemm.quant_gemm(a, b, fmt, fmt, backward, backward)
     assert got.dtype == dtype and got.shape == (64, 96)
     tol, ref = _tolerance(qa, qb, dtype)
     err = (got.double() - ref).abs()
     assert bool((err <= tol).all()), float((err - tol).max())
 
 
-def test_fused_gemm_batches_odd_shapes_and_specials(kernels):
+def test_fused_gemm_batches_odd_shapes_and_specials(kernels, gemm):
     gen = torch.Generator().manual_seed(12)
     a = torch.randn(2, 33, 45, generator=gen).to(DEVICE)
     b = torch.randn(2, 45, 17, generator=gen).to(DEVICE)
     a[0, 3, 5] = float("inf")
     b[1, 7, 2] = float("nan")
-    got = kernels.quant_gemm(a, b, "mxfp4", "hifp8")
+    got = gemm.quant_gemm(a, b, "mxfp4", "hifp8")
     qa, qb = qz._fake_quant(a, "mxfp4", -1, False), qz._fake_quant(b, "hifp8", -2, False)
     want = torch.bmm(qa, qb)
     assert torch.equal(torch.isnan(got), torch.isnan(want))
@@ -524,19 +533,19 @@ def test_fused_gemm_batches_odd_shapes_and_specials(kernels):
     tol, _ = _tolerance(torch.nan_to_num(qa, 0.0, 0.0, 0.0), torch.nan_to_num(qb, 0.0), a.dtype)
     assert bool(((got - want).abs()[fin] <= tol[fin]).all())
     # a 2-D operand is shared by the batches; K = 0 and empty outputs
-    shared = kernels.quant_gemm(a, b[0], "mxfp8", "mxfp8")
+    shared = gemm.quant_gemm(a, b[0], "mxfp8", "mxfp8")
     assert shared.shape == (2, 33, 17)
-    assert torch.equal(kernels.quant_gemm(a[:, :, :0], b[:, :0], "mxfp8", "mxfp8"),
+    assert torch.equal(gemm.quant_gemm(a[:, :, :0], b[:, :0], "mxfp8", "mxfp8"),
                        torch.zeros(2, 33, 17, device=DEVICE))  # fmt: skip
-    assert kernels.quant_gemm(a[:, :0], b, "mxfp8", "mxfp8").shape == (2, 0, 17)
+    assert gemm.quant_gemm(a[:, :0], b, "mxfp8", "mxfp8").shape == (2, 0, 17)
     with pytest.raises(ValueError, match="bf16, fp16 or fp32"):
-        kernels.quant_gemm(a, b.double(), "mxfp8", "mxfp8")
+        gemm.quant_gemm(a, b.double(), "mxfp8", "mxfp8")
     with pytest.raises(ValueError, match="cannot multiply"):
-        kernels.quant_gemm(a, a, "mxfp8", "mxfp8")
+        gemm.quant_gemm(a, a, "mxfp8", "mxfp8")
     with pytest.raises(ValueError, match="batch sizes"):
-        kernels.quant_gemm(a, torch.cat([b, b, b]), "mxfp8", "mxfp8")
-    with pytest.raises(ValueError, match="not 'nvfp4-rht'"):
-        kernels.quant_gemm(a, b, "nvfp4-rht", "mxfp8")
+        gemm.quant_gemm(a, torch.cat([b, b, b]), "mxfp8", "mxfp8")
+    with pytest.raises(ValueError, match="does not compute 'nvfp4-rht'"):
+        gemm.quant_gemm(a, b, "nvfp4-rht", "mxfp8")
 
 
 # every value the products quantize: (operand a's format, operand b's, a backward, b backward,
@@ -550,14 +559,19 @@ EVERY_VALUE_CASES = [
     ("fp8-tensor", "fp8-tensor", True, False, torch.float32),
     ("fp8-block", "fp8-block-2d", False, False, torch.bfloat16),
     ("fp8-block", "fp8-block", False, False, torch.float16),
+    ("fp8-tensor-e4m3", "fp8-tensor-e4m3", True, False, torch.bfloat16),
+    ("fp8-block-hybrid", "fp8-block-2d", True, False, torch.bfloat16),
+    ("fp8-block-hybrid", "fp8-block-hybrid", True, False, torch.float32),
     ("nvfp4", "nvfp4", False, False, torch.bfloat16),
     ("nvfp4", "nvfp4-2d", True, False, torch.bfloat16),
     ("nvfp4", "nvfp4", True, False, torch.float32),
+    ("mxfp6-e2m3", "mxfp6-e2m3", False, False, torch.bfloat16),
+    ("mxfp6-e3m2-rceil", "mxfp6-e3m2-rceil", True, True, torch.float32),
 ]
 
 
 @pytest.mark.parametrize(("fa", "fb", "ba", "bb", "dtype"), EVERY_VALUE_CASES)
-def test_fused_gemm_quantizes_every_value_bit_for_bit(kernels, fa, fb, ba, bb, dtype):
+def test_fused_gemm_quantizes_every_value_bit_for_bit(kernels, gemm, fa, fb, ba, bb, dtype):
     """The fused GEMM for the RCEIL, FP8 and NVFP4 values: each operand (whole, since the
     per-tensor amax of fp8-tensor and NVFP4 is the whole operand's) times the identity is
     bit for bit the separate path's kernel output (stochastic rounding with the same random
@@ -570,11 +584,11 @@ def test_fused_gemm_quantizes_every_value_bit_for_bit(kernels, fa, fb, ba, bb, d
     rand = torch.randint(0, 256, a.shape, generator=gen, dtype=torch.uint8) if sr else None
     qa = qz._fake_quant(a, fa, -1, ba, rand)
     qb = qz._fake_quant(b, fb, -2, bb)
-    got_a = kernels.quant_gemm(a, torch.eye(k, dtype=dtype), fa, "bf16", ba, False, rand)
+    got_a = gemm.quant_gemm(a, torch.eye(k, dtype=dtype), fa, "bf16", ba, False, rand)
     assert same_bits(got_a + 0.0, qa + 0.0)
-    got_b = kernels.quant_gemm(torch.eye(k, dtype=dtype), b, "bf16", fb, False, bb)
+    got_b = gemm.quant_gemm(torch.eye(k, dtype=dtype), b, "bf16", fb, False, bb)
     assert same_bits(got_b + 0.0, qb + 0.0)
-    got = kernels.quant_gemm(a, b, fa, fb, ba, bb, rand)
+    got = gemm.quant_gemm(a, b, fa, fb, ba, bb, rand)
     tol, ref = _tolerance(qa, qb, dtype)
     assert bool(((got.double() - ref).abs() <= tol).all())
 
@@ -584,10 +598,10 @@ def test_fused_gemm_quantizes_every_value_bit_for_bit(kernels, fa, fb, ba, bb, d
     # fused GEMM's operands bit for bit: test_fused_gemm_quantizes_every_value_bit_for_bit)
     [
         pytest.param(f, marks=pytest.mark.slow)
-        for f in ("mxfp8-rceil-hybrid", "fp8-tensor", "fp8-block", "nvfp4-2d")
+        for f in ("mxfp8-rceil-hybrid", "fp8-tensor", "fp8-block", "fp8-block-hybrid", "nvfp4-2d")
     ],
 )
-def test_quant_matmul_fuses_every_value_like_the_separate_path(kernels, monkeypatch, fmt):
+def test_quant_matmul_fuses_every_value_like_the_separate_path(kernels, gemm, monkeypatch, fmt):
     """The linear layer's three GEMMs through ``quant_matmul`` with ``QUANTPATCH_GEMM=fused``:
     the same operands as ``separate`` (the weight's tiles, the gradient's E5M2 or stochastic
     rounding from the same draws), so the products agree within the accumulation bound, and
@@ -599,19 +613,19 @@ def test_quant_matmul_fuses_every_value_like_the_separate_path(kernels, monkeypa
     w = torch.randn(128, 256).to(torch.bfloat16)
     g = torch.randn(40, 128).to(torch.bfloat16)
     calls = []
-    real = kernels.quant_gemm
-    monkeypatch.setattr(kernels, "quant_gemm", lambda *a: calls.append(a[2:4]) or real(*a))
+    real = gemm.quant_gemm
+    monkeypatch.setattr(gemm, "quant_gemm", lambda *a: calls.append(a[2:4]) or real(*a))
     results = {}
     for mode in ("separate", "fused"):
         monkeypatch.setenv("QUANTPATCH_GEMM", mode)
         ops.reset_sr_generators()
         with torch.no_grad():
             results[mode] = (
-                ops.quant_matmul(x, w.t(), fmt, weight="b"),
-                ops.quant_matmul(g, w, fmt, backward=True, weight="b"),
+                ops.quant_matmul(x, w.t(), fmt, roles=("input", "weight")),
+                ops.quant_matmul(g, w, fmt, roles=("grad_output", "weight")),
                 ops.quant_matmul(g.t(), x, fmt, backward=True),
             )
-    weight_fmt = {"fp8-block": "fp8-block-2d"}.get(fmt, fmt)
+    weight_fmt = {"fp8-block": "fp8-block-2d", "fp8-block-hybrid": "fp8-block-2d"}.get(fmt, fmt)
     act_fmt = "nvfp4" if fmt == "nvfp4-2d" else fmt
     assert calls == [(act_fmt, weight_fmt), (act_fmt, weight_fmt), (act_fmt, act_fmt)]
     ops.reset_sr_generators()
@@ -627,26 +641,26 @@ def test_quant_matmul_fuses_every_value_like_the_separate_path(kernels, monkeypa
         assert bool(((sep.double() - ref).abs() <= tol).all())
 
 
-def test_every_gemm_configuration_is_correct(kernels):
+def test_every_gemm_configuration_is_correct(kernels, gemm):
     a, b = _operands(40, 70, 36, torch.bfloat16, seed=3)
     qa, qb = qz._fake_quant(a, "mxfp8", -1, False), qz._fake_quant(b, "mxfp8", -2, False)
     tol, ref = _tolerance(qa, qb, torch.bfloat16)
-    for cfg in kernels._qgemm_kernel.configs[1:]:  # the first ran in the test above
+    for cfg in gemm._qgemm_kernel.configs[1:]:  # the first ran in the test above
         c = torch.empty(1, 40, 36, dtype=torch.bfloat16, device=DEVICE)
         kw = cfg.kwargs
         grid = (-(-40 // kw["BLOCK_M"]) * -(-36 // kw["BLOCK_N"]), 1)
-        mx = kernels.gemm_operand("mxfp8", False)
-        kernels._qgemm_kernel.fn[grid](
-            a, b, c, 40, 36, 70, 0, *a.stride(), 0, *b.stride(), *c.stride(), a, b, a, b,
+        mx = gemm.gemm_operand("mxfp8", False)
+        gemm._qgemm_kernel.fn[grid](
+            a, b, c, 40, 36, 70, 0, *a.stride(), 0, *b.stride(), *c.stride(), a, b, a, b, a,
             A_KIND=mx[0], A_MBITS=mx[1], A_EMIN=mx[2], A_VMAX=mx[3], A_EMAX=mx[4], A_SR=False,
             B_KIND=mx[0], B_MBITS=mx[1], B_EMIN=mx[2], B_VMAX=mx[3], B_EMAX=mx[4], B_SR=False,
             BF16=True, BIG=float(torch.finfo(torch.bfloat16).max), IEEE=False, UPCAST=not CUDA,
-            **kw,
+            FACTORED=False, **kw,
         )  # fmt: skip
         assert bool(((c[0].double() - ref).abs() <= tol).all()), cfg
 
 
-def test_quant_matmul_dispatch(kernels, monkeypatch):
+def test_quant_matmul_dispatch(kernels, gemm, monkeypatch):
     """auto on CPU: the separate path, bit for bit as before; fused (interpreted) through
     quant_matmul / quant_bmm / quant_baddbmm with a cached weight entering pre-quantized;
     operands that need gradients and NVFP4 stay separate; the refusals."""
@@ -656,13 +670,13 @@ def test_quant_matmul_dispatch(kernels, monkeypatch):
     if CUDA:  # auto would measure there: the first part is the separate path's
         monkeypatch.setenv("QUANTPATCH_GEMM", "separate")
     calls = []
-    real = kernels.quant_gemm
+    real = gemm.quant_gemm
 
     def spy(*args):
         calls.append(args[2:6])
         return real(*args)
 
-    monkeypatch.setattr(kernels, "quant_gemm", spy)
+    monkeypatch.setattr(gemm, "quant_gemm", spy)
     with torch.no_grad():
         separate = ops.quant_matmul(a, w.t(), "mxfp8")
         monkeypatch.setenv("QUANTPATCH_KERNELS", "reference")
@@ -685,16 +699,16 @@ def test_quant_matmul_dispatch(kernels, monkeypatch):
         assert ops.quant_baddbmm(buffer, a3, b3, beta=0.0, fmt="hifp8").shape == (2, 12, 8)
         ops.quant_matmul(a, w.t(), "nvfp4")  # fused too: the amax taken before the launch
         assert calls[-1] == ("nvfp4", "bf16", False, False) and len(calls) == 5
-        ops.quant_matmul(a, w.t(), "nvfp4-rht")  # separate: the Hadamard transform first
-        assert len(calls) == 5
+        ops.quant_matmul(a, w.t(), "nvfp4-rht")  # the Hadamard transform first, then fused
+        assert calls[-1] == ("nvfp4", "nvfp4", False, False) and len(calls) == 6
         assert wc._fused_product(a3, b3.float(), "mxfp8", False, False) is None  # dtypes
         assert wc._fused_product(a3, b3[:1], "mxfp8", False, False) is None  # batches
         assert wc._fused_product(a3, b3[:, :8], "mxfp8", False, False) is None  # K differs
         ops.quant_matmul(a3, b3[0], "mxfp8")  # an activation b: quantized in the loop
-        assert calls[-1] == ("mxfp8", "mxfp8", False, False) and len(calls) == 6
+        assert calls[-1] == ("mxfp8", "mxfp8", False, False) and len(calls) == 7
     x = a.detach().requires_grad_()
     y = ops.quant_matmul(x, w.t(), "mxfp8")  # needs the quantized operands for backward
-    assert len(calls) == 6 and y.grad_fn is not None
+    assert len(calls) == 7 and y.grad_fn is not None
     monkeypatch.setenv("QUANTPATCH_GEMM", "auto")  # auto never fuses stochastic rounding
     monkeypatch.setattr(wc, "_auto_fuses", lambda t: True)
     assert wc._fused_product(a, w.detach().t(), "nvfp4", True, False) is None

@@ -236,65 +236,89 @@ def plot_runs(result: Any, out: Path) -> list[Path]:
     for r in result.runs:
         if r.iterations:
             groups.setdefault((r.model, r.dataset, r.profile), []).append(r)
-    for (model, dataset, profile), rs in sorted(groups.items(), key=lambda kv: str(kv[0])):
-        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 3.8))
-        ref = next((r for r in rs if r.scheme == "bf16"), None)
-        base = dict(zip(ref.iterations, ref.column("loss"), strict=True)) if ref else {}
-        for r in sorted(rs, key=lambda r: str(r.scheme)):
-            ax1.plot(r.iterations, r.column("loss"), label=run_label(r, status), lw=1)
-            if ref and r is not ref:
-                pts = [
-                    (i, (v - base[i]) / base[i])
-                    for i, v in zip(r.iterations, r.column("loss"), strict=True)
-                    if i in base and base[i] and math.isfinite(v)
-                ]
-                if pts:
-                    ax2.plot(*zip(*pts, strict=True), label=str(r.scheme), lw=1)
-        ax1.set_title(f"{model} / {dataset} ({profile}): lm loss")
-        ax1.set_xlabel("iteration")
-        ax1.legend(fontsize=7)
-        ax2.axhline(0, color="0.5", lw=0.8)
-        ax2.set_title("(loss - bf16) / bf16")
-        ax2.set_xlabel("iteration")
-        if ax2.lines[1:]:
-            ax2.legend(fontsize=7)
-        fig.tight_layout()
-        path = out / f"loss_{_safe(f'{model}_{dataset}_{profile}')}.png"
-        fig.savefig(path, dpi=80)
-        plt.close(fig)
-        written.append(path)
+    for key, rs in sorted(groups.items(), key=lambda kv: str(kv[0])):
+        written.append(_plot_losses(plt, key, rs, status, out))
         validated = [r for r in sorted(rs, key=lambda r: str(r.scheme)) if r.validation]
         if validated:  # Megatron's validation (lm loss value) at each --eval-interval
-            fig, ax = plt.subplots(figsize=(9, 3.6))
-            for r in validated:
-                its, losses = [v[0] for v in r.validation], [v[1] for v in r.validation]
-                ax.plot(its, losses, marker="o", ms=3, label=run_label(r, status), lw=1)
-            ax.set_title(f"{model} / {dataset} ({profile}): validation lm loss")
-            ax.set_xlabel("iteration")
-            ax.legend(fontsize=7)
-            fig.tight_layout()
-            path = out / f"val_loss_{_safe(f'{model}_{dataset}_{profile}')}.png"
-            fig.savefig(path, dpi=80)
-            plt.close(fig)
-            written.append(path)
+            written.append(_plot_validation(plt, key, validated, status, out))
     ratios = [
         (f"{r['model']}/{r['dataset']}/{r['scheme']}", r["step_vs_bf16"])
         for r in result.rows
         if r["step_vs_bf16"] == r["step_vs_bf16"]
     ]
-    if ratios:  # horizontal bars: every label whole and level, however many runs
-        fig, ax = plt.subplots(figsize=(9, max(2.5, 0.6 + 0.28 * len(ratios))))
-        ax.barh(range(len(ratios)), [v for _, v in ratios], color="tab:blue")
-        ax.axvline(1.0, color="0.3", lw=0.8)
-        ax.set_yticks(range(len(ratios)), [k for k, _ in ratios], fontsize=8)
-        ax.invert_yaxis()  # the first run on top, as in the table
-        ax.set_title("step time / bf16")
-        fig.tight_layout()
-        path = out / "step_time.png"
-        fig.savefig(path, dpi=80)
-        plt.close(fig)
-        written.append(path)
+    if ratios:
+        written.append(_plot_step_times(plt, ratios, out))
     return written
+
+
+def _relative_to(base: dict[int, float], run: Any) -> list[tuple[int, float]]:
+    """The run's (iteration, (loss - bf16) / bf16) where both are there and finite."""
+    return [
+        (i, (v - base[i]) / base[i])
+        for i, v in zip(run.iterations, run.column("loss"), strict=True)
+        if i in base and base[i] and math.isfinite(v)
+    ]
+
+
+def _plot_losses(
+    plt: Any, key: tuple[Any, ...], rs: list[Any], status: dict[str, str], out: Path
+) -> Path:
+    """One group's loss curves, and each run's relative difference to its bf16 run."""
+    model, dataset, profile = key
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 3.8))
+    ref = next((r for r in rs if r.scheme == "bf16"), None)
+    base = dict(zip(ref.iterations, ref.column("loss"), strict=True)) if ref else {}
+    for r in sorted(rs, key=lambda r: str(r.scheme)):
+        ax1.plot(r.iterations, r.column("loss"), label=run_label(r, status), lw=1)
+        pts = _relative_to(base, r) if ref and r is not ref else []
+        if pts:
+            ax2.plot(*zip(*pts, strict=True), label=str(r.scheme), lw=1)
+    ax1.set_title(f"{model} / {dataset} ({profile}): lm loss")
+    ax1.set_xlabel("iteration")
+    ax1.legend(fontsize=7)
+    ax2.axhline(0, color="0.5", lw=0.8)
+    ax2.set_title("(loss - bf16) / bf16")
+    ax2.set_xlabel("iteration")
+    if ax2.lines[1:]:
+        ax2.legend(fontsize=7)
+    fig.tight_layout()
+    path = out / f"loss_{_safe(f'{model}_{dataset}_{profile}')}.png"
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path
+
+
+def _plot_validation(
+    plt: Any, key: tuple[Any, ...], validated: list[Any], status: dict[str, str], out: Path
+) -> Path:
+    model, dataset, profile = key
+    fig, ax = plt.subplots(figsize=(9, 3.6))
+    for r in validated:
+        its, losses = [v[0] for v in r.validation], [v[1] for v in r.validation]
+        ax.plot(its, losses, marker="o", ms=3, label=run_label(r, status), lw=1)
+    ax.set_title(f"{model} / {dataset} ({profile}): validation lm loss")
+    ax.set_xlabel("iteration")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = out / f"val_loss_{_safe(f'{model}_{dataset}_{profile}')}.png"
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path
+
+
+def _plot_step_times(plt: Any, ratios: list[tuple[str, float]], out: Path) -> Path:
+    """Horizontal bars: every label whole and level, however many runs."""
+    fig, ax = plt.subplots(figsize=(9, max(2.5, 0.6 + 0.28 * len(ratios))))
+    ax.barh(range(len(ratios)), [v for _, v in ratios], color="tab:blue")
+    ax.axvline(1.0, color="0.3", lw=0.8)
+    ax.set_yticks(range(len(ratios)), [k for k, _ in ratios], fontsize=8)
+    ax.invert_yaxis()  # the first run on top, as in the table
+    ax.set_title("step time / bf16")
+    fig.tight_layout()
+    path = out / "step_time.png"
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path
 
 
 def _safe(name: str) -> str:

@@ -390,7 +390,7 @@ def _add_slice(
             assert tensor_amax is not None
             q = ops.nvfp4(t, dim, _tiled(fmt) and tiled, None, tensor_amax).to(f64)
         elif _family(fmt) == "fp8-tensor" and tensor_amax is not None:  # the whole tensor's
-            q = ops.fp8_tensor(t, backward, tensor_amax).to(f64)
+            q = ops.fp8_tensor(t, backward, tensor_amax, fmt).to(f64)
         elif ops.is_delayed(fmt):  # the scale its history settles on: the tensor's own amax
             q = ops.settled_quantize(t, fmt, backward, tensor_amax).to(f64)
         else:

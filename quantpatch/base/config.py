@@ -61,10 +61,15 @@ def per_gemm(values: dict[str, str]) -> dict[str, str]:
             "ones not named), since the checkout's linear sites disagree or are missing."
         )
     delayed = sorted({v for v in gemms.values() if v in DELAYED_TYPES})
-    if delayed and len(set(gemms.values())) > 1:
+    if delayed and (
+        gemms["fprop"] != delayed[0]
+        or gemms["dgrad"] != delayed[0]
+        or gemms["wgrad"] not in (delayed[0], "bf16")
+    ):
         raise UserError(
             f"'{delayed[0]}' keeps one amax history for a layer's three GEMMs (the weight "
-            f"gradient uses the input gradient's scale), so give it with --linear {delayed[0]}."
+            f"gradient uses the input gradient's scale), so give it with --linear {delayed[0]} "
+            "(and --wgrad bf16 for Megatron's --no-fp8-wgrad)."
         )
     if len(set(gemms.values())) == 1:
         out["linear"] = next(iter(gemms.values()))  # type: ignore[assignment]

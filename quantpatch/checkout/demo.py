@@ -77,15 +77,16 @@ def walk(dest: Path, console: Console, print_check: Callable[[CheckReport, Conso
         result = set_values(dest, SetRequest(dict(values)))
         console.print(
             f"branch {result.branch} at {(result.commit or '')[:12]}, from base "
-            f"{result.base and result.base['branch']} @ "
-            f"{result.base and result.base['commit'][:12]}"
+            f"{result.base and result.base.branch} @ "
+            f"{result.base and str(result.base.commit)[:12]}"
         )
         console.print(result.diff.rstrip(), markup=False)
         step("quantpatch check")
         print_check(check(dest), console)
     step("quantpatch restore")
     restored = restore(dest)
-    console.print(f"restored {restored.base['branch']} @ {restored.base['commit'][:12]}")
+    base = restored.base
+    console.print(f"restored {base and base.branch} @ {base and str(base.commit)[:12]}")
     same = all((dest / rel).read_bytes() == data for rel, data in before.items())
     console.print(f"target files byte-identical to before the first set: {'yes' if same else 'NO'}")
     repo = gitrepo.open_repo(dest)

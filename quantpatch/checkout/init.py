@@ -2,15 +2,12 @@
 
 ``init`` inserts fork-layout sites (value ``bf16``, so the checkout computes exactly as before)
 into the two target files, with the flash-attention route of the FA schemes at the top of
-``DotProductAttention.forward``, and installs ``megatron/core/quantpatch_ops.py``,
-the modules it imports (``quantpatch_mx.py``, ``quantpatch_nvfp4.py``, ``quantpatch_paretoq.py``,
-``quantpatch_quantize.py``, ``quantpatch_weights.py``, ``quantpatch_rht.py`` (the Hadamard
-transform of ``nvfp4-rht``), ``quantpatch_layers.py`` (the BF16 layer policy's hooks, whose
-policy literal ``init`` puts in the linear file): one concern each),
-``megatron/core/quantpatch_kernels.py``, ``quantpatch_rht_kernels.py`` and
-``megatron/core/quantpatch_flash.py`` (verbatim copies of ``quantpatch/runtime/``: the ops,
-their fused Triton kernels for CUDA tensors, and the flash-attention kernels): a recorded
-install, so ``init --remove`` restores the original bytes exactly.
+``DotProductAttention.forward``, and installs the runtime as the package
+``megatron/core/quantpatch/`` (``parts.RUNTIME_MODULES``: verbatim copies of
+``quantpatch/runtime/``): ``quantpatch_ops.py``, which the sites call, the modules it imports
+(one concern each), the Triton kernels for CUDA tensors, the flash-attention kernels, and an
+``__init__.py`` that says what each module is. A recorded install, so ``init --remove``
+restores the original bytes exactly.
 """
 
 from __future__ import annotations
@@ -187,7 +184,7 @@ def init(path: Path | None, *, remove: bool = False) -> InstallResult:
         RECORD,
         _plan,
         _files,
-        "quantpatch init: fork-layout custom_quant_type sites (bf16), "
-        "megatron/core/quantpatch_ops.py and its Triton kernels",
+        "quantpatch init: fork-layout custom_quant_type sites (bf16) and the runtime they "
+        "call, megatron/core/quantpatch/",
         extra=record_extra(RECORD),
     )

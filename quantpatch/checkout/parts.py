@@ -27,12 +27,24 @@ from quantpatch.git.installs import record_of
 INIT = "init"
 SAVER = "saver"
 
-OPS_MODULE = "megatron/core/quantpatch_ops.py"
-KERNELS_MODULE = "megatron/core/quantpatch_kernels.py"
-FLASH_MODULE = "megatron/core/quantpatch_flash.py"
-RHT_KERNELS_MODULE = "megatron/core/quantpatch_rht_kernels.py"
-FP8_KERNELS_MODULE = "megatron/core/quantpatch_fp8_kernels.py"
+PACKAGE = "megatron/core/quantpatch"
+"""The runtime's package in the checkout (``megatron.core.quantpatch``): the modules of
+``quantpatch/runtime/`` under their own names, so that their relative imports hold."""
+PACKAGE_INIT = f"{PACKAGE}/__init__.py"
+"""Its ``__init__.py``: what each module is and which entry points the site code calls."""
+OPS_MODULE = f"{PACKAGE}/quantpatch_ops.py"
+KERNELS_MODULE = f"{PACKAGE}/quantpatch_kernels.py"
+FLASH_MODULE = f"{PACKAGE}/quantpatch_flash.py"
+RHT_KERNELS_MODULE = f"{PACKAGE}/quantpatch_rht_kernels.py"
+FP8_KERNELS_MODULE = f"{PACKAGE}/quantpatch_fp8_kernels.py"
+GEMM_KERNELS_MODULE = f"{PACKAGE}/quantpatch_gemm_kernels.py"
+FORMATS_MODULE = f"{PACKAGE}/quantpatch_formats.py"
+LAYERS_MODULE = f"{PACKAGE}/quantpatch_layers.py"
 SAVER_MODULE = "megatron/core/tensor_saver.py"
+"""The import path of a checkout's own saver callers (a fork's): the same module object as
+``SAVER_IMPL`` (``runtime/saver_path.py``), so they keep working where it replaced theirs."""
+SAVER_IMPL = f"{PACKAGE}/tensor_saver.py"
+"""The tensor saver's API, which the inserted calls import."""
 SAVER_PARTS = (
     "__init__",
     "settings",
@@ -49,10 +61,10 @@ SAVER_PARTS = (
 """The saver's parts, one concern each (``runtime/quantpatch_saver/__init__.py``)."""
 SAVER_MODULES = (
     SAVER_MODULE,
-    *(f"megatron/core/quantpatch_saver/{part}.py" for part in SAVER_PARTS),
+    SAVER_IMPL,
+    *(f"{PACKAGE}/quantpatch_saver/{part}.py" for part in SAVER_PARTS),
 )
-"""Every file ``saver install`` copies: the API its callers import, and its parts."""
-FORMATS_MODULE = "megatron/core/quantpatch_formats.py"
+"""Every file ``saver install`` copies: the import path its callers use, the API, its parts."""
 # the parts quantpatch_ops.py imports, one concern each (see its docstring)
 OPS_PARTS = (
     "quantpatch_formats",  # the format spec every other part derives its tables from
@@ -67,25 +79,60 @@ OPS_PARTS = (
     "quantpatch_rht",  # nvfp4-rht's Hadamard transform (imported when the value is used)
     "quantpatch_layers",  # the BF16 layer policy's hooks (imported by the linear file)
 )
-OPS_MODULES = (OPS_MODULE, *(f"megatron/core/{part}.py" for part in OPS_PARTS))
-"""Every installed file ``from megatron.core import quantpatch_ops`` imports (not the kernels)."""
+OPS_MODULES = (OPS_MODULE, PACKAGE_INIT, *(f"{PACKAGE}/{part}.py" for part in OPS_PARTS))
+"""Every installed file ``from megatron.core.quantpatch import quantpatch_ops`` imports (the
+package's ``__init__.py`` included; not the kernels)."""
 # installed path -> the runtime module it copies
 RUNTIME_MODULES = {
-    **{installed: f"runtime/{Path(installed).name}" for installed in OPS_MODULES},
+    **{
+        installed: f"runtime/{Path(installed).name}"
+        for installed in OPS_MODULES
+        if installed != PACKAGE_INIT
+    },
+    PACKAGE_INIT: "runtime/package_init.py",
     KERNELS_MODULE: "runtime/quantpatch_kernels.py",
     RHT_KERNELS_MODULE: "runtime/quantpatch_rht_kernels.py",
     FP8_KERNELS_MODULE: "runtime/quantpatch_fp8_kernels.py",
+    GEMM_KERNELS_MODULE: "runtime/quantpatch_gemm_kernels.py",
     FLASH_MODULE: "runtime/quantpatch_flash.py",
 }
+SAVER_SOURCES = {
+    SAVER_MODULE: "runtime/saver_path.py",
+    **{rel: "runtime/" + rel.removeprefix(f"{PACKAGE}/") for rel in SAVER_MODULES[1:]},
+}
+"""``saver install``'s files: installed path -> the runtime module it copies."""
 
-FORMS = {"sites": 2, "mla-params": 1, "paretoq-steps": 1, "saver-calls": 1}
-# (sites 2: the flash route's bf16 branch, QUANTPATCH_FLASH_BF16)
+FLAT = "megatron/core"
+"""Where the releases before the package installed the runtime: flat files beside
+``tensor_saver.py`` (``quantpatch_ops.py``, ..., ``quantpatch_saver/``). ``upgrade`` moves a
+checkout into the package; until then ``set`` reads the values of the modules it has."""
+
+
+def flat(rel: str) -> str:
+    """Where the releases before the package installed the runtime file ``rel``."""
+    return f"{FLAT}/{rel.removeprefix(f'{PACKAGE}/')}"
+
+
+def is_runtime(rel: str) -> bool:
+    """Whether an install's file ``rel`` is a runtime file, this version's or one an earlier
+    release installed (the flat ``megatron/core/quantpatch_*.py``, ``quantpatch_saver/``), not
+    a file a codemod rewrote."""
+    return rel in RUNTIME_MODULES or rel in SAVER_SOURCES or rel.startswith(f"{FLAT}/quantpatch_")
+
+
+FORMS = {"sites": 3, "mla-params": 1, "paretoq-steps": 2, "saver-calls": 2}
+# (sites 2: the flash route's bf16 branch, QUANTPATCH_FLASH_BF16; sites 3, paretoq-steps 2 and
+# saver-calls 2: the runtime imported from its package, megatron.core.quantpatch, and the
+# products' operands named by role)
 """Each codemod's form: bump it when what the codemod writes changes, so that ``check`` calls
 the checkouts it rewrote older and ``upgrade`` re-applies it."""
 
 MODULE_PARTS = {
     "ops": (INIT, OPS_MODULES),
-    "kernels": (INIT, (KERNELS_MODULE, RHT_KERNELS_MODULE, FP8_KERNELS_MODULE)),
+    "kernels": (
+        INIT,
+        (KERNELS_MODULE, RHT_KERNELS_MODULE, FP8_KERNELS_MODULE, GEMM_KERNELS_MODULE),
+    ),
     "flash": (INIT, (FLASH_MODULE,)),
     "saver": (SAVER, SAVER_MODULES),
 }
@@ -102,10 +149,7 @@ CODEMOD_PARTS = {
 @cache
 def runtime_source(installed: str) -> str:
     """The text this version installs at ``installed`` (a runtime module or the saver)."""
-    if installed in SAVER_MODULES:
-        name = "runtime/" + installed.removeprefix("megatron/core/")
-    else:
-        name = RUNTIME_MODULES[installed]
+    name = SAVER_SOURCES.get(installed) or RUNTIME_MODULES[installed]
     return resources.files("quantpatch").joinpath(name).read_text("utf-8")
 
 
@@ -194,19 +238,19 @@ def parts_status(
         if record is None:
             continue
         rels = [r for r in files if r in record["files"]]
+        # where the releases before the package installed the part (``upgrade`` moves them)
+        flats = [r for r in dict.fromkeys(map(flat, files)) if r not in files]
+        before = [r for r in flats if r in record["files"]]
         # a part an earlier version did not install has no files in its record: older
         version = record.get("version")
-        hand = edited(rels)
-        if hand and upgrading:
-            status, detail = "older", UPGRADING
-        elif hand:
-            status, detail = "edited", f"{', '.join(hand)} changed by hand since it was installed"
-        elif len(rels) == len(files) and all(
-            record["files"][r]["written"] == sha256_text(runtime_source(r)) for r in rels
-        ):
-            status, detail = "current", ""
-        else:
-            status, detail = "older", "'quantpatch upgrade' installs this version's"
+        current = (
+            not before
+            and len(rels) == len(files)
+            and all(record["files"][r]["written"] == sha256_text(runtime_source(r)) for r in rels)
+        )
+        hand = edited(rels + before)
+        older = "'quantpatch upgrade' installs this version's"
+        status, detail = _judged(hand, upgrading, current, older)
         out.append(PartStatus(part, owner, status, list(files), version, detail))
     for part, (owner, which) in CODEMOD_PARTS.items():
         record = records.get(owner)
@@ -218,21 +262,26 @@ def parts_status(
         version = record.get("version")
         hand = [] if set_active or not main else edited(rels)
         form = (record.get("forms") or {}).get(part)
-        if hand and upgrading:
-            status, detail = "older", UPGRADING
-        elif hand:
-            status, detail = "edited", f"{', '.join(hand)} changed by hand since it was installed"
-        elif form == FORMS[part]:
-            status, detail = "current", ""
-        else:
-            status, detail = "older", "'quantpatch upgrade' re-applies it"
+        status, detail = _judged(
+            hand, upgrading, form == FORMS[part], "'quantpatch upgrade' re-applies it"
+        )
         out.append(PartStatus(part, owner, status, rels, version, detail))
     return out
 
 
+def _judged(hand: list[str], upgrading: bool, current: bool, older: str) -> tuple[str, str]:
+    """A part's status and its detail: edited (``hand``: the files changed by hand), older
+    (an unfinished upgrade's, or ``older``'s advice) or current."""
+    if hand and upgrading:
+        return "older", UPGRADING
+    if hand:
+        return "edited", f"{', '.join(hand)} changed by hand since it was installed"
+    return ("current", "") if current else ("older", older)
+
+
 def _codemod_files(record: dict[str, Any], which: str, targets: Targets) -> list[str]:
     """The recorded files a codemod part rewrites."""
-    rels = [r for r in record["files"] if r not in RUNTIME_MODULES and r not in SAVER_MODULES]
+    rels = [r for r in record["files"] if not is_runtime(r)]
     if which in ("linear", "attention"):
         return [r for r in rels if r in targets.all_files and targets.kind_of(r) == which]
     if which == "targets":

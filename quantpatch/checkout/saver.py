@@ -1,8 +1,10 @@
 """``quantpatch saver install | remove | status``: the tensor saver as a recorded install.
 
-``install`` copies ``quantpatch/runtime/tensor_saver.py`` verbatim to
-``megatron/core/tensor_saver.py`` and its parts (``runtime/quantpatch_saver/``) to
-``megatron/core/quantpatch_saver/``, and instruments the linear file, the attention file and
+``install`` copies ``quantpatch/runtime/tensor_saver.py`` verbatim into the runtime's package,
+``megatron/core/quantpatch/tensor_saver.py``, with its parts (``runtime/quantpatch_saver/``)
+in ``megatron/core/quantpatch/quantpatch_saver/``, puts at ``megatron/core/tensor_saver.py``
+(where a fork's own callers import a saver) the module that is that one
+(``runtime/saver_path.py``), and instruments the linear file, the attention file and
 ``transformer_layer.py`` beside the attention file; ``remove`` restores every byte.
 Both are idempotent, refused while a ``set`` is active, and committed like ``set``.
 A checkout's own saver is replaced only with ``--force``, and only when the installed module
@@ -18,7 +20,13 @@ from typing import Any
 from quantpatch.base.config import Targets, load_targets
 from quantpatch.base.edits import Edit, read_exact
 from quantpatch.base.errors import UserError
-from quantpatch.checkout.parts import SAVER_MODULE, SAVER_MODULES, record_extra, runtime_source
+from quantpatch.checkout.parts import (
+    SAVER_IMPL,
+    SAVER_MODULE,
+    SAVER_MODULES,
+    record_extra,
+    runtime_source,
+)
 from quantpatch.git import repo as gitrepo
 from quantpatch.git.installs import InstallResult, record_of, run_install, run_remove
 from quantpatch.sites.model import read_target
@@ -27,7 +35,9 @@ RECORD = "saver"
 
 
 def saver_source() -> str:
-    return runtime_source(SAVER_MODULE)
+    """The saver's API (``megatron/core/quantpatch/tensor_saver.py``), which serves the
+    inserted calls and, under ``megatron.core.tensor_saver``, a checkout's own callers."""
+    return runtime_source(SAVER_IMPL)
 
 
 def _layer_file(targets: Targets) -> str:
@@ -53,12 +63,12 @@ def install(path: Path | None, *, force: bool = False) -> InstallResult:
             text = read_target(co.root, rel)
             edits.append(Edit(rel, text, instrument(text, rel, kind)))
         current = read_exact(co.root / SAVER_MODULE)
-        if current is not None and current != saver_source() and not force:
+        if current is not None and current != runtime_source(SAVER_MODULE) and not force:
             raise UserError(
                 f"{SAVER_MODULE}: a different tensor saver is already there; "
                 "--force replaces it (remove puts it back)."
             )
-        edits.append(Edit(SAVER_MODULE, current, saver_source()))
+        edits.append(Edit(SAVER_MODULE, current, runtime_source(SAVER_MODULE)))
         for rel in SAVER_MODULES[1:]:
             part = read_exact(co.root / rel)
             if part is not None and part != runtime_source(rel) and not force:
@@ -136,9 +146,7 @@ def status(checkout: gitrepo.Checkout) -> SaverStatus:
     current = read_exact(checkout.root / SAVER_MODULE)
     files = (record or {}).get("files", {})
     installed = record is not None and current is not None
-    matches = current == saver_source() and all(
-        read_exact(checkout.root / rel) == runtime_source(rel) for rel in SAVER_MODULES[1:]
-    )
+    matches = all(read_exact(checkout.root / rel) == runtime_source(rel) for rel in SAVER_MODULES)
     return SaverStatus(
         installed,
         SAVER_MODULE,

@@ -14,7 +14,7 @@ import contextlib
 import shutil
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -40,10 +40,20 @@ from quantpatch.base.edits import (
     write_exact,
 )
 from quantpatch.base.errors import UserError
-from quantpatch.checkout.parts import parts_status, runtime_source
+from quantpatch.checkout.parts import LAYERS_MODULE, PartStatus, parts_status, runtime_source
+from quantpatch.checkout.saver import SaverStatus
 from quantpatch.checkout.saver import status as saver_status
 from quantpatch.git import repo as gitrepo
 from quantpatch.git.installs import upgrade_interrupted
+from quantpatch.git.state import (
+    Base,
+    CheckoutState,
+    Current,
+    HistoryEntry,
+    KeptFile,
+    Mode,
+    Pending,
+)
 from quantpatch.sites import cache as site_cache
 from quantpatch.sites.model import Site, refuse_links, role_values
 
@@ -61,11 +71,11 @@ class CheckReport:
     roles: dict[str, str | None]
     mismatched: dict[str, list[Site]]
     git: gitrepo.GitInfo | None
-    base: dict[str, Any] | None
-    saver: dict[str, Any]
+    base: BaseStatus | None
+    saver: SaverStatus
     warnings: list[str] = field(default_factory=list)
     """What is wrong around the sites (an unreadable record, an interrupted write)."""
-    parts: list[dict[str, Any]] = field(default_factory=list)
+    parts: list[PartStatus] = field(default_factory=list)
     """Every installed part: current, older or edited (``quantpatch.checkout.parts``)."""
 
     def problems(self, expect: Mapping[str, str] | None = None) -> list[str]:
@@ -77,10 +87,10 @@ class CheckReport:
         for role, want in (expect or {}).items():
             if role == "parts":
                 out += [
-                    f"the installed part {p['part']} is {p['status']}, expected current"
-                    + (f" ({p['detail']})." if p["detail"] else ".")
+                    f"the installed part {p.part} is {p.status}, expected current"
+                    + (f" ({p.detail})." if p.detail else ".")
                     for p in self.parts
-                    if p["status"] != "current"
+                    if p.status != "current"
                 ]
             elif self.roles.get(role) != want:
                 out.append(f"{role} is {self.roles.get(role)}, expected {want}.")
@@ -127,9 +137,9 @@ class CheckReport:
             "bf16_layers": self.roles.get("bf16_layers"),
             "mismatched": sorted(self.mismatched),
             "git": self.git.as_json() if self.git else None,
-            "base": self.base,
-            "saver": self.saver,
-            "parts": self.parts,
+            "base": self.base.as_json() if self.base else None,
+            "saver": self.saver.as_json(),
+            "parts": [p.as_json() for p in self.parts],
             "warnings": self.warnings,
         }
 
@@ -256,27 +266,18 @@ def _check(
             "a quantpatch write was interrupted; the next set or restore finishes it."
         )
     try:
-        parts = [
-            p.as_json()
-            for p in parts_status(checkout, targets, set_active=bool(state), upgrading=upgrading)
-        ]
+        parts = parts_status(checkout, targets, set_active=bool(state), upgrading=upgrading)
     except UserError as exc:  # an unreadable install record
         parts = []
         problems_found.append(str(exc))
     base = None
     if state:
-        base = {
-            "mode": state["mode"],
-            **state.get("base", {}),
-            "current": (state.get("current") or {}).get("branch"),
-            "moved_to": None,
-            "interrupted": state.get("pending"),
-        }
-        if checkout.has_git and state["mode"] == "branch":
-            branch = state["base"].get("branch")
-            tip = (branch and gitrepo.branch_tip_plain(checkout, branch)) or state["base"]["commit"]
-            if tip != state["base"]["commit"]:
-                base["moved_to"] = tip
+        base = BaseStatus(state)
+        if checkout.has_git and state.mode is Mode.BRANCH:
+            branch = state.base.branch
+            tip = (branch and gitrepo.branch_tip_plain(checkout, branch)) or state.base.commit
+            if tip != state.base.commit:
+                base.moved_to = tip
     return CheckReport(
         root=checkout.root,
         sites=sites,
@@ -284,10 +285,29 @@ def _check(
         mismatched=mismatched,
         git=git_info() if git_info else None,
         base=base,
-        saver=saver_status(checkout).as_json(),
+        saver=saver_status(checkout),
         warnings=problems_found,
         parts=parts,
     )
+
+
+@dataclass
+class BaseStatus:
+    """The active set as ``check`` shows it: its mode and base, its scheme branch, where the
+    base branch has moved to since (None: nowhere), and the intent of an interrupted set."""
+
+    state: CheckoutState
+    moved_to: str | None = None
+
+    def as_json(self) -> dict[str, object]:
+        state = self.state
+        return {
+            "mode": state.mode.value,
+            **state.base.as_dict(),
+            "current": state.current.branch if state.current else None,
+            "moved_to": self.moved_to,
+            "interrupted": state.pending.as_dict() if state.pending else None,
+        }
 
 
 # -- set ------------------------------------------------------------------------------------
@@ -312,11 +332,24 @@ class SetResult:
     diff: str
     branch: str | None = None
     commit: str | None = None
-    base: dict[str, Any] | None = None
+    base: Base | None = None
     reused: bool = False
     how: str = ""
     """created, reused or rebuilt (branch mode)."""
     notes: list[str] = field(default_factory=list)
+
+    def as_json(self, dry_run: bool) -> dict[str, Any]:
+        """What ``set --json`` prints."""
+        return {
+            "values": self.values,
+            "branch": self.branch,
+            "commit": self.commit,
+            "base": self.base.as_dict() if self.base else None,
+            "reused": self.reused,
+            "dry_run": dry_run,
+            "diff": self.diff,
+            "notes": self.notes,
+        }
 
 
 def _resolve_values(requested: Mapping[str, str], sites: Sequence[Site]) -> dict[str, str]:
@@ -324,24 +357,16 @@ def _resolve_values(requested: Mapping[str, str], sites: Sequence[Site]) -> dict
     linear GEMMs (``--fprop``/``--dgrad``/``--wgrad``) need a site each; the result holds
     ``linear`` where they agree and the three GEMMs where they differ (``per_gemm``)."""
     current, mismatched = role_values(sites)
-    present = {r for s in sites for r in s.roles}
     named_gemms = [g for g in GEMMS if g in requested]
     linear_sites = [s for s in sites if s.role == "linear" and s.kind != "dynamic"]
     tagged = bool(linear_sites) and {s.gemm for s in linear_sites} >= set(GEMMS)
-    out: dict[str, str] = {}
-    for role in ROLES:
-        if role in requested:
-            if role not in present:
-                raise UserError(f"--{role}: the checkout has no {role} site to set.")
-            out[role] = requested[role]
-        elif role == "linear" and (named_gemms or "linear" not in mismatched):
-            if current["linear"] is not None:
-                out["linear"] = current["linear"]
-        elif role in mismatched:
-            where = ", ".join(f"{s.file}:{s.line}" for s in mismatched[role])
-            raise UserError(f"the {role} sites disagree ({where}); name --{role} to set them all.")
-        elif (value := current[role]) is not None:
-            out[role] = value
+    present = {r for s in sites for r in s.roles}
+    out = {
+        role: value
+        for role in ROLES
+        if (value := _role_value(role, requested, current, mismatched, present, named_gemms))
+        is not None
+    }
     if named_gemms and not tagged:
         where = linear_sites[0].file if linear_sites else "the checkout"
         raise UserError(
@@ -349,16 +374,7 @@ def _resolve_values(requested: Mapping[str, str], sites: Sequence[Site]) -> dict
             "input-gradient and weight-gradient GEMMs, so they cannot differ; use --linear."
         )
     if tagged and "linear" not in requested and (named_gemms or current["linear"] is None):
-        for gemm in GEMMS:
-            if gemm in requested:
-                out[gemm] = requested[gemm]
-            elif gemm in mismatched:
-                where = ", ".join(f"{s.file}:{s.line}" for s in mismatched[gemm])
-                raise UserError(
-                    f"the {gemm} sites disagree ({where}); name --{gemm} to set them all."
-                )
-            elif (value := current[gemm]) is not None:
-                out[gemm] = value
+        out.update(_values_of(GEMMS, requested, current, mismatched))
     elif named_gemms:
         out.update({g: requested[g] for g in named_gemms})
     resolved = per_gemm(out)
@@ -368,6 +384,50 @@ def _resolve_values(requested: Mapping[str, str], sites: Sequence[Site]) -> dict
             f"three GEMMs ({', '.join(f'{g}={resolved[g]}' for g in GEMMS)}); use --linear."
         )
     return resolved
+
+
+def _values_of(
+    names: Sequence[str],
+    requested: Mapping[str, str],
+    current: Mapping[str, str | None],
+    mismatched: Mapping[str, Sequence[Site]],
+) -> dict[str, str]:
+    """Each GEMM's value (``_own_value``), those that have one."""
+    found = {g: _own_value(g, requested, current, mismatched) for g in names}
+    return {g: v for g, v in found.items() if v is not None}
+
+
+def _own_value(
+    name: str,
+    requested: Mapping[str, str],
+    current: Mapping[str, str | None],
+    mismatched: Mapping[str, Sequence[Site]],
+) -> str | None:
+    """A role's (or GEMM's) value: the one named, else its sites' one (refused where they
+    disagree), else None."""
+    if name in requested:
+        return requested[name]
+    if name in mismatched:
+        where = ", ".join(f"{s.file}:{s.line}" for s in mismatched[name])
+        raise UserError(f"the {name} sites disagree ({where}); name --{name} to set them all.")
+    return current[name]
+
+
+def _role_value(
+    role: str,
+    requested: Mapping[str, str],
+    current: Mapping[str, str | None],
+    mismatched: Mapping[str, Sequence[Site]],
+    present: set[str],
+    named_gemms: Sequence[str],
+) -> str | None:
+    """A role's value (``_own_value``); a named role needs a site, and linear sites that
+    differ by GEMM keep ``linear`` unset (the GEMMs say) unless it is named."""
+    if role in requested and role not in present:
+        raise UserError(f"--{role}: the checkout has no {role} site to set.")
+    if role == "linear" and role not in requested and (named_gemms or role not in mismatched):
+        return current[role]
+    return _own_value(role, requested, current, mismatched)
 
 
 def _plan(
@@ -460,7 +520,8 @@ spec it takes its values from), each None where it is not there."""
 
 
 def ops_text_at(repo: Any, commit: str) -> OpsTexts:
-    """The checkout's installed ops module and format spec at ``commit``."""
+    """The checkout's installed ops module and format spec at ``commit`` (in the package, or
+    where a release before it put them: the modules its site code imports)."""
     from quantpatch.checkout.parts import FORMATS_MODULE, OPS_MODULE
 
     def read(rel: str) -> str | None:
@@ -469,7 +530,7 @@ def ops_text_at(repo: Any, commit: str) -> OpsTexts:
         except (UserError, UnicodeDecodeError):
             return None
 
-    return read(OPS_MODULE), read(FORMATS_MODULE)
+    return _installed(read, OPS_MODULE), _installed(read, FORMATS_MODULE)
 
 
 def ops_text_in(root: Path) -> OpsTexts:
@@ -479,7 +540,16 @@ def ops_text_in(root: Path) -> OpsTexts:
     def read(rel: str) -> str | None:
         return read_exact(root / rel) if (root / rel).is_file() else None
 
-    return read(OPS_MODULE), read(FORMATS_MODULE)
+    return _installed(read, OPS_MODULE), _installed(read, FORMATS_MODULE)
+
+
+def _installed(read: Callable[[str], str | None], rel: str) -> str | None:
+    """The runtime file ``rel`` as ``read`` finds it in the package, else where the releases
+    before the package installed it (a checkout not upgraded yet: its sites import that one)."""
+    from quantpatch.checkout.parts import flat
+
+    text = read(rel)
+    return read(flat(rel)) if text is None else text
 
 
 def refuse_unknown_to_dispatch(
@@ -557,15 +627,15 @@ def plan_from_base(
         refuse_unknown_to_dispatch(base_files, known, ops_text_at(repo, commit))
     if values.get("bf16_layers"):
         _with_policy(dict(values), values["bf16_layers"], base_files, targets)
-        try:
-            installed: str | None = gitrepo.read_at(repo, commit, LAYERS_MODULE)
-        except UserError:
-            installed = None  # no policy runtime: _with_policy refused the checkout already
-        refuse_older_policy(values["bf16_layers"], installed)
+
+        def read(rel: str) -> str | None:
+            try:
+                return gitrepo.read_at(repo, commit, rel)
+            except UserError:
+                return None  # no policy runtime: _with_policy refused the checkout already
+
+        refuse_older_policy(values["bf16_layers"], _installed(read, LAYERS_MODULE))
     return base_texts, _plan(base_files, values, targets, split, cache_dir)
-
-
-LAYERS_MODULE = "megatron/core/quantpatch_layers.py"
 
 
 def refuse_older_policy(spec: str, installed: str | None) -> None:
@@ -577,8 +647,8 @@ def refuse_older_policy(spec: str, installed: str | None) -> None:
     if installed != runtime_source(LAYERS_MODULE):
         raise UserError(
             f"--bf16-layers: 'output' needs the policy runtime of quantpatch {__version__}, "
-            f"but {LAYERS_MODULE} is another one; run 'quantpatch upgrade' (or leave out "
-            "output)."
+            "but the checkout's quantpatch_layers.py is another one; run 'quantpatch "
+            "upgrade' (or leave out output)."
         )
 
 
@@ -614,11 +684,14 @@ def _set_unlocked(checkout: gitrepo.Checkout, targets: Targets, req: SetRequest)
     values = _resolve_values(req.values, [s for f in current_files for s in f.sites])
     values = _with_policy(values, req.bf16_layers, current_files, targets)
     if values.get("bf16_layers"):
-        layers = checkout.root / LAYERS_MODULE
-        refuse_older_policy(values["bf16_layers"], read_exact(layers) if layers.is_file() else None)
+        root = checkout.root
+        installed = _installed(
+            lambda rel: read_exact(root / rel) if (root / rel).is_file() else None, LAYERS_MODULE
+        )
+        refuse_older_policy(values["bf16_layers"], installed)
     state = gitrepo.load_state(checkout)
-    if state and state["mode"] != ("branch" if req.branch else "in-place"):
-        other = "--no-branch" if state["mode"] == "in-place" else "branch"
+    if state and state.mode is not (Mode.BRANCH if req.branch else Mode.IN_PLACE):
+        other = "--no-branch" if state.mode is Mode.IN_PLACE else "branch"
         raise UserError(
             f"a {other} set is active on this checkout; run 'quantpatch restore' first."
         )
@@ -634,28 +707,28 @@ def _refuse_dirty(repo: Any, targets: Targets) -> None:
 
 
 def _base_of(
-    repo: Any, targets: Targets, state: dict[str, Any] | None, head: str, notes: list[str]
-) -> dict[str, Any]:
+    repo: Any, targets: Targets, state: CheckoutState | None, head: str, notes: list[str]
+) -> Base:
     """The base of this set: the record's, or the checkout as it is. A scheme branch with no
     record (a set killed before it wrote one, by an older quantpatch) is never taken as the
     base: the base is recovered from its quantpatch commit, or the set is refused."""
     from quantpatch.git import scheme_branch  # GitPython: only commands that write load it
 
     if state:
-        return dict(state["base"])
+        return state.base
     branch = gitrepo.active_branch(repo)
     if not scheme_branch.is_scheme_branch(branch, targets.branch_prefix):
         if branch is None:
             notes.append(f"HEAD is detached at {head[:12]}; restore will check that commit out.")
-        return {"branch": branch, "commit": head}
+        return Base(branch, head)
     for commit in repo.iter_commits(head, max_count=50, first_parent=True):
         recovered = scheme_branch.base_from_commit(repo, commit.hexsha)
         if recovered is None and str(commit.message).startswith(scheme_branch.SUBJECT_PREFIX):
-            recovered = {"branch": None, "commit": commit.parents[0].hexsha}
+            recovered = Base(None, commit.parents[0].hexsha)
         if recovered is not None:
             notes.append(
                 f"{branch} is a scheme branch with no quantpatch record; recovered the base "
-                f"{recovered['branch'] or 'detached'} @ {recovered['commit'][:12]} from its commit."
+                f"{recovered.branch or 'detached'} @ {str(recovered.commit)[:12]} from its commit."
             )
             return recovered
     raise UserError(
@@ -664,12 +737,11 @@ def _base_of(
     )
 
 
-def base_tip(repo: Any, base: Mapping[str, Any]) -> str:
+def base_tip(repo: Any, base: Base) -> str:
     """The commit a scheme branch must sit on: the base branch as it is now (the recorded
     commit when the base is a detached HEAD or its branch is gone)."""
-    branch = base.get("branch")
-    tip = gitrepo.branch_tip(repo, branch) if branch else None
-    return tip or str(base["commit"])
+    tip = gitrepo.branch_tip(repo, base.branch) if base.branch else None
+    return tip or str(base.commit)
 
 
 def _set_branch(
@@ -678,7 +750,7 @@ def _set_branch(
     req: SetRequest,
     values: dict[str, str],
     current_files: Sequence[FileSites],
-    state: dict[str, Any] | None,
+    state: CheckoutState | None,
 ) -> SetResult:
     from quantpatch.git import scheme_branch
 
@@ -693,12 +765,12 @@ def _set_branch(
     notes: list[str] = []
     base = _base_of(repo, targets, state, head, notes)
     tip = base_tip(repo, base)
-    if tip != base["commit"]:
+    if tip != base.commit:
         notes.append(
-            f"the base {base['branch']} moved on ({base['commit'][:12]} -> {tip[:12]}); the "
+            f"the base {base.branch} moved on ({str(base.commit)[:12]} -> {tip[:12]}); the "
             "scheme branch is built on its new tip."
         )
-    base = {**base, "commit": tip}
+    base = replace(base, commit=tip)
     _, planned = plan_from_base(
         repo,
         tip,
@@ -716,18 +788,18 @@ def _set_branch(
     if req.dry_run:
         return result
 
-    history = (state or {}).get("history", [])
-    record = {
-        "mode": "branch",
-        "base": base,
-        "current": (state or {}).get("current"),
-        "history": history,
-    }
+    history = state.history if state else []
+    record = CheckoutState(
+        mode=Mode.BRANCH,
+        base=base,
+        current=state.current if state else None,
+        history=history,
+    )
     # objects only (a refusal here changes nothing anyone can see)
     plan = scheme_branch.plan_scheme_commit(repo, name, base, tip, planned, values)
     # the intent before the first visible change: whatever happens next, the record names
     # the real base
-    gitrepo.save_state(checkout, {**record, "pending": {"op": "set", "branch": name}})
+    gitrepo.save_state(checkout, replace(record, pending=Pending("set", name)))
     previous = gitrepo.active_branch(repo)
     try:
         if gitrepo.active_branch(repo) == name:
@@ -753,15 +825,12 @@ def _set_branch(
     result.how = plan.state
     if plan.state == "rebuilt":
         notes.append(
-            f"rebuilt {name} on {base['branch'] or 'the base'} @ {tip[:12]}"
+            f"rebuilt {name} on {base.branch or 'the base'} @ {tip[:12]}"
             + (f", carrying {len(plan.carried)} commit(s) of yours" if plan.carried else "")
             + "."
         )
-    history.append({"time": time.time(), "values": values, "branch": name, "commit": plan.commit})
-    gitrepo.save_state(
-        checkout,
-        {**record, "current": {"branch": name, "commit": plan.commit, "values": values}},
-    )
+    history.append(HistoryEntry(time=time.time(), values=values, branch=name, commit=plan.commit))
+    gitrepo.save_state(checkout, replace(record, current=Current(name, values, commit=plan.commit)))
     return result
 
 
@@ -771,14 +840,11 @@ def _set_in_place(
     req: SetRequest,
     values: dict[str, str],
     current_files: Sequence[FileSites],
-    state: dict[str, Any] | None,
+    state: CheckoutState | None,
 ) -> SetResult:
+    kept = dict(state.files or {}) if state else {}
     if state:
-        changed = [
-            fs.rel
-            for fs in current_files
-            if sha256_text(fs.text) != state["files"][fs.rel]["written"]
-        ]
+        changed = [fs.rel for fs in current_files if sha256_text(fs.text) != kept[fs.rel].written]
         if changed:
             raise UserError(
                 f"{', '.join(changed)} changed since quantpatch wrote them; "
@@ -793,26 +859,23 @@ def _set_in_place(
     result = SetResult(values=values, edits=edits, diff=unified_diff(edits))
     if req.dry_run:
         return result
-    files_state = {k: dict(v) for k, v in (state or {}).get("files", {}).items()}
     if not state:
         originals = checkout.state_dir / "originals"
         for fs in current_files:
             dest = originals / fs.rel
             write_exact(dest, fs.text)
-            files_state[fs.rel] = {
-                "original": str(dest.relative_to(checkout.state_dir)),
-                "original_sha": sha256_text(fs.text),
-            }
+            original = str(dest.relative_to(checkout.state_dir))
+            kept[fs.rel] = KeptFile(original, "", original_sha=sha256_text(fs.text))
     for rel, text in planned.items():
-        files_state[rel]["written"] = sha256_text(text)
-    history = [*(state or {}).get("history", []), {"time": time.time(), "values": values}]
-    new_state = {
-        "mode": "in-place",
-        "base": {"branch": None, "commit": None},
-        "current": {"branch": None, "values": values},
-        "files": files_state,
-        "history": history,
-    }
+        kept[rel] = replace(kept[rel], written=sha256_text(text))
+    history = [*(state.history if state else []), HistoryEntry(time=time.time(), values=values)]
+    new_state = CheckoutState(
+        mode=Mode.IN_PLACE,
+        base=Base(None, None),
+        current=Current(None, values),
+        files=kept,
+        history=history,
+    )
     # journal (old texts + the record that marks completion) before the first replacement:
     # a kill anywhere below is rolled back, or found complete, by the next command
     record = checkout.state_dir / "state.json"
@@ -830,7 +893,7 @@ def _set_in_place(
 @dataclass
 class RestoreResult:
     mode: str
-    base: dict[str, Any]
+    base: Base | None
     files: list[str]
     notes: list[str] = field(default_factory=list)
 
@@ -844,7 +907,7 @@ def restore(path: Path | None, *, forget: bool = False) -> RestoreResult:
         # quantpatch's state directory replaced by a file: set it aside (never deleted)
         aside = state_dir.with_name(f"{state_dir.name}.not-a-directory.{int(time.time())}")
         state_dir.rename(aside)
-        return RestoreResult("forget", {}, [], [f"moved {state_dir} aside to {aside}"])
+        return RestoreResult("forget", None, [], [f"moved {state_dir} aside to {aside}"])
     with gitrepo.locked(checkout):
         if forget:
             return _forget(checkout)
@@ -853,7 +916,7 @@ def restore(path: Path | None, *, forget: bool = False) -> RestoreResult:
         if not state:
             raise UserError(f"{checkout.root}: nothing to restore (no active quantpatch set).")
         targets = load_targets(checkout.root)
-        if state["mode"] == "in-place":
+        if state.mode is Mode.IN_PLACE:
             return _restore_in_place(checkout, state)
         result = _restore_branch(checkout, targets, state)
         gitrepo.clear_state(checkout)
@@ -873,20 +936,18 @@ def _forget(checkout: gitrepo.Checkout) -> RestoreResult:
     if gitrepo.journal_dir(checkout).exists():
         shutil.rmtree(gitrepo.journal_dir(checkout))
         gone.append(str(gitrepo.journal_dir(checkout)))
-    return RestoreResult("forget", {}, [], [f"dropped {', '.join(gone)}"])
+    return RestoreResult("forget", None, [], [f"dropped {', '.join(gone)}"])
 
 
-def _restore_in_place(checkout: gitrepo.Checkout, state: dict[str, Any]) -> RestoreResult:
+def _restore_in_place(checkout: gitrepo.Checkout, state: CheckoutState) -> RestoreResult:
     edits = []
-    for rel, info in state["files"].items():
+    for rel, info in (state.files or {}).items():
         current = read_exact(checkout.root / rel)
-        if current is None or sha256_text(current) != info["written"]:
+        if current is None or sha256_text(current) != info.written:
             raise UserError(f"{rel} changed since quantpatch wrote it; revert it first.")
-        original_path = checkout.state_dir / info["original"]
+        original_path = checkout.state_dir / info.original
         original = read_exact(original_path)
-        if original is None or (
-            info.get("original_sha") and sha256_text(original) != info["original_sha"]
-        ):
+        if original is None or (info.original_sha and sha256_text(original) != info.original_sha):
             # a missing or altered copy is an error, never a reason to delete the file
             raise UserError(
                 f"{original_path}: the kept original of {rel} is missing or altered, so "
@@ -897,27 +958,27 @@ def _restore_in_place(checkout: gitrepo.Checkout, state: dict[str, Any]) -> Rest
     with journaled(gitrepo.journal_dir(checkout), checkout.root, edits, record, None):
         written = apply_edits(checkout.root, edits)
         gitrepo.clear_state(checkout)
-    return RestoreResult("in-place", state["base"], written)
+    return RestoreResult("in-place", state.base, written)
 
 
 def _restore_branch(
-    checkout: gitrepo.Checkout, targets: Targets, state: dict[str, Any]
+    checkout: gitrepo.Checkout, targets: Targets, state: CheckoutState
 ) -> RestoreResult:
     repo = checkout.git()
     _refuse_dirty(repo, targets)
-    base = state["base"]
+    base = state.base
     notes = []
-    target = base["commit"]
-    if base["branch"]:
-        tip = gitrepo.branch_tip(repo, base["branch"])
+    target = str(base.commit)  # a branch set's record always names it (load_state)
+    if base.branch:
+        tip = gitrepo.branch_tip(repo, base.branch)
         if tip is None:
-            notes.append(f"branch {base['branch']} no longer exists; checked out {target[:12]}.")
+            notes.append(f"branch {base.branch} no longer exists; checked out {target[:12]}.")
         else:
-            target = base["branch"]
-            if tip != base["commit"]:
+            target = base.branch
+            if tip != base.commit:
                 notes.append(
-                    f"{base['branch']} moved on since the set ({base['commit'][:12]} -> "
-                    f"{tip[:12]}); it is checked out as it is now."
+                    f"{base.branch} moved on since the set ({str(base.commit)[:12]} "
+                    f"-> {tip[:12]}); it is checked out as it is now."
                 )
     # never --force: the user's uncommitted changes in other files are carried as git does
     if gitrepo.active_branch(repo) != target:

@@ -45,6 +45,7 @@ from quantpatch.git.installs import (
     InstallResult,
     finish_upgrade,
     preconditions,
+    prune_empty_dirs,
     record_of,
     refuse_scheme_branch,
     upgrade_record,
@@ -208,6 +209,7 @@ def upgrade(path: Path | None, *, force: bool = False) -> InstallResult:
             write_exact(upgrade_record(checkout), text)
             faults.step("write upgrade record", done=True)
         finish_upgrade(checkout)
+        prune_empty_dirs(checkout.root, [e.rel for e in edits if e.new is None])
         head = gitrepo.head_commit(checkout.repo) if checkout.repo is not None else None
         result = InstallResult(written, head if written else None, removed=False)
         result.notes = notes

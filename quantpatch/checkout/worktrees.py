@@ -15,7 +15,7 @@ import contextlib
 import os
 import shutil
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import git
@@ -33,6 +33,7 @@ from quantpatch.base.errors import UserError
 from quantpatch.checkout.switch import base_tip, plan_from_base
 from quantpatch.git import repo as gitrepo
 from quantpatch.git import scheme_branch
+from quantpatch.git.state import Base, Mode
 from quantpatch.sites import cache as site_cache
 from quantpatch.sites.model import role_values
 
@@ -141,12 +142,12 @@ def ensure_worktree(
         scheme_branch.check_prefix(repo, targets)
         state = gitrepo.load_state(checkout)
         head = gitrepo.head_commit(repo)
-        if state and state["mode"] == "branch":
-            base = dict(state["base"])
+        if state and state.mode is Mode.BRANCH:
+            base = state.base
         elif head is not None and not scheme_branch.is_scheme_branch(
             gitrepo.active_branch(repo), targets.branch_prefix
         ):
-            base = {"branch": gitrepo.active_branch(repo), "commit": head}
+            base = Base(gitrepo.active_branch(repo), head)
         elif head is not None:
             raise UserError(
                 f"HEAD is on the scheme branch {gitrepo.active_branch(repo)} with no quantpatch "
@@ -155,7 +156,7 @@ def ensure_worktree(
         else:
             raise UserError(f"{checkout.root}: the repository has no commit yet.")
         tip = base_tip(repo, base)
-        base = {**base, "commit": tip}
+        base = replace(base, commit=tip)
         _, planned = plan_from_base(
             repo,
             tip,
@@ -340,18 +341,18 @@ def existing_worktree(path: Path | None, values: Mapping[str, str]) -> WorktreeR
             f"(this deletes those edits), and {again}."
         )
     state = gitrepo.load_state(checkout)
-    base: dict[str, object] | None = None
-    if state and state["mode"] == "branch":
-        base = dict(state["base"])
+    base: Base | None = None
+    if state and state.mode is Mode.BRANCH:
+        base = state.base
     else:
         branch = gitrepo.active_branch(repo)
         if branch and not scheme_branch.is_scheme_branch(branch, targets.branch_prefix):
-            base = {"branch": branch, "commit": gitrepo.head_commit(repo)}
+            base = Base(branch, gitrepo.head_commit(repo))
     if base is not None:
         base_commit = base_tip(repo, base)
         if gitrepo.git_plain(wt_path, "merge-base", "--is-ancestor", base_commit, head).returncode:
             raise UserError(
-                f"{base.get('branch') or 'the base'} has moved on to {base_commit[:12]} since "
+                f"{base.branch or 'the base'} has moved on to {base_commit[:12]} since "
                 f"the worktree of {name} was prepared (at {head[:12]}): the job would train "
                 f"older code; {again}."
             )

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from quantpatch.base.errors import CheckFailed, UserError
+from quantpatch.base.errors import CheckFailed
 from quantpatch.base.values import value_list
 from quantpatch.cli.app import (
     OPTS,
@@ -108,48 +108,27 @@ def set_(
     json_: bool = JsonOpt,
 ) -> None:
     """Rewrite the named roles; in git, on branch quantpatch/linear-X_qk-Y_pv-Z on the base."""
-    from quantpatch.checkout.switch import SetRequest, set_values
-    from quantpatch.launch.registry import load_registry
+    from quantpatch.checkout.set_options import SetOptions, set_request
+    from quantpatch.checkout.switch import set_values
+    from quantpatch.launch.registry import scheme_values
 
-    values: dict[str, str] = {}
-    if scheme is not None:
-        schemes = load_registry(config).schemes
-        if scheme not in schemes:
-            raise UserError(f"--scheme: unknown scheme '{scheme}'; valid: {', '.join(schemes)}.")
-        values.update(schemes[scheme].values())
-    named = {"linear": linear, "fprop": fprop, "dgrad": dgrad, "wgrad": wgrad, "qk": qk, "pv": pv}
-    if linear is not None:  # --linear names all three GEMMs: a scheme's own GEMMs give way
-        for gemm in ("fprop", "dgrad", "wgrad"):
-            values.pop(gemm, None)
-    for role, value in named.items():
-        if value is not None:
-            values[role] = value
-    # the layer policy: --bf16-layers, else the scheme's (a scheme without one: none), else
-    # the checkout's own is kept
-    scheme_policy = values.pop("bf16_layers", "" if scheme is not None else None)
-    policy = bf16_layers if bf16_layers is not None else scheme_policy
-    if not values and policy is None:
-        raise UserError(
-            "nothing to set: give --linear, --fprop, --dgrad, --wgrad, --qk, --pv, "
-            "--bf16-layers or --scheme."
-        )
-    result = set_values(
-        repo_root(repo),
-        SetRequest(values, dry_run, not no_branch, not no_split, allow_unknown, policy),
+    options = SetOptions(
+        linear=linear,
+        fprop=fprop,
+        dgrad=dgrad,
+        wgrad=wgrad,
+        qk=qk,
+        pv=pv,
+        bf16_layers=bf16_layers,
+        scheme=scheme_values(scheme, config) if scheme is not None else None,
+        dry_run=dry_run,
+        branch=not no_branch,
+        split=not no_split,
+        allow_unknown=allow_unknown,
     )
+    result = set_values(repo_root(repo), set_request(options))
     if json_ or OPTS.json:
-        emit_json(
-            {
-                "values": result.values,
-                "branch": result.branch,
-                "commit": result.commit,
-                "base": result.base,
-                "reused": result.reused,
-                "dry_run": dry_run,
-                "diff": result.diff,
-                "notes": result.notes,
-            }
-        )
+        emit_json(result.as_json(dry_run))
         return
     print_notes(result.notes)
     if dry_run:
@@ -162,8 +141,8 @@ def set_(
         how = result.how or ("reused" if result.reused else "created")
         out.print(
             f"{vals}: {how} branch {result.branch} at {(result.commit or '')[:12]} "
-            f"(base {result.base and (result.base['branch'] or 'detached')} @ "
-            f"{result.base and result.base['commit'][:12]})"
+            f"(base {result.base and (result.base.branch or 'detached')} @ "
+            f"{result.base and str(result.base.commit)[:12]})"
         )
     else:
         out.print(
@@ -190,9 +169,9 @@ def restore(
         print_notes(result.notes)
         return
     print_notes(result.notes)
-    if result.mode == "branch":
+    if result.mode == "branch" and result.base:
         b = result.base
-        out.print(f"restored: {b['branch'] or 'detached HEAD'} @ {b['commit'][:12]}")
+        out.print(f"restored: {b.branch or 'detached HEAD'} @ {str(b.commit)[:12]}")
     else:
         out.print(f"restored the original bytes of {', '.join(result.files)}")
 
@@ -244,7 +223,7 @@ def saver_status_cmd(repo: Path | None = RepoOpt, json_: bool = JsonOpt) -> None
     else:
         from quantpatch.cli.render_check import saver_line
 
-        out.print(saver_line(st.as_json()))
+        out.print(saver_line(st))
 
 
 @app.command("init")

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from rich.console import Console
 from rich.table import Table
 
+from quantpatch.checkout.parts import PartStatus
+from quantpatch.checkout.saver import SaverStatus
 from quantpatch.checkout.switch import CheckReport
 from quantpatch.sites.model import Site
 
@@ -46,7 +50,7 @@ def print_check(report: CheckReport, out: Console) -> None:
     else:
         out.print("git: not a git repository")
     if report.base:
-        b = report.base
+        b: dict[str, Any] = report.base.as_json()
         where = f"{b.get('branch') or 'detached'} @ {(b.get('commit') or '')[:12]}"
         out.print(
             f"base ({b['mode']}): {where}"
@@ -73,20 +77,20 @@ def print_check(report: CheckReport, out: Console) -> None:
         out.print(f"warning: {warning}", style="yellow", markup=False)
 
 
-def saver_line(saver: dict[str, object]) -> str:
-    if saver.get("installed") and saver.get("replaced"):
+def saver_line(saver: SaverStatus) -> str:
+    if saver.installed and saver.replaced:
         return "installed (in place of the checkout's own)"
-    if saver.get("installed"):
+    if saver.installed:
         return "installed"
-    if saver.get("other"):
+    if saver.other:
         return "a different tensor saver is installed (the checkout's own)"
     return "not installed"
 
 
-def parts_line(parts: list[dict[str, object]]) -> str:
+def parts_line(parts: list[PartStatus]) -> str:
     """``ops current, kernels older, ...``; the first part not current says why."""
-    line = ", ".join(f"{p['part']} {p['status']}" for p in parts)
-    stale = [p for p in parts if p["status"] != "current"]
-    if stale and stale[0].get("detail"):
-        line += f" ({stale[0]['part']}: {stale[0]['detail']})"
+    line = ", ".join(f"{p.part} {p.status}" for p in parts)
+    stale = [p for p in parts if p.status != "current"]
+    if stale and stale[0].detail:
+        line += f" ({stale[0].part}: {stale[0].detail})"
     return line

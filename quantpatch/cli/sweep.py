@@ -2,13 +2,17 @@
 
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 
 from quantpatch.base.errors import CheckFailed, UserError
 from quantpatch.cli.app import OPTS, JsonOpt, RepoOpt, app, emit_json, err, out, repo_root
 from quantpatch.cli.launch import AttentionHelp, ConfigOpt, csv_list
+
+if TYPE_CHECKING:
+    from quantpatch.launch.sweep import Status
+    from quantpatch.launch.sweep_record import SweepRecord, SweepRun
 
 sweep_app = typer.Typer(
     help="Every scheme from one command: run (local queue or Slurm), status, report.",
@@ -92,7 +96,7 @@ def sweep_run(
     for note in prepared.notes:
         err.print(f"note: {note}", style="yellow", markup=False)
     record = prepared.record
-    if record["launcher"] == "slurm":
+    if record.launcher == "slurm":
         done = sweep.submit_slurm(sweep_dir, record)
         c = sweep.counts(record)
         ahead = sum(c[k] for k in ("pending", "running", "submitted")) - len(
@@ -104,7 +108,7 @@ def sweep_run(
         if done is None:
             failed = f", {c['failed']} failed (kept by --only-pending)" if c["failed"] else ""
             out.print(
-                f"nothing to submit: of {len(record['runs'])} runs {kept}{failed}.", markup=False
+                f"nothing to submit: of {len(record.runs)} runs {kept}{failed}.", markup=False
             )
             return
         out.print(
@@ -113,11 +117,11 @@ def sweep_run(
             markup=False,
         )
         return
-    total = len(record["runs"])
+    total = len(record.runs)
 
-    def changed(rec: dict[str, Any]) -> None:
+    def changed(rec: sweep.SweepRecord) -> None:
         c = sweep.counts(rec)
-        running = [r["name"] for r in rec["runs"] if r["state"] == "running"]
+        running = [r.name for r in rec.runs if r.state is sweep.RunState.RUNNING]
         err.print(
             f"[{c['finished']}/{total} finished, {c['failed']} failed, {c['running']} running, "
             f"{c['pending']} pending] {', '.join(running) or '-'}",
@@ -137,7 +141,7 @@ def sweep_run(
         raise typer.Exit(130) from None
     c = sweep.counts(record)
     report_note = ""
-    if any(r.get("log") for r in record["runs"]):
+    if any(r.log for r in record.runs):
         try:
             from quantpatch.cli import render_analysis
 
@@ -156,21 +160,20 @@ def sweep_run(
 
 
 def _sweep_report(
-    sweep_dir: Path, record: dict[str, Any], out_file: Path, title: str | None = None
+    sweep_dir: Path, record: "SweepRecord", out_file: Path, title: str | None = None
 ) -> dict[str, Any]:
     from quantpatch.analysis.report import Section, table_rows, write_report
     from quantpatch.launch import provenance, sweep
     from quantpatch.launch.registry import load_registry, twin_pairs
 
-    cfg = record["selection"].get("config")
-    reg = load_registry(Path(cfg) if cfg else None)
+    reg = load_registry(record.selection.config_path)
     logs = sweep.run_logs(sweep_dir, record)
     if not logs:
         raise UserError(f"{sweep_dir}: no run of the sweep has written a log yet.")
     tensors = sweep.tensor_dirs(sweep_dir, record)
-    roots = (sweep_dir.resolve(), Path(str(record.get("checkout", "/"))))
+    roots = (sweep_dir.resolve(), Path(record.checkout or "/"))
     where = Section(
-        f"Where the runs came from ({len(record['runs'])} runs)",
+        f"Where the runs came from ({len(record.runs)} runs)",
         "each run's scheme values (linear, Q.K^T, P.V, the BF16 layer policy) and its own "
         "Megatron arguments (a native scheme's: TransformerEngine's recipe), the attention "
         "path the sweep gave it (--attention; the runs table says which its log names), the source "
@@ -213,12 +216,8 @@ def _sweep_report(
         header=provenance.header(sweep_dir, record),
         lead=lead,
         title=title,
-        seeds={
-            str(sweep.at(sweep_dir, str(r["log"]))): r.get("seed")
-            for r in record["runs"]
-            if r.get("log")
-        },
-        twins=twin_pairs(reg.schemes, [r["scheme"] for r in record["runs"]]),
+        seeds={str(sweep.at(sweep_dir, r.log)): r.seed for r in record.runs if r.log},
+        twins=twin_pairs(reg.schemes, [r.scheme for r in record.runs]),
     )
 
 
@@ -253,9 +252,9 @@ def sweep_status(
     seen: dict[str, str] | None = None
     while True:
         data = sweep.status(sweep_dir)
-        states = {str(r["name"]): _state_text(r) for r in data["runs"]}
+        states = {r.name: _state_text(r) for r in data.runs}
         if json_ or OPTS.json:
-            emit_json({"counts": data["counts"], "runs": data["runs"]})
+            emit_json({"counts": data.counts, "runs": [r.as_dict() for r in data.runs]})
         elif changes_only and seen is not None:
             stamp = time.strftime("%H:%M:%S")
             for name, state in states.items():
@@ -264,44 +263,44 @@ def sweep_status(
         else:
             _status_table(sweep_dir, data)
         followed, seen = seen is not None, states
-        busy = sum(data["counts"][k] for k in ("pending", "running", "submitted"))
+        busy = sum(data.counts[k] for k in ("pending", "running", "submitted"))
         if not watch or not busy:
             if changes_only and followed:
-                shown = ", ".join(f"{n} {k}" for k, n in data["counts"].items() if n)
-                out.print(f"{len(data['runs'])} runs: {shown}", markup=False)
+                shown = ", ".join(f"{n} {k}" for k, n in data.counts.items() if n)
+                out.print(f"{len(data.runs)} runs: {shown}", markup=False)
             return
         time.sleep(interval)
 
 
-def _state_text(r: dict[str, Any]) -> str:
-    return str(r["state"]) + (f" ({r['slurm_state']})" if r.get("slurm_state") else "")
+def _state_text(r: "SweepRun") -> str:
+    return r.state.value + (f" ({r.slurm_state})" if r.slurm_state else "")
 
 
-def _status_table(sweep_dir: Path, data: dict[str, Any]) -> None:
+def _status_table(sweep_dir: Path, data: "Status") -> None:
     from rich.markup import escape as escape_markup
     from rich.table import Table
 
     table = Table(title=escape_markup(f"sweep {sweep_dir}"))
     for col in ("run", "state", "exit", "gpus", "started", "ended", "commit"):
         table.add_column(col)
-    for r in data["runs"]:
+    for r in data.runs:
         table.add_row(
             *(
                 escape_markup(str(v))
                 for v in (
-                    r["name"],
+                    r.name,
                     _state_text(r),
-                    "" if r["exit_code"] is None else r["exit_code"],
-                    r["gpus"] or "",
-                    r["started"] or "",
-                    r["ended"] or "",
-                    (r["commit"] or "")[:10],
+                    "" if r.exit_code is None else r.exit_code,
+                    r.gpus or "",
+                    r.started or "",
+                    r.ended or "",
+                    (r.commit or "")[:10],
                 )
             )
         )
     out.print(table)
-    shown = ", ".join(f"{n} {k}" for k, n in data["counts"].items() if n)
-    out.print(f"{len(data['runs'])} runs: {shown}", markup=False)
+    shown = ", ".join(f"{n} {k}" for k, n in data.counts.items() if n)
+    out.print(f"{len(data.runs)} runs: {shown}", markup=False)
 
 
 @sweep_app.command("report")

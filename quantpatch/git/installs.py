@@ -270,6 +270,7 @@ def run_remove(
             lambda: _write_record_text(checkout, name, installed_text),
         )
         shutil.rmtree(checkout.state_dir / name)
+        prune_empty_dirs(checkout.root, [e.rel for e in edits if e.new is None])
         result = InstallResult(written, commit, removed=True)
         result.notes = _detached_note(checkout, result.commit)
         return result
@@ -321,6 +322,20 @@ def finish_interrupted(checkout: gitrepo.Checkout, name: str) -> str | None:
         shutil.rmtree(checkout.state_dir / name, ignore_errors=True)
         return "removed"
     return "installed" if completed else None
+
+
+def prune_empty_dirs(root: Path, removed: Sequence[str]) -> None:
+    """The folders that removing the files ``removed`` (relative to ``root``) left empty, gone
+    too (the runtime's package, its saver's parts), up to the first that holds anything else:
+    an install leaves no trace. Safe to skip (a kill before it leaves empty folders only)."""
+    for rel in removed:
+        folder = (root / rel).parent
+        while folder != root and root in folder.parents:
+            try:
+                folder.rmdir()  # only an empty one
+            except OSError:
+                break
+            folder = folder.parent
 
 
 def _sha_of(path: Path) -> str | None:

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from quantpatch.base import faults
 from quantpatch.base.errors import UserError
+from quantpatch.git.state import CheckoutState, Mode, why_malformed
 
 if TYPE_CHECKING:
     import git
@@ -414,7 +415,7 @@ def _bad_record(path: Path, why: str) -> UserError:
     )
 
 
-def load_state(checkout: Checkout) -> dict[str, Any] | None:
+def load_state(checkout: Checkout) -> CheckoutState | None:
     """The record of the active set, checked before it is trusted: a record that is not
     what quantpatch writes is a one-sentence error naming the repair, never a traceback."""
     path = checkout.state_dir / "state.json"
@@ -432,43 +433,20 @@ def load_state(checkout: Checkout) -> dict[str, Any] | None:
         data = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError):
         raise _bad_record(path, "is not valid JSON") from None
-    if not isinstance(data, dict):
-        raise _bad_record(path, "is not a JSON object")
-    mode = data.get("mode")
-    base = data.get("base")
-    if mode not in ("branch", "in-place") or not isinstance(base, dict):
-        raise _bad_record(path, "lacks its mode or base")
-    if mode == "branch":
-        commit = base.get("commit")
-        branch = base.get("branch")
-        if not isinstance(commit, str) or (branch is not None and not isinstance(branch, str)):
-            raise _bad_record(path, "names no base commit")
-        if checkout.has_git and not commit_exists(checkout, commit):
-            raise _bad_record(path, f"names a base commit {commit[:12]} git does not have")
-    elif not isinstance(data.get("files"), dict) or not all(
-        isinstance(v, dict) and isinstance(v.get("written"), str) and "original" in v
-        for v in data["files"].values()
-    ):
-        raise _bad_record(path, "lacks the files of the in-place set")
-    if not isinstance(data.get("history", []), list):
-        raise _bad_record(path, "has a malformed history")
-    current = data.get("current")
-    if current is not None and not (
-        isinstance(current, dict)
-        and all(isinstance(current.get(k), str | None) for k in ("branch", "commit"))
-        and isinstance(current.get("values", {}), dict)
-    ):
-        raise _bad_record(path, "has a malformed current set")
-    for rel in data.get("files", {}) if mode == "in-place" else ():
-        # a record names target files inside the checkout, never a path that leaves it
-        parts = Path(rel).parts
-        if Path(rel).is_absolute() or ".." in parts or not parts:
-            raise _bad_record(path, f"names a file outside the checkout ({rel!r})")
-    return data
+    why = why_malformed(data)
+    if why is not None:
+        raise _bad_record(path, why)
+    state = CheckoutState.from_dict(data)
+    commit = state.base.commit
+    if state.mode is Mode.BRANCH and checkout.has_git and not commit_exists(checkout, str(commit)):
+        raise _bad_record(path, f"names a base commit {str(commit)[:12]} git does not have")
+    return state
 
 
-def state_text(state: dict[str, Any]) -> str:
-    return json.dumps({"version": STATE_VERSION, **state}, indent=2, sort_keys=True) + "\n"
+def state_text(state: CheckoutState) -> str:
+    return (
+        json.dumps({"version": STATE_VERSION, **state.as_dict()}, indent=2, sort_keys=True) + "\n"
+    )
 
 
 def _state_dir_ready(checkout: Checkout) -> None:
@@ -485,7 +463,7 @@ def _state_dir_ready(checkout: Checkout) -> None:
         ) from None
 
 
-def save_state(checkout: Checkout, state: dict[str, Any]) -> None:
+def save_state(checkout: Checkout, state: CheckoutState) -> None:
     _state_dir_ready(checkout)
     tmp = checkout.state_dir / "state.json.tmp"
     faults.step("write record", done=False)

@@ -25,7 +25,6 @@ import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from io import BytesIO
-from typing import Any
 
 import git
 from gitdb import IStream  # type: ignore[import-untyped]
@@ -40,6 +39,7 @@ from quantpatch.base.config import (
 )
 from quantpatch.base.errors import UserError
 from quantpatch.git import repo as gitrepo
+from quantpatch.git.state import Base
 
 SUBJECT_PREFIX = "quantpatch: linear="
 _TRAILER_RE = re.compile(r"^Quantpatch-Base-(Branch|Commit): (\S+)$", re.MULTILINE)
@@ -87,28 +87,28 @@ def check_prefix(repo: git.Repo, targets: Targets) -> None:
             )
 
 
-def commit_message(values: Mapping[str, str], base: Mapping[str, Any], files: list[str]) -> str:
-    base_name = base.get("branch") or "detached HEAD"
+def commit_message(values: Mapping[str, str], base: Base, files: list[str]) -> str:
+    base_name = base.branch or "detached HEAD"
     return (
         f"{SUBJECT_PREFIX}{linear_text(values, ':', ',')} qk={values.get('qk')} "
         f"pv={values.get('pv')}"
         + (f" bf16_layers={values['bf16_layers']}" if values.get("bf16_layers") else "")
         + "\n\n"
-        f"Base: {base_name} @ {base['commit']}\n"
+        f"Base: {base_name} @ {base.commit}\n"
         f"Files: {', '.join(files)}\n\n"
-        f"Quantpatch-Base-Branch: {base.get('branch') or '-'}\n"
-        f"Quantpatch-Base-Commit: {base['commit']}\n"
+        f"Quantpatch-Base-Branch: {base.branch or '-'}\n"
+        f"Quantpatch-Base-Commit: {base.commit}\n"
     )
 
 
-def base_from_commit(repo: git.Repo, commit: str) -> dict[str, Any] | None:
+def base_from_commit(repo: git.Repo, commit: str) -> Base | None:
     """The base recorded in a quantpatch commit's trailers (``None`` if it has none)."""
     message = str(repo.commit(commit).message)
     found = dict(_TRAILER_RE.findall(message))
     if "Commit" not in found:
         return None
     branch = found.get("Branch")
-    return {"branch": None if branch in (None, "-") else branch, "commit": found["Commit"]}
+    return Base(None if branch in (None, "-") else branch, found["Commit"])
 
 
 def _is_ours(commit: git.Commit) -> bool:
@@ -230,7 +230,7 @@ def _short(commit: git.Commit) -> str:
 def plan_scheme_commit(
     repo: git.Repo,
     name: str,
-    base: Mapping[str, Any],
+    base: Base,
     tip: str,
     planned: Mapping[str, str],
     values: Mapping[str, str],

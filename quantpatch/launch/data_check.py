@@ -112,7 +112,7 @@ DATA_VARS = ("DATA_ROOT", "DATA_PREFIX", "TOKENIZER_MODEL", "MOCK_DATA")
 """The variables that say which data and tokenizer the scripts read (templates/pretrain.sh.j2)."""
 
 
-def data_vars(record: Mapping[str, Any]) -> dict[str, str]:
-    """The data variables recorded for the sweep's runs (none for an older record)."""
-    env = (record.get("data") or {}).get("env") or {}
+def data_vars(env: Mapping[str, Any]) -> dict[str, str]:
+    """The data variables among those a sweep recorded for its runs (``SweepRecord.data_env``;
+    none for an older record)."""
     return {k: str(v) for k, v in env.items() if k in DATA_VARS}

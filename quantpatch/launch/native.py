@@ -159,21 +159,33 @@ def refuse_unrunnable(
         return
     chosen = [int(g) for g in gpus if g.isdigit() and int(g) < len(caps)] or list(range(len(caps)))
     for s in native:
-        need = needs(s.argv())
-        if need is None:
-            continue
-        fmt, low, high = need
-        bad = [i for i in chosen if caps[i] < low or (high is not None and caps[i] >= high)]
-        if not bad:
-            continue
-        fits = [i for i, c in enumerate(caps) if c >= low and (high is None or c < high)]
-        span = f"{_cc(low)} or higher" + (f" and below {_cc(high)}" if high else "")
-        advice = (
-            f"choose GPUs {','.join(map(str, fits))} {choose}"
-            if fits
-            else "run it on a machine with such GPUs (or --launcher slurm)"
-        )
-        raise UserError(
-            f"{s.name}: TransformerEngine runs {fmt} on compute capability {span}, and GPU "
-            f"{bad[0]} of this machine is {_cc(caps[bad[0]])}; {advice}, or leave it out."
-        )
+        _refuse_capability(s, caps, chosen, choose)
+
+
+def _refuse_capability(
+    scheme: Scheme, caps: Sequence[tuple[int, int]], chosen: Sequence[int], choose: str
+) -> None:
+    """One sentence where a chosen GPU's compute capability lacks the format the native
+    scheme runs (with the GPUs that have it, if any)."""
+    need = needs(scheme.argv())
+    if need is None:
+        return
+    fmt, low, high = need
+
+    def fits(cap: tuple[int, int]) -> bool:
+        return cap >= low and (high is None or cap < high)
+
+    bad = [i for i in chosen if not fits(caps[i])]
+    if not bad:
+        return
+    good = [i for i, c in enumerate(caps) if fits(c)]
+    span = f"{_cc(low)} or higher" + (f" and below {_cc(high)}" if high else "")
+    advice = (
+        f"choose GPUs {','.join(map(str, good))} {choose}"
+        if good
+        else "run it on a machine with such GPUs (or --launcher slurm)"
+    )
+    raise UserError(
+        f"{scheme.name}: TransformerEngine runs {fmt} on compute capability {span}, and GPU "
+        f"{bad[0]} of this machine is {_cc(caps[bad[0]])}; {advice}, or leave it out."
+    )

@@ -10,26 +10,27 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from quantpatch.launch.sweep_record import SweepRecord, SweepRun
+
 RUN_COLUMNS = [
     "run", "state", "scheme", "linear", "qk", "pv", "bf16 layers", "scheme args", "attention",
     "commit", "data", "tokenizer", "gpus", "slurm",
 ]  # fmt: skip
 
 
-def _layout(record: Mapping[str, Any]) -> str | None:
-    layout = record.get("layout") or {}
-    if not layout.get("gpus_per_node"):
+def _layout(record: SweepRecord) -> str | None:
+    if not record.gpus_per_node:
         return None
-    nodes = int(layout.get("nodes") or 1)
-    return f"{nodes} node{'s' if nodes != 1 else ''} x {layout['gpus_per_node']} GPUs"
+    nodes = int(record.nodes or 1)
+    return f"{nodes} node{'s' if nodes != 1 else ''} x {record.gpus_per_node} GPUs"
 
 
-def header(sweep_dir: Path, record: Mapping[str, Any]) -> list[tuple[str, str]]:
+def header(sweep_dir: Path, record: SweepRecord) -> list[tuple[str, str]]:
     """The sweep's facts, one (label, text) a line."""
-    sel = record.get("selection") or {}
-    env = (record.get("data") or {}).get("env") or {}
-    launcher = str(record.get("launcher", "?"))
-    jobs = sorted({str(r["slurm_job"]) for r in record["runs"] if r.get("slurm_job")})
+    sel = record.selection
+    env = record.data_env
+    launcher = record.launcher or "?"
+    jobs = sorted({str(r.slurm_job) for r in record.runs if r.slurm_job})
     if jobs:
         launcher += f" (job array{'s' if len(jobs) > 1 else ''} {', '.join(jobs)})"
     mock = is_mock(record)
@@ -39,16 +40,15 @@ def header(sweep_dir: Path, record: Mapping[str, Any]) -> list[tuple[str, str]]:
         else env.get("DATA_PREFIX") or env.get("DATA_ROOT") or "the registry's prefixes"
     )
     stamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    lay = _layout(record)
     lines = [
         ("sweep", str(sweep_dir.resolve())),
-        ("created", str(record.get("created") or "?")),
+        ("created", record.created or "?"),
         ("report written", stamp),
-        ("checkout", str(record.get("checkout", "?"))),
+        ("checkout", record.checkout if "checkout" in record.keys else "?"),
         ("launcher", launcher),
         (
             "profile",
-            str(sel.get("profile") or "?") + (f", {lay}" if (lay := _layout(record)) else ""),
+            (sel.profile or "?") + (f", {lay}" if (lay := _layout(record)) else ""),
         ),
         ("data", data),
         (
@@ -58,8 +58,8 @@ def header(sweep_dir: Path, record: Mapping[str, Any]) -> list[tuple[str, str]]:
             else env.get("TOKENIZER_MODEL") or "each model's own (tokenizer_model)",
         ),
     ]
-    if sel.get("config"):
-        lines.append(("config", str(sel["config"])))
+    if sel.config:
+        lines.append(("config", sel.config))
     lines += _made_from(record)
     lines.append(("step times", EMULATION))
     return lines
@@ -78,13 +78,12 @@ HYPERPARAMETERS = (
 """The resolved arguments the header names (the profile's, with each model's own)."""
 
 
-def _made_from(record: Mapping[str, Any]) -> list[tuple[str, str]]:
+def _made_from(record: SweepRecord) -> list[tuple[str, str]]:
     """quantpatch's version, the checkout's Megatron release and base commit, and each
     model's hyperparameters, as ``sweep run`` recorded them (nothing for an older record)."""
     from quantpatch import __version__
 
-    made = record.get("provenance") or {}
-    sel = record.get("selection") or {}
+    made = record.provenance or {}
     lines = [
         (
             "quantpatch",
@@ -100,7 +99,7 @@ def _made_from(record: Mapping[str, Any]) -> list[tuple[str, str]]:
         )
     for model, args in sorted((made.get("args") or {}).items()):
         shown = [f"{k} {_arg(args[k])}" for k in HYPERPARAMETERS if k in args]
-        extra = " ".join(str(e) for e in sel.get("extra") or [])
+        extra = " ".join(str(e) for e in record.selection.extra)
         text = ", ".join(shown) + (f"; then {extra}" if extra else "")
         lines.append((f"hyperparameters: {model}", text))
     return lines
@@ -118,13 +117,13 @@ DATA_COLUMNS = ["model", "dataset", "prefix", "documents", "tokens", ".bin sha25
                 "tokenizer", "fingerprint", "vocabulary"]  # fmt: skip
 
 
-def data_rows(record: Mapping[str, Any]) -> list[dict[str, Any]]:
+def data_rows(record: SweepRecord) -> list[dict[str, Any]]:
     """One row a dataset the runs read: its manifest's counts and hashes, the tokenizer it
     was made with, its fingerprint and vocabulary size (none for mock data)."""
     if is_mock(record):
         return []
     rows = []
-    for c in (record.get("data") or {}).get("checked") or []:
+    for c in (record.data or {}).get("checked") or []:
         m = c.get("manifest") or {}
         sha = (m.get("sha256") or {}).get("bin") if isinstance(m.get("sha256"), dict) else None
         rows.append(
@@ -153,7 +152,7 @@ LEGEND_COLUMNS = ["value", "family", "forward", "gradient", "block", "weight blo
                   "rht", "rounding", "reference"]  # fmt: skip
 
 
-def legend_rows(record: Mapping[str, Any], schemes: Mapping[str, Any]) -> list[dict[str, Any]]:
+def legend_rows(record: SweepRecord, schemes: Mapping[str, Any]) -> list[dict[str, Any]]:
     """Every value the sweep's schemes use, its row of the values table and the reference it
     is bit-identical to (``quantpatch.base.values``)."""
     from quantpatch.base.values import TEXT_COLUMNS, text_rows, value_table
@@ -161,8 +160,8 @@ def legend_rows(record: Mapping[str, Any], schemes: Mapping[str, Any]) -> list[d
     table = value_table()
     cells = {row[0]: dict(zip(TEXT_COLUMNS, row, strict=True)) for row in text_rows()}
     used: list[str] = []
-    for r in record["runs"]:
-        scheme = schemes.get(r.get("scheme"))
+    for r in record.runs:
+        scheme = schemes.get(r.scheme)
         if scheme is None:
             continue
         for role, value in scheme.values().items():
@@ -188,20 +187,20 @@ def legend_rows(record: Mapping[str, Any], schemes: Mapping[str, Any]) -> list[d
     return rows
 
 
-def bf16_layer_lines(record: Mapping[str, Any], schemes: Mapping[str, Any]) -> list[str]:
+def bf16_layer_lines(record: SweepRecord, schemes: Mapping[str, Any]) -> list[str]:
     """Each scheme's BF16 layer policy resolved to each model's layer numbers (its
     ``num-layers`` under the profile), one line a scheme and model."""
     from quantpatch.base.config import bf16_layer_numbers, layer_ranges
 
-    args = (record.get("provenance") or {}).get("args") or {}
+    args = (record.provenance or {}).get("args") or {}
     out: list[str] = []
     seen: set[tuple[str, str]] = set()
-    for r in record["runs"]:
-        scheme = schemes.get(r.get("scheme"))
+    for r in record.runs:
+        scheme = schemes.get(r.scheme)
         if scheme is None:
             continue
         policy = scheme.values().get("bf16_layers")
-        model = str(r.get("model"))
+        model = r.model
         if not policy or (scheme.name, model) in seen:
             continue
         seen.add((scheme.name, model))
@@ -218,17 +217,17 @@ def bf16_layer_lines(record: Mapping[str, Any], schemes: Mapping[str, Any]) -> l
     return out
 
 
-def is_mock(record: Mapping[str, Any]) -> bool:
+def is_mock(record: SweepRecord) -> bool:
     """Whether the sweep's runs trained on mock data (as their scripts decided: ``MOCK_DATA``
     or the profile's default; a record made before ``mock`` was kept: the variable alone)."""
-    data = record.get("data") or {}
+    data = record.data or {}
     if "mock" in data:
         return data["mock"] is True
     return (data.get("env") or {}).get("MOCK_DATA") == "1"
 
 
-def _checked(record: Mapping[str, Any]) -> dict[tuple[str, str], Mapping[str, Any]]:
-    found = (record.get("data") or {}).get("checked") or []
+def _checked(record: SweepRecord) -> dict[tuple[str, str], Mapping[str, Any]]:
+    found = (record.data or {}).get("checked") or []
     return {(str(c.get("model")), str(c.get("dataset"))): c for c in found}
 
 
@@ -239,47 +238,54 @@ def _linear(values: Mapping[str, str]) -> str:
     return " ".join(gemms) or "?"
 
 
-def run_rows(record: Mapping[str, Any], schemes: Mapping[str, Any]) -> list[dict[str, Any]]:
+def _slurm_cell(r: SweepRun) -> str:
+    if not r.slurm_job:
+        return "-"
+    return f"{r.slurm_job}_{r.array_task}" + (f" {r.slurm_state}" if r.slurm_state else "")
+
+
+def _data_cells(
+    data: Mapping[str, Any] | None, mock: bool, env: Mapping[str, Any]
+) -> tuple[str, str]:
+    """A run's data and tokenizer cells: mock, the prefix and tokenizer checked, or what the
+    environment named."""
+    if mock:
+        return "mock", "-"
+    if data:
+        return str(data["prefix"]), str(data["tokenizer"])
+    return "-", str(env.get("TOKENIZER_MODEL", "-"))
+
+
+def run_rows(record: SweepRecord, schemes: Mapping[str, Any]) -> list[dict[str, Any]]:
     """One row a run, keyed by ``RUN_COLUMNS``."""
     checked = _checked(record)
-    env = (record.get("data") or {}).get("env") or {}
+    env = record.data_env
     mock = is_mock(record)
     layout = _layout(record)
-    choice = (record.get("attention") or {}).get("choice")
+    choice = (record.attention or {}).get("choice")
     rows = []
-    for r in record["runs"]:
-        scheme = schemes.get(r.get("scheme"))
+    for r in record.runs:
+        scheme = schemes.get(r.scheme)
         values: Mapping[str, str] = scheme.values() if scheme is not None else {}
-        data = checked.get((str(r.get("model")), str(r.get("dataset"))))
-        slurm = ""
-        if r.get("slurm_job"):
-            slurm = f"{r['slurm_job']}_{r.get('array_task')}"
-            if r.get("slurm_state"):
-                slurm += f" {r['slurm_state']}"
+        data, tokenizer = _data_cells(checked.get((r.model, r.dataset)), mock, env)
         rows.append(
             {
-                "run": r.get("name"),
-                "state": r.get("state"),
-                "scheme": r.get("scheme"),
+                "run": r.name,
+                "state": r.state.value,
+                "scheme": r.scheme,
                 "linear": _linear(values) if values else "?",
                 "qk": values.get("qk", "?"),
                 "pv": values.get("pv", "?"),
                 "bf16 layers": values.get("bf16_layers", "-"),
                 # the scheme's own Megatron arguments (a native scheme: TE's recipe), as recorded
-                "scheme args": " ".join(map(str, r.get("args") or [])) or "-",
+                "scheme args": " ".join(map(str, r.args or [])) or "-",
                 # what the sweep asked for (the runs table says what each run's log names)
-                "attention": f"{r['attention']} (sweep: {choice})" if r.get("attention") else "-",
-                "commit": (r.get("commit") or "")[:12] or "-",
-                "data": "mock" if mock else str(data["prefix"]) if data else "-",
-                "tokenizer": (
-                    "-"
-                    if mock
-                    else str(data["tokenizer"])
-                    if data
-                    else env.get("TOKENIZER_MODEL", "-")
-                ),
-                "gpus": r.get("gpus") or layout or "-",
-                "slurm": slurm or "-",
+                "attention": f"{r.attention} (sweep: {choice})" if r.attention else "-",
+                "commit": (r.commit or "")[:12] or "-",
+                "data": data,
+                "tokenizer": tokenizer,
+                "gpus": r.gpus or layout or "-",
+                "slurm": _slurm_cell(r),
             }
         )
     return rows

@@ -451,28 +451,43 @@ def _check_scheme(name: str, e: dict[str, Any], where: str, names: set[str]) -> 
         if e.get(count, 1) < 0:
             raise UserError(f"{where}: scheme '{name}': {count} must be 0 or more.")
     if e.get("te_recipe"):
-        gemms = {e.get(g, e["linear"]) for g in GEMMS if g != "wgrad" or e.get("fp8_wgrad", True)}
-        linear = e["linear"]
-        attention = (e["qk"], e["pv"])
-        if linear not in RECIPE_FLAGS or gemms != {linear} or attention != ("bf16", "bf16"):
-            raise UserError(
-                f"{where}: scheme '{name}' has te_recipe = true, which needs one value of a "
-                f"Megatron recipe ({', '.join(RECIPE_FLAGS)}) on every linear GEMM and qk = pv "
-                '= "bf16" (Megatron keeps the attention core in BF16).'
-            )
-        recipe = RECIPE_FLAGS[linear][1]
-        if recipe == "delayed" and e.get("first_last_layers_bf16"):
-            raise UserError(
-                f"{where}: scheme '{name}' sets first_last_layers_bf16 with the delayed "
-                "recipe, which Megatron refuses (fp8_utils.get_fp8_context: delayed scaling "
-                "does not support first / last layers in BF16); drop one of them."
-            )
-        if e.get("fp8_wgrad") is False and recipe not in HONOURS_NO_FP8_WGRAD:
-            raise UserError(
-                f"{where}: scheme '{name}' sets fp8_wgrad = false, but Megatron hands "
-                f"--no-fp8-wgrad to its {' and '.join(HONOURS_NO_FP8_WGRAD)} recipe only and "
-                f"runs --fp8-recipe {recipe} with an FP8 weight gradient; drop fp8_wgrad."
-            )
+        _check_recipe(name, e, where)
+    _check_native(name, e, where, names)
+
+
+def _check_recipe(name: str, e: dict[str, Any], where: str) -> None:
+    """A ``te_recipe`` scheme: one value of a Megatron recipe on every linear GEMM, BF16
+    attention, and recipe fields the recipe honours."""
+    gemms = {e.get(g, e["linear"]) for g in GEMMS if g != "wgrad" or e.get("fp8_wgrad", True)}
+    linear = e["linear"]
+    attention = (e["qk"], e["pv"])
+    if linear not in RECIPE_FLAGS or gemms != {linear} or attention != ("bf16", "bf16"):
+        raise UserError(
+            f"{where}: scheme '{name}' has te_recipe = true, which needs one value of a "
+            f"Megatron recipe ({', '.join(RECIPE_FLAGS)}) on every linear GEMM and qk = pv "
+            '= "bf16" (Megatron keeps the attention core in BF16).'
+        )
+    recipe = RECIPE_FLAGS[linear][1]
+    if recipe == "delayed" and e.get("first_last_layers_bf16"):
+        raise UserError(
+            f"{where}: scheme '{name}' sets first_last_layers_bf16 with the delayed "
+            "recipe, which Megatron refuses (fp8_utils.get_fp8_context: delayed scaling "
+            "does not support first / last layers in BF16); drop one of them."
+        )
+    if e.get("fp8_wgrad") is False and recipe not in HONOURS_NO_FP8_WGRAD:
+        honour = [v for v, (_, r) in RECIPE_FLAGS.items() if r in HONOURS_NO_FP8_WGRAD]
+        raise UserError(
+            f"{where}: scheme '{name}' sets fp8_wgrad = false, but Megatron hands "
+            f"--no-fp8-wgrad to its {' and '.join(HONOURS_NO_FP8_WGRAD)} recipe only and "
+            f"runs --fp8-recipe {recipe} with an FP8 weight gradient; drop fp8_wgrad, or "
+            f"take a value of that recipe ({' or '.join(honour)}: the schemes "
+            "te_delayed_hybrid and te_delayed_e4m3), whose schemes honour it."
+        )
+
+
+def _check_native(name: str, e: dict[str, Any], where: str, names: set[str]) -> None:
+    """A native scheme (TransformerEngine's own layers) sets no site, and only it names the
+    twin it ``emulates``."""
     if e.get("native"):
         sites = {r: e[r] for r in ("linear", "qk", "pv", *GEMMS) if r in e and e[r] != "bf16"}
         if sites or e.get("bf16_layers") or e.get("te_recipe"):
@@ -496,6 +511,21 @@ def _merge(
     if not isinstance(new, dict):
         raise UserError(f"{where}: {kind}.{name} must be a table.")
     fields = _FIELDS[kind]
+    _check_types(kind, name, new, where)
+    merged = _combined(kind, name, dict(old or {}), new, where)
+    missing = [f for f in fields if f not in merged and f not in _OPTIONAL.get(kind, set())]
+    if missing:
+        raise UserError(f"{where}: {kind}.{name} is missing field '{missing[0]}'.")
+    if "args" in merged and kind != "schemes":
+        merged["args"] = _check_args(merged["args"], f"{where}: {kind}.{name}")
+    if "parallel" in merged:
+        merged["parallel"] = _check_parallel(merged["parallel"], f"{where}: {kind}.{name}")
+    return merged
+
+
+def _check_types(kind: str, name: str, new: dict[str, Any], where: str) -> None:
+    """Each field of an entry known and of its type, or one sentence."""
+    fields = _FIELDS[kind]
     for key, value in new.items():
         if key not in fields:
             raise UserError(
@@ -510,7 +540,13 @@ def _merge(
                 f"{where}: {kind}.{name}.{key} has the wrong type (expected {expected}, got "
                 f"{type(value).__name__})."
             )
-    merged = dict(old or {})
+
+
+def _combined(
+    kind: str, name: str, merged: dict[str, Any], new: dict[str, Any], where: str
+) -> dict[str, Any]:
+    """An entry's fields over the earlier definition's (``args``, ``parallel`` and a
+    profile's overrides merged key by key)."""
     if kind == "schemes" and new.get("native") is True:  # no site runs: every role bf16
         for role in ("linear", "qk", "pv"):
             merged.setdefault(role, "bf16")
@@ -525,13 +561,6 @@ def _merge(
             }
         else:
             merged[key] = value
-    missing = [f for f in fields if f not in merged and f not in _OPTIONAL.get(kind, set())]
-    if missing:
-        raise UserError(f"{where}: {kind}.{name} is missing field '{missing[0]}'.")
-    if "args" in merged and kind != "schemes":
-        merged["args"] = _check_args(merged["args"], f"{where}: {kind}.{name}")
-    if "parallel" in merged:
-        merged["parallel"] = _check_parallel(merged["parallel"], f"{where}: {kind}.{name}")
     return merged
 
 
@@ -666,6 +695,33 @@ def twin_pairs(schemes: dict[str, Scheme], ran: list[str]) -> list[tuple[str, st
     ]
 
 
+FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
+"""core_v0.13.1's ``--fp8-recipe`` choices (``fp8_utils.get_fp8_recipe``), each taken with
+``--fp8-format e4m3`` or ``hybrid``."""
+
+
+def recipe_table(reg: Registry) -> str:
+    """Every (``--fp8-format``, ``--fp8-recipe``) pair: the value that emulates it, the
+    ``te_recipe`` scheme and its native twin, as docs/formats.md and docs/launch.md show them
+    (a test keeps the three equal)."""
+    lines = [
+        "| `--fp8-format` | `--fp8-recipe` | value | scheme (emulation) | native twin |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for recipe in FP8_RECIPES:
+        for fmt in ("e4m3", "hybrid"):
+            value = next((v for v, f in RECIPE_FLAGS.items() if f == (fmt, recipe)), None)
+            scheme = next(
+                (n for n, s in reg.schemes.items() if s.te_recipe and s.linear == value), None
+            )
+            twin = next(
+                (n for n, s in reg.schemes.items() if s.native and s.emulates == scheme), None
+            )
+            cells = [fmt, recipe, value, scheme, twin]
+            lines.append("| " + " | ".join(f"`{c}`" if c else "-" for c in cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def releases() -> list[str]:
     folder = resources.files("quantpatch").joinpath("data/megatron")
     return sorted(
@@ -688,3 +744,12 @@ def release_flags(release: str) -> frozenset[str]:
         .read_text("utf-8")
     )
     return frozenset(line.strip() for line in text.splitlines() if line.strip())
+
+
+def scheme_values(name: str, extra: Path | None = None) -> dict[str, str]:
+    """The values of the scheme ``name`` (``set --scheme``), refused in one sentence where no
+    scheme has that name."""
+    schemes = load_registry(extra).schemes
+    if name not in schemes:
+        raise UserError(f"--scheme: unknown scheme '{name}'; valid: {', '.join(schemes)}.")
+    return dict(schemes[name].values())

@@ -15,17 +15,15 @@ import os
 import re
 import shutil
 import subprocess
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
 
 from quantpatch.base.errors import UserError
+from quantpatch.launch.sweep_record import RunState, SweepRecord, SweepRun
 
 OUTPUT_DIR = "slurm"
-LIVE = ("submitted", "pending", "running")
-"""A Slurm run in one of these states is Slurm's: never submitted again, only followed."""
 _FINISHED = ("COMPLETED",)
 _FAILED = ("FAILED", "NODE_FAIL", "OUT_OF_MEMORY", "TIMEOUT", "BOOT_FAIL", "DEADLINE")
 _INTERRUPTED = ("CANCELLED", "PREEMPTED", "REVOKED")
@@ -36,20 +34,22 @@ _EXITED = re.compile(r"\[quantpatch\] training exited with status ([0-9]+)")
 _GPU_WORDS = ("gres", "gpu", "tres")
 
 
-def state_of(slurm_state: str) -> str:
+_STATES = (
+    (_FINISHED, RunState.FINISHED),
+    (_FAILED, RunState.FAILED),
+    (_INTERRUPTED, RunState.INTERRUPTED),
+    (_RUNNING, RunState.RUNNING),
+    (_PENDING, RunState.PENDING),
+)
+
+
+def state_of(slurm_state: str) -> RunState:
     """quantpatch's state for Slurm's (``CANCELLED by 0`` reads as ``CANCELLED``)."""
     word = slurm_state.split()[0].rstrip("+") if slurm_state.strip() else ""
-    if word in _FINISHED:
-        return "finished"
-    if word in _FAILED:
-        return "failed"
-    if word in _INTERRUPTED:
-        return "interrupted"
-    if word in _RUNNING:
-        return "running"
-    if word in _PENDING:
-        return "pending"
-    return "submitted"
+    for words, state in _STATES:
+        if word in words:
+            return state
+    return RunState.SUBMITTED
 
 
 @dataclass
@@ -209,8 +209,8 @@ def query(sweep_dir: Path, tasks: Sequence[tuple[str, int]]) -> dict[tuple[str, 
     return found
 
 
-def _log_of(sweep_dir: Path, run: Mapping[str, Any], task: Task) -> Path | None:
-    logs = sweep_dir / str(run.get("folder") or f"runs/{run['name']}") / "logs"
+def _log_of(sweep_dir: Path, run: SweepRun, task: Task) -> Path | None:
+    logs = sweep_dir / (run.folder or f"runs/{run.name}") / "logs"
     if task.job_id:
         named = sorted(logs.glob(f"*_job{task.job_id}.log"))
         if named:
@@ -231,42 +231,41 @@ def _commit_of(*paths: Path | None) -> str | None:
     return None
 
 
-def refresh(sweep_dir: Path, record: dict[str, Any]) -> bool:
+def refresh(sweep_dir: Path, record: SweepRecord) -> bool:
     """Bring the record's submitted runs up to Slurm's word; True where anything changed (the
     caller saves)."""
-    follow = [
-        r
-        for r in record["runs"]
-        if r.get("slurm_job") and isinstance(r.get("array_task"), int) and r["state"] in LIVE
-    ]
+    follow = [r for r in record.runs if r.is_slurm_live and isinstance(r.array_task, int)]
     if not follow:
         return False
-    seen = query(sweep_dir, [(str(r["slurm_job"]), r["array_task"]) for r in follow])
+    seen = query(sweep_dir, [(str(r.slurm_job), int(r.array_task or 0)) for r in follow])
     changed = False
     for run in follow:
-        job, index = str(run["slurm_job"]), run["array_task"]
+        job, index = str(run.slurm_job), int(run.array_task or 0)
         task = seen.get((job, index))
         if task is None:
             continue
-        before = dict(run)
+        before = run.as_dict()
         state = state_of(task.state)
-        run["slurm_state"] = task.state
-        run["state"] = state
+        run.update(slurm_state=task.state, state=state)
         if task.start:
-            run["started"] = task.start
+            run.update(started=task.start)
         out = output_file(sweep_dir, job, index)
-        if state in ("finished", "failed", "interrupted"):
-            run["exit_code"] = task.exit_code
-            run["ended"] = task.end
-            run["reason"] = None if state == "finished" else task.state
+        if state.ended:
+            run.update(
+                exit_code=task.exit_code,
+                ended=task.end,
+                reason=None if state is RunState.FINISHED else task.state,
+            )
         log = _log_of(sweep_dir, run, task)
         if log is not None:
-            run["log"] = log.relative_to(sweep_dir).as_posix()  # the sweep folder's
-        run["slurm_output"] = (
-            out.relative_to(sweep_dir).as_posix() if out.is_file() else run.get("slurm_output")
+            run.update(log=log.relative_to(sweep_dir).as_posix())  # the sweep folder's
+        run.update(
+            slurm_output=(
+                out.relative_to(sweep_dir).as_posix() if out.is_file() else run.slurm_output
+            )
         )
-        run["commit"] = _commit_of(log, out) or run.get("commit")
-        changed = changed or run != before
+        run.update(commit=_commit_of(log, out) or run.commit)
+        changed = changed or run.as_dict() != before
     return changed
 
 
@@ -286,24 +285,21 @@ def _gpu_hint(message: str, gpu_request: str) -> str:
     )
 
 
-def _refusal_hint(
-    said: str, gpu_request: str, record: Mapping[str, Any], partition: str | None
-) -> str:
+def _refusal_hint(said: str, gpu_request: str, record: SweepRecord, partition: str | None) -> str:
     """What to change: the node layout for sbatch's node-configuration refusal (with what
     the partition's nodes have), the GPU request for a refusal that names GPUs."""
     from quantpatch.launch import slurm_nodes
 
-    layout = record.get("layout") or {}
     if "node configuration" in said.lower():
         return slurm_nodes.sbatch_hint(
-            said, layout.get("gpus_per_node"), layout.get("nodes"), slurm_nodes.query(partition)
+            said, record.gpus_per_node, record.nodes, slurm_nodes.query(partition)
         )
     return _gpu_hint(said, gpu_request)
 
 
 def submit(
     sweep_dir: Path,
-    record: dict[str, Any],
+    record: SweepRecord,
     *,
     throttle: int,
     gpu_request: str,
@@ -312,13 +308,15 @@ def submit(
 ) -> Submitted | None:
     """One job array of the record's pending runs (None where there is none); the record is
     updated, not saved."""
-    todo = [i for i, r in enumerate(record["runs"]) if r["state"] == "pending" and not live(r)]
+    todo = [
+        i for i, r in enumerate(record.runs) if r.state is RunState.PENDING and not r.is_slurm_live
+    ]
     if not todo:
         return None
     sbatch = sbatch_exe()
     here = sweep_dir.resolve()
     (here / OUTPUT_DIR).mkdir(parents=True, exist_ok=True)
-    checkout = record["checkout"]
+    checkout = record.checkout
     from quantpatch.launch import script_env
     from quantpatch.launch.data_check import data_vars
 
@@ -327,7 +325,7 @@ def submit(
     env, passed = script_env.for_runs(
         os.environ,
         {
-            **data_vars(record),
+            **data_vars(record.data_env),
             "OUTPUT_ROOT": str(here / "runs"),
             "MEGATRON_ROOT": checkout,
             "QUANTPATCH": quantpatch_exe,
@@ -356,12 +354,12 @@ def submit(
         hint = _refusal_hint(said, gpu_request, record, partition)
         raise UserError(f"sbatch refused the sweep: {said}{hint}.")
     stamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    record["slurm_job"] = job
+    record.slurm_job = job
     names = []
     for i in todo:
-        run = record["runs"][i]
+        run = record.runs[i]
         run.update(
-            state="submitted",
+            state=RunState.SUBMITTED,
             slurm_job=job,
             array_task=i,
             slurm_state=None,
@@ -375,29 +373,27 @@ def submit(
             slurm_output=None,
             env=passed,
         )
-        names.append(run["name"])
+        names.append(run.name)
     return Submitted(job, names)
 
 
-def live(run: Mapping[str, Any]) -> bool:
-    return bool(run.get("slurm_job")) and run.get("state") in LIVE
-
-
-def cancel(sweep_dir: Path, record: dict[str, Any]) -> list[str]:
+def cancel(sweep_dir: Path, record: SweepRecord) -> list[str]:
     """scancel every task of the sweep that is pending or running; those runs recorded
     interrupted (the record updated, not saved). The names cancelled."""
-    runs = [r for r in record["runs"] if live(r)]
+    runs = [r for r in record.runs if r.is_slurm_live]
     if not runs:
         return []
     exe = shutil.which("scancel")
     if exe is None:
         raise UserError("scancel is not on PATH: cancel the sweep from a machine with Slurm.")
-    ids = [f"{r['slurm_job']}_{r['array_task']}" for r in runs]
+    ids = [f"{r.slurm_job}_{r.array_task}" for r in runs]
     res = subprocess.run([exe, *ids], capture_output=True, text=True, errors="replace", check=False)
     if res.returncode != 0:
         said = " ".join((res.stderr or res.stdout).split()) or f"exit status {res.returncode}"
         raise UserError(f"scancel refused to cancel {', '.join(ids)}: {said}.")
     stamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
     for run in runs:
-        run.update(state="interrupted", slurm_state="CANCELLED", reason="CANCELLED", ended=stamp)
-    return [r["name"] for r in runs]
+        run.update(
+            state=RunState.INTERRUPTED, slurm_state="CANCELLED", reason="CANCELLED", ended=stamp
+        )
+    return [r.name for r in runs]

@@ -56,11 +56,11 @@ def run(
     names = list(inspect.signature(Linear.forward).parameters)[3:]  # after ctx, input, weight
     wq = w
     if weights is not None:
-        from megatron.core import quantpatch_ops as ops
+        from megatron.core.quantpatch import quantpatch_ops as ops
 
         wq = ops.paretoq_weight(w, ops.paretoq_init_alpha(w, weights), weights)
     if delayed is not None:  # a layer's state for the weight, filled by one step
-        from megatron.core import quantpatch_ops as ops
+        from megatron.core.quantpatch import quantpatch_ops as ops
 
         layer = torch.nn.Module()
         layer.weight = w

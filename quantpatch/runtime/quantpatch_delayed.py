@@ -65,6 +65,12 @@ import torch
 from . import quantpatch_formats as formats
 from .quantpatch_formats import ELEMENTS, Element
 from .quantpatch_mx import round_element
+from .quantpatch_quantize import factored_product, factors
+
+Operand = tuple[torch.Tensor, "torch.Tensor | None"]
+"""An operand as a product takes it: the fake-quantized tensor and None, or (bf16 and fp16
+products) its codes and the float32 reciprocal of its scale, which multiplies the product's
+float32 result (``quantpatch_quantize``'s section on factored operands)."""
 
 DELAYED_FORMATS = formats.names(family="fp8-delayed")
 """The delayed-scaling values, declared in the format spec (``fp8-delayed``: TE's
@@ -147,6 +153,25 @@ def quantize_with_scale(x: torch.Tensor, scale: torch.Tensor, elem: Element) -> 
     p = torch.clamp(torch.where(finite, v, torch.zeros_like(v)) * scale, -vmax, vmax)
     q = round_element(p, elem)
     return torch.where(finite, q * torch.reciprocal(scale), v).to(x.dtype)
+
+
+def codes_with_scale(x: torch.Tensor, scale: torch.Tensor, elem: Element) -> torch.Tensor:
+    """The codes :func:`quantize_with_scale` multiplies by ``1 / scale``, in ``x``'s dtype
+    (which holds them exactly: E4M3 and E5M2 in bf16 or fp16); NaN and +-Inf pass through."""
+    v = x.detach().to(torch.float32)
+    finite = torch.isfinite(v)
+    scale = scale.to(device=v.device, dtype=torch.float32)
+    vmax = elem[2]
+    p = torch.clamp(torch.where(finite, v, torch.zeros_like(v)) * scale, -vmax, vmax)
+    return torch.where(finite, round_element(p, elem), v).to(x.dtype)
+
+
+def operand(x: torch.Tensor, scale: torch.Tensor, elem: Element, factored: bool) -> Operand:
+    """``x`` under ``scale`` as a product takes it (:data:`Operand`)."""
+    if factored:
+        inv = torch.reciprocal(scale.to(device=x.device, dtype=torch.float32))
+        return codes_with_scale(x, scale, elem), inv.reshape(())
+    return quantize_with_scale(x, scale, elem), None
 
 
 def update(
@@ -241,7 +266,7 @@ class DelayedState(torch.nn.Module):
         self.group = group  # None: Megatron's amax reduction group, once it exists
         self.group_known = group is not None
         self.snapshots: collections.deque[torch.Tensor] = collections.deque()
-        self._weight: tuple[tuple[int, int, int], torch.Tensor, torch.Tensor] | None = None
+        self._weight: tuple[tuple[Any, ...], Operand, torch.Tensor] | None = None
         self._merge_next = False  # an eval forward's amaxes wait for the next training step's
         self._register_load_state_dict_pre_hook(_fresh_where_missing, with_module=True)  # type: ignore[no-untyped-call]
         _hook_optimizer()
@@ -305,23 +330,24 @@ class DelayedState(torch.nn.Module):
 
     @torch.no_grad()
     def forward_operands(
-        self, x: torch.Tensor, w: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, x: torch.Tensor, w: torch.Tensor, factored: bool = False
+    ) -> tuple[Operand, Operand]:
         """A forward GEMM's input and weight quantized with the current scales (the weight
-        once per optimizer step); their amaxes recorded, the scales queued for the backward."""
+        once per optimizer step; ``factored``: as codes and their scales' reciprocals); their
+        amaxes recorded, the scales queued for the backward."""
         if not self._merge_next:
             self.flush([INPUT, WEIGHT])
         self._merge_next = not self.training
         scale = self.scale.clone()
-        xq = quantize_with_scale(x, scale[INPUT], self.recipe.element(INPUT))
+        xq = operand(x, scale[INPUT], self.recipe.element(INPUT), factored)
         amaxes = {INPUT: te_amax(x)}
-        stamp = self._weight_stamp(w)
+        stamp = (*self._weight_stamp(w), factored)
         if self._weight is not None and self._weight[0] == stamp:
             # the cached weight keeps the scale it was quantized with, and records no amax
             wq, wscale = self._weight[1], self._weight[2]
         else:
             wscale = scale[WEIGHT]
-            wq = quantize_with_scale(w, wscale, self.recipe.element(WEIGHT))
+            wq = operand(w, wscale, self.recipe.element(WEIGHT), factored)
             amaxes[WEIGHT] = te_amax(w)
             self._weight = (stamp, wq, wscale)
         self._record(amaxes)
@@ -331,16 +357,16 @@ class DelayedState(torch.nn.Module):
 
     @torch.no_grad()
     def dgrad_operands(
-        self, grad: torch.Tensor, w: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, grad: torch.Tensor, w: torch.Tensor, factored: bool = False
+    ) -> tuple[Operand, Operand]:
         """The input-gradient GEMM's output gradient (current scale; amax recorded) and weight
         (as its forward quantized it)."""
         fwd = self.snapshots.popleft() if self.snapshots else self.scale[:2].clone()
         self.flush([GRAD])
         gscale = self.scale[GRAD].clone()
-        gq = quantize_with_scale(grad, gscale, self.recipe.element(GRAD))
+        gq = operand(grad, gscale, self.recipe.element(GRAD), factored)
         self._record({GRAD: te_amax(grad)})
-        wq = quantize_with_scale(w, fwd[1], self.recipe.element(WEIGHT))
+        wq = operand(w, fwd[1], self.recipe.element(WEIGHT), factored)
         _LOCAL.backward = (self, fwd, gscale)
         return gq, wq
 
@@ -407,32 +433,40 @@ def _through(x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return q
 
 
+def _product(a: torch.Tensor, b: torch.Tensor, qa: Operand, qb: Operand) -> torch.Tensor:
+    if qa[1] is None and qb[1] is None:
+        return torch.matmul(_through(a, qa[0]), _through(b, qb[0]))
+    return factored_product(a, b, qa, qb)
+
+
 def delayed_matmul(
     a: torch.Tensor, b: torch.Tensor, fmt: str, *, backward: bool, weight: str | None
 ) -> torch.Tensor:
     """A linear layer's product under a delayed value: the forward (``weight="b"``: ``input @
     weight.t()``), the input gradient (``backward``, ``weight="b"``: ``grad @ weight``) or the
     weight gradient (``backward``, no weight: ``grad.t() @ input``, right after its layer's
-    input gradient)."""
+    input gradient). In bf16 and fp16 the operands are the codes, and the reciprocals of
+    their scales multiply the float32 result (``quantpatch_quantize``'s factored operands)."""
+    factored = a.dtype == b.dtype and factors(fmt, a.dtype)
     if not backward:
         state = state_of(b) if weight == "b" else None
         if state is None:
             raise _no_state(fmt, "this product (no layer weight)")
-        aq, bq = state.forward_operands(a, b)
-        return torch.matmul(_through(a, aq), _through(b, bq))
+        aq, bq = state.forward_operands(a, b, factored)
+        return _product(a, b, aq, bq)
     if weight == "b":
         state = state_of(b)
         if state is None:
             raise _no_state(fmt, "this product (no layer weight)")
-        gq, wq = state.dgrad_operands(a, b)
-        return torch.matmul(_through(a, gq), _through(b, wq))
+        gq, wq = state.dgrad_operands(a, b, factored)
+        return _product(a, b, gq, wq)
     pending = _LOCAL.backward
     if pending is None:
         raise _no_state(fmt, "a weight gradient without its layer's input gradient")
     state, fwd, gscale = pending
-    gq = quantize_with_scale(a, gscale, state.recipe.element(GRAD))
-    xq = quantize_with_scale(b, fwd[0], state.recipe.element(INPUT))
-    return torch.matmul(_through(a, gq), _through(b, xq))
+    gq = operand(a, gscale, state.recipe.element(GRAD), factored)
+    xq = operand(b, fwd[0], state.recipe.element(INPUT), factored)
+    return _product(a, b, gq, xq)
 
 
 def refuse_delayed(fmt: str, where: str) -> None:

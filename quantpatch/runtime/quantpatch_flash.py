@@ -1,6 +1,6 @@
 """Flash attention (forward and backward) in Triton for the FA schemes' local attention.
 
-Installed by ``quantpatch init`` as ``megatron/core/quantpatch_flash.py`` beside
+Installed by ``quantpatch init`` as ``megatron/core/quantpatch/quantpatch_flash.py`` beside
 ``quantpatch_ops.py``, whose ``quant_flash_attention`` fake-quantizes Q and K (straight-through,
 exactly as the unfused ``quant_baddbmm`` does) and then calls :func:`flash_attention` here.
 Depends on torch and triton only. With ``TRITON_INTERPRET=1`` set before import the kernels run
@@ -393,7 +393,8 @@ def _pow2_at_least(n: int, low: int = 16) -> int:
 def blocks(d: int, dv: int, device: torch.device) -> dict[str, int]:
     """Tile sizes and launch options for head dims ``d`` / ``dv`` on ``device``: 32 x 32 tiles
     in the interpreter (CPU tensors: few programs, as each costs milliseconds there), otherwise
-    first choices (64 x 64 tiles, 32 x 32 for head dims above 128), not yet measured on a GPU."""
+    64 x 64 tiles, 32 x 32 for head dims above 128 (not yet measured on a GPU); the backward
+    kernels' own from these (:func:`backward_blocks`)."""
     bd, bdv = _pow2_at_least(d), _pow2_at_least(dv)
     if device.type != "cuda":
         return {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_D": bd, "BLOCK_DV": bdv, "DOT_F32": True}
@@ -408,6 +409,28 @@ def blocks(d: int, dv: int, device: torch.device) -> dict[str, int]:
         "num_warps": 4,
         "num_stages": 1 if wide else 2,
     }
+
+
+def backward_blocks(
+    opts: dict[str, int], device: torch.device
+) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
+    """The launches of ``_flash_bwd_delta``, ``_flash_bwd_dkdv`` and ``_flash_bwd_dq`` from
+    :func:`blocks`' on a GPU (the interpreter's as they are). ``delta``: 16 rows of
+    ``O * dO`` (a row's sum does not depend on the rows beside it; 64 rows of a 256-wide head
+    held 256 values per thread and spilled on sm_100). dQ: the forward's tiles with twice its
+    warps (its float32 accumulator beside the transients). dK and dV: ``BLOCK_N`` keys
+    accumulate in float32 over query blocks of half the forward's rows with dQ's warps (the
+    query block's transient ``[BLOCK_N, BLOCK_M]`` scores, probabilities and their gradients
+    are what kept 255 registers and spilled at the forward's rows); on sm_100 one stage (with
+    two, ptxas spilled 24 bytes at a head dim of 64)."""
+    if "num_warps" not in opts:
+        return {"BLOCK_M": opts["BLOCK_M"], "BLOCK_DV": opts["BLOCK_DV"]}, opts, opts
+    delta = {"BLOCK_M": 16, "BLOCK_DV": opts["BLOCK_DV"], "num_warps": 4}
+    dq = {**opts, "num_warps": 2 * opts["num_warps"]}
+    dkdv = {**dq, "BLOCK_M": max(16, opts["BLOCK_M"] // 2)}
+    if torch.cuda.get_device_capability(device)[0] == 10:
+        dkdv["num_stages"] = 1
+    return delta, dkdv, dq
 
 
 def shape_refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> str | None:
@@ -466,30 +489,26 @@ def _backward(
     sq, b, h, d = q.shape
     sk, _, g, dv = v.shape
     opts = blocks(d, dv, q.device)
-    bm, bn = opts["BLOCK_M"], opts["BLOCK_N"]
-    launch = {key: opts[key] for key in ("num_warps", "num_stages") if key in opts}
+    delta_opts, dkdv_opts, dq_opts = backward_blocks(opts, q.device)
     delta = torch.empty_like(lse)
-    _flash_bwd_delta[(triton.cdiv(sq, bm), b * h)](
-        o, do, delta, sq, h, dv, *_strides(o), *_strides(do),
-        BLOCK_M=bm, BLOCK_DV=opts["BLOCK_DV"], **launch,
-    )  # fmt: skip
+    _flash_bwd_delta[(triton.cdiv(sq, delta_opts["BLOCK_M"]), b * h)](
+        o, do, delta, sq, h, dv, *_strides(o), *_strides(do), **delta_opts
+    )
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dvt = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     common = (scale * LOG2E, scale, sq, sk, h, h // g, d, dv)
-    if "num_warps" in opts:  # dK and dV accumulate in float32: twice the forward's warps hold
-        opts = {**opts, "num_warps": 2 * opts["num_warps"]}  # them without spilling
-    _flash_bwd_dkdv[(triton.cdiv(sk, bn), b * g)](
+    _flash_bwd_dkdv[(triton.cdiv(sk, dkdv_opts["BLOCK_N"]), b * g)](
         q, k, v, do, lse, delta, dk, dvt, *common,
         *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk), *_strides(dvt),
-        CAUSAL=causal, **opts,
+        CAUSAL=causal, **dkdv_opts,
     )  # fmt: skip
     dq = None
     if want_dq:
         dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        _flash_bwd_dq[(triton.cdiv(sq, bm), b * h)](
+        _flash_bwd_dq[(triton.cdiv(sq, dq_opts["BLOCK_M"]), b * h)](
             q, k, v, do, lse, delta, dq, *common,
             *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq),
-            CAUSAL=causal, **opts,
+            CAUSAL=causal, **dq_opts,
         )  # fmt: skip
     return dq, dk, dvt
 

@@ -123,7 +123,9 @@ class Format:
     other_operand: str | None = None
     """The operand format the products give every other operand (None: this one)."""
     fused_gemm: bool = False
-    """Whether the GEMM that quantizes its operands in its tile loop takes it."""
+    """Whether the GEMM that quantizes its operands in its tile loop takes it (a value with
+    ``rht``: its operands transformed first, then that GEMM); the others take the separate
+    path (fake-quant kernels, then the product)."""
     weight_cache: str = ""
     grouped: bool = False
     """Takes a ``g<N>`` suffix (ParetoQ: one step per row and group of N input columns)."""
@@ -161,7 +163,7 @@ _ELEMENTS_OF = {
     "mx": set(ELEMENTS),
     "fp8-tensor": {"e4m3", "e5m2"},
     "fp8-delayed": {"e4m3", "e5m2"},
-    "fp8-block": {"e4m3"},
+    "fp8-block": {"e4m3", "e5m2"},
     "hifp8": {"hif8"},
     "nvfp4": {"e2m1"},
 }
@@ -197,8 +199,8 @@ def _incomplete(f: Format) -> str:
         return "a value some roles may not hold says why (linear_only)"
     if f.roles and not f.summary:
         return "a value says in one line what the GEMM computes with it (summary)"
-    if f.fused_gemm and (f.rht or f.family == "paretoq"):
-        return "the fused GEMM takes no Hadamard-transformed or ParetoQ value"
+    if f.fused_gemm and f.family in ("none", "paretoq", "fp8-delayed"):
+        return "the fused GEMM takes no unquantized, ParetoQ or delayed-scaling value"
     return ""
 
 
@@ -246,7 +248,7 @@ SPECS: tuple[Format, ...] = (
         reference=_TE_NVFP4 + " (tile (1, 16); weights (16, 16))",
     ),
     Format(
-        "nvfp4-rht", "nvfp4", "e2m1", "e2m1", "e2m1", (1, 16), scale="e4m3-fp32",
+        "nvfp4-rht", "nvfp4", "e2m1", "e2m1", "e2m1", (1, 16), scale="e4m3-fp32", fused_gemm=True,
         roles=("linear",), backward="grad_output", stochastic=("grad_output",), rht=True,
         linear_only="transforms the operands of the linear GEMMs (the weight gradient's in "
         "NVIDIA's recipe); use 'nvfp4' for {role}",
@@ -297,6 +299,14 @@ SPECS: tuple[Format, ...] = (
         megatron="--fp8-format hybrid --fp8-recipe tensorwise",
     ),
     Format(
+        "fp8-tensor-e4m3", "fp8-tensor", "e4m3", "e4m3", "e4m3", scale="fp32",
+        backward="grad_output", fused_gemm=True, weight_cache="forward",
+        summary="`fp8-tensor` with E4M3 for the output gradient too (TE's `Format.E4M3`)",
+        reference="TransformerEngine 2.20.2 CurrentScalingQuantizerRef (Float8CurrentScaling, "
+        "Format.E4M3) and its dequantize",
+        megatron="--fp8-format e4m3 --fp8-recipe tensorwise",
+    ),
+    Format(
         "fp8-delayed", "fp8-delayed", "e4m3", "e4m3", "e5m2", scale="fp32-delayed",
         roles=("linear",), backward="grad_output", linear_only=_DELAYED_ROLE,
         summary=(
@@ -328,29 +338,45 @@ SPECS: tuple[Format, ...] = (
         megatron="--fp8-format e4m3 --fp8-recipe blockwise",
     ),
     Format(
+        "fp8-block-hybrid", "fp8-block", "e4m3", "e4m3", "e5m2", (1, 128), (128, 128), "pow2",
+        fused_gemm=True, backward="grad_output", weight_operand="fp8-block-2d",
+        summary=(
+            "`fp8-block` with E5M2 for the output gradient's 1 x 128 blocks (scale "
+            "2^floor(log2(57344 / amax)); TE's `Format.HYBRID`); the other operand of a gradient "
+            "GEMM keeps E4M3"
+        ),
+        reference="the formulas of TE's BlockwiseQuantizerReference with the E5M2 dtype's "
+        "largest value for the output gradient (TransformerEngine Float8BlockScaling, "
+        "Format.HYBRID), proven against quantpatch's own oracle in "
+        "tests/test_reference_numerics.py",
+        megatron="--fp8-format hybrid --fp8-recipe blockwise",
+    ),
+    Format(
         "fp8-block-2d", "fp8-block", "e4m3", "e4m3", "e4m3", (1, 128), (128, 128), "pow2",
         roles=(), tiled=True, weight_cache="tiles",
         reference="fp8-block's weight tiles (an operand format, not a value)",
     ),
     Format(
-        "mxfp6-e2m3", "mx", "e2m3", "e2m3", "e2m3", (1, 32), scale="e8m0-floor",
+        "mxfp6-e2m3", "mx", "e2m3", "e2m3", "e2m3", (1, 32), scale="e8m0-floor", fused_gemm=True,
         summary="OCP MX with FP6 E2M3 elements (largest 7.5), blocks of 32 (FLOOR rule)",
         reference=_TORCHAO.format(mode="FLOOR") + " with fp6_e2m3 (OCP MX v1.0), except its "
         "2^-127 block scale (docs/formats.md)",
     ),
     Format(
-        "mxfp6-e3m2", "mx", "e3m2", "e3m2", "e3m2", (1, 32), scale="e8m0-floor",
+        "mxfp6-e3m2", "mx", "e3m2", "e3m2", "e3m2", (1, 32), scale="e8m0-floor", fused_gemm=True,
         summary="OCP MX with FP6 E3M2 elements (largest 28), blocks of 32 (FLOOR rule)",
         reference=_TORCHAO.format(mode="FLOOR") + " with fp6_e3m2 (OCP MX v1.0), except its "
         "2^-127 block scale (docs/formats.md)",
     ),
     Format(
         "mxfp6-e2m3-rceil", "mx", "e2m3", "e2m3", "e2m3", (1, 32), scale="e8m0-rceil",
+        fused_gemm=True,
         summary="`mxfp6-e2m3` with the RCEIL scale rule (2^ceil(log2(amax / 7.5)))",
         reference=_TORCHAO.format(mode="RCEIL") + " with fp6_e2m3",
     ),
     Format(
         "mxfp6-e3m2-rceil", "mx", "e3m2", "e3m2", "e3m2", (1, 32), scale="e8m0-rceil",
+        fused_gemm=True,
         summary="`mxfp6-e3m2` with the RCEIL scale rule (2^ceil(log2(amax / 28)))",
         reference=_TORCHAO.format(mode="RCEIL") + " with fp6_e3m2",
     ),

@@ -2,7 +2,7 @@
 ``fp8-block`` and its weight tiles ``fp8-block-2d``): one pass per call, bit-identical to the
 PyTorch reference (tested in Triton's interpreter, ``TRITON_INTERPRET=1``).
 
-Installed by ``quantpatch init`` as ``megatron/core/quantpatch_fp8_kernels.py`` beside
+Installed by ``quantpatch init`` as ``megatron/core/quantpatch/quantpatch_fp8_kernels.py`` beside
 ``quantpatch_kernels.py``, whose exact float32 helpers (powers of two from their bits, floor
 log2, bf16 loads and stores through their bits) it uses; ``quantpatch_quantize`` calls
 :func:`fake_quant` here for CUDA tensors (``QUANTPATCH_KERNELS``).
@@ -14,7 +14,8 @@ log2, bf16 loads and stores through their bits) it uses; ``quantpatch_quantize``
 * ``fp8-block``: each program loads rows x (a multiple of 128) elements along the reduction
   dimension (read in place through the tensor's strides, as the MX kernel does), takes each
   1 x 128 block's amax and power-of-two scale (``div_rn``: the float32 quotient 448 / amax,
-  correctly rounded), rounds and stores once. ``fp8-block-2d``: one program per 128 x 128
+  57344 / amax for ``fp8-block-hybrid``'s E5M2 gradients, correctly rounded), rounds and
+  stores once. ``fp8-block-2d``: one program per 128 x 128
   tile of the last two dimensions.
 """
 
@@ -79,6 +80,9 @@ def _fp8_block_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BF16: tl.constexpr,
+    MBITS: tl.constexpr = 3,
+    EMIN: tl.constexpr = -6,
+    VMAX: tl.constexpr = 448.0,
 ):
     pid_r = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -92,12 +96,12 @@ def _fp8_block_kernel(
     finite = tl.abs(v) < float("inf")
     clean = tl.where(finite, v, 0.0)
     blocks = tl.reshape(tl.abs(clean), (BLOCK_R, BLOCK_N // 128, 128))
-    e = pow2_exponent(tl.max(blocks, axis=2), BIG)  # [BLOCK_R, BLOCK_N // 128]
+    e = pow2_exponent(tl.max(blocks, axis=2), BIG, VMAX)  # [BLOCK_R, BLOCK_N // 128]
     e = tl.reshape(
         tl.broadcast_to(e[:, :, None], (BLOCK_R, BLOCK_N // 128, 128)), (BLOCK_R, BLOCK_N)
     )
     p = clean * pow2(e)  # exact
-    q = signed(round_nonneg(tl.abs(p), 3, -6, 448.0), p)
+    q = signed(round_nonneg(tl.abs(p), MBITS, EMIN, VMAX), p)
     out = tl.where(finite, store_as(q * pow2(-e), y_ptr.dtype.element_ty, BF16), x)
     tl.store(y_ptr + offs, out, mask=inside)
 
@@ -115,19 +119,20 @@ def _fp8_tile_kernel(
 ):
     """One 128 x 128 tile of a contiguous ``[batch, rows, cols]`` tensor per program, read in
     chunks of CHUNK rows twice (its amax, then its elements): a whole tile in registers took
-    all of them and spilled."""
+    all of them and spilled, and so did the chunks unrolled (``tl.static_range``: ptxas
+    hoisted their loads), so both passes are loops."""
     pid_b = tl.program_id(2).to(tl.int64)
     c = tl.program_id(1) * TILE + tl.arange(0, TILE)
-    amax = 0.0
-    for i in tl.static_range(0, TILE, CHUNK):
+    amax = tl.zeros((1,), tl.float32)
+    for i in range(0, TILE, CHUNK):
         r = tl.program_id(0) * TILE + i + tl.arange(0, CHUNK)
         offs = pid_b * rows * cols + r[:, None].to(tl.int64) * cols + c[None, :]
         inside = (r[:, None] < rows) & (c[None, :] < cols)
         v = load_f32(tl.load(x_ptr + offs, mask=inside, other=0.0), BF16)
         clean = tl.where(tl.abs(v) < float("inf"), v, 0.0)
         amax = tl.maximum(amax, tl.max(tl.max(tl.abs(clean), axis=1), axis=0))
-    e = pow2_exponent(tl.full((1,), 0.0, tl.float32) + amax, BIG)  # [1]
-    for i in tl.static_range(0, TILE, CHUNK):
+    e = pow2_exponent(amax, BIG)  # [1]
+    for i in range(0, TILE, CHUNK):
         r = tl.program_id(0) * TILE + i + tl.arange(0, CHUNK)
         offs = pid_b * rows * cols + r[:, None].to(tl.int64) * cols + c[None, :]
         inside = (r[:, None] < rows) & (c[None, :] < cols)
@@ -141,9 +146,34 @@ def _fp8_tile_kernel(
         tl.store(y_ptr + offs, out, mask=inside)
 
 
+def codes(x: torch.Tensor, scale: torch.Tensor, elem: formats.Element) -> torch.Tensor:
+    """``quantpatch_fp8.tensor_codes`` in one kernel: the codes of ``x`` under the float32
+    per-tensor ``scale`` (the tensor kernel with a reciprocal of 1), in ``x``'s dtype."""
+    if x.numel() == 0:
+        return x.clone()
+    if x.dim() == 0:
+        return codes(x.reshape(1), scale, elem).reshape(())
+    if not non_overlapping_and_dense(x):
+        x = x.contiguous()
+    y = torch.empty_like(x)
+    if y.stride() != x.stride():
+        x = x.contiguous()
+        y = torch.empty_like(x)
+    one = torch.ones((), dtype=torch.float32, device=x.device)
+    scales = torch.stack([scale.reshape(()).to(torch.float32), one])
+    numel = x.numel()
+    mbits, emin, vmax, _ = elem
+    _fp8_tensor_kernel[(triton.cdiv(numel, _ELEMENTWISE_BLOCK),)](
+        storage_view(x), storage_view(y), scales, numel,
+        MBITS=mbits, EMIN=emin, VMAX=vmax, BLOCK_SIZE=_ELEMENTWISE_BLOCK,
+        BF16=x.dtype == torch.bfloat16,
+    )  # fmt: skip
+    return y
+
+
 def fake_quant(x: torch.Tensor, fmt: str, dim: int = -1, backward: bool = False) -> torch.Tensor:
-    """``quantpatch_fp8.fp8_quantize`` in one kernel (``fmt`` in fp8-tensor, fp8-block,
-    fp8-block-2d)."""
+    """``quantpatch_fp8.fp8_quantize`` in one kernel (``fmt`` of the fp8-tensor and fp8-block
+    families, fp8-block-2d included)."""
     if x.numel() == 0:
         return x.clone()
     if x.dim() == 0:
@@ -189,7 +219,9 @@ def fake_quant(x: torch.Tensor, fmt: str, dim: int = -1, backward: bool = False)
     block_r, block_n = (8, 256) if sn == 1 else (32, 128)
 
     grid3 = (triton.cdiv(rows, block_r), triton.cdiv(n, block_n), b)
+    mbits, emin, vmax, _ = formats.ELEMENTS[str(spec.grad_output if backward else spec.input)]
     _fp8_block_kernel[grid3](
-        x, y, rows, n, sb, sr, sn, BIG=big, BLOCK_R=block_r, BLOCK_N=block_n, BF16=bf16
-    )
+        x, y, rows, n, sb, sr, sn, BIG=big, BLOCK_R=block_r, BLOCK_N=block_n, BF16=bf16,
+        MBITS=mbits, EMIN=emin, VMAX=vmax,
+    )  # fmt: skip
     return y

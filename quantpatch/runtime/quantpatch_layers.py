@@ -1,12 +1,12 @@
 """The BF16 layer policy: transformer layers whose linear GEMMs stay unquantized.
 
-Installed by ``quantpatch init`` as ``megatron/core/quantpatch_layers.py``; torch and the
+Installed by ``quantpatch init`` as ``megatron/core/quantpatch/quantpatch_layers.py``; torch and the
 standard library only. The policy is a literal in the checkout's linear file (``init`` puts it
 there; ``quantpatch set --bf16-layers`` writes it)::
 
     quantpatch_bf16_layers = 'first:2,last:8'
     if quantpatch_bf16_layers:
-        from megatron.core import quantpatch_layers
+        from megatron.core.quantpatch import quantpatch_layers
 
         quantpatch_layers.install(quantpatch_bf16_layers)
 

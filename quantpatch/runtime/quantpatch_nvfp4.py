@@ -138,6 +138,34 @@ def _nvfp4(
     return torch.where(torch.isfinite(q), out, x.to(torch.float32)).to(x.dtype)
 
 
+def tensor_decode(amax: torch.Tensor) -> torch.Tensor:
+    """The per-tensor factor a product applies to its result for an NVFP4 operand:
+    ``amax / 2688`` (float32, 0-d), 1 where that is 0 (an all-zero tensor, whose codes are all
+    0: the factor then changes nothing, and an Inf passing through stays Inf, not NaN)."""
+    d = nv_global_decode(amax).reshape(())
+    return torch.where(d == 0, torch.ones_like(d), d)
+
+
+def nvfp4_factored(
+    x: torch.Tensor,
+    dim: int,
+    two_d: bool,
+    bits: torch.Tensor | None = None,
+    amax: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """NVFP4 with the per-tensor scale factored out: ``(q * s, amax / 2688)``, the code times
+    its E4M3 block scale in ``x``'s dtype (exact: at most 6 significant bits, between 2^-10
+    and 2688, which bf16 and fp16 hold) and :func:`tensor_decode` of the tensor's amax;
+    non-finite values pass through. ``bits`` and ``amax`` as in :func:`nvfp4_parts`."""
+    if x.dim() == 0:
+        b = None if bits is None else bits.reshape(1)
+        t, f = nvfp4_factored(x.reshape(1), 0, False, b, amax)
+        return t.reshape(()), f
+    q, s, a = nvfp4_parts(x, dim, two_d, bits, amax)
+    t = torch.where(torch.isfinite(q), q * s, x.to(torch.float32)).to(x.dtype)
+    return t, tensor_decode(a)
+
+
 def _stochastic_e2m1(p: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     """``p`` in [0, 6] (float32) rounded to E2M1 stochastically with 8 random bits ``r`` per
     element, as the hardware's ``cvt.rs`` does (TE's ``ptx.cuh``): up iff

@@ -2,8 +2,9 @@
 TransformerEngine's FP8 recipes, HiFP8, ParetoQ: quantize, then dequantize to the working
 dtype), and the quantized products that fork-layout sites dispatch to.
 
-Installed by ``quantpatch init`` as ``megatron/core/quantpatch_ops.py``, with the modules it
-imports beside it, one concern each: ``quantpatch_formats.py`` (the format spec: every value
+Installed by ``quantpatch init`` in the package ``megatron/core/quantpatch/`` (its
+``__init__.py`` says what each module is), with the modules it imports beside it, one
+concern each: ``quantpatch_formats.py`` (the format spec: every value
 and what it quantizes with, standard library only), ``quantpatch_env.py`` (every environment
 variable the runtime reads), ``quantpatch_mx.py`` (MX and HiF8),
 ``quantpatch_fp8.py`` (fp8-tensor, fp8-block), ``quantpatch_delayed.py`` (fp8-delayed, its
@@ -13,8 +14,8 @@ code quantizes a tensor: the Triton kernels or the reference) and ``quantpatch_w
 (the weight cache and the GEMM choice); this module holds the dispatch, the products and flash
 attention, and every public name below. Torch and the standard library only. Public API::
 
-    fake_quant(x, fmt, *, dim=-1, backward=False) -> Tensor
-    quant_matmul(a, b, fmt, *, backward=False, weight=None) -> Tensor
+    fake_quant(x, fmt, *, dim=-1, role=None) -> Tensor
+    quant_matmul(a, b, fmt, *, roles=None) -> Tensor   # roles=("grad_output", "weight")
     quant_baddbmm(input, batch1, batch2, *, beta=1.0, alpha=1.0, fmt, backward=False) -> Tensor
     quant_bmm(a, b, fmt, *, backward=False) -> Tensor
 
@@ -31,14 +32,18 @@ with ``QUANTPATCH_SR_SEED`` + ``RANK``; ``reset_sr_generators()``), ``quantpatch
 transform) and ``quantpatch_paretoq.py`` (ParetoQ's weights: the layer holds the step and
 quantizes its weight itself, so the products leave ParetoQ operands as they are).
 
-The products quantize both operands along the reduction dimension. ``backward=True`` (at
-Megatron's dgrad and wgrad sites, whose first operand is the output gradient) gives the
-gradient element and rounding to both operands where an entry's ``backward`` is ``all``, and
-to the first alone where it is ``grad_output`` (``GRADIENT_OPERAND_ONLY``), the other keeping
-its forward element and nearest-even rounding. A value with an operand format of its own for
-weights (``nvfp4-2d``'s 16 x 16 tiles, ``fp8-block``'s 128 x 128) gives it to the weight
-alone: the operand ``quant_matmul``'s ``weight=`` names (init's linear sites name it), else a
-2-D ``torch.nn.Parameter`` or a view of one such as ``weight.t()``.
+The products quantize both operands along the reduction dimension. In bf16 and fp16 a value
+with a per-tensor float32 scale (``fp8-tensor``, the delayed values, NVFP4) hands each operand
+to the product as code x block scale, exact in that dtype, and its per-tensor scale multiplies
+the float32 result once, as a tensor core applies it (``quantpatch_quantize``'s section on
+factored operands); other values and float32 products multiply the fake-quantized operands.
+A gradient GEMM (``roles`` naming its first operand ``grad_output``: Megatron's dgrad and
+wgrad) gives the gradient element and rounding to both operands where an entry's ``backward``
+is ``all``, and to the first alone where it is ``grad_output`` (``GRADIENT_OPERAND_ONLY``), the
+other keeping its forward element and nearest-even rounding. A value with an operand format of
+its own for weights (``nvfp4-2d``'s 16 x 16 tiles, ``fp8-block``'s 128 x 128) gives it to the
+weight alone: the operand ``quant_matmul``'s ``roles`` call ``weight`` (init's linear sites
+do), else a 2-D ``torch.nn.Parameter`` or a view of one such as ``weight.t()``.
 
 The MX and HiF8 arithmetic is exact float32 work on powers of two (``frexp``/``ldexp``), so
 the result is the same on CPU and CUDA and for bf16, fp16 and fp32 inputs; NVFP4's divisions
@@ -111,8 +116,10 @@ from .quantpatch_paretoq import (
     paretoq_weight,
 )
 from .quantpatch_paretoq import add_weight_scales as _paretoq_add_weight_scales
+from .quantpatch_quantize import factored_product as _factored_product
+from .quantpatch_quantize import factors as _factors
 from .quantpatch_quantize import interpreted as _interpreted
-from .quantpatch_quantize import kernels_in_use, quantize, require_capability
+from .quantpatch_quantize import kernels_in_use, quantize, quantize_factored, require_capability
 from .quantpatch_weights import fused_product as _fused_product
 from .quantpatch_weights import (
     gemm_choices,
@@ -122,6 +129,7 @@ from .quantpatch_weights import (
     weight_cache_stats,
 )
 from .quantpatch_weights import is_weight as _is_weight
+from .quantpatch_weights import weight_factored as _weight_factored
 from .quantpatch_weights import weight_fake_quant as _weight_fake_quant
 
 NV_FORMATS = formats.names(family="nvfp4")
@@ -206,8 +214,53 @@ def add_weight_scales(module: Any, fmt: str, *, partition_dim: int) -> None:
         add_delayed_state(module, fmt)
 
 
-def fake_quant(x: torch.Tensor, fmt: str, *, dim: int = -1, backward: bool = False) -> torch.Tensor:
-    """``x`` quantized to ``fmt`` and dequantized: same shape, same dtype."""
+def _operand_roles(
+    roles: tuple[str, str] | None, backward: bool, weight: str | None
+) -> tuple[bool, str | None]:
+    """``roles`` (a product's operands named as TransformerEngine names them: ``input``,
+    ``weight``, ``grad_output``) as the ``backward`` and ``weight`` the products compute
+    with: a product with a ``grad_output`` is a gradient GEMM, and a ``weight`` is the operand
+    its format's weight treatment goes to. Without ``roles``, the earlier keywords as given."""
+    if roles is None:
+        return backward, weight
+    if backward or weight is not None:
+        raise TypeError("name the operands with roles= alone, not with backward= or weight=")
+    if (
+        not isinstance(roles, tuple)
+        or len(roles) != 2
+        or not set(roles) <= set(formats.OPERANDS)
+        or roles.count("weight") > 1
+        or roles[1] == "grad_output"
+    ):
+        raise ValueError(
+            f"roles={roles!r}; expected two of {', '.join(formats.OPERANDS)}, at most one "
+            "weight, and the output gradient, where there is one, first"
+        )
+    named = {0: "a", 1: "b"}.get(roles.index("weight")) if "weight" in roles else None
+    return roles[0] == "grad_output", named
+
+
+def fake_quant(
+    x: torch.Tensor,
+    fmt: str,
+    *,
+    dim: int = -1,
+    role: str | None = None,
+    backward: bool = False,
+) -> torch.Tensor:
+    """``x`` quantized to ``fmt`` and dequantized: same shape, same dtype. ``role`` names
+    which operand ``x`` is (``input``, ``weight`` or ``grad_output``): a ``grad_output``
+    takes the format's gradient element and rounding, a ``weight`` the format's weight
+    operand (``nvfp4-2d``'s 16 x 16 tiles, ``fp8-block``'s 128 x 128), an ``input`` the other
+    operands' (``nvfp4-2d``: 1 x 16 blocks). Without it, ``fmt``'s own quantization.
+    ``backward=True`` is the earlier spelling of ``role="grad_output"``, accepted through the
+    next release for code written against it."""
+    if role is not None:
+        if backward or role not in formats.OPERANDS:
+            raise ValueError(
+                f"role={role!r}; expected one of {', '.join(formats.OPERANDS)} (without backward=)"
+            )
+        backward = role == "grad_output"
     if fmt == "bf16":
         return x
     spec = formats.spec_of(fmt)  # an unknown name: one sentence
@@ -220,6 +273,8 @@ def fake_quant(x: torch.Tensor, fmt: str, *, dim: int = -1, backward: bool = Fal
         from . import quantpatch_rht
 
         return quantpatch_rht.fake_quant_rht(x, dim, backward=backward)
+    if role is not None:  # the operand format the products give that operand
+        fmt = spec.operands[0] if role == "weight" else spec.operands[1]
     return quantize(x, fmt, dim, backward)
 
 
@@ -276,6 +331,24 @@ def _q(
     return fake_quant(x, fmt, dim=dim, backward=backward)
 
 
+def _qf(
+    x: torch.Tensor, fmt: str, dim: int, backward: bool, weight: bool | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``x``'s operand for a product that factors its per-tensor scale out
+    (``quantpatch_quantize``'s section on factored operands): code x block scale in ``x``'s
+    dtype and the float32 scale; a weight (as ``_q`` tells it) through the once-per-step
+    cache. Gradients are the product's (``factored_product``)."""
+    with torch.no_grad():
+        if _is_weight(x) if weight is None else weight:
+            return _weight_factored(x, fmt, dim, backward)
+        return quantize_factored(x, fmt, dim, backward)
+
+
+def _factored(fmt: str, a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the product of ``a`` and ``b`` under ``fmt`` takes factored operands."""
+    return a.dtype == b.dtype and _factors(fmt, a.dtype)
+
+
 def _cached_q(x: torch.Tensor, fmt: str, dim: int, backward: bool) -> torch.Tensor:
     """``_q`` for a weight operand (a weight or a view of one): quantized once per step
     through the cache, the straight-through gradient reaching the weight under autograd."""
@@ -303,14 +376,25 @@ def quant_matmul(
     b: torch.Tensor,
     fmt: str,
     *,
+    roles: tuple[str, str] | None = None,
     backward: bool = False,
     weight: str | None = None,
 ) -> torch.Tensor:
     """``torch.matmul(a, b)`` with both operands quantized along the reduction dimension
-    (the last of ``a``, the second to last of ``b``). NVFP4 rounds only ``a`` stochastically
-    under ``backward``, and ``nvfp4-2d`` tiles only the weight operand: the one ``weight``
-    names (``"a"`` or ``"b"``: init's linear sites say which, since Megatron's autograd
-    function hands the weight over as a plain tensor), else a 2-D Parameter or a view of one."""
+    (the last of ``a``, the second to last of ``b``). ``roles`` names the operands as
+    TransformerEngine does, ``(a's, b's)`` of ``input``, ``weight`` and ``grad_output``:
+    init's linear sites pass ``("input", "weight")`` in the forward, ``("grad_output",
+    "weight")`` for the input gradient and ``("grad_output", "input")`` for the weight
+    gradient, since Megatron's autograd function hands the weight over as a plain tensor. A
+    ``grad_output`` (the first operand) takes the gradient's element and rounding (NVFP4 rounds
+    it alone stochastically), and the other operand too where the format's ``backward`` is
+    ``all``; the ``weight`` takes the format's weight operand (``nvfp4-2d``'s tiles). Without
+    ``roles``, a 2-D Parameter or a view of one is taken for the weight.
+
+    ``backward=True`` and ``weight="a"|"b"`` are the earlier spelling (a gradient GEMM, and
+    which operand is the weight), which the sites of checkouts not yet upgraded still call;
+    accepted through the next release."""
+    backward, weight = _operand_roles(roles, backward, weight)
     spec = formats.spec_of(fmt)  # an unknown name: one sentence
     if _bf16_layer(backward, weight):  # the BF16 layer policy: quantpatch_layers.py
         return torch.matmul(a, b)
@@ -327,6 +411,9 @@ def quant_matmul(
     fused = _fused_product(a, b, fmt, backward, b_backward, fa, fb)
     if fused is not None:
         return fused
+    if _factored(fmt, a, b):  # code x block scale; the tensor scales on the float32 result
+        qa = _qf(a, fa, -1, backward, wa)
+        return _factored_product(a, b, qa, _qf(b, fb, bdim, b_backward, wb))
     return torch.matmul(_q(a, fa, -1, backward, wa), _q(b, fb, bdim, b_backward, wb))
 
 
@@ -342,6 +429,9 @@ def quant_bmm(
         fused = _fused_product(a, b, fmt, backward, backward and not nv, fa, fb)
         if fused is not None:
             return fused
+    if _factored(fmt, a, b):
+        qa = _qf(a, fa, -1, backward)
+        return _factored_product(a, b, qa, _qf(b, fb, -2, backward and not nv))
     return torch.bmm(_q(a, fa, -1, backward), _q(b, fb, -2, backward and not nv))
 
 
@@ -365,6 +455,10 @@ def quant_baddbmm(
         fused = _fused_product(batch1, batch2, fmt, backward, backward and not nv, f1, f2)
         if fused is not None:
             return fused if alpha == 1 else fused * alpha
+    if beta == 0 and _factored(fmt, batch1, batch2):
+        q1f = _qf(batch1, f1, -1, backward)
+        out = _factored_product(batch1, batch2, q1f, _qf(batch2, f2, -2, backward and not nv))
+        return out if alpha == 1 else out * alpha
     q1 = _q(batch1, f1, -1, backward)
     q2 = _q(batch2, f2, -2, backward and not nv)
     if beta == 0:

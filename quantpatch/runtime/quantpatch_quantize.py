@@ -20,11 +20,19 @@ import torch
 
 from . import quantpatch_env as env
 from . import quantpatch_formats as formats
-from .quantpatch_fp8 import FP8_BLOCK, FP8_FORMATS, finite_amax, fp8_quantize
+from .quantpatch_fp8 import (
+    FP8_BLOCK,
+    FP8_FORMATS,
+    finite_amax,
+    fp8_quantize,
+    fp8_tensor_factored,
+    tensor_codes,
+    tensor_scales,
+)
 from .quantpatch_mx import BLOCK
 from .quantpatch_mx import hifp8 as _hifp8
 from .quantpatch_mx import mx as _mx
-from .quantpatch_nvfp4 import NV_BLOCK, NVFP4_FORMATS, sr_bits
+from .quantpatch_nvfp4 import NV_BLOCK, NVFP4_FORMATS, nvfp4_factored, sr_bits, tensor_decode
 from .quantpatch_nvfp4 import nvfp4 as _nvfp4
 
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -77,6 +85,26 @@ def _fp8_kernels() -> Any:
     if _fp8_kernels_module is None and _kernel_mode() == "triton":
         raise RuntimeError(f"QUANTPATCH_KERNELS=triton, but {_fp8_kernels_error}")
     return _fp8_kernels_module
+
+
+_gemm_kernels_module: Any = None
+_gemm_kernels_error: str | None = None
+
+
+def _gemm_kernels() -> Any:
+    """The quantized GEMM's module beside this one (``quantpatch_gemm_kernels.py``), or None
+    where it or the kernels it shares cannot be imported (:func:`kernels_error` says why)."""
+    global _gemm_kernels_module, _gemm_kernels_error
+    if _kernels() is None:
+        return None
+    if _gemm_kernels_module is None and _gemm_kernels_error is None:
+        try:
+            from . import quantpatch_gemm_kernels
+        except Exception as exc:  # an older checkout without it: the separate path runs
+            _gemm_kernels_error = f"{type(exc).__name__}: {exc}"
+        else:
+            _gemm_kernels_module = quantpatch_gemm_kernels
+    return _gemm_kernels_module
 
 
 def _kernel_mode() -> str:
@@ -315,13 +343,183 @@ def _whole(x: torch.Tensor, fmt: str, dim: int, backward: bool) -> torch.Tensor:
     raise ValueError(f"{fmt!r} (family {family}) is not an element format the reference quantizes")
 
 
+# -- the operands a product multiplies: code x block scale, the tensor's scale factored out ------
+#
+# A tensor core multiplies FP8/FP4 codes and applies their scales in float32: a power-of-two
+# block scale (MX, fp8-block) or an E4M3 one (NVFP4) inside the product, a per-tensor float32
+# scale (fp8-tensor, fp8-delayed, NVFP4's) to its float32 result. A fake-quantized operand of
+# a bf16 or fp16 product is code x scale rounded to that dtype; code x block scale is exact
+# there (at most 6 significant bits, within range), code x a float32 tensor scale mostly is
+# not. So for the values with a per-tensor scale (``factors``) the products take each operand
+# as ``(t, f)``: ``t`` code x block scale in the training dtype, exact, ``f`` its per-tensor
+# float32 scale, and compute ``(t_a @ t_b)`` accumulated in float32 times ``f_a * f_b`` (one
+# float32 multiplication of the float32 result, as TE's GEMMs apply ``alpha``), rounded once
+# to the training dtype. Float32 and float64 products hold code x scale already and keep the
+# fake-quantized operands. Gradients stay straight through: a product that needs them is
+# differentiated as the product of the dequantized operands ``t * f`` (``ScaledProduct``).
+
+TENSOR_SCALES = ("e4m3-fp32", "fp32", "fp32-delayed")
+"""The spec's scale rules with a float32 per-tensor scale, which the products factor out."""
+FACTORED_DTYPES = (torch.bfloat16, torch.float16)
+"""The training dtypes whose products take factored operands."""
+
+
+def factors(fmt: str, dtype: torch.dtype) -> bool:
+    """Whether the products give ``fmt``'s operands of ``dtype`` as code x block scale with
+    the per-tensor float32 scale applied to the float32 result (see the section's comment)."""
+    spec = formats.spec_of(fmt)
+    return dtype in FACTORED_DTYPES and spec.scale in TENSOR_SCALES and spec.family != "paretoq"
+
+
+def quantize_factored(
+    x: torch.Tensor,
+    fmt: str,
+    dim: int = -1,
+    backward: bool = False,
+    rand: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(t, f)``: ``x`` quantized to ``fmt`` (``fp8-tensor``, or an NVFP4 value without the
+    transform) as code x block scale in ``x``'s dtype, exactly, and its per-tensor float32
+    decode scale (0-d), by the kernels or the reference; ``t * f`` in float32 is what
+    :func:`quantize` rounds to ``x``'s dtype. ``rand``: NVFP4's random bits, where the caller
+    drew them (default: drawn here under ``backward``, as :func:`quantize` draws them)."""
+    spec = formats.spec_of(fmt)
+    if spec.family == "fp8-tensor":
+        elem = formats.ELEMENTS[str(spec.grad_output if backward else spec.input)]
+        amax = finite_amax(x)
+        scale, scale_inv = tensor_scales(amax, elem[2], x.dtype)
+        if x.numel() and _use_kernels(x):
+            fp8_kernels = _fp8_kernels()
+            if fp8_kernels is not None:
+                t: torch.Tensor = fp8_kernels.codes(x, scale, elem)
+                return t, scale_inv.reshape(())
+        if x.device.type == "cpu" and x.numel() > 2 * _CHUNK and x.dim() >= 1:
+            return _by_slices(
+                x, set(), 1, lambda sp, st, n: tensor_codes(x.narrow(sp, st, n), scale, elem)
+            ), scale_inv.reshape(())
+        return fp8_tensor_factored(x, backward, amax, fmt)
+    if fmt not in NVFP4_FORMATS:
+        raise ValueError(f"{fmt!r} has no per-tensor scale to factor out")
+    if rand is None and backward:
+        rand = sr_bits(x)
+    bits = rand if backward else None
+    if x.numel() == 0:
+        return x.clone(), torch.ones((), dtype=torch.float32, device=x.device)
+    two_d = spec.tiled and x.dim() >= 2
+    amax = finite_amax(x)
+    if _use_kernels(x):
+        done: torch.Tensor = _kernels_module.fake_quant(x, fmt, dim, backward, bits, factored=True)
+        return done, tensor_decode(amax)
+    if x.device.type == "cpu" and x.numel() > 2 * _CHUNK and x.dim() >= 1:
+        spanned = {x.dim() - 2, x.dim() - 1} if two_d else {dim % x.dim()}
+
+        def part(split: int, start: int, n: int) -> torch.Tensor:
+            r = None if bits is None else bits.narrow(split, start, n)
+            return nvfp4_factored(x.narrow(split, start, n), dim, two_d, r, amax)[0]
+
+        return _by_slices(x, spanned, NV_BLOCK, part), tensor_decode(amax)
+    return nvfp4_factored(x, dim, two_d, bits, amax)
+
+
+_OUT_DTYPE_MM: list[bool] = []  # whether CUDA's mm/bmm take out_dtype (asked once)
+
+
+def f32_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` (``torch.matmul``'s shapes) accumulated and returned in float32, for bf16 or
+    fp16 operands that hold their values exactly: on CUDA the dtype's own GEMM with a float32
+    output (``out_dtype``) where PyTorch has it, else the float32 product of the upcast
+    operands (the same products, exact in float32)."""
+    if a.is_cuda and a.dtype == b.dtype and a.dtype in FACTORED_DTYPES and _OUT_DTYPE_MM != [False]:
+        try:
+            if b.dim() == 2 and a.dim() >= 2:
+                out = torch.mm(a.reshape(-1, a.shape[-1]), b, out_dtype=torch.float32)
+                _OUT_DTYPE_MM[:] = [True]
+                return out.reshape(*a.shape[:-1], b.shape[-1])
+            if a.dim() == b.dim() == 3:
+                out = torch.bmm(a, b, out_dtype=torch.float32)
+                _OUT_DTYPE_MM[:] = [True]
+                return out
+        except (RuntimeError, TypeError, NotImplementedError):  # no out_dtype: upcast
+            if _OUT_DTYPE_MM != [True]:
+                _OUT_DTYPE_MM[:] = [False]
+    return torch.matmul(a.to(torch.float32), b.to(torch.float32))
+
+
+def scaled_matmul(
+    ta: torch.Tensor, fa: torch.Tensor | None, tb: torch.Tensor, fb: torch.Tensor | None
+) -> torch.Tensor:
+    """``(ta @ tb) * (fa * fb)``: the product of factored operands accumulated in float32, the
+    per-tensor scales (None: 1) multiplying the float32 result once, rounded once to the
+    operands' dtype."""
+    acc = f32_matmul(ta, tb)
+    alpha = fa if fb is None else (fb if fa is None else fa * fb)
+    if alpha is not None:
+        acc = acc * alpha.to(acc.device)
+    return acc.to(torch.promote_types(ta.dtype, tb.dtype))
+
+
+def dequantized(t: torch.Tensor, f: torch.Tensor | None) -> torch.Tensor:
+    """A factored operand's values ``t * f`` (float32), in ``t``'s dtype."""
+    return t if f is None else (t.to(torch.float32) * f.to(t.device)).to(t.dtype)
+
+
+class ScaledProduct(torch.autograd.Function):
+    """Forward: :func:`scaled_matmul` of factored operands. Backward: the gradients of
+    ``torch.matmul`` of the dequantized operands, reaching ``a`` and ``b`` straight through
+    (as the product of fake-quantized operands gives them)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        ta: torch.Tensor,
+        fa: torch.Tensor | None,
+        tb: torch.Tensor,
+        fb: torch.Tensor | None,
+    ) -> torch.Tensor:
+        ctx.save_for_backward(ta, tb)
+        ctx.scales = (fa, fb)
+        return scaled_matmul(ta, fa, tb, fb)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        ta, tb = ctx.saved_tensors
+        fa, fb = ctx.scales
+        with torch.enable_grad():
+            da = dequantized(ta, fa).detach().requires_grad_(bool(ctx.needs_input_grad[0]))
+            db = dequantized(tb, fb).detach().requires_grad_(bool(ctx.needs_input_grad[1]))
+            out = torch.matmul(da, db)
+            wanted = [t for t in (da, db) if t.requires_grad]
+            grads = list(torch.autograd.grad(out, wanted, grad)) if wanted else []
+        ga = grads.pop(0) if da.requires_grad else None
+        gb = grads.pop(0) if db.requires_grad else None
+        return ga, gb, None, None, None, None
+
+
+def factored_product(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    qa: tuple[torch.Tensor, torch.Tensor | None],
+    qb: tuple[torch.Tensor, torch.Tensor | None],
+) -> torch.Tensor:
+    """The product of ``a`` and ``b`` from their factored operands ``qa``, ``qb``
+    (:func:`scaled_matmul`), straight-through gradients where autograd asks for them."""
+    if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
+        out: torch.Tensor = ScaledProduct.apply(a, b, qa[0], qa[1], qb[0], qb[1])  # type: ignore[no-untyped-call]
+        return out
+    return scaled_matmul(qa[0], qa[1], qb[0], qb[1])
+
+
 # the names the other runtime modules use (nothing outside this module takes its private names)
 KERNEL_DTYPES = _KERNEL_DTYPES
 kernels = _kernels
+gemm_kernels = _gemm_kernels
 kernel_mode = _kernel_mode
 interpreted = _interpreted
 
 
 def kernels_error() -> str | None:
-    """Why the Triton kernels could not be imported (None: they were, or were not tried)."""
-    return _kernels_error
+    """Why the Triton kernels (or the GEMM's, beside them) could not be imported (None: they
+    were, or were not tried)."""
+    return _kernels_error or _gemm_kernels_error

@@ -1,6 +1,6 @@
 """Random Hadamard transform (RHT) for the weight-gradient GEMM, NVIDIA's NVFP4 recipe.
 
-Installed by ``quantpatch init`` as ``megatron/core/quantpatch_rht.py`` beside
+Installed by ``quantpatch init`` as ``megatron/core/quantpatch/quantpatch_rht.py`` beside
 ``quantpatch_ops.py``, which hands it the products of the value ``nvfp4-rht``; depends on
 torch and the standard library only (the fused kernel in ``quantpatch_rht_kernels.py`` needs
 triton). Public API::
@@ -45,10 +45,14 @@ from typing import Any
 import torch
 
 from . import quantpatch_env as env
-from .quantpatch_nvfp4 import nvfp4, sr_bits
-from .quantpatch_quantize import require_capability
+from . import quantpatch_formats as formats
+from .quantpatch_nvfp4 import nvfp4, nvfp4_factored, sr_bits, tensor_decode
+from .quantpatch_quantize import factored_product, factors, require_capability
 
 RHT_BLOCK = 16
+_VALUE = formats.names(family="nvfp4", rht=True)[0]
+"""The value this module computes, and the operand format its transformed operands take."""
+_OPERAND = formats.names(family="nvfp4", rht=False, tiled=False)[0]
 SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
 """TE's fixed sign vector ``s`` (``get_wgrad_sign_vector``) of the transform
 ``diag(s) @ H16 / 4`` (documented in docs/formats.md): the same for every tensor and step."""
@@ -185,6 +189,24 @@ def rht_fake_quant(
     return reference_rht_fake_quant(x, dim, bits)
 
 
+def rht_factored(
+    x: torch.Tensor, dim: int = -1, *, backward: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rht_fake_quant`` with the tensor's scale factored out: ``(t, f)``, ``t`` the
+    transformed tensor's codes times their block scales in ``x``'s dtype (exact), ``f`` the
+    per-tensor float32 factor the product's result takes (``quantpatch_quantize``'s section
+    on factored operands)."""
+    check_length(x, dim)
+    bits = sr_bits(x) if backward else None
+    if x.numel() == 0:
+        return torch.empty_like(x), torch.ones((), dtype=torch.float32, device=x.device)
+    if _use_kernels(x):
+        amax: list[torch.Tensor] = []
+        out = _kernels_module.rht_nvfp4(x, dim, bits, transform_matrix(x.device), amax)
+        return out, tensor_decode(amax[0])
+    return nvfp4_factored(rht(x, dim), dim, False, bits)
+
+
 def reference_rht_fake_quant(x: torch.Tensor, dim: int, bits: torch.Tensor | None) -> torch.Tensor:
     """The PyTorch reference of ``rht_fake_quant`` (``bits``: 8 random bits per element, or
     None for nearest even)."""
@@ -212,8 +234,34 @@ class _StraightThrough(torch.autograd.Function):
         return ga, gb, None, None
 
 
+def _fused(a: torch.Tensor, b: torch.Tensor, backward: bool) -> torch.Tensor | None:
+    """The quantized product through the fused GEMM (``quantpatch_weights``' choice, as for
+    every value whose entry says ``fused_gemm``), or None where the separate path computes it.
+    The transform cannot join the GEMM's tile loop: NVFP4's per-tensor scale is the amax of
+    the *transformed* operand, known only after a pass over all of it, so both operands are
+    transformed first (in their dtype, as the separate path's kernel rounds them) and the
+    NVFP4 GEMM quantizes the transformed tiles as it loads them; the random bits of the first
+    operand's stochastic rounding are drawn in the separate path's order (it alone draws)."""
+    mode = env.gemm()
+    if mode == "separate" or (mode == "auto" and (backward or not a.is_cuda)) or b.dim() < 2:
+        return None  # auto never fuses stochastic rounding, nor on CPU: not worth transforming
+    check_length(a, -1)
+    check_length(b, -2)
+    from .quantpatch_weights import fused_product
+
+    return fused_product(rht(a, -1), rht(b, -2), _VALUE, backward, False, _OPERAND, _OPERAND)
+
+
 def _product(a: torch.Tensor, b: torch.Tensor, backward: bool, quantize: bool) -> torch.Tensor:
+    fused = _fused(a, b, backward) if quantize else None
+    if fused is not None:
+        return fused.to(torch.promote_types(a.dtype, b.dtype))
     bdim = -2 if b.dim() > 1 else -1
+    if quantize and a.dtype == b.dtype and factors("nvfp4-rht", a.dtype):
+        fa = rht_factored(a, -1, backward=backward)
+        fb = rht_factored(b, bdim, backward=False)
+        with torch.no_grad():  # straight through: _StraightThrough's backward, not this
+            return factored_product(a, b, fa, fb)
     qa = rht_fake_quant(a, -1, backward=backward, quantize=quantize)
     qb = rht_fake_quant(b, bdim, backward=False, quantize=quantize)
     out = torch.matmul(qa, qb)

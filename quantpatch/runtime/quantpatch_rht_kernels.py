@@ -1,8 +1,8 @@
 """The fused Triton kernel of ``quantpatch_rht.rht_fake_quant``: Hadamard transform and NVFP4
 quantization in one pass.
 
-Installed by ``quantpatch init`` as ``megatron/core/quantpatch_rht_kernels.py``; depends on
-torch, triton and ``quantpatch_kernels`` (whose NVFP4 arithmetic, ``nv_fake_quant``, it
+Installed by ``quantpatch init`` as ``megatron/core/quantpatch/quantpatch_rht_kernels.py``;
+depends on torch, triton and ``quantpatch_kernels`` (whose NVFP4 arithmetic, ``nv_fake_quant``, it
 shares). With ``TRITON_INTERPRET=1`` it runs on CPU tensors, which is how it is tested bit for
 bit against the reference.
 
@@ -81,7 +81,7 @@ def _rht_amax_kernel(x_ptr, m_ptr, part_ptr, rows, n, sr, sn, BLOCK_R: tl.conste
 @triton.jit
 def _rht_nvfp4_kernel(x_ptr, m_ptr, y_ptr, u_ptr, amax_ptr, rows, n, sr, sn,
                       BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BF16: tl.constexpr,
-                      SR: tl.constexpr):  # fmt: skip
+                      SR: tl.constexpr, FACTORED: tl.constexpr):  # fmt: skip
     v, r, c = _load_tile(x_ptr, m_ptr, rows, n, sr, sn, BLOCK_R, BLOCK_N, BF16)
     a = tl.abs(v)
     finite = a < float("inf")
@@ -95,16 +95,22 @@ def _rht_nvfp4_kernel(x_ptr, m_ptr, y_ptr, u_ptr, amax_ptr, rows, n, sr, sn,
     u = tl.zeros((BLOCK_R, BLOCK_N), tl.float32)  # unread without stochastic rounding
     if SR:
         u = tl.load(u_ptr + out_offs, mask=inside, other=0).to(tl.float32)
-    res = nv_fake_quant(v, finite, bmax, amax, u, SR)
+    res = nv_fake_quant(v, finite, bmax, amax, u, SR, FACTORED)
     tl.store(y_ptr + out_offs, store_as(res, y_ptr.dtype.element_ty, BF16), mask=inside)
 
 
 def rht_nvfp4(
-    x: torch.Tensor, dim: int, bits: torch.Tensor | None, matrix: torch.Tensor
+    x: torch.Tensor,
+    dim: int,
+    bits: torch.Tensor | None,
+    matrix: torch.Tensor,
+    amax_out: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``quantpatch_rht.rht_fake_quant`` of ``x`` (``bits``: 8 random bits per element, shaped
     as ``x``, or None for nearest even; ``matrix``: the transform's ``M``, float32 16 x 16, on
-    ``x``'s device); ``x.shape[dim]`` a multiple of 16."""
+    ``x``'s device); ``x.shape[dim]`` a multiple of 16. ``amax_out``: given, the values are
+    code x block scale (the tensor's scale factored out) and the transformed tensor's amax is
+    appended to it."""
     t = x.movedim(dim, -1)
     n = t.shape[-1]
     t2 = t.reshape(-1, n)  # a view where the leading dimensions collapse, else a copy
@@ -117,6 +123,8 @@ def rht_nvfp4(
     _rht_amax_kernel[grid](t2, m, parts, rows, n, sr, sn, BLOCK_R=BLOCK_R, BLOCK_N=BLOCK_N,
                            BF16=bf16)  # fmt: skip
     amax = parts.amax().reshape(1)
+    if amax_out is not None:
+        amax_out.append(amax)
     y = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     u: Any = y  # unread without stochastic rounding
     if bits is not None:
@@ -124,5 +132,6 @@ def rht_nvfp4(
     _rht_nvfp4_kernel[grid](
         t2, m, y, u, amax, rows, n, sr, sn,
         BLOCK_R=BLOCK_R, BLOCK_N=BLOCK_N, BF16=bf16, SR=bits is not None,
+        FACTORED=amax_out is not None,
     )  # fmt: skip
     return y.reshape(*t.shape[:-1], n).movedim(-1, dim)

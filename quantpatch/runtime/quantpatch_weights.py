@@ -18,10 +18,16 @@ from . import quantpatch_env as env
 from . import quantpatch_formats as formats
 from .quantpatch_nvfp4 import NVFP4_FORMATS, sr_bits
 from .quantpatch_quantize import KERNEL_DTYPES as _KERNEL_DTYPES
+from .quantpatch_quantize import (
+    factors,
+    kernels_error,
+    quantize,
+    quantize_factored,
+    require_capability,
+)
+from .quantpatch_quantize import gemm_kernels as _gemm_kernels
 from .quantpatch_quantize import interpreted as _interpreted
 from .quantpatch_quantize import kernel_mode as _kernel_mode
-from .quantpatch_quantize import kernels as _kernels
-from .quantpatch_quantize import kernels_error, quantize, require_capability
 
 
 def _is_weight(t: torch.Tensor) -> bool:
@@ -66,8 +72,8 @@ class _WeightCache:
     """Quantized weights keyed by the weight's identity (see the section's comment)."""
 
     def __init__(self) -> None:
-        # id(base weight) -> (weak reference to it, {operand key: (stamp, quantized)})
-        self.entries: dict[int, tuple[Any, dict[tuple[Any, ...], tuple[Any, torch.Tensor]]]] = {}
+        # id(base weight) -> (weak reference to it, {operand key: (stamp, quantized, factor)})
+        self.entries: dict[int, tuple[Any, dict[tuple[Any, ...], _Held]]] = {}
         self.bytes = 0
         self.counts = {"hits": 0, "misses": 0, "stale": 0, "over_cap": 0, "bypassed": 0}
         self.generation = 0
@@ -84,9 +90,12 @@ class _WeightCache:
     def drop(self, key: int) -> None:
         entry = self.entries.pop(key, None)
         if entry is not None:
-            self.bytes -= sum(_nbytes(q) for _, q in entry[1].values())
+            self.bytes -= sum(_nbytes(held[1]) for held in entry[1].values())
 
 
+_Held = tuple[Any, torch.Tensor, torch.Tensor | None]
+"""A cache entry: (the weight's stamp and the kept tensor's version, the quantized weight,
+its per-tensor factor where the products factor it out)."""
 _WEIGHT_CACHE = _WeightCache()
 
 
@@ -160,6 +169,28 @@ def _drop_collected(wid: int, _: object) -> None:
 
 def _weight_fake_quant(x: torch.Tensor, fmt: str, dim: int, backward: bool) -> torch.Tensor:
     """``quantize(x, ...)`` for a weight or a view of one, through the cache."""
+    return _weight_quant(x, fmt, dim, backward, False)[0]
+
+
+def _weight_factored(
+    x: torch.Tensor, fmt: str, dim: int, backward: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``quantize_factored(x, ...)`` for a weight or a view of one, through the cache (a value
+    whose products do not factor the weight's scale for its dtype: ``(fake-quantized, None)``)."""
+    return _weight_quant(x, fmt, dim, backward, factors(fmt, x.dtype))
+
+
+def _quantize(
+    x: torch.Tensor, fmt: str, dim: int, backward: bool, factored: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if factored:
+        return quantize_factored(x, fmt, dim=dim, backward=backward)
+    return quantize(x, fmt, dim=dim, backward=backward), None
+
+
+def _weight_quant(
+    x: torch.Tensor, fmt: str, dim: int, backward: bool, factored: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     cache = _WEIGHT_CACHE
     if (
         (backward and fmt in NVFP4_FORMATS)  # draws from the generator: never skipped
@@ -168,17 +199,18 @@ def _weight_fake_quant(x: torch.Tensor, fmt: str, dim: int, backward: bool) -> t
         or not weight_cache_enabled()
     ):
         cache.counts["bypassed"] += 1
-        return quantize(x, fmt, dim=dim, backward=backward)
+        return _quantize(x, fmt, dim, backward, factored)
     _hook_optimizer_steps()
     base = x._base if x._base is not None else x
     if _layout_free(fmt, base, backward):
         # one entry per weight: a view of it (``weight.t()``) is the same view of its quantized
-        # values, and neither the dimension nor the direction changes them
+        # values, and neither the dimension nor the direction changes them (nor the tensor's
+        # scale)
         if x is not base and x.numel() == base.numel() and base.is_contiguous():
-            q_base = _weight_fake_quant(base, fmt, -1, False)
+            q_base, f_base = _weight_quant(base, fmt, -1, False, factored)
             if q_base.stride() == base.stride():
                 offset = q_base.storage_offset() + x.storage_offset() - base.storage_offset()
-                return q_base.as_strided(x.shape, x.stride(), offset).detach()
+                return q_base.as_strided(x.shape, x.stride(), offset).detach(), f_base
         dim, backward = -1, False
     wid = id(base)
     entry = cache.entries.get(wid)
@@ -194,50 +226,56 @@ def _weight_fake_quant(x: torch.Tensor, fmt: str, dim: int, backward: bool) -> t
         x.storage_offset(),
         x.dtype,
         x.device,
+        factored,
     )
     stamp = (x._version, x.data_ptr())
     if entry is not None and key in entry[1]:
-        (old_stamp, q_version), q = entry[1][key]
+        (old_stamp, q_version), q, f = entry[1][key]
         if old_stamp == stamp and q._version == q_version:
             cache.counts["hits"] += 1
-            return q.detach()  # a new alias each time: autograd never touches the kept object
+            return q.detach(), f  # a new alias each time: autograd never touches the kept one
         del entry[1][key]
         cache.bytes -= _nbytes(q)
         stale = True
     else:
         stale = False
-    q = quantize(x, fmt, dim=dim, backward=backward)
+    q, f = _quantize(x, fmt, dim, backward, factored)
     if cache.bytes + _nbytes(q) > _weight_cache_cap():
         cache.counts["over_cap"] += 1
-        return q
+        return q, f
     cache.counts["stale" if stale else "misses"] += 1
     if entry is None:
         ref = weakref.ref(base, functools.partial(_drop_collected, wid))
         entry = (ref, {})
         cache.entries[wid] = entry
-    entry[1][key] = ((stamp, q._version), q)
+    entry[1][key] = ((stamp, q._version), q, f)
     cache.bytes += _nbytes(q)
-    return q.detach()
+    return q.detach(), f
 
 
 # -- the quantized GEMM: operands quantized in the GEMM's tile loop, or separately -------------
 #
 # ``quant_matmul``, ``quant_bmm`` and ``quant_baddbmm`` (``beta == 0``) have two ways to
 # compute a quantized product: *separate* (two fake-quant kernels, then ``torch.matmul`` of
-# the quantized operands: the path above) and *fused* (``quantpatch_kernels.quant_gemm``, one
-# Triton GEMM that quantizes each operand tile as it loads it; no quantized copy is written).
+# the quantized operands: the path above) and *fused* (``quantpatch_gemm_kernels.quant_gemm``,
+# one Triton GEMM that quantizes each operand tile as it loads it; no quantized copy is
+# written).
 # ``QUANTPATCH_GEMM`` chooses: ``auto`` (default: on CUDA, both are timed once per problem,
 # i.e. shapes, layouts, dtype, format and direction, on its first call, and the faster is kept
 # for the process, see ``gemm_choices()``; CPU tensors and ``QUANTPATCH_KERNELS=reference``
 # take the separate path), ``separate`` (always), ``fused`` (wherever the GEMM applies; CPU
-# tensors need ``TRITON_INTERPRET=1``). The fused GEMM applies to every value but
-# ``nvfp4-rht`` (its Hadamard transform comes first) and ParetoQ, for a bf16, fp16 or fp32
+# tensors need ``TRITON_INTERPRET=1``). The fused GEMM applies to the values whose spec entry
+# says ``fused_gemm`` (``_GEMM_FORMATS``; every other value takes the separate path, whatever
+# ``QUANTPATCH_GEMM`` says; ``nvfp4-rht`` reaches it from ``quantpatch_rht`` with its operands
+# transformed first, as NVFP4 operands), for a bf16, fp16 or fp32
 # product outside autograd (Megatron's linear layer computes its forward, dgrad and wgrad
 # products inside its own autograd function: there it applies; a product whose operands need
 # gradients keeps the quantized operands for its backward, so it is separate). Each operand
 # takes the separate path's format (a weight's 128 x 128 ``fp8-block`` or 16 x 16 ``nvfp4-2d``
 # tiles, the gradient's E5M2 or stochastic rounding); the per-tensor amax of ``fp8-tensor`` and
-# NVFP4 is one torch reduction before the launch, and stochastic rounding reads the random
+# NVFP4 is one torch reduction before the launch (in bf16 and fp16 their tiles are code x block
+# scale and the tensor scales multiply the float32 accumulator once, as the separate path's
+# ``scaled_matmul`` does), and stochastic rounding reads the random
 # bits the separate path would draw, in its order. ``auto`` never fuses a product that rounds
 # stochastically (timing both paths would draw its bits twice). A weight operand that the
 # weight cache holds enters the fused GEMM already quantized (only the other operand is
@@ -294,11 +332,15 @@ def _auto_fuses(t: torch.Tensor) -> bool:
     return t.is_cuda
 
 
-def _gemm_operand(t: torch.Tensor, fmt: str, dim: int, backward: bool) -> tuple[torch.Tensor, str]:
-    """The operand as the GEMM reads it: a weight the cache may hold, already quantized."""
+def _gemm_operand(
+    t: torch.Tensor, fmt: str, dim: int, backward: bool, factored: bool
+) -> tuple[torch.Tensor, str, torch.Tensor | None]:
+    """The operand as the GEMM reads it: a weight the cache may hold, already quantized (and,
+    ``factored``, its per-tensor scale)."""
     if _is_weight(t) and weight_cache_enabled() and not torch.is_inference_mode_enabled():
-        return _weight_fake_quant(t, fmt, dim, backward), "bf16"
-    return t, fmt
+        q, f = _weight_quant(t, fmt, dim, backward, factored and factors(fmt, t.dtype))
+        return q, "bf16", f
+    return t, fmt, None
 
 
 def _fused_product(
@@ -341,27 +383,34 @@ def _fused_product(
             "kernels run on CUDA tensors only; set TRITON_INTERPRET=1 to interpret them on CPU "
             "tensors, or QUANTPATCH_GEMM=auto."
         )
-    if _kernels() is None:
+    if _gemm_kernels() is None:
         if mode == "fused":
             raise RuntimeError(f"QUANTPATCH_GEMM=fused, but {kernels_error()}")
         return None
     lead = a.shape[:-1]
     a2 = a.reshape(-1, a.shape[-1]) if b.dim() == 2 and a.dim() > 2 else a
+    factored = factors(fmt, a.dtype)
     # the random bits drawn in the separate path's order: a's, then b's
-    qa, fa = _gemm_operand(a2, a_fmt, -1, a_backward)
+    qa, fa, sa = _gemm_operand(a2, a_fmt, -1, a_backward, factored)
     a_rand = sr_bits(qa) if a_backward and fa in NVFP4_FORMATS else None
-    qb, fb = _gemm_operand(b, b_fmt, -2, b_backward)
+    qb, fb, sb = _gemm_operand(b, b_fmt, -2, b_backward, factored)
     b_rand = sr_bits(qb) if b_backward and fb in NVFP4_FORMATS else None
 
     def fused() -> torch.Tensor:
-        out: torch.Tensor = _kernels().quant_gemm(
-            qa, qb, fa, fb, a_backward, b_backward, a_rand, b_rand
+        out: torch.Tensor = _gemm_kernels().quant_gemm(
+            qa, qb, fa, fb, a_backward, b_backward, a_rand, b_rand, factored, sa, sb
         )
         return out
 
     if mode == "auto":
 
         def separate() -> torch.Tensor:
+            if factored:
+                from .quantpatch_quantize import scaled_matmul
+
+                ta, ga = (qa, sa) if fa == "bf16" else _quantize(qa, fa, -1, a_backward, True)
+                tb, gb = (qb, sb) if fb == "bf16" else _quantize(qb, fb, -2, b_backward, True)
+                return scaled_matmul(ta, ga, tb, gb)
             return torch.matmul(
                 quantize(qa, fa, dim=-1, backward=a_backward),
                 quantize(qb, fb, dim=-2, backward=b_backward),
@@ -380,4 +429,5 @@ def _fused_product(
 # the names quantpatch_ops uses (nothing outside this module takes its private names)
 is_weight = _is_weight
 weight_fake_quant = _weight_fake_quant
+weight_factored = _weight_factored
 fused_product = _fused_product

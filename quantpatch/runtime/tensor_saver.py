@@ -1,10 +1,11 @@
 """Save the operands of the quantized GEMMs (forward and backward) with honest names.
 
-Installed by ``quantpatch saver install`` as ``megatron/core/tensor_saver.py``, with its parts in
-``megatron/core/quantpatch_saver/`` beside it, one concern each: ``settings.py`` (the
-variables), ``capture.py`` (what the training thread does), ``writer.py`` (the background
-threads), ``stats.py`` (the statistics), ``ondisk.py`` (the files), ``compat.py`` (a fork's
-calling conventions), and the opt-in accelerators ``stats_kernel.py`` and ``pickler.py``.
+Installed by ``quantpatch saver install`` as ``megatron/core/quantpatch/tensor_saver.py``
+(``megatron.core.tensor_saver`` is this module too), with its parts in ``quantpatch_saver/``
+beside it, one concern each: ``settings.py`` (the variables), ``capture.py`` (what the
+training thread does), ``writer.py`` (the background threads), ``stats.py`` (the
+statistics), ``ondisk.py`` (the files), ``compat.py`` (a fork's calling conventions), and the
+opt-in accelerators ``stats_kernel.py`` and ``pickler.py``.
 This module is the API its callers use; all of it depends on torch and the standard library
 only. The calls quantpatch inserts are guarded by ``ENABLED``, a
 module-level boolean read once from the environment, so a disabled saver costs one attribute

@@ -23,7 +23,7 @@ import ast
 import io
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
@@ -847,6 +847,75 @@ def _lines_from_positions(
     return lines
 
 
+@dataclass
+class _SiteDispatches:
+    """What the dispatches one site governs say of it, gathered one dispatch at a time."""
+
+    governs: set[str] = field(default_factory=set)
+    """The products of every dispatch the site governs."""
+    gemms: set[str] = field(default_factory=set)
+    knows: list[tuple[str, ...] | None] = field(default_factory=list)
+    """Each dispatch's values (``chain_knows``), in order."""
+    knows_for: list[str] = field(default_factory=list)
+    """The products each of ``knows`` is for (``qk+pv``)."""
+    pv_nodes: list[cst.If] = field(default_factory=list)
+    """The dispatches of P.V alone (not Q.K^T)."""
+
+    def add(self, d: _Dispatch) -> None:
+        self.governs |= d.products
+        self.gemms.add(d.gemm)
+        self.knows.append(d.knows)
+        self.knows_for.append("+".join(sorted(d.products)))
+        if "pv" in d.products and "qk" not in d.products:
+            self.pv_nodes.append(d.node)
+
+    def role(self, raw: _RawSite, file_kind: str) -> str | None:
+        """The site's role: its override, else its products'; None for a label site."""
+        if raw.override:
+            return raw.override
+        return _role_from_products(self.governs, file_kind) if self.governs else None
+
+    def site(self, raw: _RawSite, rel: str, role: str | None, form: str, gemm: str) -> Site:
+        knows = _site_knows(self.knows)
+        return Site(
+            role=role or "unknown",
+            file=rel,
+            line=raw.line,
+            function=raw.function,
+            value=raw.value,
+            form=form,
+            kind=raw.kind,
+            governs=tuple(sorted(self.governs - {"unknown"})),
+            source=raw.source,
+            knows=knows,
+            knows_for=tuple(self.knows_for) if knows is not None else (),
+            gemm=gemm if (role or "") == "linear" else "",
+        )
+
+
+def _accumulate(
+    raw_sites: list[_RawSite], dispatches: Sequence[_Dispatch]
+) -> list[_SiteDispatches]:
+    """Each site's dispatches: every dispatch added to each site that governs it."""
+    accs = [_SiteDispatches() for _ in raw_sites]
+    for d in dispatches:
+        for i in _governs(raw_sites, d):
+            accs[i].add(d)
+    return accs
+
+
+def _gemms_of(accs: Sequence[_SiteDispatches]) -> list[str]:
+    """Each site's GEMM: the one of every dispatch it governs; a label site takes the next
+    governed site's, as it takes its role."""
+    own = [next(iter(a.gemms)) if len(a.gemms) == 1 else "" for a in accs]
+    return [
+        own[i]
+        if accs[i].governs
+        else next((own[j] for j in range(i + 1, len(accs)) if accs[j].governs), "")
+        for i in range(len(accs))
+    ]
+
+
 def _discover(
     module: cst.Module,
     text: str,
@@ -875,58 +944,17 @@ def _discover(
 
     found: list[tuple[_RawSite, Site, list[cst.If]]] = []
     for raw_sites, dispatches in collector.done:
-        governs: list[set[str]] = [set() for _ in raw_sites]
-        pv_nodes: list[list[cst.If]] = [[] for _ in raw_sites]
-        knows: list[list[tuple[str, ...] | None]] = [[] for _ in raw_sites]
-        knows_for: list[list[str]] = [[] for _ in raw_sites]
-        gemms: list[set[str]] = [set() for _ in raw_sites]
-        for d in dispatches:
-            for i in _governs(raw_sites, d):
-                governs[i] |= d.products
-                gemms[i].add(d.gemm)
-                knows[i].append(d.knows)
-                knows_for[i].append("+".join(sorted(d.products)))
-                if "pv" in d.products and "qk" not in d.products:
-                    pv_nodes[i].append(d.node)
-        roles: list[str | None] = []
-        for raw, products in zip(raw_sites, governs, strict=False):
-            if raw.override:
-                roles.append(raw.override)
-            elif products:
-                roles.append(_role_from_products(products, file_kind))
-            else:
-                roles.append(None)
-        # a site's GEMM: the one of every dispatch it governs; a label site takes the next
-        # governed site's, as it takes its role
-        gemm_of = [next(iter(g)) if len(g) == 1 else "" for g in gemms]
-        for i in range(len(raw_sites)):
-            if not governs[i]:
-                gemm_of[i] = next(
-                    (gemm_of[j] for j in range(i + 1, len(raw_sites)) if governs[j]), ""
-                )
-        for i, raw in enumerate(raw_sites):
-            role = roles[i]
-            form = raw.kind
-            if not governs[i]:
+        accs = _accumulate(raw_sites, dispatches)
+        roles = [acc.role(raw, file_kind) for raw, acc in zip(raw_sites, accs, strict=True)]
+        gemms = _gemms_of(accs)
+        for i, (raw, acc) in enumerate(zip(raw_sites, accs, strict=True)):
+            role, form = roles[i], raw.kind
+            if not acc.governs:
                 form = "label" if raw.kind != "dynamic" else raw.kind
                 if role is None:
                     later = [r for r in roles[i + 1 :] if r is not None]
                     role = later[0] if later else ("linear" if file_kind == "linear" else "unknown")
-            site = Site(
-                role=role or "unknown",
-                file=rel,
-                line=raw.line,
-                function=raw.function,
-                value=raw.value,
-                form=form,
-                kind=raw.kind,
-                governs=tuple(sorted(governs[i] - {"unknown"})),
-                source=raw.source,
-                knows=_site_knows(knows[i]),
-                knows_for=tuple(knows_for[i]) if _site_knows(knows[i]) is not None else (),
-                gemm=gemm_of[i] if (role or "") == "linear" else "",
-            )
-            found.append((raw, site, pv_nodes[i]))
+            found.append((raw, acc.site(raw, rel, role, form, gemms[i]), acc.pv_nodes))
     found.sort(key=lambda t: t[0].pos)
     return FileSites(
         rel=rel,

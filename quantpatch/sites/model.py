@@ -93,6 +93,9 @@ class Site:
 
 
 POLICY_NAME = "quantpatch_bf16_layers"
+RUNTIME_PACKAGE = "megatron.core.quantpatch"
+"""The package the site code imports the runtime from (``init`` installs it as
+``megatron/core/quantpatch/``; earlier releases put its modules in ``megatron.core``)."""
 """The module-level name whose string literal is the BF16 layer policy (``sites.policy``)."""
 
 
@@ -160,7 +163,7 @@ def refuse_links(root: Path, rels: Sequence[str]) -> None:
 
 OPS_VALUES = "<quantpatch_ops>"
 """In ``Site.knows``: a branch that hands the value to ``quantpatch_ops`` (``fmt=<site>``), so
-every value the checkout's installed ``megatron/core/quantpatch_ops.py`` declares."""
+every value the checkout's installed ``quantpatch_ops.py`` declares."""
 
 
 @dataclass(frozen=True)

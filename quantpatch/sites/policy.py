@@ -5,7 +5,7 @@ The policy is one module-level assignment that ``init`` inserts after the import
 
     quantpatch_bf16_layers = ''
     if quantpatch_bf16_layers:
-        from megatron.core import quantpatch_layers
+        from megatron.core.quantpatch import quantpatch_layers
 
         quantpatch_layers.install(quantpatch_bf16_layers)
 
@@ -33,12 +33,12 @@ from quantpatch.sites.discovery import (
     parse_source,
     reads_site,
 )
-from quantpatch.sites.model import POLICY_NAME, Policy
+from quantpatch.sites.model import POLICY_NAME, RUNTIME_PACKAGE, Policy
 
 POLICY_BLOCK = f"""\
 {POLICY_NAME} = ''  # linear layers kept in BF16 (quantpatch set --bf16-layers)
 if {POLICY_NAME}:
-    from megatron.core import quantpatch_layers
+    from {RUNTIME_PACKAGE} import quantpatch_layers
 
     quantpatch_layers.install({POLICY_NAME})
 """

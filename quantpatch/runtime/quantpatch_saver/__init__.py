@@ -1,6 +1,6 @@
 """The tensor saver's parts, one concern each; ``tensor_saver.py`` beside this package is the
-API its callers use. Installed into a checkout as ``megatron/core/quantpatch_saver/``; torch
-and the standard library only.
+API its callers use. Installed into a checkout as
+``megatron/core/quantpatch/quantpatch_saver/``; torch and the standard library only.
 
 ``settings``      the ``TENSOR_SAVE_*`` variables, the rank, the source commit, the iteration
 ``capture``       what the training thread does: layer names, identity, snapshots, pools

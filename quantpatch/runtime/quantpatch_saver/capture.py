@@ -171,10 +171,12 @@ class Snapshots:
         if t.device.type != "cuda":
             return Item(name, self.pool.snapshot(t), None, None, meta, cost, directory)
         if self.device is None:
-            from .device_copy import DeviceCopies  # CUDA only: never imported on the host
+            from . import device_copy  # CUDA only: never imported on the host
 
-            self.device = DeviceCopies()
-        item: Item = self.device.take(t, name, meta, cost, directory, stats_only)
+            self.device = device_copy.DeviceCopies(HostPool(device_copy.PINNED_POOL_BYTES))
+        host, stats, event, handed_over = self.device.take(t, stats_only)
+        item = Item(name, host, stats, event, meta, cost, directory)
+        item.device = handed_over
         return item
 
     def copy_to_host(self, item: Item) -> None:

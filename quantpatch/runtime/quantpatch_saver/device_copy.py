@@ -5,12 +5,10 @@ tensor a saver takes (never on a host-only run)."""
 from __future__ import annotations
 
 import threading
-from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from .capture import HostPool, Item
 from .dtypes import clone, raw
 from .stats import device_moments
 
@@ -22,6 +20,22 @@ HANDOVER_BYTES = 1 << 30
 most (device memory); beyond it the training thread makes the buffer itself."""
 
 
+class Pool(Protocol):
+    """A pool of host buffers by dtype and shape (``capture.HostPool``)."""
+
+    def take(self, t: torch.Tensor) -> torch.Tensor | None: ...
+
+    def give_back(self, buf: torch.Tensor) -> None: ...
+
+
+class Snapshot(Protocol):
+    """What a device copy fills in of a saver's item (``capture.Item``)."""
+
+    host: torch.Tensor | None
+    event: Any
+    device: torch.Tensor | None
+
+
 def pinned_like(t: torch.Tensor) -> torch.Tensor:
     """A pinned host buffer of ``t``'s shape and dtype (slow when torch has none cached)."""
     return torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
@@ -31,23 +45,19 @@ class DeviceCopies:
     """The pinned pool, the side stream and the device snapshots handed over to the
     statistics thread of one saver."""
 
-    def __init__(self, pinned: HostPool | None = None) -> None:
-        self.pinned = pinned or HostPool(PINNED_POOL_BYTES)
+    def __init__(self, pinned: Pool) -> None:
+        self.pinned = pinned  # capture's pool, made with PINNED_POOL_BYTES
         self.stream: Any = None
         self.lock = threading.Lock()
         self.handed_over = 0  # bytes of device snapshots waiting for a pinned buffer
 
     def take(
-        self,
-        t: torch.Tensor,
-        name: str,
-        meta: dict[str, Any],
-        cost: int,
-        directory: Path,
-        stats_only: bool,
-    ) -> Item:
+        self, t: torch.Tensor, stats_only: bool
+    ) -> tuple[torch.Tensor | None, torch.Tensor, Any, torch.Tensor | None]:
         """Statistics on the tensor's device, and (unless ``stats_only``) a host copy; both
-        leave on a side stream so the training stream does not wait."""
+        leave on a side stream so the training stream does not wait. Returns the host copy
+        (None while handed over or statistics only), the host statistics, the event that
+        marks both done and the device snapshot handed over to the statistics thread."""
         stats = device_moments(t)
         # a snapshot on the device, on the training stream: training may write into t right
         # after this call (a reused all-gather buffer, an in-place update), and an on-device
@@ -75,9 +85,7 @@ class DeviceCopies:
         if snap is not None:  # the allocator must not reuse the snapshot before the copy
             snap.record_stream(self.stream)
         stats.record_stream(self.stream)
-        item = Item(name, host, host_stats, event, meta, cost, directory)
-        item.device = handed_over
-        return item
+        return host, host_stats, event, handed_over
 
     def _hand_over(self, snap: torch.Tensor) -> bool:
         """Whether the statistics thread makes ``snap``'s pinned host buffer and copies it.
@@ -92,7 +100,7 @@ class DeviceCopies:
             self.handed_over += nbytes
         return True
 
-    def copy_to_host(self, item: Item) -> None:
+    def copy_to_host(self, item: Snapshot) -> None:
         """The pinned buffer and the copy of a handed-over device snapshot (statistics
         thread), queued on the side stream behind what the training thread queued."""
         snap = item.device
@@ -107,13 +115,13 @@ class DeviceCopies:
         item.host, item.event = host, event
         self.drop_device(item)
 
-    def drop_device(self, item: Item) -> None:
+    def drop_device(self, item: Snapshot) -> None:
         snap, item.device = item.device, None
         if snap is not None:
             with self.lock:
                 self.handed_over -= snap.numel() * snap.element_size()
 
-    def release(self, item: Item) -> None:
+    def release(self, item: Snapshot) -> None:
         """Give a written, failed or dropped item's buffers back."""
         self.drop_device(item)
         if item.host is not None:

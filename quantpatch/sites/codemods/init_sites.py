@@ -6,7 +6,7 @@ Each quantizable product becomes::
     if custom_quant_type == 'bf16':
         <the original statement, unchanged>
     else:
-        from megatron.core import quantpatch_ops
+        from megatron.core.quantpatch import quantpatch_ops
         <target> = quantpatch_ops.quant_<op>(<operands>, fmt=custom_quant_type, ...)
 
 so the ``bf16`` path runs the original PyTorch call and imports nothing new. The products are
@@ -30,7 +30,7 @@ from quantpatch.base.config import SITE_NAME
 from quantpatch.base.errors import UserError
 from quantpatch.sites.codemods.set_value import keep_bom
 from quantpatch.sites.discovery import calls_quantpatch_ops, chain_knows, parse_source
-from quantpatch.sites.model import OPS_VALUES
+from quantpatch.sites.model import OPS_VALUES, RUNTIME_PACKAGE
 
 LINEAR_CLASS_SUFFIX = "LinearWithGradAccumulationAndAsyncCommunication"
 ATTENTION_CLASS = "DotProductAttention"
@@ -85,7 +85,7 @@ def _dispatch(stmt: cst.SimpleStatementLine, product: _Product, layout: Layout) 
         f"if {SITE_NAME} == {q}bf16{q}:\n"
         "    pass\n"
         "else:\n"
-        "    from megatron.core import quantpatch_ops\n"
+        f"    from {RUNTIME_PACKAGE} import quantpatch_ops\n"
         f"    {product.target} = None\n"
     )
     assert isinstance(template, cst.If) and isinstance(template.orelse, cst.Else)
@@ -117,31 +117,35 @@ WEIGHT_NAME = "weight"
 """The linear autograd function's weight: the operand ``nvfp4-2d`` tiles."""
 
 
-def _weight_operand(args: list[cst.Arg]) -> str | None:
-    """``"a"`` or ``"b"``: which of the product's two operands is the layer's weight (the
-    one that names it: ``weight.t()`` in the forward, ``weight`` in dgrad); None for none."""
+def _roles(args: list[cst.Arg], backward: bool) -> tuple[str, str]:
+    """The roles of the product's two operands, as TransformerEngine names them: the one
+    that names the layer's weight (``weight.t()`` in the forward, ``weight`` in dgrad) is the
+    ``weight``; in a gradient GEMM the first is the ``grad_output``; the rest are ``input``."""
     operands = [a for a in args if a.keyword is None and not a.star][:2]
-    for letter, arg in zip("ab", operands, strict=False):
+    roles = ["input", "input"]
+    for i, arg in enumerate(operands):
         if m.findall(arg.value, m.Name(WEIGHT_NAME)):
-            return letter
-    return None
+            roles[i] = "weight"
+            break
+    if backward:
+        roles[0] = "grad_output"
+    return roles[0], roles[1]
 
 
 def _quant_call(
     call: cst.Call, op: str, receiver: cst.BaseExpression | None, backward: bool
 ) -> cst.Call:
-    """``quantpatch_ops.quant_<op>(<operands>, fmt=custom_quant_type[, backward=True]
-    [, weight="b"])`` with the original argument nodes (and their comments) kept as they
-    are; ``weight`` names the operand that is the layer's weight (matmul only)."""
+    """``quantpatch_ops.quant_<op>(<operands>, fmt=custom_quant_type[, roles=("grad_output",
+    "weight")])`` with the original argument nodes (and their comments) kept as they are;
+    ``roles`` names each operand of a linear product (matmul only: the attention products'
+    operands are inputs)."""
     args = list(call.args)
     if receiver is not None:
         args.insert(0, cst.Arg(receiver))
     extra = [_kwarg("fmt", cst.Name(SITE_NAME))]
-    if backward:
-        extra.append(_kwarg("backward", cst.Name("True")))
-    weight = _weight_operand(args) if op == "matmul" else None
-    if weight is not None:
-        extra.append(_kwarg("weight", cst.SimpleString(f'"{weight}"')))
+    if op == "matmul":
+        first, second = _roles(args, backward)
+        extra.append(_kwarg("roles", cst.parse_expression(f'("{first}", "{second}")')))
     last = args[-1].comma if args else cst.MaybeSentinel.DEFAULT
     if isinstance(last, cst.Comma) and isinstance(
         last.whitespace_after, cst.ParenthesizedWhitespace
@@ -334,7 +338,7 @@ def _flash_lines(layout: Layout) -> str:
         f"{FLASH_PV} = {SITE_NAME}\n"
         f"{SITE_NAME} = {literal}\n"
         f"if {SITE_NAME} != {q}bf16{q}:\n"
-        "    from megatron.core import quantpatch_ops\n"
+        f"    from {RUNTIME_PACKAGE} import quantpatch_ops\n"
         "\n"
         "    if quantpatch_ops.flash_eligible(\n"
         f"        {args}, qk={SITE_NAME}, pv={FLASH_PV}\n"
@@ -344,7 +348,7 @@ def _flash_lines(layout: Layout) -> str:
         "        )\n"
         "else:\n"
         f"    if os.environ.get({q}{FLASH_BF16}{q}) == {q}1{q}:\n"
-        "        from megatron.core import quantpatch_ops\n"
+        f"        from {RUNTIME_PACKAGE} import quantpatch_ops\n"
         "\n"
         "        if quantpatch_ops.flash_eligible(\n"
         f"            {args}, qk={q}bf16{q}, pv={FLASH_PV}\n"
@@ -555,7 +559,7 @@ _HAS_STEP = (
     "if self.weight_alpha is None:\n"
     "    pass\n"
     "else:\n"
-    "    from megatron.core import quantpatch_ops\n"
+    f"    from {RUNTIME_PACKAGE} import quantpatch_ops\n"
     "    pass\n"
 )
 
@@ -570,7 +574,7 @@ def _constructor_site(partition_dim: int, value: str = "bf16") -> list[cst.BaseS
         f"if {SITE_NAME} == 'bf16':\n"
         "    self.register_parameter('weight_alpha', None)\n"
         "else:\n"
-        "    from megatron.core import quantpatch_ops\n"
+        f"    from {RUNTIME_PACKAGE} import quantpatch_ops\n"
         f"    quantpatch_ops.add_weight_scales(self, {SITE_NAME}, "
         f"partition_dim={partition_dim})\n"
     )
@@ -701,7 +705,7 @@ _TEACH_TEMPLATE = """\
 if x:
     pass
 elif {site} != {q}bf16{q}:
-    from megatron.core import quantpatch_ops
+    from {package} import quantpatch_ops
     {target} = None
 """
 
@@ -795,7 +799,11 @@ class _Teach(cst.CSTTransformer):
         _, product = stock
         q = _quote_of(original_node)
         template = cst.ensure_type(
-            cst.parse_statement(_TEACH_TEMPLATE.format(site=SITE_NAME, q=q, target=product.target)),
+            cst.parse_statement(
+                _TEACH_TEMPLATE.format(
+                    site=SITE_NAME, q=q, target=product.target, package=RUNTIME_PACKAGE
+                )
+            ),
             cst.If,
         )
         branch = cst.ensure_type(template.orelse, cst.If)

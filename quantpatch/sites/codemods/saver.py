@@ -27,9 +27,10 @@ from quantpatch.base.errors import UserError
 from quantpatch.sites.codemods.init_sites import ATTENTION_CLASS, LINEAR_CLASS_SUFFIX, product_of
 from quantpatch.sites.codemods.set_value import insert_before, keep_bom
 from quantpatch.sites.discovery import ScopedVisitor, find_all, parse_source
+from quantpatch.sites.model import RUNTIME_PACKAGE
 
 MARK = "# quantpatch: saver"
-IMPORT = f"from megatron.core import tensor_saver as _qp_saver  {MARK}\n"
+IMPORT = f"from {RUNTIME_PACKAGE} import tensor_saver as _qp_saver  {MARK}\n"
 LAYER_CLASS = "TransformerLayer"
 
 
