@@ -1,4 +1,4 @@
-"""The per-module floor of issue 48: after the full suite (its coverage combined, the
+"""The per-module coverage floor of CI: after the full suite (its coverage combined, the
 processes it started counted), no module of quantpatch/ is under FLOOR % but those that run
 only on a GPU. Reads the .coverage file pytest-cov left; prints every module under the floor."""
 

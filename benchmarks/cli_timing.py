@@ -6,7 +6,7 @@ Usage: python benchmarks/cli_timing.py [--runs N] [--layout fork|demo] [--histor
 with the full megatron-core tree, `--history` upstream commits (default 3000), a branch named
 `quant`, label and shared sites, the fork's saver. `--layout demo`: the demo checkout.
 
-Bars (issue 13, as ratios to `python3 -c pass` in the same run): --help <= 6x, warm check
+Bars (as ratios to `python3 -c pass` in the same run): --help <= 6x, warm check
 <= 12x, cold check <= 25x; set and restore <= 1.0 s on the fork clone. `check` reads discovery
 results from a content-addressed cache when the target files are unchanged (the usual case:
 `set` primes it); the cold row deletes the cache first, so it pays libcst's import (the

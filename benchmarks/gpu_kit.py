@@ -1,5 +1,5 @@
 """The GPU kit: everything a lent GPU machine lacks, gathered here on CPU, and the one run
-made there (issue 41).
+made there.
 
     python benchmarks/gpu_kit.py prepare --megatron-lm PATH [--ref core_v0.13.1] [--kit .gpukit]
     bash benchmarks/gpu_run.sh           # on the GPU machine, the kit carried; results in $OUT
@@ -74,7 +74,7 @@ TREE_PATHS = ("megatron", "pretrain_gpt.py")
 OPTIONAL_PATHS = (".gitignore",)  # a clone's: Megatron's built helpers (*.so) stay untracked
 MODELS = ("llama32-1b", "deepseek2_lite")
 SMOKE_SCHEMES = ("bf16", "FA_linear_mxfp8", "FA_linear_nvfp4")
-RECIPE = "nvfp4_recipe"  # issue 40's scheme, run where the registry has it
+RECIPE = "nvfp4_recipe"  # NVIDIA's NVFP4 recipe, run where the registry has it
 FAST_SCHEMES = ("bf16", "FA_mxfp8", "FA_linear_mxfp8")
 SUITE_PARTS = ("shapes", "cache", "flash", "gemm")
 ALL_SUITE = ("ops", "paretoq", "shapes", "gemm", "cache", "flash", "saver", "e2e", "pretrain")
@@ -630,7 +630,7 @@ def summary(results: dict[str, Any]) -> str:
 
 
 def fast_bars(rows: list[dict[str, Any]], judged: bool = True) -> list[str]:
-    """Issue 41's per-step bars; a stub's figures are the stub's, judged by none."""
+    """The kit's per-step bars; a stub's figures are the stub's, judged by none."""
     by = {r["scheme"]: r for r in rows}
     out = []
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU kit's one device call (issue 41): install the carried wheels, then run the steps of
+# The GPU kit's run on the GPU machine: install the carried wheels, then run the steps of
 # `benchmarks/gpu_kit.py run` (setup, smoke sweep, fast-shaped step, gpu_suite rows), each
 # under its own time budget, results in $OUT as they finish. Prepare the kit first, on CPU:
 #     python benchmarks/gpu_kit.py prepare --megatron-lm PATH

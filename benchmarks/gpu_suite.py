@@ -16,7 +16,7 @@ Usage: python benchmarks/gpu_suite.py [--device cuda|cpu] [--out DIR] [--skip sa
    (hidden 4096, 8192 tokens on a GPU; 256 and 512 on CPU).
 3. The tiny megatron-core GPT (``gpu_e2e.py --json``) from an ``init``ed checkout: step time per
    scheme (FA_linear_nvfp4 among them), bf16 = 1.0.
-4. Flash attention (issue 30): the attention core of one llama32-1b layer (32 query heads, 8
+4. Flash attention: the attention core of one llama32-1b layer (32 query heads, 8
    key/value heads, head dim 64, batch 1, causal, bf16) at sequence 4096, forward + backward:
    the unfused local attention as Megatron's ``DotProductAttention`` computes it (repeated
    key/value heads, ``baddbmm`` scores, float32 softmax, ``bmm``) in bf16 and with
@@ -29,7 +29,7 @@ Usage: python benchmarks/gpu_suite.py [--device cuda|cpu] [--out DIR] [--skip sa
    on, FA_linear_hifp8), then ``runs`` and ``report``: step time per scheme against bf16, finite
    losses, the commit each log names, the saver's files. Off a GPU a stub ``torchrun`` stands in.
 
-5. Issue 30: the fake-quant kernels (Triton only) at the models' shapes (8192 x 4096,
+5. The models' shapes: the fake-quant kernels (Triton only) at the models' shapes (8192 x 4096,
    8192 x 14336, 4096 x 128256) as % of a copy of the same tensor; the quantized GEMM at
    8192^3 and the models' shapes (tokens x hidden @ hidden x ffn, ffn x hidden, hidden x
    vocabulary), fused (operands quantized in the GEMM's tile loop) and separate (two
@@ -37,11 +37,11 @@ Usage: python benchmarks/gpu_suite.py [--device cuda|cpu] [--out DIR] [--skip sa
    the weight cache over k micro-batches of Megatron's three linear GEMMs (hit ratio, bytes
    held, quantizations, step time with the cache on and off).
 
-Bars (issue 10): each op >= 30 % of the copy (goal 50 %), <= 2 kernels per MX call, extra
-memory <= one output tensor; ParetoQ weight quantization < 10 % of the layer's forward (issue
-29); FA_linear_mxfp8 step <= 1.3x bf16; saver stall <= 3x the pinned copy; disabled saver
-<= 1 % of a step. Issue 30: every kernel >= 80 % of the copy at every shape; the quantized
-GEMM (the faster path) <= 1.08x bf16 at every shape; each weight quantized once per step
+Bars: each op >= 30 % of the copy (goal 50 %), <= 2 kernels per MX call, extra memory <= one
+output tensor; ParetoQ weight quantization < 10 % of the layer's forward; FA_linear_mxfp8 step
+<= 1.3x bf16; saver stall <= 3x the pinned copy; disabled saver <= 1 % of a step. At the
+models' shapes: every kernel >= 80 % of the copy; the quantized GEMM (the faster path) <= 1.08x
+bf16; each weight quantized once per step
 (hit ratio (k - 1) / k).
 
 Without a GPU (``--device cpu``) the same suite runs end to end with the kernels in Triton's
@@ -76,7 +76,7 @@ OPS = (  # name, format, backward, dim
     ("hifp8", "hifp8", False, -1),
 )
 NVFP4 = ("nvfp4", "nvfp4-2d")
-"""Reported beside MXFP4 but judged by no bar (issue 10's bars are the MX and HiF8 ops'):
+"""Reported beside MXFP4 but judged by no bar (the ops' bars are the MX and HiF8 ops'):
 NVFP4's tensor amax is one torch reduction before its kernel, and stochastic rounding
 draws its uniforms with torch.rand (one float32 tensor)."""
 
@@ -230,7 +230,7 @@ def bench_flash(device: str, seq: int, heads: int, groups: int, dim: int, iters:
     return {"seq": seq, "heads": heads, "groups": groups, "dim": dim, "rows": rows}
 
 
-# issue 30: the models' shapes. Fake quant: [rows, reduction] bf16 tensors; GEMM: (M, K, N)
+# the models' shapes. Fake quant: [rows, reduction] bf16 tensors; GEMM: (M, K, N)
 KERNEL_SHAPES = ((8192, 8192), (8192, 4096), (8192, 14336), (4096, 128256))
 GEMM_SHAPES = ((8192, 8192, 8192), (8192, 4096, 14336), (8192, 14336, 4096), (8192, 4096, 128256))
 GEMM_FORMATS = (("mxfp8", False), ("mxfp8", True), ("mxfp4", False), ("hifp8", False))
@@ -410,7 +410,7 @@ def bench_weight_cache(
 
 
 def bench_rht(device: str, rows: int, cols: int, iters: int) -> dict[str, Any]:
-    """Issue 40: the fused RHT + NVFP4 kernel (``nvfp4-rht``, the wgrad operands) against the
+    """The fused RHT + NVFP4 kernel (``nvfp4-rht``, the wgrad operands) against the
     NVFP4 kernel alone on a [rows, cols] bf16 tensor, round to nearest and stochastic, in ms
     (the kernels: on CPU in Triton's interpreter)."""
     from quantpatch.runtime import quantpatch_ops as ops
@@ -487,7 +487,7 @@ def markdown(r: dict[str, Any]) -> str:
     rh = r.get("rht")
     if rh:
         lines += [
-            f"RHT (issue 40): the fused Hadamard transform + NVFP4 kernel against the NVFP4 "
+            f"RHT: the fused Hadamard transform + NVFP4 kernel against the NVFP4 "
             f"kernel alone, {rh['shape'][0]}x{rh['shape'][1]} bf16.",
             "",
             "| rounding | nvfp4 ms | nvfp4-rht ms | rht / nvfp4 |",
@@ -589,12 +589,12 @@ def markdown(r: dict[str, Any]) -> str:
         lines += [f"Generated smoke scripts through {kind}:", "", runs_table(pre)]
     elif pre:
         lines += [f"Generated scripts: {pre['error']}", ""]
-    lines += issue30_markdown(r)
+    lines += shapes_markdown(r)
     lines += ["Bars:", ""] + [f"- {b}" for b in r["bars"]]
     return "\n".join(lines) + "\n"
 
 
-def issue30_markdown(r: dict[str, Any]) -> list[str]:
+def shapes_markdown(r: dict[str, Any]) -> list[str]:
     lines: list[str] = []
     shapes = r.get("kernel_shapes")
     if shapes:
@@ -645,7 +645,7 @@ def issue30_markdown(r: dict[str, Any]) -> list[str]:
     return lines
 
 
-def issue30_bars(r: dict[str, Any], say: Callable[[bool, str], None]) -> None:
+def shapes_bars(r: dict[str, Any], say: Callable[[bool, str], None]) -> None:
     shapes = r.get("kernel_shapes")
     if shapes:
         worst = min(
@@ -696,7 +696,7 @@ def bars(r: dict[str, Any]) -> list[str]:
         mem = max(e["triton_extra_vs_output"] for e in judged)
         say(mem <= 1.0 + 1e-6, f"extra memory <= one output (most {mem:.2f})")
         out.extend(nvfp4_line(o))
-    issue30_bars(r, say)
+    shapes_bars(r, say)
     pq = r.get("paretoq")
     if pq:
         worst = max(e["quant_pct_of_forward"] for e in pq["rows"])

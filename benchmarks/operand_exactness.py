@@ -47,7 +47,12 @@ from quantpatch.runtime import quantpatch_ops as ops
 from quantpatch.runtime import quantpatch_rht as rht
 from quantpatch.runtime.quantpatch_fp8 import finite_amax, tensor_scales
 from quantpatch.runtime.quantpatch_mx import round_element
-from quantpatch.runtime.quantpatch_nvfp4 import nv_global_decode, nvfp4_parts
+from quantpatch.runtime.quantpatch_nvfp4 import (
+    nv_decode,
+    nv_global_decode,
+    nvfp4_4over6_parts,
+    nvfp4_parts,
+)
 from quantpatch.runtime.quantpatch_quantize import quantize
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -116,6 +121,9 @@ def readings(
         if spec.rht:
             v = rht.rht(src, dim).to(torch.float32)
         two_d = spec.tiled and v.dim() >= 2
+        if spec.four_over_six and not backward:  # a 4over6 operand (its gradient: nvfp4's)
+            q, s, amax = nvfp4_4over6_parts(v, opfmt, dim, two_d)
+            return q * (s * nv_decode(amax, opfmt)), q * s
         q, s, amax = nvfp4_parts(v, dim, two_d)
         d = nv_global_decode(amax)
         stochastic = backward and "grad_output" in spec.stochastic

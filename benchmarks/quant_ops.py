@@ -7,8 +7,8 @@ for bf16), like the yardstick: a copy of the same tensor into a preallocated buf
 repetitions of every variant are interleaved (copy, op, copy, op, ...) and medians reported,
 so machine noise hits all alike. On CPU the default path (large tensors worked slice by slice)
 is shown next to the same arithmetic on the whole tensor at once (the path before slicing).
-Default: 8192 x 8192 bf16 on CUDA when there is one, 4096 x 4096 on CPU. Bars: GPU (issue
-10) each op >= 30 % of the copy; CPU (issue 13) each op >= 1 % of the copy.
+Default: 8192 x 8192 bf16 on CUDA when there is one, 4096 x 4096 on CPU. Bars: GPU each op >=
+30 % of the copy; CPU each op >= 1 % of the copy.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ Usage: python benchmarks/saver_overhead.py [--device cpu|cuda] [--layers N] [--h
 
 Defaults: on CUDA 8 layers 4096 -> 4096, 8192 tokens, bf16 (~1.6 GB saved per step); on CPU
 8 layers 512 -> 512, 512 tokens (bf16 matrix products on a CPU without bf16 units take about
-2 s a step; with 2048 tokens a run took 7 minutes). Bars (issue 3): disabled <= 1 % over not
+2 s a step; with 2048 tokens a run took 7 minutes). Bars: disabled <= 1 % over not
 installed; on a saving step the training-stream stall <= 3x the copy time; the background
 writer sustains >= 50 % of the raw write throughput; after flush() every expected file
 exists, bit-exact. The CPU writer against the raw write, without the matrix products around

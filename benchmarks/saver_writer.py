@@ -3,7 +3,7 @@
 Usage: python benchmarks/saver_writer.py [--tensors 16] [--side 1024] [--steps 5] [--reps 15]
                                          [--dir DIR] [--json]
 
-The scenario of issue 13: per step 16 tensors of 1024 x 1024 bf16 (2 MiB each), 5 steps
+The scenario: per step 16 tensors of 1024 x 1024 bf16 (2 MiB each), 5 steps
 (168 MB), on the CPU. Every variant writes the same bytes into a fresh directory of --dir
 (default: a temporary directory on the same disk) after an ``os.sync()`` (so that no variant
 is throttled for another's dirty pages); the variants run interleaved, --reps times, each

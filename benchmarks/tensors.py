@@ -6,7 +6,7 @@ Usage: python benchmarks/tensors.py [--gb 1.0] [--logs 60] [--lines 250000] [--j
 1. ``tensors formats`` over ``--gb`` of bf16 tensors saved as the saver saves them (16M
    elements a file, 3 candidate formats), against a loop that only runs the quant ops on the
    same tensors already in memory; and the peak memory of the analysis (bounded by a few
-   tensors, whatever the directory holds). Bar (issue 9): analysis <= 2x the ops alone.
+   tensors, whatever the directory holds). Bar: analysis <= 2x the ops alone.
 2. ``runs`` over ``--logs`` generated Megatron logs of ``--lines`` iteration lines each, in
    ``training_log``'s exact format (step times and grad norms of several widths; a checkpoint
    saved and a validation every 1000 iterations, as in a real run). Bar: 60 logs of 250k

@@ -117,8 +117,15 @@ def te_modules() -> types.SimpleNamespace:
     )
 
 
-def te_nvfp4(x: Any, tile: tuple[int, int] = (1, 16), rht: bool = False) -> tuple[Any, Any, Any]:
-    """TE's ``NVFP4QuantizerRef`` on the 2-D tensor ``x``: ``(codes, scales, global_amax)``.
+def te_nvfp4(
+    x: Any,
+    tile: tuple[int, int] = (1, 16),
+    rht: bool = False,
+    four_over_six: str = "",
+    e4m3_max: int = 448,
+) -> tuple[Any, Any, Any]:
+    """TE's ``NVFP4QuantizerRef`` on the 2-D tensor ``x``: ``(codes, scales, global_amax)``;
+    ``four_over_six`` ("MAE" or "MSE"): with ``nvfp4_use_4over6`` and ``nvfp4_e4m3_max``.
 
     Without ``rht`` the rowwise result: ``codes`` the E2M1 values (float32, ``x``'s shape,
     signed), ``scales`` the E4M3 block scales as float32 (one per block), ``global_amax`` the
@@ -132,6 +139,9 @@ def te_nvfp4(x: Any, tile: tuple[int, int] = (1, 16), rht: bool = False) -> tupl
         columnwise=rht,
         quant_tile_shape=tile,
         with_rht=rht,
+        nvfp4_use_4over6=bool(four_over_six),
+        nvfp4_e4m3_max=e4m3_max,
+        nvfp4_4over6_err_mode=four_over_six or "MAE",
     )
     qx, sx, qx_t, sx_t, amax_row, amax_col = q._quantize(x)
     codes_packed, scales, amax = (qx_t, sx_t, amax_col) if rht else (qx, sx, amax_row)
@@ -141,15 +151,18 @@ def te_nvfp4(x: Any, tile: tuple[int, int] = (1, 16), rht: bool = False) -> tupl
     return codes, scales.to(torch.float32), amax
 
 
-def te_nvfp4_dequant(codes: Any, scales: Any, global_amax: Any, tile: tuple[int, int]) -> Any:
+def te_nvfp4_dequant(
+    codes: Any, scales: Any, global_amax: Any, tile: tuple[int, int], e4m3_max: int = 448
+) -> Any:
     """The values TE's reference GEMM multiplies (``high_precision_gemm_ref``'s dequantization:
-    ``code * (scale * (amax / (6 * 448)))``; see reference_nvfp4.py), float32."""
+    ``code * (scale * (amax / (6 * e4m3_max)))``, its ``alpha`` split per operand; see
+    reference_nvfp4.py), float32."""
     import torch
 
     m, n = codes.shape
     s = scales[:m, : (n + tile[1] - 1) // tile[1]]
     s = s.repeat_interleave(tile[1], dim=1)[:, :n]
-    global_decode = global_amax.to(torch.float32) / torch.tensor(6.0 * 448.0)
+    global_decode = global_amax.to(torch.float32) / torch.tensor(6.0 * e4m3_max)
     return codes * (s * global_decode)
 
 

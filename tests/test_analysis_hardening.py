@@ -16,7 +16,7 @@ import pytest
 
 from quantpatch.analysis import training_logs
 
-# Megatron core_v0.13.1 ``training_log``: one iteration line (the brief's, with
+# Megatron core_v0.13.1 ``training_log``: one iteration line (as printed with
 # ``--log-throughput``); a NaN interval of a bf16 run prints no ``lm loss`` (its average is
 # not above 0) but ``grad norm: nan``, and nothing skipped: ``number of nan iterations``
 # counts skipped iterations only, so it stays 0 (tests/test_analysis_nan.py: every shape)

@@ -1,4 +1,4 @@
-"""``runs`` on every way Megatron core_v0.13.1 reports a bad loss (issue 37).
+"""``runs`` on every way Megatron core_v0.13.1 reports a bad loss.
 
 The logs are made by ``_training_log``, which keeps core_v0.13.1's ``training_log``
 (megatron/training/training.py) bookkeeping and prints with its own format strings: per
@@ -125,7 +125,7 @@ def test_the_simulator_prints_what_core_v0_13_1_printed():
 
 @pytest.mark.parametrize("log_interval", [1, 10])
 def test_bf16_nan_by_omission_is_nan_and_diverged(run, tmp_path, log_interval):
-    """Issue 37 (3): NaN from iteration 171 of 200, no scaler, so nothing skipped and
+    """NaN from iteration 171 of 200, no scaler, so nothing skipped and
     ``number of nan iterations`` 0 throughout; the ``lm loss`` field is left out and
     ``grad norm: nan`` printed. Once ``finished``, not diverged, its loss from 170."""
     lines = _training_log(bf16_nan_from(200, 171), log_interval)
@@ -169,7 +169,7 @@ def test_nan_from_the_first_line(tmp_path):
 
 @pytest.mark.parametrize("log_interval", [1, 2, 10])
 def test_fp16_skips_the_scaler_recovered_from_are_finished(run, tmp_path, log_interval):
-    """Issue 37 (4): the scaler skipped 4 iterations, 3 of them with a NaN loss, and training
+    """The scaler skipped 4 iterations, 3 of them with a NaN loss, and training
     went on: ``finished``, 3 in ``nan``, 4 in ``skipped``, ``diverged`` judged on the loss
     (falling: no). With an interval of 1 or 2 whole intervals were skipped: their lines have
     no loss and no grad norm (nothing advanced; the step returned none)."""

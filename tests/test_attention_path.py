@@ -1,4 +1,4 @@
-"""Issue 45 (6): which attention path each run took, read from its log (the runtime's
+"""Which attention path each run took, read from its log (the runtime's
 ``[quantpatch] attention path:`` lines, else the script's ``[quantpatch] attention:`` header
 line), shown per run by ``quantpatch runs`` and in the report's runs table; and the sweep's
 choice resolved over its schemes."""
@@ -51,7 +51,7 @@ TOOK_STOCK = f"{ATTENTION_PATH_LINE}stock (attention dropout 0.1 (the kernel has
         ("mxfp8", [ASKED_AUTO_FA], "flash (asked)"),  # an older checkout says nothing
         ("bf16", [ASKED_AUTO_FA], "stock (asked)"),
         ("mxfp8", [ASKED_STOCK], "stock (asked)"),
-        ("mxfp8", [], None),  # a script from before issue 45 (6)
+        ("mxfp8", [], None),  # a script from before the attention path was logged
     ],
 )
 def test_a_runs_attention_path_comes_from_its_log(tmp_path, qk, lines, want):

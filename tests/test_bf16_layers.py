@@ -1,4 +1,4 @@
-"""The BF16 layer policy (issue 40): ``set --bf16-layers`` writes the policy literal of the
+"""The BF16 layer policy: ``set --bf16-layers`` writes the policy literal of the
 linear file, ``check`` shows and asserts it, the branch names it; on a tiny megatron-core GPT the
 layers it names run their linear GEMMs unquantized, the same layers with two pipeline stages
 (gloo, CPU) as with one; a fork's clone is refused before ``init`` and accepted after."""

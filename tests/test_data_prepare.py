@@ -1,4 +1,4 @@
-"""``quantpatch data prepare`` / ``data status`` (issue 39): a corpus and a BPE tokenizer made
+"""``quantpatch data prepare`` / ``data status``: a corpus and a BPE tokenizer made
 in the test, the output equal byte for byte to Megatron's own preprocessing (reproduced from
 the megatron-core wheel's ``IndexedDatasetBuilder``, see ``megatron_preprocess_reference``),
 read back by the wheel's ``IndexedDataset`` and ``GPTDataset``, every input format,
@@ -229,7 +229,7 @@ def test_rerun_is_up_to_date_shared_tokenizers_once_changes_rebuild_and_status(t
                   "--data-root", root, "--json", env={"TOKENIZER_MODEL": str(tok)})  # fmt: skip
     assert json.loads(res.stdout)["datasets"][0]["tokenizer_matches"] is True
     res = run_cli("status", "--models", "llama32-1b", "--data-root", root)
-    assert res.returncode == 1 and "MISMATCH" in res.stdout  # issue 46: a mismatch is a failure
+    assert res.returncode == 1 and "MISMATCH" in res.stdout  # a mismatch is a failure
     assert "export TOKENIZER_MODEL" in " ".join(res.stderr.split())
 
 
@@ -309,7 +309,7 @@ def test_data_commands_load_no_tokenizer_library_at_start_up():
 
 
 def test_data_prepare_without_torch_prints_no_transformers_advice(tok, tmp_path):
-    """Issue 46, point 8: where torch is not installed (`quantpatch[data]` alone),
+    """Where torch is not installed (`quantpatch[data]` alone),
     transformers' "PyTorch was not found" advice is not printed by `data prepare`."""
     src = write_jsonl(tmp_path / "c.jsonl", corpus(5))
     code = (

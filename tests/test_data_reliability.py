@@ -1,5 +1,5 @@
 """``data prepare`` / ``data status`` against inputs and places that used to give a silently
-wrong dataset (exit 0), an internal error (exit 3) or a hang (issue 47): each is now one
+wrong dataset (exit 0), an internal error (exit 3) or a hang: each is now one
 sentence and exit 2 with nothing changed, or the right dataset."""
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def lines(n: int) -> list[str]:
     return [json.dumps({"text": f"document number {i}"}) + "\n" for i in range(n)]
 
 
-# -- 1: .zst read to the end of its last frame, or refused ---------------------------------
+# -- .zst read to the end of its last frame, or refused ---------------------------------
 
 
 @pytest.mark.slow  # about 18 s
@@ -83,7 +83,7 @@ def test_zst_every_frame_read_and_a_cut_or_foreign_file_refused(tok, tmp_path):
         assert dataset_files(root) == good, what  # the good dataset is kept
 
 
-# -- 2: one prefix, one run at a time --------------------------------------------------------
+# -- one prefix, one run at a time --------------------------------------------------------
 
 
 def test_a_prefix_another_run_is_writing_is_refused(tok, tmp_path):
@@ -104,7 +104,7 @@ def test_a_prefix_another_run_is_writing_is_refused(tok, tmp_path):
     assert res.returncode == 0, res.stderr
 
 
-# -- 3: a save_to_disk folder: exactly its split's files, each whole -------------------------
+# -- a save_to_disk folder: exactly its split's files, each whole -------------------------
 
 
 def _arrow(path: Path, start: int, batches: int, rows: int = 1000, *, eos: bool = True) -> int:
@@ -155,7 +155,7 @@ def test_save_to_disk_reads_exactly_its_split_and_refuses_a_cut_file(tok, tmp_pa
     assert dataset_files(root) == good
 
 
-# -- 4: status compares the tokenizer's files, not its name ----------------------------------
+# -- status compares the tokenizer's files, not its name ----------------------------------
 
 
 def test_status_notices_a_tokenizer_retrained_into_the_same_folder(tmp_path):
@@ -176,7 +176,7 @@ def test_status_notices_a_tokenizer_retrained_into_the_same_folder(tmp_path):
     assert matches() is False
 
 
-# -- 5, 6: an empty input, two models on one prefix ------------------------------------------
+# -- an empty input, two models on one prefix ------------------------------------------
 
 
 def test_an_empty_input_is_refused_and_the_dataset_kept(tok, tmp_path):

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 import subprocess
 from pathlib import Path
 
@@ -310,7 +312,8 @@ def test_scheme_branch_with_no_record_recovers_the_base(run, clone):
 
 MLA_SENTENCE = (
     "deepseek2_lite uses Multi-Latent Attention, which hands the local DotProductAttention its "
-    f"k_channels and v_channels, but {ATTENTION} does not take them; `quantpatch init` adds them."
+    f"k_channels and v_channels, but {ATTENTION} does not take them; `quantpatch init --repo "
+    "{repo}` adds them."
 )
 
 
@@ -368,6 +371,7 @@ def test_before_init_every_script_is_written_and_mla_ones_stop_before_torchrun(
     same script reaches torchrun, and a new generation has no warning."""
     out = tmp_path / "scripts"
     before = snapshot(clone)
+    sentence = MLA_SENTENCE.format(repo=clone)
     res = run("gen-scripts", "--repo", clone, "--out", out)
     assert res.code == 0, res
     reg = load_registry()
@@ -379,14 +383,14 @@ def test_before_init_every_script_is_written_and_mla_ones_stop_before_torchrun(
         f"dataset ({datasets})"
     )
     (warning,) = _warnings(res)
-    assert MLA_SENTENCE.removesuffix(".") in " ".join(warning.split())
+    assert sentence.removesuffix(".") in " ".join(warning.split())
     assert "20 scripts stop before torchrun" in warning
     assert snapshot(clone) == before  # gen-scripts writes scripts only
     env, stub_dir = _stubbed(tmp_path)
     script = out / "deepseek2_lite" / "pretrain_deepseek2_lite_wikipedia_bf16.sh"
     done = subprocess.run([str(script)], cwd=clone, env=env, capture_output=True, text=True)
     assert done.returncode == 2, done.stderr
-    assert done.stderr.strip().splitlines()[-1] == f"[quantpatch] {MLA_SENTENCE}"
+    assert done.stderr.strip().splitlines()[-1] == f"[quantpatch] {sentence}"
     assert not list(stub_dir.iterdir())  # torchrun never started
     from .test_scripts import SHELLCHECK
 
@@ -398,13 +402,15 @@ def test_before_init_every_script_is_written_and_mla_ones_stop_before_torchrun(
     sweep = tmp_path / "sweep"
     res = run("sweep", "run", sweep, "--models", "deepseek2_lite,llama32-1b", "--datasets",
               "wikipedia", "--schemes", "bf16", "--profile", "smoke", "--repo", clone)  # fmt: skip
-    assert res.code == 2 and " ".join(res.err.split()) == f"error: {MLA_SENTENCE}", res
+    assert res.code == 2 and " ".join(res.err.split()) == f"error: {sentence}", res
     assert not sweep.exists() and not list(stub_dir.iterdir())
     res = run("run", "--repo", clone, "--model", "deepseek2_lite", "--dataset", "wikipedia",
               "--scheme", "bf16", "--profile", "smoke")  # fmt: skip
-    assert res.code == 2 and MLA_SENTENCE in " ".join(res.err.split()), res
-
-    res = run("init", "--repo", clone)
+    assert res.code == 2 and sentence in " ".join(res.err.split()), res
+    # followed as written, from another directory: the command in the sentence
+    command = re.search(r"`quantpatch (init --repo \S+)`", sentence)
+    assert command, sentence
+    res = run(*shlex.split(command[1]))
     assert res.code == 0, res
     done = subprocess.run([str(script)], cwd=clone, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr  # the same script: its worktree has them now
@@ -522,7 +528,7 @@ def test_a_slurm_sweep_on_the_clone(run, clone, tmp_path, monkeypatch, data_root
 
 
 def test_init_on_the_clone_keeps_check_green_and_the_roles(run, clone):
-    """Issue 46, point 3: `init` on the fork inserts the ParetoQ constructor sites
+    """`init` on the fork inserts the ParetoQ constructor sites
     (`ColumnParallelLinear.__init__`, `RowParallelLinear.__init__`) with the linear role's
     current value, so `check` still exits 0 right after it, every role reads as before, and
     the documented partial `set --qk mxfp8` keeps the other roles' values."""

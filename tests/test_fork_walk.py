@@ -1,4 +1,4 @@
-"""Issue 46, point 7: the README's walk for a user's own fork, every command as the README
+"""The README's walk for a user's own fork, every command as the README
 writes it, run in one shell: a fork-shaped clone (`git clone -b quant`), `check`, `init`,
 `check`, `data prepare` with a locally trained tokenizer and a 300-document corpus, a Slurm
 sweep on a real one-node Slurm whose node declares 2 GPUs (`--gpus-per-node 2`), its status
@@ -84,7 +84,7 @@ def test_the_readme_walk_on_a_fork_and_a_two_gpu_slurm(tmp_path, trees, capfd):
             ["bash", "-c", script], cwd=home, env=env, capture_output=True, text=True
         )
         # the same sweep without --gpus-per-node: the fast profile's 8 GPUs a node, refused by
-        # Slurm's own sinfo before anything is written or submitted (point 1)
+        # Slurm's own sinfo before anything is written or submitted
         sweep_line = next(c for c in commands if c.startswith("quantpatch sweep run"))
         refused = " ".join(sweep_line.replace("\\\n", " ").split())
         refused = refused.replace(" --gpus-per-node 2", "")

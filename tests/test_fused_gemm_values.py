@@ -77,12 +77,14 @@ def _separate_operands(x, wt, fmt):
 
 
 def test_the_fused_values_are_the_spec_s_and_cover_every_computable_value():
-    """Every value the products quantize but delayed scaling (its history is per layer) and
-    ParetoQ (weights with a learnt step) has ``fused_gemm``: MX and its RCEIL and FP6
-    elements, HiF8, the FP8 values, NVFP4 and its tiles and Hadamard transform."""
+    """Every value the products quantize but delayed scaling (its history is per layer),
+    ParetoQ (weights with a learnt step) and 4over6 (each block's scale chosen from two
+    candidates' errors summed in the block's order: its own kernel) has ``fused_gemm``: MX
+    and its RCEIL and FP6 elements, HiF8, the FP8 values, NVFP4 and its tiles and Hadamard
+    transform."""
     assert set(FUSED) == {
         f.name for f in formats.SPECS
-        if f.roles and f.family not in ("none", "fp8-delayed", "paretoq")
+        if f.roles and f.family not in ("none", "fp8-delayed", "paretoq") and not f.four_over_six
     }  # fmt: skip
     assert {"mxfp6-e2m3", "mxfp6-e3m2-rceil", "nvfp4-rht"} <= set(FUSED)
     assert wc._GEMM_FORMATS == FUSED

@@ -90,15 +90,15 @@ RULES = [
         {"seq_length": 4098, "tp": 4, "sequence_parallel": "on"},
         "sequence length 4098 / CP 1 = 4098 is not divisible by TP 4 (sequence parallel splits "
         "each CP rank's part of the sequence across TP ranks); sequence parallel off "
-        "(SEQUENCE_PARALLEL=off) would work.",
+        "(--sequence-parallel off, SEQUENCE_PARALLEL=off) would work.",
         id="sequence-divisible-by-tp",
     ),
     pytest.param(
         {"tp": 2, "normalization": "RMSNorm"},
         {"tp": 2, "normalization": "RMSNorm", "sequence_parallel": "on"},
         "sequence parallel cannot run with the local layers: their RMSNorm is torch's norm "
-        "(WrappedTorchNorm), which refuses it; sequence parallel off (SEQUENCE_PARALLEL=off) "
-        "would work.",
+        "(WrappedTorchNorm), which refuses it; sequence parallel off (--sequence-parallel off, "
+        "SEQUENCE_PARALLEL=off) would work.",
         id="local-rmsnorm-refuses-sequence-parallel",
     ),
     pytest.param(
@@ -106,7 +106,7 @@ RULES = [
         {"tp": 4, "transformer_impl": "transformer_engine", "seq_length": 4100, "cp": 2},
         "sequence length 4100 / CP 2 = 2050 is not divisible by TP 4 (sequence parallel splits "
         "each CP rank's part of the sequence across TP ranks); sequence parallel off "
-        "(SEQUENCE_PARALLEL=off) would work.",
+        "(--sequence-parallel off, SEQUENCE_PARALLEL=off) would work.",
         id="sequence-over-cp-divisible-by-tp",
     ),
     pytest.param(
@@ -168,7 +168,7 @@ RULES = [
             "sequence_parallel": "off",
         },
         "EP 2 with TP 2 needs sequence parallel (it is off); sequence parallel on "
-        "(SEQUENCE_PARALLEL=on) would work.",
+        "(--sequence-parallel on, SEQUENCE_PARALLEL=on) would work.",
         id="ep-with-tp-needs-sequence-parallel",
     ),
     pytest.param(
@@ -182,14 +182,15 @@ RULES = [
         {"global_batch": 272},
         {"global_batch": 264},
         "global batch 264 is not divisible by micro batch 1 x DP 16 = 16; global batch 256 "
-        "(GLOBAL_BATCH_SIZE=256) would work.",
+        "(--global-batch 256, GLOBAL_BATCH_SIZE=256) would work.",
         id="global-batch-divisible-by-micro-dp",
     ),
     pytest.param(
         {"pp": 4, "vpp": 2, "global_batch": 16},
         {"pp": 4, "vpp": 2, "global_batch": 8},
         "VPP 2 needs the micro-batches per step (8 / (micro batch 1 x DP 4) = 2) to be a "
-        "multiple of PP 4, at least PP; global batch 16 (GLOBAL_BATCH_SIZE=16) would work.",
+        "multiple of PP 4, at least PP; global batch 16 (--global-batch 16, "
+        "GLOBAL_BATCH_SIZE=16) would work.",
         id="vpp-micro-batches-multiple-of-pp",
     ),
 ]
@@ -203,7 +204,8 @@ def test_every_layout_rule_on_both_sides_of_its_boundary(good, bad, sentence):
     assert str(exc.value) == sentence
     # the suggested choice does work
     found = re.search(
-        r"; (TP|PP|CP|EP|VPP|global batch|sequence parallel) (\w+)( \(\w+=\w+\))? would work\.$",
+        r"; (TP|PP|CP|EP|VPP|global batch|sequence parallel) (\w+)( \([\w-]+ \w+, \w+=\w+\))? "
+        r"would work\.$",
         sentence,
     )
     assert found is not None
@@ -411,7 +413,7 @@ def stubs(tmp_path):
         "STUB_DIR": str(record),
         "QUANTPATCH": QUANTPATCH,
         "OUTPUT_ROOT": str(tmp_path / "runs"),
-        # these launches are not about data: the scripts' dataset check (issue 37) stays quiet
+        # these launches are not about data: the scripts' dataset check stays quiet
         "MOCK_DATA": "1",
     }
     return env, record
@@ -603,7 +605,7 @@ def test_slurm_scripts_and_the_sweep_array(make_checkout, tmp_path, stubs, run):
     assert len(_worktrees(root)) == 10
     res = subprocess.run(["sbatch", str(one)], cwd=root, env=env, capture_output=True, text=True)
     assert res.returncode == 0, res.stdout + res.stderr
-    # issue 46, point 8: the task's output does not start with the full sites table
+    # the task's output does not start with the full sites table
     assert "roles:" not in res.stdout + res.stderr and "file:line" not in res.stdout
     ((srun, _, _),) = calls(record, "srun")
     wt = str(
@@ -633,7 +635,7 @@ def test_slurm_scripts_and_the_sweep_array(make_checkout, tmp_path, stubs, run):
             "pretrain_gpt.py",
         ]
         assert argv == srun[9:]
-    # the submitting shell's variables do not change the allocation's launch (issue 54, 1)
+    # the submitting shell's variables do not change the allocation's launch
     first = nodes[0][0]
     for path in record.iterdir():
         path.unlink()
@@ -845,6 +847,46 @@ def test_swift_refuses_an_ms_swift_that_cannot_run_the_local_layers(run, tmp_pat
     ):
         res = run("gen-scripts", "--out", out, "--launcher", "swift", "--swift", source)
         assert res.code == 2 and sentence in res.err and not out.exists(), res
+
+
+def test_swift_refusals_followed(make_checkout, run, tmp_path, swift3, swift4):
+    """The ms-swift that cannot run the local layers: the release the sentence names (the
+    3.x line's 3.12.6) is taken; a scheme carrying Megatron arguments: the launchers named
+    write its script."""
+    root = make_checkout()
+    out = tmp_path / "swift"
+    base = ["gen-scripts", "--out", out, "--models", "llama32-1b", "--datasets", "dolma",
+            "--profile", "smoke", "--repo", root]  # fmt: skip
+    res = run(*base, "--schemes", "bf16", "--launcher", "swift", "--swift", swift4)
+    said = " ".join(res.err.split())
+    named = re.search(r"\(the 3\.x line, e\.g\. ([\d.]+)\)", said)
+    assert res.code == 2 and named, res
+    wheel = swift3
+    assert wheel.name.startswith(f"ms_swift-{named[1]}-")  # the wheel of the release named
+    res = run(*base, "--schemes", "bf16", "--launcher", "swift", "--swift", wheel)
+    assert res.code == 0, res
+    # a folder without ms-swift: a wheel, as said, is taken
+    (tmp_path / "empty").mkdir()
+    res = run(*base, "--schemes", "bf16", "--launcher", "swift", "--swift", tmp_path / "empty")
+    said = " ".join(res.err.split())
+    assert res.code == 2 and "give a wheel, an unpacked wheel or the site-packages" in said
+    res = run(*base, "--schemes", "bf16", "--launcher", "swift", "--swift", wheel, "--force")
+    assert res.code == 0, res
+    config = tmp_path / "mine.toml"
+    config.write_text(
+        "[schemes.mine]\nlinear = 'bf16'\nqk = 'bf16'\npv = 'bf16'\n"
+        "args = ['--log-interval', '5']\n"
+    )
+    mine = [*base, "--schemes", "mine", "--config", config, "--force"]
+    res = run(*mine, "--launcher", "swift", "--swift", wheel)
+    said = " ".join(res.err.split())
+    named = re.search(r"use --launcher (\w+) or (\w+) for it\.", said)
+    assert res.code == 2 and named, res
+    for launcher in named.groups():
+        res = run(*mine, "--launcher", launcher)
+        assert res.code == 0, (launcher, res)
+        (script,) = out.rglob("pretrain_*_mine.sh")
+        assert "--log-interval 5" in " ".join(script.read_text().split())
 
 
 def test_swift_script_end_to_end_with_a_stub_megatron(make_checkout, tmp_path, stubs, run, swift3):

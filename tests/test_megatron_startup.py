@@ -131,7 +131,7 @@ def _launch_all(root: Path, tmp: Path) -> dict[str, dict | str]:
         "STUB_DIR": str(stub_dir),
         "QUANTPATCH": QUANTPATCH,
         "OUTPUT_ROOT": str(tmp / "runs"),
-        "DATA_ROOT": str(tmp / "data"),  # the scripts check the dataset exists (issue 37)
+        "DATA_ROOT": str(tmp / "data"),  # the scripts check the dataset exists
     }
     (tmp / "data" / "wikipedia").mkdir(parents=True)
     for model in MODELS:

@@ -26,7 +26,7 @@ from quantpatch.runtime import quantpatch_ops as ops
 from quantpatch.runtime import quantpatch_quantize as qz
 from quantpatch.runtime import quantpatch_rht as rht
 from quantpatch.runtime.quantpatch_fp8 import finite_amax, tensor_scales
-from quantpatch.runtime.quantpatch_nvfp4 import nvfp4_parts
+from quantpatch.runtime.quantpatch_nvfp4 import nvfp4_4over6_parts, nvfp4_parts
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "operand_exactness.py"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -86,19 +86,27 @@ def test_every_operand_the_product_sees_is_code_times_block_scale(fmt: str, dtyp
 # -- the products against TransformerEngine's reference GEMMs ----------------------------------
 
 
-def _nv_parts(src: torch.Tensor, got: torch.Tensor, opfmt: str, dim: int) -> Any:
+def _nv_parts(src: torch.Tensor, got: torch.Tensor, opfmt: str, dim: int, backward: bool) -> Any:
     """An NVFP4 operand's codes (from the captured ``got``, code x block scale), its E4M3
-    block scales and its tensor's amax, the reduction dimension last (TE's ``[rows, K]``)."""
+    block scales, its tensor's amax, the reduction dimension last (TE's ``[rows, K]``), and
+    the E4M3 bound of its tensor scale (a 4over6 operand's; its gradient is ``nvfp4``'s)."""
     spec = formats.spec_of(opfmt)
     v = rht.rht(src, dim) if spec.rht else src
-    _, s, amax = nvfp4_parts(v.to(torch.float32), dim, spec.tiled and v.dim() >= 2)
+    two_d = spec.tiled and v.dim() >= 2
+    bound = spec.e4m3_max if spec.four_over_six and not backward else 448
+    if spec.four_over_six and not backward:
+        _, s, amax = nvfp4_4over6_parts(v.to(torch.float32), opfmt, dim, two_d)
+    else:
+        _, s, amax = nvfp4_parts(v.to(torch.float32), dim, two_d)
     codes = got / torch.where(s > 0, s, torch.ones_like(s))
     if dim in (-2, 0):
         codes, s = codes.t(), s.t()
-    return codes.contiguous(), s[:, ::16].contiguous(), amax.reshape(1)
+    return codes.contiguous(), s[:, ::16].contiguous(), amax.reshape(1), bound
 
 
 def _te_nvfp4(a_parts: Any, b_parts: Any, dtype: torch.dtype) -> torch.Tensor:
+    """TE's reference GEMM of two NVFP4 operands, each with its own tensor-scale bound (TE's
+    qresult ``nvfp4_e4m3_max`` under 4over6; 448 is the plain bound)."""
     from .te_reference import te_modules
 
     mods = te_modules()
@@ -106,11 +114,17 @@ def _te_nvfp4(a_parts: Any, b_parts: Any, dtype: torch.dtype) -> torch.Tensor:
     quantizer = ref.NVFP4QuantizerRef(
         dtype=mods.reference_utils.Fp4Formats.E2M1, rowwise=True, columnwise=False
     )
-    (ca, sa, aa), (cb, sb, ab) = a_parts, b_parts
+    (ca, sa, aa, ea), (cb, sb, ab, eb) = a_parts, b_parts
+
+    def qresult(amax: torch.Tensor, bound: int) -> types.SimpleNamespace:
+        return types.SimpleNamespace(
+            global_amax_row=amax, global_amax_col=amax, nvfp4_use_4over6=True,
+            nvfp4_e4m3_max=bound,
+        )  # fmt: skip
+
     out: torch.Tensor = quantizer.qgemm(
         ref.cast_to_fp4x2(ca), ref.cast_to_fp4x2(cb), None, dtype, sa, sb,
-        qresult_x=types.SimpleNamespace(global_amax_row=aa, global_amax_col=aa),
-        qresult_w=types.SimpleNamespace(global_amax_row=ab, global_amax_col=ab),
+        qresult_x=qresult(aa, ea), qresult_w=qresult(ab, eb),
     )  # fmt: skip
     return out
 
@@ -164,7 +178,7 @@ def test_products_are_te_reference_gemms_of_the_same_codes(fmt: str, dtype: str)
         ):
             got = got.reshape(src.shape).to(torch.float32)
             if formats.spec_of(opfmt).family == "nvfp4":
-                sides.append(_nv_parts(src, got, opfmt, dim))
+                sides.append(_nv_parts(src, got, opfmt, dim, backward))
             else:
                 codes = got.t() if dim in (-2, 0) else got
                 sides.append((codes.contiguous(), _factor_of(src, opfmt, backward, scale)))
@@ -172,7 +186,8 @@ def test_products_are_te_reference_gemms_of_the_same_codes(fmt: str, dtype: str)
             te = _te_nvfp4(sides[0], sides[1], torch_dtype)
             a_eff = sides[0][0] * sides[0][1].repeat_interleave(16, dim=1)
             b_eff = sides[1][0] * sides[1][1].repeat_interleave(16, dim=1)
-            alpha = sides[0][2].double() * sides[1][2].double() / (6.0 * 6 * 448 * 448)
+            bounds = float(sides[0][3] * sides[1][3])
+            alpha = sides[0][2].double() * sides[1][2].double() / (6.0 * 6 * bounds)
         else:
             (ca, fa), (cb, fb) = sides
             te = _te_fp8(ca, fa, cb, fb, torch_dtype)
@@ -243,6 +258,8 @@ def test_kernels_give_the_factored_operands_bit_for_bit(triton_kernels: None, dt
     cases: list[tuple[str, int, bool]] = [
         ("fp8-tensor", -1, False), ("fp8-tensor", -1, True), ("nvfp4", -1, False),
         ("nvfp4", 0, False), ("nvfp4", -1, True), ("nvfp4-2d", -1, False),
+        ("nvfp4-4over6-mae", -1, False), ("nvfp4-4over6-mse-448", 0, False),
+        ("nvfp4-4over6-mae-2d", -2, False), ("nvfp4-4over6-mse", -1, True),
     ]  # fmt: skip
     for fmt, dim, backward in cases:
         ops.reset_sr_generators()

@@ -1,5 +1,5 @@
-"""ParetoQ's extremely low-bit weights (issue 29): the quantizers bit-exact against an oracle
-written here from the issue's formulas (numpy float32, sums with math.fsum), the layer
+"""ParetoQ's extremely low-bit weights: the quantizers bit-exact against an oracle
+written here from the ParetoQ paper's formulas (numpy float32, sums with math.fsum), the layer
 plumbing (steps as parameters, first-forward initialisation, checkpoints), tensor
 parallelism on CPU, and training a megatron-core GPT under ``set --linear w1.58``."""
 
@@ -26,7 +26,7 @@ from .conftest import tiny_gpt  # noqa: E402
 F32 = np.float32
 TP_WORKER = Path(__file__).with_name("paretoq_tp_worker.py")
 
-# -- the oracle: the issue's text, in numpy float32 --------------------------------------------
+# -- the oracle: ParetoQ's formulas, in numpy float32 -----------------------------------------
 
 
 def _parse(fmt: str) -> tuple[str, int | None]:

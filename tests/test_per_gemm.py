@@ -1,4 +1,4 @@
-"""A value per linear GEMM (issue 40): ``set --fprop X --dgrad Y --wgrad Z`` writes the three
+"""A value per linear GEMM: ``set --fprop X --dgrad Y --wgrad Z`` writes the three
 product sites of the linear autograd function, ``check`` reads them back (``--expect
 fprop=...``), the branch and the commit name them, schemes carry them into scripts; on the real
 linear autograd function each product's operands are quantized exactly as the ops say, and on

@@ -1,5 +1,5 @@
 """Every command with a progress display, run at a real terminal (a pty), as an interactive
-user runs it (issue 47): no internal error, the exit code the command means, and the cursor
+user runs it: no internal error, the exit code the command means, and the cursor
 shown again at the end whenever the display hid it, on success, on an error and on Ctrl-C.
 ``demo``'s spinners are tested so in tests/test_demo.py, whose walk runs at a pty.
 

@@ -1,4 +1,4 @@
-"""NVIDIA's NVFP4 recipe as schemes (issue 40): ``nvfp4_recipe`` trains the tiny megatron-core
+"""NVIDIA's NVFP4 recipe as schemes: ``nvfp4_recipe`` trains the tiny megatron-core
 GPT on CPU with finite, falling loss and computes something else than bf16, and one ``sweep``
 over the recipe and its ablations (stub ``torchrun``) reports one row each."""
 
@@ -20,6 +20,7 @@ RECIPE = (
     "nvfp4_recipe_no_rht",
     "nvfp4_recipe_no_bf16_layers",
     "nvfp4_recipe_no_2d",
+    "nvfp4_recipe_4over6",  # the recipe with TE's 4over6 block scaling
 )
 
 
@@ -42,6 +43,43 @@ def test_the_recipe_and_its_ablations_differ_in_one_part_each():
     without = {**full, "bf16_layers": "output"}  # the transformer layers all in NVFP4
     assert schemes["nvfp4_recipe_no_bf16_layers"].values() == without
     assert not any(schemes[n].default for n in RECIPE)  # outside the default ten
+
+
+def test_the_4over6_recipe_is_the_recipe_with_te_4over6_and_no_hadamard_transform():
+    """TransformerEngine's NVFP4BlockScaling(nvfp4_4over6="all") with its defaults (MAE, E4M3
+    bound 256) on every linear GEMM: 4over6 for the inputs and the 16 x 16 weight tiles, NVFP4's
+    stochastic gradients, no Hadamard transform (TE refuses it beside 4over6), the BF16 layers
+    and the output layer as nvfp4_recipe keeps them; Megatron has no flag for it."""
+    scheme = load_registry().schemes["nvfp4_recipe_4over6"]
+    assert scheme.values() == {
+        "linear": "nvfp4-4over6-mae",
+        "qk": "bf16",
+        "pv": "bf16",
+        "bf16_layers": "recipe,output",
+    }
+    assert not scheme.default and scheme.megatron_flags() == []
+
+
+@pytest.mark.slow
+def test_the_4over6_recipe_trains_the_tiny_gpt_on_cpu(run, make_checkout):
+    pytest.importorskip("torch")
+    root = make_checkout("0.13.1", inject=False, full=True)
+    assert run("init", "--repo", root).code == 0
+    cfg = {"device": "cpu", "steps": 10, "vocab": 256, "layers": 6, "hidden": 64, "heads": 4}
+    cfg |= {"seq": 32, "batch": 2}
+    res = run("set", "--repo", root, "--scheme", "nvfp4_recipe", "--no-branch")
+    assert res.code == 0, res
+    plain_nvfp4 = tiny_gpt(root, cfg)["losses"]
+    assert run("restore", "--repo", root).code == 0
+    res = run("set", "--repo", root, "--scheme", "nvfp4_recipe_4over6", "--no-branch")
+    assert res.code == 0, res
+    expect = "linear=nvfp4-4over6-mae,qk=bf16,pv=bf16,bf16_layers=recipe,output"
+    assert run("check", "--repo", root, "--expect", expect).code == 0
+    losses = tiny_gpt(root, cfg)["losses"]
+    assert isinstance(losses, list) and isinstance(plain_nvfp4, list)
+    assert len(losses) == 10 and all(math.isfinite(v) for v in losses), losses
+    assert losses[-1] < losses[0] - 0.05, losses
+    assert losses != plain_nvfp4  # 4over6's block scales, not nvfp4-2d's
 
 
 @pytest.mark.slow
@@ -87,7 +125,7 @@ def test_one_sweep_reports_the_recipe_and_each_ablation(tmp_path, make_checkout,
         "--profile", "smoke", "--schemes", ",".join(RECIPE), "--repo", root,
     )  # fmt: skip
     assert res.code == 0, res
-    assert "4 of 4 finished, 0 failed" in res.out
+    assert f"{len(RECIPE)} of {len(RECIPE)} finished, 0 failed" in res.out
     rec = json.loads((out / "sweep.json").read_text())
     assert sorted(r["scheme"] for r in rec["runs"]) == sorted(RECIPE)
     parsed = json.loads(
@@ -103,15 +141,17 @@ def test_one_sweep_reports_the_recipe_and_each_ablation(tmp_path, make_checkout,
         assert html.count(name) >= 1
     # each run trained its own commit, whose sources hold the scheme's values and policy
     commits = {r["scheme"]: r["commit"] for r in rec["runs"]}
-    assert len(set(commits.values())) == 4
+    assert len(set(commits.values())) == len(RECIPE)
     for name, commit in commits.items():
         linear = git_out(root, "show", f"{commit}:{LINEAR}")
         policy = "'output'" if name == "nvfp4_recipe_no_bf16_layers" else "'recipe,output'"
         assert f"quantpatch_bf16_layers = {policy}" in linear
-        assert ("'nvfp4-rht'" in linear) == (name != "nvfp4_recipe_no_rht")
+        rht = name not in ("nvfp4_recipe_no_rht", "nvfp4_recipe_4over6")
+        assert ("'nvfp4-rht'" in linear) == rht
+        assert ("'nvfp4-4over6-mae'" in linear) == (name == "nvfp4_recipe_4over6")
 
 
-TE_RECIPES = {  # issue 45: NVIDIA's MXFP8 recipe and TransformerEngine's two FP8 recipes
+TE_RECIPES = {  # NVIDIA's MXFP8 recipe and TransformerEngine's two FP8 recipes
     "mxfp8_recipe": "fprop=mxfp8-rceil,dgrad=mxfp8-rceil,wgrad=mxfp8-rceil,qk=bf16,pv=bf16",
     "linear_fp8-tensor": "linear=fp8-tensor,qk=bf16,pv=bf16",
     "linear_fp8-block": "linear=fp8-block,qk=bf16,pv=bf16",

@@ -1,4 +1,4 @@
-"""The MX and FP8 values bit for bit against the vendors' own references (issue 45).
+"""The MX and FP8 values bit for bit against the vendors' own references.
 
 * ``mxfp8`` / ``mxfp4`` against torchao 0.18's ``to_mx`` + ``to_dtype`` in
   ``ScaleCalculationMode.FLOOR``; ``mxfp8-rceil`` / ``mxfp8-rceil-hybrid`` / ``mxfp4-rceil``
@@ -8,7 +8,7 @@
 * ``fp8-block`` against the independent oracle below (numpy scales, torch's float8 cast);
 * the Triton kernels (interpreter, smaller tensors) against the PyTorch reference.
 
-Inputs as the issue measured them: rows of Gaussians with a log-normal scale per row (seed
+Inputs like a model's tensors: rows of Gaussians with a log-normal scale per row (seed
 fixed), bf16 and fp32, along the last dimension and the first, an odd length (padding), and
 rows built for the edges: zero blocks, ties, saturation, subnormal scales. Where a reference is
 itself defective (torchao's FLOOR at the 2^-127 scale; NaN/Inf) the documented behaviour of
@@ -69,7 +69,7 @@ def _mismatches(a: torch.Tensor, b: torch.Tensor) -> int:
 
 
 def _rows(n_rows: int, n: int, seed: int = 0) -> torch.Tensor:
-    """The issue's inputs: Gaussian rows, each with a log-normal scale, as bf16."""
+    """Model-like inputs: Gaussian rows, each with a log-normal scale, as bf16."""
     g = torch.Generator().manual_seed(seed)
     scale = torch.exp(torch.randn(n_rows, 1, generator=g) * 2.0)
     return (torch.randn(n_rows, n, generator=g) * scale).to(torch.bfloat16)
@@ -587,6 +587,16 @@ def _declared(v: dict, x: torch.Tensor, backward: bool) -> torch.Tensor | None:
             return None
         from tests.te_reference import te_nvfp4, te_nvfp4_dequant
 
+        if v["four_over_six"]:  # 1 x 16 blocks; the weight operand format's 16 x 16 tiles
+            from quantpatch.runtime.quantpatch_quantize import quantize
+
+            mode, bound = v["four_over_six"].upper(), v["e4m3_max"]
+            codes, scales, amax = te_nvfp4(x, (16, 16), four_over_six=mode, e4m3_max=bound)
+            want = te_nvfp4_dequant(codes, scales, amax, (16, 16), bound).to(x.dtype)
+            weight_fmt = formats.spec_of(v["name"]).operands[0]
+            assert _mismatches(quantize(x, weight_fmt), want) == 0
+            codes, scales, amax = te_nvfp4(x, (1, 16), four_over_six=mode, e4m3_max=bound)
+            return te_nvfp4_dequant(codes, scales, amax, (1, 16), bound).to(x.dtype)
         tile = tuple(v["weight_block"] or v["block"])
         if v["rht"]:  # the transformed operand is TE's with_rht (fake_quant transforms back)
             from quantpatch.runtime import quantpatch_rht

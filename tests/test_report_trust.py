@@ -1,4 +1,4 @@
-"""A sweep's report a researcher can share and trust (issue 53): every fact it states true
+"""A sweep's report a researcher can share and trust: every fact it states true
 (mock data, the attention path, the dataset's files, the tokenizer folder), paths that work
 from any directory, files colleagues can read, provenance, validation loss and the noise of
 seeds."""
@@ -52,7 +52,7 @@ def status(root: Path, tokenizer: str | None, *, cwd: Path | None = None):
                    "--data-root", root, "--json", env=env, cwd=cwd)  # fmt: skip
 
 
-# -- 1c: the dataset's files against the manifest --------------------------------------------
+# -- the dataset's files against the manifest --------------------------------------------
 
 
 def test_a_file_cut_or_replaced_differs_from_its_manifest(tmp_path):
@@ -140,7 +140,7 @@ def test_status_and_the_launch_check_find_a_cut_or_swapped_dataset(tok, tmp_path
     assert Path(f"{prefix}.bin").read_bytes() == good["bin"]
 
 
-# -- 1d: a tokenizer folder is known by its absolute path and all its files -------------------
+# -- a tokenizer folder is known by its absolute path and all its files -------------------
 
 
 def test_a_local_folder_named_like_a_hub_id_is_recorded_local_and_never_matched_by_name(
@@ -188,7 +188,7 @@ def test_the_fingerprint_covers_every_file_of_the_folder(tmp_path):
     assert files_hash(folder) != first
 
 
-# -- 1a, 1b: mock data and the attention path, as the runs take them ----------------------------
+# -- mock data and the attention path, as the runs take them ----------------------------
 
 
 @pytest.mark.slow  # about 12 s
@@ -218,7 +218,7 @@ def test_a_mock_data_sweep_is_recorded_and_reported_as_mock(
     assert str(tok) not in html, "the report names a tokenizer the runs never loaded"
 
 
-@pytest.mark.slow  # about 40 s
+@pytest.mark.slow  # about 45 s
 def test_flash_runs_on_an_older_runtime_are_refused_before_anything_is_written(
     sweep_env,  # noqa: F811 - the fixture imported above
     run,
@@ -226,7 +226,8 @@ def test_flash_runs_on_an_older_runtime_are_refused_before_anything_is_written(
 ):
     """A checkout set up by the previous release (no bf16 flash route): an FA sweep, whose
     bf16 baseline is to take the flash path, is refused naming `quantpatch upgrade`, and
-    nothing is written; after the upgrade it is taken."""
+    nothing is written; after the upgrade it is taken (and, as the sentence also says, the
+    same sweep with --attention stock runs without the upgrade)."""
     from .oldrelease import make_old_release
 
     _root, _env, stub, out = sweep_env
@@ -237,13 +238,19 @@ def test_flash_runs_on_an_older_runtime_are_refused_before_anything_is_written(
     said = " ".join(res.err.split())
     assert res.code == 2 and "run `quantpatch upgrade` there first" in said, res
     assert "ops" in said and not out.exists() and not calls(stub)
+    # the other advice of the sentence, followed: the same sweep on stock attention
+    stock = out.parent / "stock"
+    assert "(or give --attention stock)" in said
+    res = run("sweep", "run", stock, *SELECT, "--attention", "stock", "--repo", root)
+    assert res.code == 0, res
+    assert {r["attention"] for r in record(stock)["runs"]} == {"stock"}
     assert run("upgrade", "--repo", root).code == 0
     res = run("sweep", "run", out, *SELECT, "--repo", root)
     assert res.code == 0, res
     assert {r["attention"] for r in record(out)["runs"]} == {"flash"}
 
 
-# -- 2: paths that work from any directory and after a move -----------------------------------
+# -- paths that work from any directory and after a move -----------------------------------
 
 
 def test_status_and_report_work_from_anywhere_after_a_move_and_migrate_an_old_record(
@@ -290,7 +297,7 @@ def test_status_and_report_work_from_anywhere_after_a_move_and_migrate_an_old_re
     ]
 
 
-# -- 3: what the user shares is readable by colleagues -----------------------------------------
+# -- what the user shares is readable by colleagues -----------------------------------------
 
 
 @pytest.mark.parametrize(("mask", "mode"), [(0o022, 0o644), (0o027, 0o640)])
@@ -324,7 +331,7 @@ def test_shared_files_get_the_umask_mode_and_are_still_atomic(run, tmp_path, mas
     assert not [p for p in sweep_dir.iterdir() if p.name.startswith(".")]
 
 
-# -- 4: validation loss and perplexity ----------------------------------------------------------
+# -- validation loss and perplexity ----------------------------------------------------------
 
 VALIDATION_LOG = Path(__file__).parent / "data" / "training-log-validation-core_v0.13.1.txt"
 """core_v0.13.1's iteration lines with the validation lines ``evaluate_and_print_results``
@@ -397,7 +404,7 @@ def test_the_validation_loss_has_its_figure(tmp_path):
     ]
 
 
-# -- 4: provenance ------------------------------------------------------------------------------
+# -- provenance ------------------------------------------------------------------------------
 
 
 def provenance_sweep(tmp_path: Path) -> tuple[Path, str]:
@@ -505,7 +512,7 @@ def test_the_report_with_its_provenance_fits_the_page(run, tmp_path, width):
     assert "<title>NVFP4 recipe ablation - quantpatch report</title>" in html
 
 
-# -- 5: noise: every scheme over several seeds ----------------------------------------------------
+# -- noise: every scheme over several seeds ----------------------------------------------------
 
 SEEDED_TORCHRUN = r"""#!/usr/bin/env bash
 set -u
@@ -534,7 +541,7 @@ echo " validation loss at iteration 4 | lm loss value: $loss | lm loss PPL: 150.
 """
 
 
-@pytest.mark.slow  # about 40 s
+@pytest.mark.slow  # about 45 s
 def test_seeds_give_each_scheme_a_mean_and_spread_against_bf16s(
     sweep_env,  # noqa: F811 - the fixture imported above
     run,
@@ -576,7 +583,7 @@ def test_seeds_give_each_scheme_a_mean_and_spread_against_bf16s(
     assert ">5.01<" in cells["bf16"] and ">0.29<" in cells["linear_mxfp4"]  # mean, Δ
 
 
-# -- 6: readable -----------------------------------------------------------------------------------
+# -- readable -----------------------------------------------------------------------------------
 
 
 def test_watch_without_a_terminal_prints_only_changes(tmp_path):
@@ -666,7 +673,7 @@ def test_sweep_run_refuses_a_dataset_that_is_not_its_manifests(
     monkeypatch,
     tmp_path,
 ):
-    """The pre-launch check of `sweep run` (item 1c): a `.bin` cut to 0 or 100 bytes, or
+    """The pre-launch check of `sweep run`: a `.bin` cut to 0 or 100 bytes, or
     replaced by another of the same size, is refused before anything is written."""
     from quantpatch.data_prep.layout import data_prefix, files_hash, sample_hash
     from quantpatch.launch.registry import load_registry

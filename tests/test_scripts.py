@@ -122,6 +122,14 @@ def test_older_release_and_unsupported_release(run, tmp_path):
     assert "(used by llama31-8b/full, llama32-1b/full, deepseek2_lite/full)" in res.err
     assert "--moe-router-topk" in res.err and "(used by deepseek2_lite/full)" in res.err
     assert not (tmp_path / "main").exists()
+    # followed: the release the hint names takes every flag of every script
+    said = " ".join(res.err.split())
+    named = re.search(r"give --megatron-release (\S+), whose flag list has them all", said)
+    assert named, said
+    res = run("gen-scripts", "--out", tmp_path / "main", "--megatron-release", named[1])
+    assert res.code == 0, res
+    for path in (tmp_path / "main").rglob("*.sh"):
+        assert _argument_flags(path.read_text()) <= release_flags(named[1])
     res = run("gen-scripts", "--out", tmp_path / "x", "--megatron-release", "v9")
     assert res.code == 2 and "unknown release 'v9'" in res.err
 
@@ -217,8 +225,10 @@ def test_bad_inputs_exit_2_and_write_nothing(run, tmp_path):
         "args": ("[models.llama32-1b.args]\n'--num-layers' = 3\n", "args.--num-layers"),
         "twice": (
             "[models.llama32-1b.args]\nexpert-model-parallel-size = 2\n",
-            "llama32-1b/full: expert-model-parallel-size must not be set in args: the script "
-            "passes it itself",
+            "llama32-1b/full: expert-model-parallel-size must not be set in args, since the "
+            "script passes it itself; drop expert-model-parallel-size from the "
+            "[models.llama32-1b.args] table (ep = 2 in the [profiles.full.parallel] table sets "
+            "it) in a --config.",
         ),
     }
     for name, (body, message) in configs.items():
@@ -465,7 +475,7 @@ def _attention_env(text: str) -> tuple[str, str]:
 
 
 def test_the_attention_path_is_chosen_for_the_whole_set(run, tmp_path):
-    """Issue 45 (6): --attention auto gives every script of the set, the bf16 baseline's too,
+    """--attention auto gives every script of the set, the bf16 baseline's too,
     the path of its FA schemes (flash when one quantizes Q.K^T, else stock); flash and stock
     force it; the scripts export what the runtime reads, and shellcheck finds nothing."""
     common = ("--profile", "smoke", "--models", "llama32-1b", "--datasets", "wikipedia")
@@ -520,7 +530,7 @@ def test_smoke_script_end_to_end_with_stub_torchrun(make_checkout, tmp_path, stu
     after = snapshot(root)
     assert after["files"] == before["files"] and after["head"] == before["head"]
     assert git.Repo(root).active_branch.name == "main" and not git.Repo(root).is_dirty()
-    # the check's values in the header, not its sites table (issue 46, point 8)
+    # the check's values in the header, not its sites table (a task's output stays short)
     assert "(smoke): linear=bf16 qk=mxfp8 pv=bf16" in res.stdout and "roles:" not in res.stdout
     # the set holds FA schemes: every run, the bf16 baseline's too, on the flash kernel
     assert "QUANTPATCH_FLASH=auto\nQUANTPATCH_FLASH_BF16=1\n" in saver_env
@@ -553,7 +563,7 @@ def test_smoke_script_end_to_end_with_stub_torchrun(make_checkout, tmp_path, stu
 
 
 def test_real_data_is_checked_before_torchrun(make_checkout, tmp_path, stub_env, run):
-    """Issue 37: with MOCK_DATA=0 a missing or unreadable .bin / .idx, or a TOKENIZER_MODEL
+    """With MOCK_DATA=0 a missing or unreadable .bin / .idx, or a TOKENIZER_MODEL
     path that does not exist, stops the script before torchrun, exit 2, naming the path and
     the command that makes the dataset; gen-scripts warns in one line."""
     env, stub_dir = stub_env
@@ -880,20 +890,39 @@ def test_a_flag_the_checkout_does_not_accept(run, tmp_path, monkeypatch):
         "error: Megatron-LM 0.15.0rc3 does not accept --no-gradient-accumulation-fusion "
         "(used by llama31-8b/full, llama32-1b/full, deepseek2_lite/full), --mscale (used by "
         f"deepseek2_lite/full), checked against {root / 'megatron/training/arguments.py'}; "
-        "override those args in a --config file, or pass --megatron-release"
+        "set no-gradient-accumulation-fusion = false, mscale = false in the "
+        "[profiles.full.args] table of a --config to leave them out."
     ), res.err
     assert res.err.count(". ") == 0 and res.err.rstrip().endswith(".")
     assert not out.exists()
-    res = run("gen-scripts", "--out", out, "--models", "llama32-1b", "--profile", "smoke")
-    assert res.code == 2 and "(used by llama32-1b/smoke), checked" in res.err
-    # overriding the arg in a --config file is the way out
+    # followed as written: those entries in that table, and every script is one the
+    # checkout's own parser takes
+    said = " ".join(res.err.split())
     cfg = tmp_path / "mine.toml"
-    cfg.write_text("[common.args]\nno-gradient-accumulation-fusion = false\n")
-    res = run("gen-scripts", "--out", out, "--models", "llama32-1b", "--config", cfg)
+    cfg.write_text(_config_from_hint(said))
+    res = run("gen-scripts", "--out", out, "--config", cfg)
     assert res.code == 0, res
+    accepted = release_flags("core_v0.13.1") - {"--no-gradient-accumulation-fusion", "--mscale"}
+    for path in out.rglob("*.sh"):
+        assert _argument_flags(path.read_text()) <= accepted, path
+    res = run("gen-scripts", "--out", tmp_path / "smoke", "--models", "llama32-1b", "--profile",
+              "smoke")  # fmt: skip
+    assert res.code == 2 and "(used by llama32-1b/smoke), checked" in res.err
     # run refuses the same way before anything is launched
     res = run("run", "--model", "llama32-1b", "--dataset", "dolma", "--scheme", "bf16", "--dry-run")
     assert res.code == 2 and "does not accept --no-gradient-accumulation-fusion" in res.err
+
+
+def _config_from_hint(said: str) -> str:
+    """The --config a refusal's ``set k = v, ... in the [T] table; ... of a --config`` asks
+    for, as TOML."""
+    wanted = re.search(r"\bset (.+?) of a --config", said)
+    assert wanted, said
+    out = ""
+    for part in wanted[1].split("; "):
+        keys, table = re.fullmatch(r"(.+) in the \[([\w.-]+)\] table", part).groups()
+        out += f"[{table}]\n" + "".join(f"{kv}\n" for kv in keys.split(", "))
+    return out
 
 
 def test_a_parser_that_does_not_parse_names_file_and_line(run, tmp_path, monkeypatch):
@@ -971,13 +1000,14 @@ def test_nvfp4_schemes_are_listed_chosen_by_name_and_by_all_but_not_by_default(r
     default = reg.pick("schemes", None)
     assert len(default) == 10 and not set(nv) & set(default)
     paretoq = ["paretoq_w1.58", "paretoq_w2", "paretoq_w4g128"]
-    recipe = [  # NVIDIA's NVFP4 recipe and its ablations (issue 40)
+    recipe = [  # NVIDIA's NVFP4 recipe and its ablations
         "nvfp4_recipe",
         "nvfp4_recipe_no_rht",
         "nvfp4_recipe_no_bf16_layers",
         "nvfp4_recipe_no_2d",
+        "nvfp4_recipe_4over6",  # TE's 4over6 block scaling
     ]
-    fp8 = [  # NVIDIA's MXFP8 recipe, the RCEIL values, TE's FP8 recipes (issue 45)
+    fp8 = [  # NVIDIA's MXFP8 recipe, the RCEIL values, TE's FP8 recipes
         "mxfp8_recipe",
         "linear_mxfp8-rceil",
         "FA_linear_mxfp8-rceil",
@@ -987,7 +1017,7 @@ def test_nvfp4_schemes_are_listed_chosen_by_name_and_by_all_but_not_by_default(r
         "linear_fp8-delayed",  # TE's delayed scaling, Megatron's default --fp8-recipe
         "linear_fp8-delayed-e4m3",
     ]
-    te = [  # Megatron's FP8 recipes as Megatron + TransformerEngine quantize (issue 52)
+    te = [  # Megatron's FP8 recipes as Megatron + TransformerEngine quantize
         "te_mxfp8_e4m3",
         "te_mxfp8_hybrid",
         "te_tensorwise_hybrid",
@@ -1062,7 +1092,7 @@ def test_list_states_every_value_with_its_reference(run):
 
 
 def test_an_unknown_dataset_names_the_config_table_and_its_fields(run, tmp_path):
-    """Issue 46, point 4: bringing one's own dataset; the refusal names `--config`, the
+    """Bringing one's own dataset: the refusal names `--config`, the
     `[datasets.NAME]` table and every field it needs (`split` explained), and a config with
     that table makes the same `data status` / `gen-scripts` work."""
     res = run("data", "status", "--datasets", "mytext")

@@ -52,7 +52,7 @@ def test_cache_is_pruned(tmp_path):
 @pytest.mark.parametrize("after_set", [False, True])
 def test_warm_check_imports_no_parser_and_no_gitpython(run, make_checkout, after_set):
     """A warm check reads the cache and asks git directly: no libcst, no GitPython, no
-    pydantic (start-up bar of issue 13), before a set and with a set's record to verify."""
+    pydantic (the CLI's start-up bar), before a set and with a set's record to verify."""
     root = make_checkout()
     if after_set:
         assert run("set", "--repo", root, "--qk", "mxfp4").code == 0  # also primes the cache

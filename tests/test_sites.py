@@ -229,7 +229,7 @@ def test_syntax_error_names_the_real_line(trees):
 
 
 def test_role_values_flag_disagreement(trees):
-    # the forward GEMM's one site differing from the gradients' is a value per GEMM (issue 40)
+    # the forward GEMM's one site differing from the gradients' is a value per GEMM
     text = _inject(trees, "0.13.1", LINEAR, Layout())
     text = text.replace("custom_quant_type = 'bf16'", "custom_quant_type = 'mxfp8'", 1)
     values, mismatched = role_values(discover_source(text, LINEAR, "linear").sites)

@@ -1,4 +1,4 @@
-"""Issue 46, point 1: what a partition's nodes offer (sinfo / scontrol text as Slurm prints
+"""What a partition's nodes offer (sinfo / scontrol text as Slurm prints
 it) against what the scripts ask for, and the sentence that names the option that fits."""
 
 from __future__ import annotations
@@ -85,11 +85,19 @@ def test_mixed_partitions_count_the_nodes_that_fit_and_max_nodes():
 def test_the_hint_for_sbatchs_node_configuration_refusal():
     part = Partition("debug", tuple(parse_sinfo(ONE_NODE)))
     msg = "Batch job submission failed: Requested node configuration is not available"
-    hint = sbatch_hint(msg, 8, 1, part)
+    hint = sbatch_hint(msg, 8, 1, part, profile="fast", cpus=24)
     assert hint == (
-        " (the scripts ask for 1 node(s) with 8 GPU(s) each and partition debug has 1 node "
-        "with gpu:2: --gpus-per-node N and --nodes N of sweep run change that, as "
-        "gpus_per_node in the [profiles.NAME] table and nodes in the [profiles.NAME.parallel] "
-        "table of a --config do)"
+        " (the scripts ask for 1 node(s) with 8 GPU(s) each and 24 CPUs for each node's task, "
+        "but partition debug has 1 node with gpu:2: add `--gpus-per-node 2 --nodes 1` to sweep "
+        "run or gen-scripts, or set gpus_per_node = 2 in the [profiles.fast] table and nodes = "
+        "1 in the [profiles.fast.parallel] table of a --config)"
     )
+    # what sinfo shows fits: one CPU a rank; sinfo silent and one CPU a rank: the least GPUs
+    fits = sbatch_hint(msg, 2, 1, part, profile="smoke", cpus=6)
+    assert (
+        "which sinfo says fits: ask for one CPU per rank, cpus_per_task = 2 in the [slurm]" in fits
+    )
+    assert "`--gpus-per-node 1 --nodes 1` to sweep run" in sbatch_hint(msg, 2, 2, None, cpus=2)
+    # nothing smaller to ask for: how to see what the nodes offer
+    assert "sinfo -o '%D %G %c %m'" in sbatch_hint(msg, 1, 1, None, cpus=1)
     assert sbatch_hint("Invalid account", 8, 1, part) == ""

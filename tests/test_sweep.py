@@ -528,7 +528,7 @@ def test_slurm_states_map_to_quantpatch_states_and_the_output_speaks_last(tmp_pa
 def test_a_sweep_over_missing_data_starts_and_submits_nothing(
     sweep_env, tmp_path, run, monkeypatch
 ):
-    """Issue 37: every combination's dataset, resolved as the scripts resolve it (DATA_ROOT,
+    """Every combination's dataset, resolved as the scripts resolve it (DATA_ROOT,
     DATA_PREFIX, TOKENIZER_MODEL, MOCK_DATA), is checked before anything is written, started
     or submitted; the refusal names every missing dataset."""
     root, _env, stub, out = sweep_env
@@ -581,7 +581,7 @@ ExitCode=0:0 StartTime=2026-11-27T10:00:00 EndTime=2026-11-27T10:05:00"
 
 
 def test_a_slurm_sweep_is_checked_against_the_nodes_gpus(sweep_env, run, monkeypatch, tmp_path):
-    """Issue 46, point 1: the fast profile asks for 8 GPUs a node; on a partition whose node
+    """The fast profile asks for 8 GPUs a node; on a partition whose node
     declares 2 (`gres/gpu`), `sweep run` refuses before writing or submitting anything with
     one sentence naming the node's GPUs and `--gpus-per-node 2`; with it the sweep is
     submitted asking for 2, a resume keeps it, and sbatch's own node-configuration refusal
@@ -633,10 +633,10 @@ def test_a_slurm_sweep_is_checked_against_the_nodes_gpus(sweep_env, run, monkeyp
     assert res.code == 2, res
     assert (
         "sbatch refused the sweep: Batch job submission failed: Requested node configuration "
-        "is not available (the scripts ask for 1 node(s) with 8 GPU(s) each and partition "
-        "debug has 1 node with gpu:8: --gpus-per-node N and --nodes N of sweep run change "
-        "that, as gpus_per_node in the [profiles.NAME] table and nodes in the "
-        "[profiles.NAME.parallel] table of a --config do)."
+        "is not available (the scripts ask for 1 node(s) with 8 GPU(s) each and 24 CPUs for "
+        "each node's task; partition debug has 1 node with gpu:8, which sinfo says fits: ask "
+        "for one CPU per rank, cpus_per_task = 8 in the [slurm] table of a --config, since "
+        "Slurm often gives each CPU its share of a node's memory)."
     ) in said
     assert not (other / "sweep.json").exists()
 
@@ -644,7 +644,7 @@ def test_a_slurm_sweep_is_checked_against_the_nodes_gpus(sweep_env, run, monkeyp
 def test_your_own_tokenizer_names_every_fix_and_a_resume_remembers_it(
     sweep_env, run, monkeypatch, tmp_path
 ):
-    """Issue 46, point 2: data made with a local tokenizer (`data prepare ... --tokenizer
+    """Data made with a local tokenizer (`data prepare ... --tokenizer
     llama32-1b=./tok`) is refused naming every fix (TOKENIZER_MODEL, a [models.M]
     tokenizer_model override, preparing again); `data status` exits 1 on the mismatch; the
     sweep records the data root, prefixes and tokenizer it checked, and a resume from a new
@@ -726,7 +726,7 @@ echo "4242_2|PENDING|4245|N/A"
 
 
 def test_the_first_status_of_a_slurm_sweep_has_gpus_and_start(sweep_env, run, tmp_path):
-    """Issue 46, point 8: `sweep status` of a Slurm sweep fills the gpus column (the
+    """`sweep status` of a Slurm sweep fills the gpus column (the
     allocation the scripts ask for) and `started` on the first status of a running task
     (squeue's %S), never a start for a pending one."""
     from quantpatch.launch.slurm import parse_squeue
@@ -754,7 +754,7 @@ def test_the_first_status_of_a_slurm_sweep_has_gpus_and_start(sweep_env, run, tm
 
 @pytest.mark.slow
 def test_the_attention_choice_is_recorded_kept_on_resume_and_a_new_one_reruns(sweep_env, run):
-    """Issue 45 (6): --attention is recorded; a resume keeps it (the scripts export it again);
+    """--attention is recorded; a resume keeps it (the scripts export it again);
     another choice runs every finished run again, so no report compares two kernels; the
     report shows each run's path from its log and from the record."""
     root, _env, stub, out = sweep_env

@@ -1,4 +1,4 @@
-"""Issue 46, points 5 and 6: a sweep's report says where its runs came from (the sweep, and
+"""A sweep's report says where its runs came from (the sweep, and
 each run's scheme values, commit, data, tokenizer, GPUs, Slurm job), and is written without
 figures (saying how to get them) where matplotlib is not installed."""
 
@@ -178,7 +178,7 @@ document.title = JSON.stringify({width: w, scroll: document.documentElement.scro
 @pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium (apt-get install chromium)")
 @pytest.mark.parametrize("width", [1000, 1280])
 def test_the_report_fits_the_page_in_a_real_browser(run, tmp_path, width):
-    """Issue 46, point 6: headless Chromium lays the sweep's report out at 1,000 and 1,280 px
+    """Headless Chromium lays the sweep's report out at 1,000 and 1,280 px
     and finds no heading, cell or figure past the page's right edge (the runs table's
     `status` and `diverged` columns were cut off); a screenshot is kept beside it."""
     sweep_dir, _ = fake_sweep(tmp_path)

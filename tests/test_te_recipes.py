@@ -101,8 +101,12 @@ def test_first_last_layers_and_the_native_twin_of_a_config_scheme(tmp_path):
 @pytest.mark.parametrize(
     ("text", "said"),
     [
-        (
+        (  # MXFP8 is no value of a Megatron recipe: te_recipe would be refused too
             "linear = 'mxfp8'\nqk = 'bf16'\npv = 'bf16'\nfirst_last_layers_bf16 = true",
+            "recipes; drop first_last_layers_bf16.",
+        ),
+        (
+            "linear = 'fp8-tensor'\nqk = 'bf16'\npv = 'bf16'\nfirst_last_layers_bf16 = true",
             "add te_recipe = true",
         ),
         ("linear = 'mxfp8'\nqk = 'bf16'\npv = 'bf16'\nte_recipe = true", "one value of a Megatron"),

@@ -1,4 +1,4 @@
-"""``quantpatch upgrade`` (issue 42): a checkout set up by the previous release is brought to
+"""``quantpatch upgrade``: a checkout set up by the previous release is brought to
 this version in one recorded commit, scheme branches and worktrees follow, and the installs
 still come off byte for byte."""
 
@@ -253,8 +253,9 @@ def test_the_fork_clone_is_upgraded_and_its_own_saver_callers_keep_working(run, 
 
 
 BEFORE_TE = Path(__file__).parent / "data/before_te_nvfp4"
-"""``quantpatch_nvfp4.py`` and ``quantpatch_rht.py`` as the version before issue 45 installed
-them (NVFP4 in its own order, uniform stochastic rounding, its own RHT sign vector)."""
+"""``quantpatch_nvfp4.py`` and ``quantpatch_rht.py`` as the version before NVFP4 followed
+TransformerEngine installed them (NVFP4 in its own order, uniform stochastic rounding, its own RHT
+sign vector)."""
 
 
 def test_a_checkout_with_the_nvfp4_runtime_before_te_numerics_is_older_and_upgraded(
@@ -294,7 +295,51 @@ def test_a_checkout_with_the_nvfp4_runtime_before_te_numerics_is_older_and_upgra
     assert set(_parts(run, root).values()) == {"current"}
 
 
-# -- issue 47: upgrade never commits where it should not ------------------------------------
+BEFORE_4OVER6 = Path(__file__).parent / "data/before_4over6"
+"""The format spec and ``quantpatch_nvfp4.py`` as the version before the 4over6 values
+installed them (no ``nvfp4-4over6-*`` entries, no 4over6 arithmetic)."""
+
+
+def test_a_checkout_without_the_4over6_values_is_older_and_upgrade_teaches_them(run, make_checkout):
+    """A checkout initialised before the 4over6 values: ``check`` calls its ops older, ``set
+    --linear nvfp4-4over6-mae`` is refused naming ``upgrade`` (its installed spec lacks the
+    value, so the site's dispatch would not know it) and changes nothing; ``upgrade`` installs
+    this version's files in one commit, and the same ``set`` and ``check --expect`` pass."""
+    root = make_checkout(inject=False)
+    assert run("init", "--repo", root).code == 0
+    state = root / ".git/quantpatch/init/record.json"
+    record = json.loads(state.read_text())
+    for name in ("quantpatch_formats.py", "quantpatch_nvfp4.py"):
+        rel = f"megatron/core/quantpatch/{name}"
+        text = (BEFORE_4OVER6 / name).read_text(encoding="utf-8")
+        assert text != runtime_source(rel) and "4over6" not in text
+        (root / rel).write_text(text, encoding="utf-8")
+        record["files"][rel]["written"] = hashlib.sha256(text.encode("utf-8")).hexdigest()
+    state.write_text(json.dumps(record, indent=2) + "\n")
+    repo = git.Repo(root)
+    repo.git.add("-A", "megatron")
+    repo.git.commit("-qm", "quantpatch init: (before the 4over6 values)")
+
+    assert _parts(run, root)["ops"] == "older"
+    head = repo.head.commit
+    res = run("set", "--repo", root, "--linear", "nvfp4-4over6-mae")
+    assert res.code == 2, res
+    said = " ".join(res.err.split())
+    assert "not 'nvfp4-4over6-mae'" in said, said
+    assert "'quantpatch upgrade' brings it to this version's values" in said, said
+    assert repo.head.commit == head and not repo.is_dirty(untracked_files=True)
+    res = run("upgrade", "--repo", root)  # the advice, followed
+    assert res.code == 0, res
+    assert repo.head.commit.parents == (head,) and not repo.is_dirty()
+    for rel in OPS_MODULES:
+        assert (root / rel).read_text() == runtime_source(rel), rel
+    assert set(_parts(run, root).values()) == {"current"}
+    res = run("set", "--repo", root, "--linear", "nvfp4-4over6-mae")
+    assert res.code == 0, res
+    assert run("check", "--repo", root, "--expect", "linear=nvfp4-4over6-mae").code == 0
+
+
+# -- upgrade never commits where it should not --------------------------------------------
 
 
 def test_upgrade_on_a_scheme_branch_is_refused_before_anything(run, make_checkout):
@@ -387,9 +432,9 @@ class _DropBf16Branch(cst.CSTTransformer):
 
 
 def test_a_flash_route_without_the_bf16_branch_is_older_and_upgrade_adds_it(run, make_checkout):
-    """Issue 45 (6) changed what `init` writes (sites form 2): a checkout initialised before
-    it is `sites older`, and `upgrade` gives it the branch that lets a bf16 baseline take the
-    flash kernel, as `init` writes it now."""
+    """Giving every run of a set one attention path changed what `init` writes (sites form
+    2): a checkout initialised before it is `sites older`, and `upgrade` gives it the branch
+    that lets a bf16 baseline take the flash kernel, as `init` writes it now."""
     root = make_checkout(inject=False)
     assert run("init", "--repo", root).code == 0
     fresh = (root / ATTENTION).read_text()

@@ -1,4 +1,4 @@
-"""Issue 30 on CPU: weights quantized once per optimizer step (the weight cache of
+"""On CPU: weights quantized once per optimizer step (the weight cache of
 ``quantpatch_ops``), the autotuned fake-quant kernels' every configuration, and the quantized
 GEMM (operands quantized in its tile loop) with its per-shape dispatch.
 
@@ -785,7 +785,7 @@ def test_auto_through_the_products_uses_the_measured_path(kernels, monkeypatch):
         assert bool(((fused.double() - ref).abs() <= tol).all())
 
 
-def test_gpu_suite_issue30_rows_run_at_tiny_sizes(monkeypatch):
+def test_gpu_suite_shape_rows_run_at_tiny_sizes(monkeypatch):
     """benchmarks/gpu_suite.py's issue-30 sections end to end on CPU at tiny sizes (the
     kernels interpreted), and their table and bars, so that they run the first time a GPU
     is there."""
@@ -805,10 +805,10 @@ def test_gpu_suite_issue30_rows_run_at_tiny_sizes(monkeypatch):
     assert c["quantizations_per_step_off"] == 12 and c["bytes_held"] == 2 * c["weight_bytes"]
     row = r["gemm"][0]["mxfp8"]
     assert row["separate_ms"] > 0 and row["fused_ms"] > 0
-    md = "\n".join(suite.issue30_markdown(r))
+    md = "\n".join(suite.shapes_markdown(r))
     assert "| 8x64 |" in md and "| 16x32x32 |" in md and "hit ratio 0.667" in md
     said = []
-    suite.issue30_bars(r, lambda ok, text: said.append(text))
+    suite.shapes_bars(r, lambda ok, text: said.append(text))
     assert [s.split(" (")[0] for s in said] == [
         "every kernel >= 80 % of the copy",
         "quantized GEMM <= 1.08x bf16",

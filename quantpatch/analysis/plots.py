@@ -13,6 +13,7 @@ from typing import Any, ParamSpec, TypeVar
 from quantpatch.analysis.tensor_files import Skipped, discover_all, load_tensor, meta_of
 from quantpatch.analysis.tensors import sorted_layers
 from quantpatch.base.errors import UserError
+from quantpatch.runtime import quantpatch_formats as formats
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -21,11 +22,28 @@ REL_LO = -40.0
 # representable magnitudes: HiF8 absolutely; MX relative to the block's amax 2^E, where the
 # scale is 2^(E - emax) and the smallest element magnitude 2^(emin - mbits)
 HIFP8_RANGE = (-22.0, 15.0)
+_HIFP8 = " / ".join(formats.names(family="hifp8"))
+
+
+def _relative_floor(element: str) -> int:
+    e = formats.ELEMENTS[element]
+    return -e.emax + e.emin - e.mbits
+
+
 MX_RELATIVE_FLOOR = {
-    "mxfp8 (E4M3)": -8 - 6 - 3,
-    "mxfp8 (E5M2, grads)": -15 - 14 - 2,
-    "mxfp4": -2 + 0 - 1,
+    label: _relative_floor(element)
+    for f in formats.SPECS
+    if f.default_candidate and f.family == "mx" and f.input and f.grad_output
+    for label, element in (
+        [(f.name, f.input)]
+        if f.input == f.grad_output
+        else [
+            (f"{f.name} ({f.input.upper()})", f.input),
+            (f"{f.name} ({f.grad_output.upper()}, grads)", f.grad_output),
+        ]
+    )
 }
+"""The smallest magnitude each default MX candidate keeps, relative to its block's amax."""
 
 
 MATPLOTLIB_INSTALL = "pip install 'matplotlib>=3.7'"
@@ -139,7 +157,9 @@ def plot_histograms(h: Histograms, out: Path) -> list[Path]:
         fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 3.6))
         xs = [LO + WIDTH * (i + 0.5) for i in range(_bins(LO, HI))]
         ax1.bar(xs, h.absolute[kind], width=WIDTH, color="0.35")
-        ax1.axvspan(*HIFP8_RANGE, color="tab:orange", alpha=0.15, label="hifp8 range 2^-22..2^15")
+        ax1.axvspan(
+            *HIFP8_RANGE, color="tab:orange", alpha=0.15, label=f"{_HIFP8} range 2^-22..2^15"
+        )
         ax1.set_xlabel("log2 |x|")
         ax1.set_ylabel("values")
         ax1.set_title(f"{kind}: magnitudes ({h.zeros.get(kind, 0)} zeros not shown)")

@@ -48,9 +48,16 @@ def _family(fmt: str) -> str:
     return formats.spec_of(fmt).family
 
 
-def _tiled(fmt: str) -> bool:
-    """Whether ``fmt`` quantizes a matrix in 2-D tiles (``nvfp4-2d``)."""
-    return formats.spec_of(fmt).tiled
+def tiles_weights(fmt: str) -> bool:
+    """Whether ``fmt`` quantizes a weight in 2-D tiles (``nvfp4-2d``; the 4over6 values,
+    whose weight operand format is tiled)."""
+    return formats.spec_of(formats.spec_of(fmt).operands[0]).tiled
+
+
+def _four_over_six(fmt: str, backward: bool) -> bool:
+    """Whether ``fmt`` quantizes this tensor with 4over6 (a gradient takes ``nvfp4``'s
+    blocks: TE's gradient slots take no 4over6)."""
+    return bool(formats.spec_of(fmt).four_over_six) and not backward
 
 
 NOT_APPLICABLE = "n/a"
@@ -286,8 +293,9 @@ def formats_sums(
     if t.dim() == 0:
         t, dim = t.reshape(1), 0
     t = t.detach()
-    whole_scale = ("fp8-tensor", "fp8-delayed")  # families scaled by the whole tensor's amax
-    if amax is None and any(f in ops.NVFP4_FORMATS or _family(f) in whole_scale for f in fmts):
+    if amax is None and any(
+        f in ops.NVFP4_FORMATS or _family(f) in ("fp8-tensor", "fp8-delayed") for f in fmts
+    ):
         amax = nv_amax(t)  # NVFP4's, fp8-tensor's and the delayed values' scale: the whole tensor's
     out = {f: FormatSums() for f in fmts}
     weights_only = tuple(f for f in fmts if ops.is_paretoq(f))
@@ -340,6 +348,38 @@ def _nv_blocks(
     return int(per_block.sum()), blocks.shape[0], int((per_block > 0).sum()), int(clipped.sum())
 
 
+def _nv4o6_blocks(
+    t: torch.Tensor, fmt: str, dim: int, amax: torch.Tensor, two_d: bool
+) -> tuple[int, int, int, int]:
+    """:func:`_nv_blocks` of a 4over6 value: each block counted at the scale 4over6 chose for
+    it (map-to-4 or map-to-6), under the value's E4M3 bound in the tensor scale."""
+    _, scales, a = nvq.nvfp4_4over6_parts(t, fmt, dim, two_d, amax)
+    v = t.to(torch.float32)
+    mags = torch.where(torch.isfinite(v), v.abs(), torch.zeros_like(v))
+    fmax = torch.finfo(torch.float32).max
+    g = torch.clamp(torch.full_like(a, 6.0 * formats.spec_of(fmt).e4m3_max) / a, max=fmax)
+    g = torch.where(g == 0, torch.ones_like(g), g)
+    enc = torch.clamp(torch.reciprocal(scales * torch.reciprocal(g)), max=fmax)
+    over = ((mags * enc > ops.E2M1[2]) & (scales > 0)).to(torch.float32)
+    if two_d:
+        over, s, bmax = _tiles(over), _tiles(scales), _tiles(mags)
+    else:
+
+        def flat(x: torch.Tensor) -> torch.Tensor:
+            x = x.movedim(dim, -1) if x.dim() else x.reshape(1)
+            x = torch.nn.functional.pad(x, (0, (-x.shape[-1]) % ops.NV_BLOCK))
+            return x.reshape(-1, ops.NV_BLOCK)
+
+        over, s, bmax = flat(over), flat(scales), flat(mags)
+    s, bmax = s.amax(dim=-1), bmax.amax(dim=-1)
+    raw6 = (bmax / 6.0) * g
+    six = ops.round_element(torch.clamp(raw6, max=448.0), ops.E4M3)
+    raw = torch.where(s == six, raw6, raw6 * 1.5)  # the chosen candidate's scale before E4M3
+    clipped = (raw >= 464.0) | ((bmax > 0) & (s == 0))
+    per_block = over.sum(dim=-1)
+    return int(per_block.sum()), over.shape[0], int((per_block > 0).sum()), int(clipped.sum())
+
+
 def _tiles(mags: torch.Tensor) -> torch.Tensor:
     """The 16 x 16 tiles of the last two dimensions of ``mags`` (zero-padded), one a row."""
     b = ops.NV_BLOCK
@@ -388,7 +428,9 @@ def _add_slice(
     for fmt in fmts:
         if fmt in ops.NVFP4_FORMATS:
             assert tensor_amax is not None
-            q = ops.nvfp4(t, dim, _tiled(fmt) and tiled, None, tensor_amax).to(f64)
+            nv_fmt = fmt if _four_over_six(fmt, backward) else nvq.PLAIN
+            two_d = tiles_weights(fmt) and tiled
+            q = ops.nvfp4_value(t, nv_fmt, dim, two_d, None, tensor_amax).to(f64)
         elif _family(fmt) == "fp8-tensor" and tensor_amax is not None:  # the whole tensor's
             q = ops.fp8_tensor(t, backward, tensor_amax, fmt).to(f64)
         elif ops.is_delayed(fmt):  # the scale its history settles on: the tensor's own amax
@@ -414,9 +456,12 @@ def _add_slice(
             )
         elif fmt in ops.NVFP4_FORMATS:
             assert tensor_amax is not None
-            s.overflows, s.blocks, s.blocks_saturated, s.blocks_scale_clipped = _nv_blocks(
-                t, dim, tensor_amax, _tiled(fmt) and tiled
-            )
+            two_d = tiles_weights(fmt) and tiled
+            if _four_over_six(fmt, backward):
+                counts = _nv4o6_blocks(t, fmt, dim, tensor_amax, two_d)
+            else:
+                counts = _nv_blocks(t, dim, tensor_amax, two_d)
+            s.overflows, s.blocks, s.blocks_saturated, s.blocks_scale_clipped = counts
         elif _family(fmt) == "hifp8":
             s.overflows = int((x0.abs() > HIFP8_MAX).sum())
         out[fmt].merge(s)
@@ -453,7 +498,7 @@ def _add_weight_formats(
         )
 
 
-RHT = "nvfp4-rht"
+(RHT,) = formats.names(rht=True)
 """The Hadamard-transformed NVFP4 candidate: for the weight-gradient GEMM's operands only."""
 
 

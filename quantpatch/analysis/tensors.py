@@ -28,6 +28,7 @@ from quantpatch.analysis.tensor_files import (
 )
 from quantpatch.base.config import QUANT_TYPES
 from quantpatch.base.errors import UserError
+from quantpatch.runtime.quantpatch_formats import names as spec_names
 
 FORMATS = tuple(v for v in QUANT_TYPES if v != "bf16")
 """The candidates ``--formats`` takes; ParetoQ's weight values (``w<b>``, grouped ``w<b>g<N>``
@@ -37,7 +38,7 @@ the whole tensor's amax (before sampling); ``fp8-delayed`` / ``fp8-delayed-e4m3`
 their history settles on when it holds that amax (``settled_quantize``: a training step uses
 earlier steps' amaxes instead); ``fp8-block`` is measured with 1 x 128 blocks on
 every tensor, weights included (a sample of rows would cut its 128 x 128 weight tiles)."""
-DEFAULT_FORMATS = ("mxfp8", "mxfp4", "hifp8")
+DEFAULT_FORMATS = spec_names(default_candidate=True)
 """The candidates when none are named (nvfp4 and nvfp4-2d are taken when named; nvfp4-2d
 tiles a linear weight 16 x 16 and gives every other tensor nvfp4's 1-D blocks)."""
 Progress = Callable[[int, int], None]  # (files done, files in all)
@@ -148,6 +149,7 @@ def _formats_file(
         rht_sums,
         sample_row_groups,
         sample_rows,
+        tiles_weights,
     )
     from quantpatch.runtime.quantpatch_formats import spec_of
     from quantpatch.runtime.quantpatch_ops import NVFP4_FORMATS
@@ -174,7 +176,7 @@ def _formats_file(
             rows = sample_row_groups(t.reshape(-1, t.shape[-1]), sample) if wgrad else t
             rht = rht_sums(rows, wgrad)
             fmts = tuple(f for f in fmts if f != RHT)
-        tiled = any(spec_of(f).tiled for f in fmts) and is_tiled_weight(meta.tensor, t)
+        tiled = any(tiles_weights(f) for f in fmts) and is_tiled_weight(meta.tensor, t)
         if tiled:  # a sample of whole tiles
             t = sample_row_groups(t, sample)
         else:

@@ -19,6 +19,10 @@ Fields of each entry:
   history of earlier steps), ``pow2`` or None;
 * ``rht``: a random Hadamard transform first; ``gradient_rounding``: ``nearest`` or
   ``stochastic`` (the gradient operand's);
+* ``four_over_six``: NVFP4's 4over6 block scaling of the input and weight operands, ``mae``
+  or ``mse`` (the error that picks map-to-4 or map-to-6 per block), else None;
+  ``e4m3_max``: the E4M3 bound in an NVFP4 value's tensor scale (448, or 256 under 4over6;
+  None outside NVFP4);
 * ``fused_gemm``: whether the GEMM that quantizes its operands in its tile loop takes it;
 * ``reference``: the library function the value is bit-identical to, in words (None: none);
 * ``megatron``: the Megatron-LM flags whose quantization it emulates (None: none).
@@ -43,6 +47,8 @@ def _value(f: Format) -> dict[str, Any]:
         "scale": f.scale,
         "rht": f.rht,
         "gradient_rounding": f.rounding("grad_output"),
+        "four_over_six": f.four_over_six or None,
+        "e4m3_max": f.e4m3_max if f.family == "nvfp4" else None,
         "fused_gemm": f.fused_gemm,
         "reference": f.reference,
         "megatron": f.megatron,

@@ -15,6 +15,8 @@ from quantpatch.base.edits import Edit, apply_edits
 from quantpatch.base.errors import UserError
 from quantpatch.base.megatron_source import DEFAULT_VERSION, megatron_tree
 from quantpatch.git import repo as gitrepo
+from quantpatch.runtime.quantpatch_formats import SPECS
+from quantpatch.runtime.quantpatch_formats import names as spec_names
 from quantpatch.sites.codemods.init_sites import Layout, inject_sites
 
 if TYPE_CHECKING:
@@ -68,9 +70,10 @@ def walk(dest: Path, console: Console, print_check: Callable[[CheckReport, Conso
 
     step("quantpatch check")
     print_check(check(dest), console)
+    mx8, mx4, hif8 = spec_names(default_candidate=True)  # the formats analysis compares first
     for values in (
-        {"linear": "mxfp8", "qk": "mxfp8", "pv": "bf16"},
-        {"linear": "hifp8", "qk": "mxfp4", "pv": "mxfp8"},
+        {"linear": mx8, "qk": mx8, "pv": "bf16"},
+        {"linear": hif8, "qk": mx4, "pv": mx8},
     ):
         args = " ".join(f"--{r} {v}" for r, v in values.items())
         step(f"quantpatch set {args}")
@@ -100,11 +103,10 @@ def walk(dest: Path, console: Console, print_check: Callable[[CheckReport, Conso
     print_linear_errors(dest, console)
 
 
-_NOT_DEMOED = ("nvfp4-2d", "nvfp4-rht")
+_NOT_DEMOED = spec_names(tiled=True) + spec_names(rht=True)
 DEMO_FORMATS = (
     *(f for f in QUANT_TYPES if f not in _NOT_DEMOED and not is_paretoq(f)),
-    "w1.58",
-    "w2",
+    *(f.name for f in SPECS if f.w_bits in (0, 2)),
 )
 """The demo's linear formats, each one the whole layer's: nvfp4-2d tiles a weight Parameter,
 which the probe's plain weight tensor is not, so its row would repeat nvfp4's; nvfp4-rht is

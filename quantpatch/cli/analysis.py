@@ -16,6 +16,10 @@ from quantpatch.cli.app import (
 from quantpatch.cli.launch import (
     ConfigOpt,
 )
+from quantpatch.runtime.quantpatch_formats import names as spec_names
+
+DEFAULT_CANDIDATES = ",".join(spec_names(default_candidate=True))
+"""What ``tensors formats`` and ``tensors plot`` compare when no ``--formats`` is given."""
 
 tensors_app = typer.Typer(
     help="What each format does to the tensors the saver wrote: summary, formats, plot.",
@@ -67,7 +71,7 @@ def tensors_summary(
 def tensors_formats(
     directory: Path = DirArg,
     formats: str = typer.Option(
-        "mxfp8,mxfp4,hifp8",
+        DEFAULT_CANDIDATES,
         "--formats",
         help=f"Candidate formats, comma-separated (of {value_list(with_bf16=False)}; the "
         "ParetoQ values apply to weights only).",
@@ -105,7 +109,7 @@ def tensors_plot(
     directory: Path = DirArg,
     out_dir: Path = typer.Option(..., "--out", help="Directory for the PNG files."),
     formats: str = typer.Option(
-        "mxfp8,mxfp4,hifp8",
+        DEFAULT_CANDIDATES,
         "--formats",
         help=f"Candidate formats (of {value_list(with_bf16=False)}: as tensors formats).",
     ),

@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import re
+import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -217,6 +218,13 @@ class Need:
     dataset: str
     prefix: Path
     tokenizer: str
+    data_root: str | None = None
+    """The data root the prefix was resolved under, where the environment chose it (the
+    command that makes the dataset names it, since the shell running it may not)."""
+    config: str | None = None
+    """The --config file that declares the model or dataset (the command names it too)."""
+    tokenizer_given: bool = False
+    """Whether ``TOKENIZER_MODEL`` chose the tokenizer rather than the model's entry."""
 
     def missing(self) -> list[str]:
         """The files of the prefix that are absent or unreadable."""
@@ -269,13 +277,23 @@ class Need:
         made = self.made_with()
         if made is None:
             return None
+        # the variable wins over a --config entry: the entry helps only once it is unset
+        unset = "unset TOKENIZER_MODEL and " if self.tokenizer_given else ""
         return (
             f"for {self.model} on {self.dataset}: export TOKENIZER_MODEL={made} (the tokenizer "
-            f'it was made with), or put tokenizer_model = "{made}" in the [models.{self.model}] '
-            f"table of a --config, or make it again with the scripts' tokenizer "
-            f"(`{self.command()}`)"
+            f'it was made with), or {unset}put tokenizer_model = "{made}" in the '
+            f"[models.{self.model}] table of a --config, or make it again with the scripts' "
+            f"tokenizer (`{self.command()}`)"
         )
 
     def command(self) -> str:
-        """The command that makes this dataset."""
-        return f"quantpatch data prepare {self.dataset} --input CORPUS --models {self.model}"
+        """The command that makes this dataset, where the scripts read it (only the corpus,
+        ``CORPUS``, is the user's to fill in)."""
+        words = [f"quantpatch data prepare {self.dataset} --input CORPUS --models {self.model}"]
+        if self.tokenizer_given:
+            words.append(f"--tokenizer {shlex.quote(f'{self.model}={self.tokenizer}')}")
+        if self.data_root:
+            words.append(f"--data-root {shlex.quote(self.data_root)}")
+        if self.config:
+            words.append(f"--config {shlex.quote(self.config)}")
+        return " ".join(words)

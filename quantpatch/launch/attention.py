@@ -1,4 +1,4 @@
-"""Which attention path the runs of one set of launch scripts take (issue 45, item 6).
+"""Which attention path the runs of one set of launch scripts take.
 
 A bf16 baseline compared with FA schemes must run the same attention kernel as they do, or a
 report's step-time and memory columns compare kernels, not formats. ``gen-scripts`` and

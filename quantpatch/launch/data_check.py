@@ -21,17 +21,26 @@ def needs(
     datasets: Sequence[str],
     profile: str,
     env: Mapping[str, str],
+    config: Path | None = None,
 ) -> list[Need]:
-    """Every distinct dataset the runs read; none where they train on mock data."""
+    """Every distinct dataset the runs read; none where they train on mock data (``config``:
+    the --config file the registry was read with, which the commands that make them name)."""
     if mock_data(reg, profile, env):
         return []
+    chosen = env.get("DATA_ROOT")
+    root = (
+        str(Path(chosen).expanduser().resolve()) if chosen and not env.get("DATA_PREFIX") else None
+    )
     out: dict[tuple[str, str], Need] = {}
     for model in models:
         m = reg.models[model]
         for dataset in datasets:
             prefix = data_prefix(reg.datasets[dataset].prefix, model, env)
             tokenizer = tokenizer_for(m.tokenizer_model, env)
-            out.setdefault((str(prefix), tokenizer), Need(model, dataset, prefix, tokenizer))
+            cfg = str(config) if config else None
+            given = bool(env.get("TOKENIZER_MODEL"))
+            need = Need(model, dataset, prefix, tokenizer, root, cfg, given)
+            out.setdefault((str(prefix), tokenizer), need)
     return list(out.values())
 
 
@@ -101,6 +110,7 @@ def refuse_missing(
         reg.pick("datasets", list(datasets) if datasets else None),
         profile,
         env,
+        Path(config).resolve() if config else None,
     )
     bad = problems(found)
     if bad:

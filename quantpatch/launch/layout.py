@@ -360,7 +360,9 @@ _OPTION = {
     "sequence_parallel": "sequence parallel",
 }
 _VARIABLE = {"global_batch": "GLOBAL_BATCH_SIZE", "sequence_parallel": "SEQUENCE_PARALLEL"}
-"""Fields a person changes through another variable than a size: the fix names it."""
+"""Fields a person changes through another variable than a size: the fix names it, and the
+option of ``quantpatch layout`` (which reads no variable) beside it."""
+_FLAG = {"global_batch": "--global-batch", "sequence_parallel": "--sequence-parallel"}
 
 
 def _broken(plan: Plan) -> _Rule | None:
@@ -390,9 +392,12 @@ def _candidates(plan: Plan, field: str) -> Iterable[int | str]:
 
 
 def _choice(field: str, value: int | str) -> str:
-    """``TP 2``; ``global batch 64 (GLOBAL_BATCH_SIZE=64)``."""
+    """``TP 2``; ``global batch 64 (--global-batch 64, GLOBAL_BATCH_SIZE=64)``: the option
+    and the script's variable, as a size's refusal names ``--nodes (NNODES)``."""
     shown = f"{_OPTION[field]} {value}"
-    return f"{shown} ({_VARIABLE[field]}={value})" if field in _VARIABLE else shown
+    if field not in _VARIABLE:
+        return shown
+    return f"{shown} ({_FLAG[field]} {value}, {_VARIABLE[field]}={value})"
 
 
 def _nearby(plan: Plan, rule: _Rule) -> tuple[tuple[str, int | str] | None, str]:

@@ -156,13 +156,14 @@ def _slurm_fit(reg: Registry, scripts: Sequence[Script], request: GenRequest) ->
         gpu_request=reg.slurm.gpu_request,
         profile=request.profile,
         cpus=max(s.cpus for s in scripts),
+        gpu_partitions=slurm_nodes.gpu_partitions() if partition.most_gpus == 0 else (),
     )
 
 
 def _data_warning(
     reg: Registry, scripts: Sequence[Script], profile: str, launcher: str
 ) -> str | None:
-    """One line when the datasets the scripts read are missing here (issue 39)."""
+    """One line when the datasets the scripts read are missing here (made by `data prepare`)."""
     from quantpatch.launch.data_check import gen_warning
 
     models = list(dict.fromkeys(s.model for s in scripts))

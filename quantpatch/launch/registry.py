@@ -443,9 +443,21 @@ def _check_scheme(name: str, e: dict[str, Any], where: str, names: set[str]) -> 
         if f in e
     ]
     if recipe_only and not e.get("te_recipe"):
+        linear = e.get("linear")
+        # te_recipe takes one recipe value on every linear GEMM and BF16 attention (below)
+        takes_recipe = (
+            linear in RECIPE_FLAGS
+            and all(e.get(g, linear) == linear for g in GEMMS if g != "wgrad")
+            and (e.get("qk"), e.get("pv")) == ("bf16", "bf16")
+        )
+        add = (
+            "add te_recipe = true (its GEMMs then follow Megatron's policy) or "
+            if takes_recipe
+            else ""
+        )
         raise UserError(
             f"{where}: scheme '{name}' sets {recipe_only[0]}, a field of Megatron's FP8 recipes; "
-            "add te_recipe = true (its GEMMs then follow Megatron's policy) or drop it."
+            f"{add}drop {', '.join(recipe_only)}."
         )
     for count in ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"):
         if e.get(count, 1) < 0:
@@ -472,7 +484,7 @@ def _check_recipe(name: str, e: dict[str, Any], where: str) -> None:
         raise UserError(
             f"{where}: scheme '{name}' sets first_last_layers_bf16 with the delayed "
             "recipe, which Megatron refuses (fp8_utils.get_fp8_context: delayed scaling "
-            "does not support first / last layers in BF16); drop one of them."
+            "does not support first / last layers in BF16); drop first_last_layers_bf16."
         )
     if e.get("fp8_wgrad") is False and recipe not in HONOURS_NO_FP8_WGRAD:
         honour = [v for v, (_, r) in RECIPE_FLAGS.items() if r in HONOURS_NO_FP8_WGRAD]
@@ -491,9 +503,12 @@ def _check_native(name: str, e: dict[str, Any], where: str, names: set[str]) -> 
     if e.get("native"):
         sites = {r: e[r] for r in ("linear", "qk", "pv", *GEMMS) if r in e and e[r] != "bf16"}
         if sites or e.get("bf16_layers") or e.get("te_recipe"):
+            keys = [*sites, *(k for k in ("bf16_layers", "te_recipe") if e.get(k))]
+            # without native the scheme is one of quantpatch values: those three it needs
+            plain = all(k in e for k in ("linear", "qk", "pv")) and "emulates" not in e
             raise UserError(
                 f"{where}: scheme '{name}' is native (TransformerEngine's own layers), where no "
-                "site runs; leave out its quantpatch values and BF16 layers, or drop native."
+                f"site runs; leave out {', '.join(keys)}{', or drop native' if plain else ''}."
             )
     twin = e.get("emulates")
     if twin is not None and not e.get("native"):

@@ -43,6 +43,7 @@ from quantpatch.launch.registry import (
     Scheme,
     Slurm,
     release_flags,
+    releases,
 )
 from quantpatch.launch.shell_render import (
     BATCH_VARIABLES,
@@ -255,6 +256,45 @@ def resolved_args(reg: Registry, model: str, profile: str) -> dict[str, ArgValue
     return dict(_model_args(reg, model, profile).values)
 
 
+# a flag the script passes itself: the --config entry that sets it instead
+_OWN_FLAG_ENTRY = {
+    "tensor-model-parallel-size": ("tp", "parallel"),
+    "pipeline-model-parallel-size": ("pp", "parallel"),
+    "context-parallel-size": ("cp", "parallel"),
+    "expert-model-parallel-size": ("ep", "parallel"),
+    "expert-tensor-parallel-size": ("etp", "parallel"),
+    "num-virtual-stages-per-pipeline-rank": ("vpp", "parallel"),
+    "sequence-parallel": ("sequence_parallel", "parallel"),
+    "mock-data": ("mock_data", "profile"),
+    "tokenizer-type": ("tokenizer_type", "model"),
+    "tokenizer-model": ("tokenizer_model", "model"),
+    "vocab-size": ("vocab_size", "model"),
+}
+
+
+def _instead_of_own_flag(flag: str, value: ArgValue, model: str, profile: str) -> str:
+    """Where a flag the script passes itself is set instead, as a --config entry (empty
+    where the run gives it: the dataset's prefix and split, the run folder)."""
+    if flag in ("data-path", "split"):
+        return "the dataset's prefix and split in its [datasets.NAME] table give it"
+    entry = _OWN_FLAG_ENTRY.get(flag)
+    if entry is None:
+        return "the run's folder gives it" if flag in ("save", "load", "tensorboard-dir") else ""
+    key, where = entry
+    if key == "sequence_parallel":
+        shown = json.dumps("on" if value is True else "off" if value is False else str(value))
+    elif key == "mock_data":
+        shown = "true" if value is not False else "false"
+    else:
+        shown = json.dumps(value)
+    table = {
+        "parallel": f"profiles.{profile}.parallel",
+        "profile": f"profiles.{profile}",
+        "model": f"models.{model}",
+    }[where]
+    return f"{key} = {shown} in the [{table}] table sets it"
+
+
 def _model_args(reg: Registry, model: str, profile: str) -> _Args:
     m, p = reg.models[model], reg.profiles[profile]
     model_args = {**m.args}
@@ -266,10 +306,25 @@ def _model_args(reg: Registry, model: str, profile: str) -> _Args:
     }
     own = [k for k in (*model_args, *training_args, *impl_args) if k in TEMPLATE_FLAGS]
     if own:
+        tables = (
+            (f"models.{model}.args", m.args),
+            (f"profiles.{profile}.args", p.args),
+            (f"models.{model}.profiles.{profile}.args", m.profile_args.get(profile, {})),
+            ("common.args", reg.common_args),
+        )
+        fixes = []
+        for flag in own:
+            held = [name for name, args in tables if flag in args]
+            value = next(args[flag] for _, args in tables if flag in args)
+            instead = _instead_of_own_flag(flag, value, model, profile)
+            fixes.append(
+                f"drop {flag} from the [{'] and ['.join(held)}] table"
+                f"{'s' if len(held) > 1 else ''}{f' ({instead})' if instead else ''}"
+            )
         raise UserError(
-            f"{model}/{profile}: {', '.join(own)} must not be set in args: the script passes "
-            f"{'it' if len(own) == 1 else 'them'} itself (parallel sizes from TP/PP/CP/EP/VPP, "
-            "data and output flags from the dataset and the environment)."
+            f"{model}/{profile}: {', '.join(own)} must not be set in args, since the script "
+            f"passes {'it' if len(own) == 1 else 'them'} itself; {'; '.join(fixes)} in a "
+            "--config."
         )
     groups = (_flag_pairs(model_args), _flag_pairs(training_args), _flag_pairs(impl_args))
     is_moe = "num-experts" in model_args
@@ -407,7 +462,7 @@ def generation_fix(
 def check_flags(reg: Registry, models: Sequence[str], profile: str, source: FlagSource) -> None:
     """Every flag the models' scripts pass must be one the target release accepts."""
     _reject_unaccepted(
-        {f"{m}/{profile}": _model_args(reg, m, profile).flags for m in models}, source
+        {f"{m}/{profile}": _model_args(reg, m, profile).flags for m in models}, source, reg
     )
 
 
@@ -429,12 +484,15 @@ def check_scheme_args(
         flags = tuple(w.split("=", 1)[0][2:] for w in words if w.startswith("--"))
         own = [f for f in flags if f in TEMPLATE_FLAGS]
         if own:
+            one = len(own) == 1
             raise UserError(
-                f"scheme '{name}': args must not set --{', --'.join(own)}: the script passes "
-                f"{'it' if len(own) == 1 else 'them'} itself."
+                f"scheme '{name}': args must not set --{', --'.join(own)}, since the script "
+                f"passes {'it' if one else 'them'} itself; drop {'it' if one else 'them'} "
+                f"(with {'its value' if one else 'their values'}) from the args of the "
+                f"[schemes.{name}] table of the --config."
             )
         used[f"scheme {name}"] = flags
-    _reject_unaccepted(used, source)
+    _reject_unaccepted(used, source, reg)
 
 
 def mla_unbuildable(
@@ -470,7 +528,7 @@ def mla_unbuildable(
                     rel,
                     f"{m} uses Multi-Latent Attention, which hands the local "
                     f"DotProductAttention its k_channels and v_channels, but {rel} does not "
-                    "take them; `quantpatch init` adds them.",
+                    f"take them; `quantpatch init --repo {shlex.quote(str(root))}` adds them.",
                 )
                 for m in mla
             }
@@ -501,9 +559,13 @@ def _takes_mla_head_dims(text: str, rel: str, cache: Path) -> bool | None:
     return found
 
 
-def _reject_unaccepted(used: dict[str, tuple[str, ...]], source: FlagSource) -> None:
+def _reject_unaccepted(
+    used: dict[str, tuple[str, ...]], source: FlagSource, reg: Registry | None = None
+) -> None:
     """One sentence naming the flags the release does not accept, the model/profile using
-    each, and the file the accepted flags came from."""
+    each, the file the accepted flags came from, and what to give instead: a bundled release
+    whose list has every flag used, the ``flag = false`` entries of a --config that leave the
+    flags out."""
     users: dict[str, list[str]] = {}
     for user, flags in used.items():
         for flag in flags:
@@ -518,13 +580,7 @@ def _reject_unaccepted(used: dict[str, tuple[str, ...]], source: FlagSource) -> 
         f"{', '.join(flags)} (used by {', '.join(who)})"
         for who, flags in sorted(by_users.items(), key=lambda item: (-len(item[0]), item[1]))
     )
-    if source.root is None:
-        remedy = "choose another --megatron-release or override those args in a --config file"
-    else:
-        remedy = (
-            "override those args in a --config file, or pass --megatron-release to validate "
-            "against a bundled flag list instead"
-        )
+    remedy = ", or ".join(_remedies(users, used, source, reg))
     if source.unresolved:
         remedy += (
             f" (the parser also builds flags from {', '.join(source.unresolved)}, which "
@@ -534,6 +590,85 @@ def _reject_unaccepted(used: dict[str, tuple[str, ...]], source: FlagSource) -> 
         f"Megatron-LM {source.release} does not accept {unknown}, checked against "
         f"{source.where()}; {remedy}."
     )
+
+
+def _remedies(
+    users: Mapping[str, Sequence[str]],
+    used: Mapping[str, tuple[str, ...]],
+    source: FlagSource,
+    reg: Registry | None,
+) -> list[str]:
+    """What to give instead of flags the release does not accept: a bundled release whose
+    list has them all, the --config entries that leave them out, a --schemes without the
+    schemes whose recipe passes them; else another Megatron-LM."""
+    remedies = []
+    if source.root is None:  # a bundled list: another bundled release may have them all
+        every = {f"--{f}" for flags in used.values() for f in flags}
+        fits = [r for r in releases() if r != source.release and every <= release_flags(r)]
+        if fits:
+            best = DEFAULT_RELEASE if DEFAULT_RELEASE in fits else fits[-1]
+            remedies.append(f"give --megatron-release {best}, whose flag list has them all")
+    dropped = _drop_entries(users, reg)
+    if dropped:
+        remedies.append(f"set {dropped} of a --config to leave them out")
+    everyone = [u for who in users.values() for u in who]
+    if not remedies and all(u.startswith("scheme ") for u in everyone):
+        # flags of the schemes' recipes (a native scheme's --fp8-recipe ...): run without them
+        schemes = sorted({u.removeprefix("scheme ") for u in everyone})
+        remedies.append(
+            f"give --schemes without {', '.join(schemes)} (their recipe passes "
+            f"{'it' if len(users) == 1 else 'them'})"
+        )
+    if not remedies:  # the script's own flags: the checkout
+        remedies.append(
+            "leave them out of the args of the schemes or tables that set them in a --config, "
+            "or use a Megatron-LM that has them"
+            + ("" if source.root is not None else f" (bundled: {', '.join(releases())})")
+        )
+    return remedies
+
+
+def _drop_entries(users: Mapping[str, Sequence[str]], reg: Registry | None) -> str:
+    """``a = false, b = false in the [profiles.full.args] table`` (one table per profile, or a
+    model's own profile table where that holds the flag; a scheme's ``args`` list without
+    them): the entries that leave each flag out of the scripts ("" where a flag is the
+    script's own, one of a scheme's recipe, or too many)."""
+    if reg is None or len(users) > 6:
+        return ""
+    tables: dict[str, list[str]] = {}
+    schemes: dict[str, list[str]] = {}  # a scheme's args: its list without the flags
+    for flag, who in users.items():
+        name = flag[2:]
+        if name in TEMPLATE_FLAGS:
+            return ""
+        for user in who:
+            if user.startswith("scheme "):
+                scheme = reg.schemes.get(user.removeprefix("scheme "))
+                if scheme is None or flag not in (w.split("=", 1)[0] for w in scheme.args):
+                    return ""  # a flag of its recipe, not of its args
+                schemes.setdefault(scheme.name, [])
+                continue
+            model, sep, profile = user.partition("/")
+            if not sep or model not in reg.models:
+                return ""
+            own = reg.models[model].profile_args.get(profile, {})
+            table = (
+                f"models.{model}.profiles.{profile}.args"
+                if name in own
+                else (f"profiles.{profile}.args")
+            )
+            if f"{name} = false" not in tables.setdefault(table, []):
+                tables[table].append(f"{name} = false")
+    for scheme_name in schemes:
+        kept: list[str] = []
+        dropping = False
+        for word in reg.schemes[scheme_name].args:
+            if word.startswith("--"):
+                dropping = word.split("=", 1)[0] in users
+            if not dropping:
+                kept.append(word)
+        tables[f"schemes.{scheme_name}"] = [f"args = {json.dumps(kept)}"]
+    return "; ".join(f"{', '.join(keys)} in the [{table}] table" for table, keys in tables.items())
 
 
 def _header(lines: Sequence[str], body: str) -> str:
@@ -566,7 +701,7 @@ def render_script(
     source = _source(release)
     stop = None if blocked is None else {"file": blocked[0], "sentence": blocked[1]}
     args = _model_args(reg, model, profile)
-    _reject_unaccepted({f"{model}/{profile}": args.flags}, source)
+    _reject_unaccepted({f"{model}/{profile}": args.flags}, source, reg)
     if layout is None:
         layout = plan_layout(reg, [model], profile)[model]
     m, d, s, p = (
@@ -996,9 +1131,10 @@ def launch(root: Path, script: Script, *, dry_run: bool) -> int:
         raise UserError(script.blocked)
 
     checkout = gitrepo.find_checkout(root, need_git=True)
+    exe = quantpatch_command()  # refused before the script is kept
     path = checkout.state_dir / "scripts" / script.rel
     apply_edits(path.parent, [Edit(path.name, read_exact(path), script.text, 0o755)])
-    env = {**os.environ, "MEGATRON_ROOT": str(checkout.root), "QUANTPATCH": quantpatch_command()}
+    env = {**os.environ, "MEGATRON_ROOT": str(checkout.root), "QUANTPATCH": exe}
     if dry_run:
         env["QUANTPATCH_DRY_RUN"] = "1"
     return subprocess.run(["bash", str(path)], env=env, check=False).returncode

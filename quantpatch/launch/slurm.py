@@ -69,8 +69,10 @@ def sbatch_exe() -> str:
     exe = shutil.which("sbatch")
     if exe is None:
         raise UserError(
-            "sbatch is not on PATH: a Slurm sweep is submitted from a machine with Slurm's "
-            "client commands (a login node)."
+            "sbatch is not on PATH: submit a Slurm sweep from a machine where `sbatch --version` "
+            "answers (a cluster's login node; where Slurm comes as a module, `module load slurm` "
+            "first), or run the sweep on this machine's GPUs with --launcher local instead "
+            "of --launcher slurm."
         )
     return exe
 
@@ -285,14 +287,29 @@ def _gpu_hint(message: str, gpu_request: str) -> str:
     )
 
 
-def _refusal_hint(said: str, gpu_request: str, record: SweepRecord, partition: str | None) -> str:
+def _refusal_hint(
+    said: str,
+    gpu_request: str,
+    record: SweepRecord,
+    partition: str | None,
+    script: Path | None = None,
+) -> str:
     """What to change: the node layout for sbatch's node-configuration refusal (with what
-    the partition's nodes have), the GPU request for a refusal that names GPUs."""
+    the partition's nodes have, and the values that fit), the GPU request for a refusal that
+    names GPUs."""
     from quantpatch.launch import slurm_nodes
 
     if "node configuration" in said.lower():
+        text = script.read_text(encoding="utf-8", errors="replace") if script else ""
+        cpus = re.search(r"^#SBATCH --cpus-per-task=([0-9]+)$", text, re.M)
         return slurm_nodes.sbatch_hint(
-            said, record.gpus_per_node, record.nodes, slurm_nodes.query(partition)
+            said,
+            record.gpus_per_node,
+            record.nodes,
+            slurm_nodes.query(partition),
+            profile=record.selection.profile,
+            cpus=int(cpus[1]) if cpus else None,
+            gpu_request=gpu_request,
         )
     return _gpu_hint(said, gpu_request)
 
@@ -351,7 +368,7 @@ def submit(
     if res.returncode != 0 or not re.fullmatch(r"[0-9]+", job):
         said = " ".join((res.stderr or res.stdout).split()) or f"exit status {res.returncode}"
         said = re.sub(r"^sbatch: error: ", "", said).rstrip(".")
-        hint = _refusal_hint(said, gpu_request, record, partition)
+        hint = _refusal_hint(said, gpu_request, record, partition, here / "sweep.sbatch")
         raise UserError(f"sbatch refused the sweep: {said}{hint}.")
     stamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
     record.slurm_job = job

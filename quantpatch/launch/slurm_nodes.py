@@ -122,14 +122,23 @@ def refusal(
     gpu_request: str,
     profile: str,
     cpus: int | None = None,
+    gpu_partitions: Sequence[str] = (),
 ) -> str | None:
-    """One sentence where no placement of the request fits the partition, else None."""
+    """One sentence where no placement of the request fits the partition, else None;
+    ``gpu_partitions``: the partitions sinfo shows with GPUs (named where this one has none)."""
     where = f"partition {partition.name}" if partition.name else "the default partition"
     offers = f"{where} has {partition.describe()}"
     asks = f"the {profile} profile asks Slurm for {nodes} node(s) with {gpus_per_node} GPU(s) each"
     if gpu_request != "none" and gpus_per_node > partition.most_gpus:
         most = partition.most_gpus
         if most == 0:
+            if gpu_partitions:
+                return (
+                    f"{asks}, but {offers} (sinfo shows no gpu GRES): choose a partition with "
+                    f'GPUs, partition = "{gpu_partitions[0]}" in the [slurm] table of a --config '
+                    f"(sinfo shows gpu GRES in {', '.join(gpu_partitions)}), or "
+                    'gpu_request = "none" there if the GPUs come with the node.'
+                )
             return (
                 f"{asks}, but {offers} (sinfo shows no gpu GRES): choose a GPU partition "
                 '(partition in the [slurm] table of --config), or gpu_request = "none" there '
@@ -180,6 +189,19 @@ def _ask(cmd: Sequence[str]) -> str | None:
     return res.stdout if res.returncode == 0 else None
 
 
+def gpu_partitions() -> list[str]:
+    """The partitions whose nodes sinfo shows with gpu GRES, in its order (empty where it
+    does not say)."""
+    names: list[str] = []
+    for line in (_ask(["sinfo", "-h", "-o", "%P %G"]) or "").splitlines():
+        parts = line.split(None, 1)
+        if len(parts) == 2 and gpus_of_gres(parts[1]) > 0:
+            name = parts[0].rstrip("*")  # the default partition is starred
+            if name not in names:
+                names.append(name)
+    return names
+
+
 def query(name: str | None, env: Mapping[str, str] = os.environ) -> Partition | None:
     """What the partition the scripts go to (``[slurm] partition``, else ``SBATCH_PARTITION``,
     else Slurm's default) offers, or None where Slurm's commands do not say."""
@@ -201,23 +223,60 @@ def query(name: str | None, env: Mapping[str, str] = os.environ) -> Partition | 
 
 
 def sbatch_hint(
-    message: str, gpus_per_node: int | None, nodes: int | None, partition: Partition | None
+    message: str,
+    gpus_per_node: int | None,
+    nodes: int | None,
+    partition: Partition | None,
+    *,
+    profile: str | None = None,
+    cpus: int | None = None,
+    gpu_request: str = "gpus-per-node",
 ) -> str:
     """For sbatch's ``Requested node configuration is not available``: what the scripts asked
-    for, what the nodes have, and the options that change it ("" for another refusal)."""
+    for, what the nodes have, and a request that fits, with its values ("" for another
+    refusal). Where sinfo says the request fits (or says nothing), the change that keeps the
+    runs as they are comes first: one CPU per rank (Slurm often gives each CPU its share of a
+    node's memory), else the smallest GPU request."""
     if _NODE_CONFIG not in message.lower():
         return ""
-    asked = (
-        f"the scripts ask for {nodes} node(s) with {gpus_per_node} GPU(s) each"
-        if gpus_per_node is not None and nodes is not None
-        else "the scripts ask for more than a node offers"
-    )
-    has = ""
+    if gpus_per_node is None or nodes is None:
+        return (
+            " (the scripts ask for more than a node offers: `sinfo -o '%D %G %c %m'` shows "
+            "what the nodes have)"
+        )
+    asked = f"the scripts ask for {nodes} node(s) with {gpus_per_node} GPU(s) each"
+    if cpus is not None:
+        asked += f" and {cpus} CPUs for each node's task"
+    name = profile or "NAME"
     if partition is not None:
         where = f"partition {partition.name}" if partition.name else "the default partition"
-        has = f" and {where} has {partition.describe()}"
+        has = f"{where} has {partition.describe()}"
+        gpus = gpus_per_node if gpu_request == "none" else min(gpus_per_node, partition.most_gpus)
+        fit = partition.nodes_with(gpus if gpu_request != "none" else 0)
+        if partition.max_nodes is not None:
+            fit = min(fit, partition.max_nodes)
+        n = min(nodes, fit)
+        if (gpus, n) != (gpus_per_node, nodes) and gpus > 0 and n > 0:
+            return (
+                f" ({asked}, but {has}: add `--gpus-per-node {gpus} --nodes {n}` to sweep run "
+                f"or gen-scripts, or set gpus_per_node = {gpus} in the [profiles.{name}] table "
+                f"and nodes = {n} in the [profiles.{name}.parallel] table of a --config)"
+            )
+        asked += f"; {has}, which sinfo says fits"
+    else:
+        asked += "; sinfo does not say what the nodes have"
+    if cpus is not None and cpus > gpus_per_node > 0:
+        return (
+            f" ({asked}: ask for one CPU per rank, cpus_per_task = {gpus_per_node} in the "
+            "[slurm] table of a --config, since Slurm often gives each CPU its share of a "
+            "node's memory)"
+        )
+    if gpus_per_node > 1 or nodes > 1:
+        return (
+            f" ({asked}: the smallest request, `--gpus-per-node 1 --nodes 1` to sweep run, "
+            "fits any GPU node)"
+        )
     return (
-        f" ({asked}{has}: --gpus-per-node N and --nodes N of sweep run change that, as "
-        "gpus_per_node in the [profiles.NAME] table and nodes in the [profiles.NAME.parallel] "
-        "table of a --config do)"
+        f" ({asked}: `sinfo -o '%D %G %c %m'` shows what the partition's nodes offer, and "
+        "partition in the [slurm] table of a --config chooses another)"
     )

@@ -140,6 +140,7 @@ def prepare(
     """The scripts written, every scheme's worktree made ready, and the record that says what
     is to run: a new sweep from ``given``, or the recorded one resumed (``given`` None)."""
     from quantpatch.git import repo as gitrepo
+    from quantpatch.launch.scripts import quantpatch_command
 
     old = load(sweep_dir)
     selection = _selection_of(sweep_dir, old, given)
@@ -147,6 +148,7 @@ def prepare(
     _refuse_live_runs(old)
     if selection.launcher == "slurm":
         slurm.sbatch_exe()
+    quantpatch_command()  # the runs call quantpatch back: refused before anything is written
     if old is not None:
         _follow_slurm(sweep_dir, old, selection if given is not None else None)
     env = data_env(old.data if old else None, os.environ)

@@ -73,6 +73,8 @@ products) its codes and the float32 reciprocal of its scale, which multiplies th
 float32 result (``quantpatch_quantize``'s section on factored operands)."""
 
 DELAYED_FORMATS = formats.names(family="fp8-delayed")
+_CURRENT = " or ".join(formats.names(family="fp8-tensor"))
+"""The current-scaling value(s) a refusal of a delayed one points to."""
 """The delayed-scaling values, declared in the format spec (``fp8-delayed``: TE's
 ``Format.HYBRID``; ``fp8-delayed-e4m3``: ``Format.E4M3``)."""
 INPUT, WEIGHT, GRAD = 0, 1, 2
@@ -412,7 +414,7 @@ def _link_forward_weight(module: Any, args: Any, kwargs: dict[str, Any]) -> None
 def _no_state(fmt: str, where: str) -> ValueError:
     return ValueError(
         f"{fmt} scales each operand from its layer's amax history, which {where} does not "
-        "keep; use it on the linear role, or fp8-tensor (current scaling) here."
+        f"keep; use it on the linear role, or {_CURRENT} (current scaling) here."
     )
 
 

@@ -66,6 +66,10 @@ BACKWARD = ("all", "grad_output")
 (``grad_output``'s element and rounding): ``all`` of them (``mxfp8``, as it always has), or
 the ``grad_output`` alone, the other operand keeping its forward element (TE's HYBRID recipes,
 NVFP4's stochastic rounding)."""
+FOUR_OVER_SIX = ("", "mae", "mse")
+"""NVFP4's 4over6 block scaling (Cook et al., arXiv 2512.02010; TE's ``nvfp4_4over6``): each
+block of the input and weight operands is scaled so its amax maps to 4 or to 6, whichever
+errs less by this metric (mean absolute or squared error); empty: every block maps to 6."""
 WEIGHT_CACHE = ("", "elementwise", "forward", "tiles")
 """How the weight cache may share one quantized weight between W and W^T and both directions:
 ``elementwise`` (no block: always), ``forward`` (one tensor scale, where no gradient element
@@ -86,6 +90,15 @@ _TE_DELAYED = (
 _DELAYED_ROLE = (
     "scales each operand from its linear layer's amax history, which {role} does not keep; use "
     "'fp8-tensor' (current scaling) for {role}"
+)
+_TE_4OVER6 = (
+    _TE_NVFP4 + " with nvfp4_use_4over6, nvfp4_4over6_err_mode={mode}, nvfp4_e4m3_max={bound} "
+    "(tile (1, 16); weights (16, 16)); the output gradient as `nvfp4`'s (TE's gradient slots "
+    "take no 4over6)"
+)
+_4OVER6_ROLE = (
+    "is TE's 4over6, which NVFP4BlockScaling applies to the linear layers' inputs and weights "
+    "only (TE quantizes no attention GEMM in NVFP4); use 'nvfp4' for {role}"
 )
 _PARETOQ_ROLE = (
     "is a ParetoQ weight format, and only the linear role has weights; {role} takes the other "
@@ -127,8 +140,19 @@ class Format:
     ``rht``: its operands transformed first, then that GEMM); the others take the separate
     path (fake-quant kernels, then the product)."""
     weight_cache: str = ""
+    four_over_six: str = ""
+    """4over6 on the input and weight operands, with this error metric (:data:`FOUR_OVER_SIX`;
+    the output gradient under ``backward=True`` is plain ``nvfp4``'s, as TE's)."""
+    e4m3_max: int = 448
+    """The E4M3 bound in the per-tensor scale ``e4m3_max * 6 / amax`` (TE: 256 or 448 under
+    4over6, 448 otherwise)."""
     grouped: bool = False
     """Takes a ``g<N>`` suffix (ParetoQ: one step per row and group of N input columns)."""
+    w_bits: int | None = None
+    """A ParetoQ value's ``w_bits`` in ParetoQ's code (0: ternary); None for every other
+    family."""
+    default_candidate: bool = False
+    """Compared by ``tensors formats`` and ``tensors plot`` when no ``--formats`` is given."""
     linear_only: str = ""
     """Why only the linear role may hold it (``{role}``: the role refused), as the end of the
     sentence ``'<name>' ...``."""
@@ -199,8 +223,16 @@ def _incomplete(f: Format) -> str:
         return "a value some roles may not hold says why (linear_only)"
     if f.roles and not f.summary:
         return "a value says in one line what the GEMM computes with it (summary)"
-    if f.fused_gemm and f.family in ("none", "paretoq", "fp8-delayed"):
-        return "the fused GEMM takes no unquantized, ParetoQ or delayed-scaling value"
+    if (f.family == "paretoq") != (f.w_bits is not None):
+        return "a ParetoQ value, and only one, names its w_bits"
+    if f.four_over_six not in FOUR_OVER_SIX:
+        return f"four_over_six {f.four_over_six!r} is none of {FOUR_OVER_SIX}"
+    if f.e4m3_max not in (256, 448) or (f.e4m3_max != 448 and not f.four_over_six):
+        return "the E4M3 bound is 448, or 256 under 4over6 (TE's nvfp4_e4m3_max)"
+    if f.four_over_six and (f.family != "nvfp4" or f.rht or set(f.stochastic) - {"grad_output"}):
+        return "4over6 is NVFP4's, without the Hadamard transform or stochastic rounding"
+    if f.fused_gemm and (f.family in ("none", "paretoq", "fp8-delayed") or f.four_over_six):
+        return "the fused GEMM takes no unquantized, ParetoQ, delayed-scaling or 4over6 value"
     return ""
 
 
@@ -209,6 +241,7 @@ SPECS: tuple[Format, ...] = (
         reference="the unquantized product"),
     Format(
         "mxfp8", "mx", "e4m3", "e4m3", "e5m2", (1, 32), scale="e8m0-floor", fused_gemm=True,
+        default_candidate=True,
         summary=(
             "OCP MX: blocks of 32 with an E8M0 scale (FLOOR rule); E4M3 elements forward, E5M2 "
             "for both operands of the gradient GEMMs"
@@ -218,12 +251,14 @@ SPECS: tuple[Format, ...] = (
     ),
     Format(
         "mxfp4", "mx", "e2m1", "e2m1", "e2m1", (1, 32), scale="e8m0-floor", fused_gemm=True,
+        default_candidate=True,
         summary='OCP MX with E2M1 elements, blocks of 32 (FLOOR rule)',
         reference=_TORCHAO.format(mode="FLOOR") + " (OCP MX v1.0), except its 2^-127 block "
         "scale (docs/formats.md)",
     ),
     Format(
         "hifp8", "hifp8", "hif8", "hif8", "hif8", fused_gemm=True, weight_cache="elementwise",
+        default_candidate=True,
         summary='HiFloat8, per tensor: tapered 3/2/1 mantissa bits, no scale',
         reference="HiFloat8 (Luo et al., arXiv 2409.16626) as docs/formats.md specifies it; no "
         "library reference",
@@ -380,7 +415,66 @@ SPECS: tuple[Format, ...] = (
         summary="`mxfp6-e3m2` with the RCEIL scale rule (2^ceil(log2(amax / 28)))",
         reference=_TORCHAO.format(mode="RCEIL") + " with fp6_e3m2",
     ),
-    Format("w1", "paretoq", scale="fp32", roles=("linear",), grouped=True,
+    Format(
+        "nvfp4-4over6-mae", "nvfp4", "e2m1", "e2m1", "e2m1", (1, 16), (16, 16), "e4m3-fp32",
+        roles=("linear",), backward="grad_output", stochastic=("grad_output",),
+        weight_operand="nvfp4-4over6-mae-2d", four_over_six="mae", e4m3_max=256,
+        linear_only=_4OVER6_ROLE,
+        summary="NVFP4 with 4over6 (TE's default): each 16-block of the input and weight "
+            "scaled so its amax maps to 4 or to 6, whichever gives the smaller absolute "
+            "error (summed over the block, 16 x 16 tiles for a weight); tensor scale amax "
+            "/ (256 * 6); the output gradient as `nvfp4` (linear role only)",
+        reference=_TE_4OVER6.format(mode="MAE", bound=256),
+    ),
+    Format(
+        "nvfp4-4over6-mae-2d", "nvfp4", "e2m1", "e2m1", "e2m1", (1, 16), (16, 16), "e4m3-fp32",
+        roles=(), backward="grad_output", stochastic=("grad_output",), tiled=True,
+        four_over_six="mae", e4m3_max=256,
+        reference="nvfp4-4over6-mae's weight tiles (an operand format, not a value)",
+    ),
+    Format(
+        "nvfp4-4over6-mae-448", "nvfp4", "e2m1", "e2m1", "e2m1", (1, 16), (16, 16), "e4m3-fp32",
+        roles=("linear",), backward="grad_output", stochastic=("grad_output",),
+        weight_operand="nvfp4-4over6-mae-448-2d", four_over_six="mae", e4m3_max=448,
+        linear_only=_4OVER6_ROLE,
+        summary="`nvfp4-4over6-mae` with the E4M3 bound 448 in the tensor scale (amax / (448 * 6))",
+        reference=_TE_4OVER6.format(mode="MAE", bound=448),
+    ),
+    Format(
+        "nvfp4-4over6-mae-448-2d", "nvfp4", "e2m1", "e2m1", "e2m1", (1, 16), (16, 16), "e4m3-fp32",
+        roles=(), backward="grad_output", stochastic=("grad_output",), tiled=True,
+        four_over_six="mae", e4m3_max=448,
+        reference="nvfp4-4over6-mae-448's weight tiles (an operand format, not a value)",
+    ),
+    Format(
+        "nvfp4-4over6-mse", "nvfp4", "e2m1", "e2m1", "e2m1", (1, 16), (16, 16), "e4m3-fp32",
+        roles=("linear",), backward="grad_output", stochastic=("grad_output",),
+        weight_operand="nvfp4-4over6-mse-2d", four_over_six="mse", e4m3_max=256,
+        linear_only=_4OVER6_ROLE,
+        summary="`nvfp4-4over6-mae` choosing 4 or 6 by the squared error",
+        reference=_TE_4OVER6.format(mode="MSE", bound=256),
+    ),
+    Format(
+        "nvfp4-4over6-mse-2d", "nvfp4", "e2m1", "e2m1", "e2m1", (1, 16), (16, 16), "e4m3-fp32",
+        roles=(), backward="grad_output", stochastic=("grad_output",), tiled=True,
+        four_over_six="mse", e4m3_max=256,
+        reference="nvfp4-4over6-mse's weight tiles (an operand format, not a value)",
+    ),
+    Format(
+        "nvfp4-4over6-mse-448", "nvfp4", "e2m1", "e2m1", "e2m1", (1, 16), (16, 16), "e4m3-fp32",
+        roles=("linear",), backward="grad_output", stochastic=("grad_output",),
+        weight_operand="nvfp4-4over6-mse-448-2d", four_over_six="mse", e4m3_max=448,
+        linear_only=_4OVER6_ROLE,
+        summary="`nvfp4-4over6-mse` with the E4M3 bound 448 in the tensor scale (amax / (448 * 6))",
+        reference=_TE_4OVER6.format(mode="MSE", bound=448),
+    ),
+    Format(
+        "nvfp4-4over6-mse-448-2d", "nvfp4", "e2m1", "e2m1", "e2m1", (1, 16), (16, 16), "e4m3-fp32",
+        roles=(), backward="grad_output", stochastic=("grad_output",), tiled=True,
+        four_over_six="mse", e4m3_max=448,
+        reference="nvfp4-4over6-mse-448's weight tiles (an operand format, not a value)",
+    ),
+    Format("w1", "paretoq", scale="fp32", roles=("linear",), grouped=True, w_bits=1,
            linear_only=_PARETOQ_ROLE,
            summary=(
                "ParetoQ binary weights (linear role only, activations as they are): sign(W) * a, "
@@ -388,28 +482,28 @@ SPECS: tuple[Format, ...] = (
                "initialised to mean |W| at the first forward"
            ),
         reference=_PARETOQ),
-    Format("w1.58", "paretoq", scale="fp32", roles=("linear",), grouped=True,
+    Format("w1.58", "paretoq", scale="fp32", roles=("linear",), grouped=True, w_bits=0,
            linear_only=_PARETOQ_ROLE,
            summary=(
                "ParetoQ ternary weights: stretched elastic quant a * (round(clamp(W/a, +-0.99) * "
                "1.5) / 1.5), a from max |W| per row (or group), learnt"
            ),
         reference=_PARETOQ),
-    Format("w2", "paretoq", scale="fp32", roles=("linear",), grouped=True,
+    Format("w2", "paretoq", scale="fp32", roles=("linear",), grouped=True, w_bits=2,
            linear_only=_PARETOQ_ROLE,
            summary=(
                "ParetoQ 2-bit weights: stretched elastic quant with n = 2, shift 0.5 (levels "
                "+-a/4, +-3a/4), a from max |W| per row (or group), learnt"
            ),
         reference=_PARETOQ),
-    Format("w3", "paretoq", scale="fp32", roles=("linear",), grouped=True,
+    Format("w3", "paretoq", scale="fp32", roles=("linear",), grouped=True, w_bits=3,
            linear_only=_PARETOQ_ROLE,
            summary=(
                "ParetoQ 3-bit weights: LSQ a * clamp(round(W/a), -4, 3), a from max |W| / 3 per "
                "row (or group), learnt"
            ),
         reference=_PARETOQ),
-    Format("w4", "paretoq", scale="fp32", roles=("linear",), grouped=True,
+    Format("w4", "paretoq", scale="fp32", roles=("linear",), grouped=True, w_bits=4,
            linear_only=_PARETOQ_ROLE,
            summary=(
                "ParetoQ 4-bit weights: LSQ a * clamp(round(W/a), -8, 7), a from max |W| / 7 per "

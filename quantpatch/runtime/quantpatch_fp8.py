@@ -39,6 +39,8 @@ FP8_FORMATS = formats.names(family="fp8-tensor") + formats.names(
 )
 """The values this module quantizes (``fp8-block-2d``: ``fp8-block``'s weight tiles, the
 operand format the products give a weight; not a value of its own)."""
+_TENSOR = formats.names(family="fp8-tensor")[0]
+"""The family's first value (HYBRID: E5M2 gradients), what a call without ``fmt`` takes."""
 
 
 def finite_amax(x: torch.Tensor) -> torch.Tensor:
@@ -90,7 +92,7 @@ def fp8_tensor(
     x: torch.Tensor,
     backward: bool = False,
     amax: torch.Tensor | None = None,
-    fmt: str = "fp8-tensor",
+    fmt: str = _TENSOR,
 ) -> torch.Tensor:
     """``fmt`` (of the ``fp8-tensor`` family): its element (the gradient's with ``backward``:
     E5M2 for ``fp8-tensor``, E4M3 for ``fp8-tensor-e4m3``) under one current scale (``amax``:
@@ -120,7 +122,7 @@ def fp8_tensor_factored(
     x: torch.Tensor,
     backward: bool = False,
     amax: torch.Tensor | None = None,
-    fmt: str = "fp8-tensor",
+    fmt: str = _TENSOR,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``fmt`` (of the ``fp8-tensor`` family) with its scale factored out: ``(codes,
     scale_inv)``, the codes in ``x``'s dtype (:func:`tensor_codes`), ``scale_inv`` float32

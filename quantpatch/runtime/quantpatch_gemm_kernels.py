@@ -75,6 +75,7 @@ _GEMM_CONFIGS = (
     (128, 128, 32, 8, 8, 4),
     (64, 64, 64, 8, 8, 2),
     (16, 128, 128, 8, 8, 1),
+    (64, 64, 32, 8, 8, 3),
 )
 # shared memory per block (opt-in) by compute capability, where the device cannot be asked
 _SMEM_PER_BLOCK = {
@@ -88,6 +89,11 @@ GEMM_NONE, GEMM_MX, GEMM_HIFP8, GEMM_MX_RCEIL = 0, 1, 2, 3
 GEMM_FP8_TENSOR, GEMM_FP8_BLOCK, GEMM_FP8_TILE, GEMM_NVFP4, GEMM_NVFP4_2D = 4, 5, 6, 7, 8
 _FP8_KINDS = (GEMM_FP8_BLOCK, GEMM_FP8_TILE)
 _NV_KINDS = (GEMM_NVFP4, GEMM_NVFP4_2D)
+# the quantized elements a thread may hold per K-tile, by the heaviest operand kind: NVFP4's
+# amax, block maxima, E4M3 scales and random bits per element (at 24 or more ptxas spilled
+# 4-1,680 bytes), the RCEIL rule's quotient (at 64, 4-8 bytes); the other kinds are held to
+# none here (their configurations above keep at most 64, 72 for fp8-block's 128-element K-tiles)
+_PER_THREAD = {GEMM_NVFP4: 16, GEMM_NVFP4_2D: 16, GEMM_MX_RCEIL: 48}
 # (the spec's family, scale rule, tiled): the operand kind that computes it in the tile loop
 _GEMM_KINDS = {
     ("mx", "e8m0-floor", False): GEMM_MX,
@@ -111,8 +117,13 @@ def _gemm_configs() -> list[Any]:
 
 def gemm_fits(config: Any, a_kind: int, b_kind: int) -> bool:
     """Whether a configuration's tiles hold whole blocks of both operands: K-tiles of 128
-    for ``fp8-block`` (and only there), 128 x 128 weight tiles whole in the M / N tile."""
+    for ``fp8-block`` (and only there), 128 x 128 weight tiles whole in the M / N tile; and
+    whether each thread's share of a K-tile stays within what the kinds keep in registers."""
     kw = config.kwargs
+    per_thread = (kw["BLOCK_M"] + kw["BLOCK_N"]) * kw["BLOCK_K"] // (32 * config.num_warps)
+    limits = [_PER_THREAD[k] for k in (a_kind, b_kind) if k in _PER_THREAD]
+    if limits and per_thread > min(limits):
+        return False
     if (a_kind in _FP8_KINDS or b_kind in _FP8_KINDS) != (kw["BLOCK_K"] == 128):
         return False  # 128-element K-tiles for fp8-block alone (MX tiles of them spilled)
     if a_kind == GEMM_FP8_TILE and kw["BLOCK_M"] % 128:

@@ -45,6 +45,8 @@ import triton.language as tl
 from . import quantpatch_env as env
 from . import quantpatch_formats as formats
 
+FOUR_OVER_SIX = {f.name: (f.four_over_six, f.e4m3_max) for f in formats.SPECS if f.four_over_six}
+"""NVFP4's 4over6 entries of the spec: (error metric, E4M3 bound)."""
 # element type: (mantissa bits, minimum normal exponent, largest normal, emax_elem): the spec's
 _ELEMENTS = formats.ELEMENTS
 BLOCK = 32
@@ -56,7 +58,7 @@ MX_VALUES = {
 }
 
 
-# -- the configurations the fake-quant kernels are tuned over (issue 30) -----------------------
+# -- the configurations the fake-quant kernels are tuned over -------------------------------
 #
 # A small fixed set per kernel, tried once per shape class on the first call of that class
 # (``triton.autotune``; the winner is cached for the process) instead of one hard-coded tile.
@@ -395,6 +397,148 @@ def _nvfp4(
     return y
 
 
+@triton.jit
+def _nv4o6_load(x_ptr, base, r, kb, rows, n, sr, sn, K: tl.constexpr, BF16: tl.constexpr):
+    """Element ``K`` of each block ``kb`` of rows ``r`` as float32 (0 where outside or not
+    finite), where it was loaded from, and the loaded value."""
+    c = kb * 16 + K
+    offs = base + r[:, None].to(tl.int64) * sr + c[None, :].to(tl.int64) * sn
+    inside = (r[:, None] < rows) & (c[None, :] < n)
+    x = tl.load(x_ptr + offs, mask=inside, other=0.0)
+    v = load_f32(x, BF16)
+    finite = tl.abs(v) < float("inf")
+    return tl.where(finite, v, 0.0), finite, offs, inside, x
+
+
+@triton.jit
+def _nv4o6_code(v, enc):
+    """The signed E2M1 code of ``v * enc`` (clamped to +-6, nearest even)."""
+    scaled = v * enc
+    q = round_nonneg(tl.minimum(tl.abs(scaled), 6.0), 1, 0, 6.0)
+    return tl.where(scaled < 0, -q, q)
+
+
+@triton.jit
+def _nv4o6_tree(e, BLOCK_R: tl.constexpr, NB: tl.constexpr):
+    """Per-row errors ``[BLOCK_R, NB]`` summed per 16 rows in the CUDA warp's order (rows i
+    and i + 8, then i + 4, i + 2, i + 1), each sum repeated over its 16 rows."""
+    t = tl.reshape(e, (BLOCK_R // 16, 2, 8, NB))
+    a, b = tl.split(tl.permute(t, (0, 2, 3, 1)))  # [T, 8, NB]: rows i, i + 8
+    t = tl.reshape(a + b, (BLOCK_R // 16, 2, 4, NB))
+    a, b = tl.split(tl.permute(t, (0, 2, 3, 1)))
+    t = tl.reshape(a + b, (BLOCK_R // 16, 2, 2, NB))
+    a, b = tl.split(tl.permute(t, (0, 2, 3, 1)))
+    t = tl.reshape(a + b, (BLOCK_R // 16, 2, 1, NB))
+    a, b = tl.split(tl.permute(t, (0, 2, 3, 1)))  # [T, 1, NB]
+    return tl.reshape(tl.broadcast_to(a + b, (BLOCK_R // 16, 16, NB)), (BLOCK_R, NB))
+
+
+@triton.jit
+def _nvfp4_4over6_kernel(
+    x_ptr,
+    y_ptr,
+    amax_ptr,
+    rows,
+    n,
+    sb,
+    sr,
+    sn,
+    DENOM: tl.constexpr,
+    MSE: tl.constexpr,
+    TWO_D: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    NB: tl.constexpr,
+    BF16: tl.constexpr,
+    FACTORED: tl.constexpr,
+):
+    """4over6 (``quantpatch_nvfp4``'s order of operations) of ``[batch, rows, n]``: each
+    program takes ``BLOCK_R`` rows of ``NB`` blocks of 16 and reads a block one element at a
+    time, so that its errors add up in the block's order, as TE's reference sums them
+    (``FACTORED``: code x chosen block scale, the tensor's scale left out)."""
+    pid_b = tl.program_id(2).to(tl.int64)
+    base = pid_b * sb
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    kb = tl.program_id(1) * NB + tl.arange(0, NB)
+    fmax = 3.4028234663852886e38
+    one = tl.full((BLOCK_R, NB), 1.0, tl.float32)
+    amax = tl.load(amax_ptr + tl.zeros((BLOCK_R, NB), tl.int32))
+    bmax = tl.zeros((BLOCK_R, NB), tl.float32)
+    for i in tl.static_range(16):
+        v, _, _, _, _ = _nv4o6_load(x_ptr, base, r, kb, rows, n, sr, sn, i, BF16)
+        bmax = tl.maximum(bmax, tl.abs(v))
+    if TWO_D:  # the 16 x 16 tile's maximum
+        bmax = tl.max(tl.reshape(bmax, (BLOCK_R // 16, 16, NB)), axis=1)
+        bmax = tl.reshape(tl.broadcast_to(bmax[:, None, :], (BLOCK_R // 16, 16, NB)), (BLOCK_R, NB))
+    g = tl.where(amax > 0, tl.math.div_rn(one * DENOM, tl.where(amax > 0, amax, 1.0)), fmax)
+    g = tl.minimum(g, fmax)
+    gd = tl.math.div_rn(one, g)
+    b6 = tl.math.div_rn(bmax, one * 6.0) * g
+    s4 = round_nonneg(tl.minimum(b6 * 1.5, 448.0), 3, -6, 448.0)
+    s6 = round_nonneg(tl.minimum(b6, 448.0), 3, -6, 448.0)
+    d4, d6 = s4 * gd, s6 * gd
+    enc4 = tl.where(d4 > 0, tl.minimum(tl.math.div_rn(one, tl.where(d4 > 0, d4, 1.0)), fmax), fmax)
+    enc6 = tl.where(d6 > 0, tl.minimum(tl.math.div_rn(one, tl.where(d6 > 0, d6, 1.0)), fmax), fmax)
+    e4 = tl.zeros((BLOCK_R, NB), tl.float32)
+    e6 = tl.zeros((BLOCK_R, NB), tl.float32)
+    for i in tl.static_range(16):
+        v, _, _, _, _ = _nv4o6_load(x_ptr, base, r, kb, rows, n, sr, sn, i, BF16)
+        f4 = tl.math.div_rn((_nv4o6_code(v, enc4) * s4) * amax, one * DENOM) - v
+        f6 = tl.math.div_rn((_nv4o6_code(v, enc6) * s6) * amax, one * DENOM) - v
+        if MSE:
+            e4 = e4 + f4 * f4
+            e6 = e6 + f6 * f6
+        else:
+            e4 = e4 + tl.abs(f4)
+            e6 = e6 + tl.abs(f6)
+    if TWO_D:
+        e4 = _nv4o6_tree(e4, BLOCK_R, NB)
+        e6 = _nv4o6_tree(e6, BLOCK_R, NB)
+    pick4 = e4 < e6  # ties (and NaN) map to 6
+    s = tl.where(pick4, s4, s6)
+    enc = tl.where(pick4, enc4, enc6)
+    dec = s * tl.math.div_rn(amax, one * DENOM)
+    if FACTORED:  # exact: at most 6 significant bits
+        dec = s
+    for i in tl.static_range(16):
+        v, finite, offs, inside, x = _nv4o6_load(x_ptr, base, r, kb, rows, n, sr, sn, i, BF16)
+        res = _nv4o6_code(v, enc) * dec
+        out = tl.where(finite, store_as(res, y_ptr.dtype.element_ty, BF16), x)
+        tl.store(y_ptr + offs, out, mask=inside)
+
+
+def _nvfp4_4over6(
+    x: torch.Tensor, fmt: str, two_d: bool, dim: int, y: torch.Tensor, factored: bool = False
+) -> torch.Tensor:
+    """4over6 of dense ``x`` into ``y`` (``empty_like(x)``): blocks along ``dim``, or the
+    16 x 16 tiles of the last two dimensions with their errors along ``dim`` (``factored``:
+    code x block scale, the tensor's scale left out)."""
+    mode, bound = FOUR_OVER_SIX[fmt]
+    amax = torch.where(torch.isfinite(x), x.abs(), torch.zeros_like(x)).amax()
+    amax = amax.to(torch.float32).reshape(1)
+    if two_d:
+        x = x.contiguous()
+        y = torch.empty_like(x)
+        r, c = x.shape[-2], x.shape[-1]
+        b, sb = x.numel() // (r * c), r * c
+        rows, n, sr, sn = (c, r, 1, c) if dim % x.dim() == x.dim() - 2 else (r, c, c, 1)
+        block_r, nb = 16, 8
+    else:
+        x, (b, rows, n), (sb, sr, sn) = _as_3d(x, dim)
+        if y.stride() != x.stride():
+            y = torch.empty_like(x)
+        block_r, nb = (16, 8) if sn == 1 else (64, 2)
+    warps = 8  # 8 elements a thread: with 4 warps (16) ptxas spilled 4 bytes on sm_100
+    if _interpreting():  # the interpreter's cost is per operation: few, large programs
+        block_r, nb, warps = 128, 32, 4
+    grid = (triton.cdiv(rows, block_r), triton.cdiv(triton.cdiv(n, 16), nb), b)
+    _nvfp4_4over6_kernel[grid](
+        x, y, amax, rows, n, sb, sr, sn, DENOM=6.0 * bound, MSE=mode == "mse", TWO_D=two_d,
+        BLOCK_R=block_r, NB=nb, BF16=x.dtype == torch.bfloat16, FACTORED=factored,
+        enable_fp_fusion=False, num_warps=warps,
+    )  # fmt: skip
+    return y
+
+
 def _as_3d(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, list[int], list[int]]:
     """``x`` (possibly made contiguous) and a ``[batch, rows, n]`` view of it as sizes and
     strides, ``n`` the extent of ``dim``: read in place whenever the leading dimensions
@@ -456,8 +600,10 @@ def fake_quant(
     if x.dim() == 0:  # a scalar is a block of one
         r = None if rand is None else rand.reshape(1)
         return fake_quant(x.reshape(1), fmt, 0, backward, r, factored).reshape(())
+    if fmt in FOUR_OVER_SIX and not (backward and rand is not None):
+        return _nvfp4_4over6(x, fmt, spec.tiled and x.dim() >= 2, dim, y, factored)
     if spec.family == "nvfp4" and not spec.rht:
-        two_d = spec.tiled and x.dim() >= 2
+        two_d = spec.tiled and x.dim() >= 2 and fmt not in FOUR_OVER_SIX
         return _nvfp4(x, two_d, dim, y, rand if backward else None, factored)
     if factored:
         raise ValueError(f"{fmt!r} has no per-tensor scale to factor out")

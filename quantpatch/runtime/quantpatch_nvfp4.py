@@ -20,6 +20,25 @@ not a multiple of 16 (and, for ``nvfp4-2d``, a row count) is padded with zeros, 
 ``_pad_tensor`` does. NaN and +-Inf pass through and are left out of every amax (TE's
 reference does not define them).
 
+4over6 (the spec's ``four_over_six`` values: Cook et al., arXiv 2512.02010; TE's
+``_quantize_blockwise_4over6_reference``) quantizes every block twice, with ``E`` the E4M3
+bound of the entry (256 or 448)::
+
+    g   = min(6E / A, FLT_MAX)                   # 1 where that is 0
+    b6  = (b / 6) * g                            # one division, then one product
+    s6  = E4M3(min(b6, 448)),  s4 = E4M3(min(b6 * 1.5, 448))
+    enc = min(1 / (s * fl(1 / g)), FLT_MAX)      # per candidate, as above
+    q   = E2M1(clamp(x * enc, -6, 6))
+
+and keeps the candidate whose error over the block is smaller, ties and NaN going to 6: per
+element ``d = ((q * s) * A) / 6E - x``, summed in float32 in the block's order (``|d|`` for
+MAE, ``d * d`` for MSE); a 16 x 16 weight tile sums each row so, then the 16 rows pairwise
+(rows i and i + 8, then i + 4, i + 2, i + 1: the CUDA warp reduction TE's reference follows).
+The result is ``q * (s * (A / 6E))``. A tile's errors run along the operand's reduction
+dimension (TE's columnwise operand is the transpose, quantized row by row), so a weight and its
+transpose may pick differently near a tie. Under ``backward=True`` (the output gradient) a
+4over6 value quantizes as ``nvfp4``: TE's gradient slots take no 4over6.
+
 Installed by ``quantpatch init`` beside ``quantpatch_ops.py``; torch and the standard library
 only.
 """
@@ -35,8 +54,13 @@ from .quantpatch_mx import E4M3 as _E4M3
 from .quantpatch_mx import quantum as _quantum
 from .quantpatch_mx import round_element as _round_element
 
-NVFP4_FORMATS = formats.names(family="nvfp4", rht=False)
-"""The values this module quantizes (``nvfp4-rht`` transforms first: ``quantpatch_rht``)."""
+NVFP4_FORMATS = formats.names(family="nvfp4", rht=False, values_only=False)
+"""The values and operand formats this module quantizes (``nvfp4-rht`` transforms first:
+``quantpatch_rht``)."""
+PLAIN = formats.names(family="nvfp4", rht=False, tiled=False, four_over_six="")[0]
+"""NVFP4 itself (no transform, tiles or 4over6): what TE's gradient slots take."""
+FOUR_OVER_SIX = {f.name: (f.four_over_six, f.e4m3_max) for f in formats.SPECS if f.four_over_six}
+"""The 4over6 entries: (error metric, E4M3 bound)."""
 NV_BLOCK = 16
 TE_VERSION = "2.20.2"
 """The TransformerEngine release whose NVFP4 reference this module reproduces bit for bit."""
@@ -138,11 +162,12 @@ def _nvfp4(
     return torch.where(torch.isfinite(q), out, x.to(torch.float32)).to(x.dtype)
 
 
-def tensor_decode(amax: torch.Tensor) -> torch.Tensor:
-    """The per-tensor factor a product applies to its result for an NVFP4 operand:
-    ``amax / 2688`` (float32, 0-d), 1 where that is 0 (an all-zero tensor, whose codes are all
-    0: the factor then changes nothing, and an Inf passing through stays Inf, not NaN)."""
-    d = nv_global_decode(amax).reshape(())
+def tensor_decode(amax: torch.Tensor, fmt: str = PLAIN) -> torch.Tensor:
+    """The per-tensor factor a product applies to its result for an NVFP4 operand of ``fmt``:
+    ``amax / 2688`` (``amax / (6 * 256)`` under a 4over6 bound of 256; float32, 0-d), 1 where
+    that is 0 (an all-zero tensor, whose codes are all 0: the factor then changes nothing, and
+    an Inf passing through stays Inf, not NaN)."""
+    d = nv_decode(amax, fmt).reshape(())
     return torch.where(d == 0, torch.ones_like(d), d)
 
 
@@ -206,6 +231,151 @@ def sr_bits(x: torch.Tensor) -> torch.Tensor:
     return torch.randint(
         0, 1 << SR_BITS, x.shape, generator=gen, device=x.device, dtype=torch.uint8
     )
+
+
+def _e4m3(s: torch.Tensor) -> torch.Tensor:
+    return _round_element(s, _E4M3)
+
+
+def _candidate(
+    v: torch.Tensor, s: torch.Tensor, gd: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(signed E2M1 code, |x * enc| before clamping) of the blocks ``v`` under scales ``s``."""
+    enc = torch.clamp(torch.reciprocal(s * gd), max=_FLT_MAX)
+    scaled = v * enc
+    q = _round_element(torch.clamp(scaled.abs(), max=6.0), _E2M1)
+    return torch.where(scaled < 0, -q, q), scaled
+
+
+def _block_error(
+    q: torch.Tensor,
+    s: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    denom: torch.Tensor,
+    mse: bool,
+) -> torch.Tensor:
+    """Each block's error (``[..., rows, blocks]``) of the codes ``q`` (``[..., rows, blocks,
+    16]``), summed in the block's order as TE's reference does."""
+    err = torch.zeros_like(q[..., 0])
+    for i in range(NV_BLOCK):
+        d = ((q[..., i] * s[..., 0]) * a) / denom - v[..., i]
+        err = err + (d * d if mse else d.abs())
+    return err
+
+
+def _tile_sum(err: torch.Tensor) -> torch.Tensor:
+    """16 rows' errors (``[..., rows, blocks]``, rows a multiple of 16) summed per tile in the
+    CUDA warp's tree order, each tile's sum repeated over its rows."""
+    t = err.reshape(*err.shape[:-2], -1, NV_BLOCK, err.shape[-1])
+    for h in (8, 4, 2, 1):
+        t = t[..., :h, :] + t[..., h : 2 * h, :]
+    return t.expand(*t.shape[:-2], NV_BLOCK, t.shape[-1]).reshape(err.shape)
+
+
+def nvfp4_4over6_parts(
+    x: torch.Tensor,
+    fmt: str,
+    dim: int = -1,
+    two_d: bool = False,
+    amax: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """4over6's ``(q, s, amax)`` of ``x`` (at least 1-D) for the entry ``fmt``, as
+    :func:`nvfp4_parts` gives them: blocks of 16 along ``dim``, or (``two_d``) 16 x 16 tiles of
+    the last two dimensions whose errors run along ``dim`` (the last two's)."""
+    mode, bound = FOUR_OVER_SIX[fmt]
+    v = x.to(torch.float32)
+    finite = torch.isfinite(v)
+    v0 = torch.where(finite, v, torch.zeros_like(v))
+    a = (v0.abs().amax() if amax is None else amax).to(torch.float32).reshape(())
+    nd = x.dim()
+    two_d = two_d and nd >= 2
+    swap = two_d and dim % nd == nd - 2
+    t = v0.transpose(-1, -2) if swap else (v0 if two_d else v0.movedim(dim, -1))
+    if t.dim() == 1:
+        t = t.reshape(1, -1)
+    rows, n = t.shape[-2], t.shape[-1]
+    pr = (-rows) % NV_BLOCK if two_d else 0
+    pc = (-n) % NV_BLOCK
+    if pr or pc:
+        t = torch.nn.functional.pad(t, (0, pc, 0, pr))
+    blocks = t.reshape(*t.shape[:-1], -1, NV_BLOCK)  # [..., rows, nb, 16]
+    if two_d:
+        m = blocks.abs().reshape(*blocks.shape[:-3], -1, NV_BLOCK, *blocks.shape[-2:])
+        bmax = m.amax(dim=(-3, -1), keepdim=True).expand((*m.shape[:-1], 1))
+        bmax = bmax.reshape(*blocks.shape[:-1], 1)
+    else:
+        bmax = blocks.abs().amax(dim=-1, keepdim=True)
+    six = torch.full_like(a, 6.0)
+    denom = torch.full_like(a, float(bound)) * six
+    g = torch.clamp(denom / a, max=_FLT_MAX)
+    g = torch.where(g == 0, torch.ones_like(g), g)
+    gd = torch.reciprocal(g)
+    base = (bmax / six) * g
+    s4 = _e4m3(torch.clamp(base * 1.5, max=448.0))
+    s6 = _e4m3(torch.clamp(base, max=448.0))
+    q4, _ = _candidate(blocks, s4, gd)
+    q6, _ = _candidate(blocks, s6, gd)
+    mse = mode == "mse"
+    e4 = _block_error(q4, s4, blocks, a, denom, mse)
+    e6 = _block_error(q6, s6, blocks, a, denom, mse)
+    if two_d:
+        e4, e6 = _tile_sum(e4), _tile_sum(e6)
+    pick4 = (e4 < e6)[..., None]
+    q = torch.where(pick4, q4, q6).reshape(t.shape)
+    s = torch.where(pick4, s4, s6).expand(blocks.shape).reshape(t.shape)
+    q, s = q[..., :rows, :n], s[..., :rows, :n]
+    if x.dim() == 1:
+        q, s = q.reshape(-1), s.reshape(-1)
+    elif swap:
+        q, s = q.transpose(-1, -2), s.transpose(-1, -2)
+    elif not two_d:
+        q, s = q.movedim(-1, dim), s.movedim(-1, dim)
+    return torch.where(finite, q, v), s.contiguous(), a
+
+
+def nvfp4_4over6_factored(
+    x: torch.Tensor,
+    fmt: str,
+    dim: int,
+    two_d: bool,
+    amax: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """4over6 with the per-tensor scale factored out, as :func:`nvfp4_factored`: ``(q * s,
+    amax / 6E)``, the code times its chosen E4M3 block scale in ``x``'s dtype (exact) and
+    :func:`tensor_decode` for ``fmt``'s bound; non-finite values pass through."""
+    if x.dim() == 0:
+        t, f = nvfp4_4over6_factored(x.reshape(1), fmt, 0, False, amax)
+        return t.reshape(()), f
+    q, s, a = nvfp4_4over6_parts(x, fmt, dim, two_d, amax)
+    t = torch.where(torch.isfinite(q), q * s, x.to(torch.float32)).to(x.dtype)
+    return t, tensor_decode(a, fmt)
+
+
+def nv_decode(amax: torch.Tensor, fmt: str) -> torch.Tensor:
+    """The per-tensor decode scale of ``fmt``'s dequantized values, ``amax / (E * 6)``."""
+    bound = FOUR_OVER_SIX[fmt][1] if fmt in FOUR_OVER_SIX else 448
+    amax = amax.to(torch.float32)
+    return amax / torch.full_like(amax, bound * 6.0)
+
+
+def nvfp4_value(
+    x: torch.Tensor,
+    fmt: str,
+    dim: int,
+    two_d: bool,
+    bits: torch.Tensor | None = None,
+    amax: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The NVFP4 entry ``fmt`` (``nvfp4``, ``nvfp4-2d``, the 4over6 ones) of ``x``: a 4over6
+    entry with ``bits`` (the output gradient) quantizes as ``nvfp4`` with them."""
+    if fmt not in FOUR_OVER_SIX or bits is not None:
+        return _nvfp4(x, dim, two_d and fmt not in FOUR_OVER_SIX, bits, amax)
+    if x.dim() == 0:
+        return nvfp4_value(x.reshape(1), fmt, 0, False, None, amax).reshape(())
+    q, s, a = nvfp4_4over6_parts(x, fmt, dim, two_d, amax)
+    out = q * (s * nv_decode(a, fmt))
+    return torch.where(torch.isfinite(q), out, x.to(torch.float32)).to(x.dtype)
 
 
 nvfp4 = _nvfp4

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from . import quantpatch_formats as formats
+
 # ---------------------------------------------------------------------------------------------
 # ParetoQ extremely low-bit weights (Liu et al., 2025): values of the linear role only.
 #
@@ -33,8 +35,8 @@ import torch
 # binades of each other).
 # ---------------------------------------------------------------------------------------------
 
-PARETOQ_BITS = {"w1": 1, "w1.58": 0, "w2": 2, "w3": 3, "w4": 4}
-"""Each ParetoQ value's ``w_bits`` in ParetoQ's code (0: ternary)."""
+PARETOQ_BITS = {f.name: f.w_bits for f in formats.SPECS if f.w_bits is not None}
+"""Each ParetoQ value's ``w_bits`` in ParetoQ's code (0: ternary), from the spec."""
 ALPHA_MIN = 1e-5
 _SEQ_CLIP = 0.99  # stretched elastic quant clips W / alpha to [-0.99, 0.99]
 

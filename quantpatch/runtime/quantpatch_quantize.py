@@ -32,8 +32,17 @@ from .quantpatch_fp8 import (
 from .quantpatch_mx import BLOCK
 from .quantpatch_mx import hifp8 as _hifp8
 from .quantpatch_mx import mx as _mx
-from .quantpatch_nvfp4 import NV_BLOCK, NVFP4_FORMATS, nvfp4_factored, sr_bits, tensor_decode
-from .quantpatch_nvfp4 import nvfp4 as _nvfp4
+from .quantpatch_nvfp4 import (
+    FOUR_OVER_SIX,
+    NV_BLOCK,
+    NVFP4_FORMATS,
+    PLAIN,
+    nvfp4_4over6_factored,
+    nvfp4_factored,
+    nvfp4_value,
+    sr_bits,
+    tensor_decode,
+)
 
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -206,6 +215,8 @@ def quantize(x: torch.Tensor, fmt: str, dim: int = -1, backward: bool = False) -
     if x.numel() == 0:
         return x.clone()
     rand = sr_bits(x) if backward and fmt in NVFP4_FORMATS else None
+    if rand is not None and fmt in FOUR_OVER_SIX:  # TE's gradient slots take no 4over6
+        fmt = PLAIN
     if _use_kernels(x):
         if fmt in FP8_FORMATS:
             fp8_kernels = _fp8_kernels()
@@ -253,9 +264,11 @@ def _fake_quant(
         return fp8_quantize(x, fmt, dim, backward)
     if fmt in NVFP4_FORMATS:
         two_d, r = formats.spec_of(fmt).tiled, rand if backward else None
+        if r is not None and fmt in FOUR_OVER_SIX:
+            fmt = PLAIN
         if x.device.type == "cpu" and x.numel() > 2 * _CHUNK and x.dim() >= 1:
-            return _nv_sliced(x, dim, two_d, r)
-        return _nvfp4(x, dim, two_d, r)
+            return _nv_sliced(x, fmt, dim, two_d, r)
+        return nvfp4_value(x, fmt, dim, two_d, r)
     if x.device.type == "cpu" and x.numel() > 2 * _CHUNK and x.dim() >= 1:
         return _sliced(x, fmt, dim, backward)
     return _whole(x, fmt, dim, backward)
@@ -296,7 +309,9 @@ def _sliced(x: torch.Tensor, fmt: str, dim: int, backward: bool) -> torch.Tensor
     )
 
 
-def _nv_sliced(x: torch.Tensor, dim: int, two_d: bool, rand: torch.Tensor | None) -> torch.Tensor:
+def _nv_sliced(
+    x: torch.Tensor, fmt: str, dim: int, two_d: bool, rand: torch.Tensor | None
+) -> torch.Tensor:
     """NVFP4 slice by slice (:func:`_by_slices`), every slice with the whole tensor's amax;
     blocks of 16 along ``dim``, or 16 x 16 tiles over the last two dimensions."""
     v = x.to(torch.float32)
@@ -306,7 +321,7 @@ def _nv_sliced(x: torch.Tensor, dim: int, two_d: bool, rand: torch.Tensor | None
 
     def part(split: int, start: int, n: int) -> torch.Tensor:
         r = None if rand is None else rand.narrow(split, start, n)
-        return _nvfp4(x.narrow(split, start, n), dim, two_d, r, amax)
+        return nvfp4_value(x.narrow(split, start, n), fmt, dim, two_d, r, amax)
 
     return _by_slices(x, spanned, NV_BLOCK, part)
 
@@ -400,25 +415,33 @@ def quantize_factored(
         return fp8_tensor_factored(x, backward, amax, fmt)
     if fmt not in NVFP4_FORMATS:
         raise ValueError(f"{fmt!r} has no per-tensor scale to factor out")
+    if backward and fmt in FOUR_OVER_SIX:  # TE's gradient slots take no 4over6
+        fmt = PLAIN
     if rand is None and backward:
         rand = sr_bits(x)
     bits = rand if backward else None
     if x.numel() == 0:
         return x.clone(), torch.ones((), dtype=torch.float32, device=x.device)
-    two_d = spec.tiled and x.dim() >= 2
+    two_d = formats.spec_of(fmt).tiled and x.dim() >= 2
     amax = finite_amax(x)
     if _use_kernels(x):
         done: torch.Tensor = _kernels_module.fake_quant(x, fmt, dim, backward, bits, factored=True)
-        return done, tensor_decode(amax)
+        return done, tensor_decode(amax, fmt)
+
+    def factored(t: torch.Tensor, r: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if fmt in FOUR_OVER_SIX:
+            return nvfp4_4over6_factored(t, fmt, dim, two_d, amax)
+        return nvfp4_factored(t, dim, two_d, r, amax)
+
     if x.device.type == "cpu" and x.numel() > 2 * _CHUNK and x.dim() >= 1:
         spanned = {x.dim() - 2, x.dim() - 1} if two_d else {dim % x.dim()}
 
         def part(split: int, start: int, n: int) -> torch.Tensor:
             r = None if bits is None else bits.narrow(split, start, n)
-            return nvfp4_factored(x.narrow(split, start, n), dim, two_d, r, amax)[0]
+            return factored(x.narrow(split, start, n), r)[0]
 
-        return _by_slices(x, spanned, NV_BLOCK, part), tensor_decode(amax)
-    return nvfp4_factored(x, dim, two_d, bits, amax)
+        return _by_slices(x, spanned, NV_BLOCK, part), tensor_decode(amax, fmt)
+    return factored(x, bits)
 
 
 _OUT_DTYPE_MM: list[bool] = []  # whether CUDA's mm/bmm take out_dtype (asked once)

@@ -127,7 +127,7 @@ def check_length(x: torch.Tensor, dim: int) -> None:
     n = x.shape[dim] if x.dim() else 1
     if n % RHT_BLOCK:
         raise ValueError(
-            f"nvfp4-rht transforms blocks of 16 along the reduction dimension, but the tensor "
+            f"{_VALUE} transforms blocks of 16 along the reduction dimension, but the tensor "
             f"of shape {tuple(x.shape)} has {n} there (dim {dim}), not a multiple of 16, which "
             f"TransformerEngine refuses too."
         )
@@ -257,7 +257,7 @@ def _product(a: torch.Tensor, b: torch.Tensor, backward: bool, quantize: bool) -
     if fused is not None:
         return fused.to(torch.promote_types(a.dtype, b.dtype))
     bdim = -2 if b.dim() > 1 else -1
-    if quantize and a.dtype == b.dtype and factors("nvfp4-rht", a.dtype):
+    if quantize and a.dtype == b.dtype and factors(_VALUE, a.dtype):
         fa = rht_factored(a, -1, backward=backward)
         fb = rht_factored(b, bdim, backward=False)
         with torch.no_grad():  # straight through: _StraightThrough's backward, not this

@@ -284,6 +284,8 @@ def _weight_quant(
 # rounding), so auto's choice changes results within that.
 
 _GEMM_FORMATS = formats.names(fused_gemm=True)
+_FP8_TILES = formats.names(family="fp8-block", tiled=True, values_only=False)
+"""fp8-block's weight tiles, an operand format: 128 x 128 tiles of a matrix."""
 _GEMM_CHOICES: dict[tuple[Any, ...], str] = {}
 
 
@@ -363,7 +365,7 @@ def _fused_product(
     drawn = (a_backward and a_fmt in NVFP4_FORMATS) or (b_backward and b_fmt in NVFP4_FORMATS)
     if mode == "auto" and drawn:  # measuring both paths would draw the random bits twice
         return None
-    if (b_fmt == "fp8-block-2d" and b.dim() == 3) or a_fmt == "fp8-block-2d":
+    if (b_fmt in _FP8_TILES and b.dim() == 3) or a_fmt in _FP8_TILES:
         return None  # 128 x 128 tiles of a matrix: the weight of a 2-D product only
     if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
         return None
