@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import select
 import shutil
@@ -51,6 +52,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         action="store_true",
         help="the full suite: the tests marked slow too (the default leaves them out)",
     )
+    parser.addoption(
+        "--record-durations",
+        metavar="PATH",
+        default=None,
+        help="write each slow test's seconds (setup, call, teardown) of this run into PATH "
+        "(JSON, merged with what is there): tests/durations.json orders the slow tests",
+    )
 
 
 def _full(config: pytest.Config) -> bool:
@@ -71,13 +79,134 @@ def pytest_report_header(config: pytest.Config) -> str:
     return "quantpatch: the fast suite; `python -m pytest --full` adds the tests marked slow"
 
 
+@pytest.hookimpl(trylast=True)  # after -m and -k have deselected
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if _full(config):
+        workers = int(getattr(config, "workerinput", {}).get("workercount", 1))
+        items[:] = slow_first(items, recorded_durations(DURATIONS), workers)
         return
     slow = [item for item in items if item.get_closest_marker("slow")]
     if slow:
         config.hook.pytest_deselected(items=slow)
         items[:] = [item for item in items if not item.get_closest_marker("slow")]
+
+
+# -- the slow tests' order -------------------------------------------------------------------
+# The slow tests take from seconds to minutes each. Run in the order they are written, a
+# worker may start a two-minute test when the others have nothing left, and idle meanwhile.
+# So the slow tests start longest first, by the seconds each took in a recorded run
+# (tests/durations.json, written by ``--record-durations tests/durations.json``; a test not
+# recorded counts as its recorded parametrisations' median, else all tests'). xdist's
+# worksteal scheduler hands each worker a slice of the collection in order (then moves the
+# ends of the longest queues to idle workers): the tests are dealt so that each worker's
+# slice starts with its own longest tests and ends with short ones. Tests that share a
+# module-scoped fixture, or name one ``xdist_group`` (one real Slurm at a time on a
+# machine), stay together, in their order: one worker builds the fixture once, and never
+# waits on another for the shared resource.
+DURATIONS = Path(__file__).with_name("durations.json")
+
+
+def recorded_durations(path: Path) -> dict[str, float]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return {str(k): float(v) for k, v in data.items()} if isinstance(data, dict) else {}
+
+
+def _unit_key(item: pytest.Item) -> str:
+    """What ties ``item`` to others: a shared resource, a fixture wider than one test (not the
+    session's, which every worker builds once anyway), or nothing (its own id)."""
+    group = item.get_closest_marker("xdist_group")
+    if group is not None:
+        return f"group:{group.args[0] if group.args else group.kwargs.get('name')}"
+    info = getattr(item, "_fixtureinfo", None)
+    for name in sorted(info.name2fixturedefs if info is not None else ()):
+        defs = info.name2fixturedefs[name]
+        if defs and defs[-1].scope in ("package", "module", "class"):
+            return f"fixture:{item.nodeid.split('::')[0]}:{name}"
+    return item.nodeid
+
+
+def _slices(n: int, workers: int) -> list[int]:
+    """The sizes of the slices worksteal first hands ``workers`` idle workers of ``n`` tests."""
+    sizes = []
+    for i in range(workers):
+        sizes.append(n // (workers - i))
+        n -= sizes[-1]
+    return sizes
+
+
+def slow_first(
+    items: list[pytest.Item], seconds: dict[str, float], workers: int
+) -> list[pytest.Item]:
+    """``items`` with the slow ones first, longest first, dealt to ``workers`` slices (the
+    others after them, in their order)."""
+    slow = [item for item in items if item.get_closest_marker("slow")]
+    rest = [item for item in items if not item.get_closest_marker("slow")]
+    if not slow:
+        return items
+    seconds = _estimated(slow, seconds)
+    units: dict[str, list[pytest.Item]] = {}
+    for item in slow:
+        units.setdefault(_unit_key(item), []).append(item)
+    ordered = sorted(
+        units.values(), key=lambda unit: (-sum(seconds[i.nodeid] for i in unit), unit[0].nodeid)
+    )
+    if rest or workers <= 1:  # one worker, or slices of a mixed collection: longest first
+        return [item for unit in ordered for item in unit] + rest
+    # each unit, longest first, to the slice with the least work that has room for it (a unit
+    # that fits nowhere exactly goes where most room is left)
+    room = _slices(len(slow), workers)
+    dealt: list[list[pytest.Item]] = [[] for _ in room]
+    work = [0.0] * workers
+    for unit in ordered:
+        fits = [w for w in range(workers) if room[w] >= len(unit)]
+        w = (
+            min(fits, key=lambda w: (work[w], w))
+            if fits
+            else max(range(workers), key=room.__getitem__)
+        )
+        dealt[w] += unit
+        room[w] -= len(unit)
+        work[w] += sum(seconds[i.nodeid] for i in unit)
+    return [item for share in dealt for item in share]
+
+
+def _estimated(items: list[pytest.Item], seconds: dict[str, float]) -> dict[str, float]:
+    """Each item's recorded seconds; one never recorded (new since the record): the median of
+    its recorded parametrisations (a new case of a test), else the median of all."""
+
+    def median(values: list[float]) -> float:
+        return sorted(values)[len(values) // 2]
+
+    known = [seconds[i.nodeid] for i in items if i.nodeid in seconds]
+    typical = median(known) if known else 10.0
+    siblings: dict[str, list[float]] = {}
+    for nodeid, value in seconds.items():
+        siblings.setdefault(nodeid.partition("[")[0], []).append(value)
+    estimated = {}
+    for item in items:
+        others = siblings.get(item.nodeid.partition("[")[0], [typical])
+        estimated[item.nodeid] = seconds.get(item.nodeid, median(others))
+    return estimated
+
+
+_seen: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if "slow" in report.keywords:
+        _seen[report.nodeid] = _seen.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    target = session.config.getoption("--record-durations")
+    if not target or hasattr(session.config, "workerinput") or not _seen:
+        return  # xdist's workers report to the controller, which writes the file
+    path = Path(target)
+    merged = {**recorded_durations(path), **{k: round(v, 1) for k, v in _seen.items()}}
+    path.write_text(json.dumps(dict(sorted(merged.items())), indent=1) + "\n", encoding="utf-8")
 
 
 VERSIONS = ("0.11.0", "0.13.1")

@@ -10,15 +10,22 @@ from quantpatch.base.errors import UserError
 from quantpatch.checkout.demo import DEMO_FORMATS, build_checkout
 from quantpatch.sites.discovery import discover
 
+from .terminal import assert_cursor_shown, run_in_pty, screen_lines
 
-@pytest.mark.slow  # a minute: the fast suite keeps the demo's checkout builds below
-def test_demo_walks_and_restores_byte_identical(run, tmp_path):
+
+@pytest.mark.slow  # two minutes: the fast suite keeps the demo's checkout builds below
+def test_demo_at_a_terminal_walks_and_restores_byte_identical(run, tmp_path):
+    """The demo as the README runs it, at a real terminal (a pty): its spinners leave the
+    cursor shown, and what it printed and left behind is the walk the README describes."""
     dest = tmp_path / "demo"
-    res = run("demo", dest)
-    assert res.code == 0, res
-    assert "target files byte-identical to before the first set: yes" in res.out
-    assert "quantpatch/linear-hifp8_qk-mxfp4_pv-mxfp8" in res.out
-    assert res.out.rstrip().splitlines()[-1].startswith(f"try: cd {dest}")  # what to try next
+    code, text = run_in_pty("demo", dest)
+    assert code == 0, text[-3000:]
+    assert_cursor_shown(text)  # its spinners: building, then the linear layer's errors
+    lines = screen_lines(text)
+    shown = "\n".join(lines)
+    assert "target files byte-identical to before the first set: yes" in shown
+    assert "quantpatch/linear-hifp8_qk-mxfp4_pv-mxfp8" in shown
+    assert lines[-1].startswith(f"try: cd {dest}"), lines[-3:]  # what to try next
     repo = git.Repo(dest)
     assert repo.active_branch.name == "main" and not repo.is_dirty()
     walked = {
@@ -36,7 +43,7 @@ def test_demo_walks_and_restores_byte_identical(run, tmp_path):
     ]
     # the error table: bf16 is the reference, every quantized format differs from it
     rows = {}
-    for line in res.out.splitlines():
+    for line in lines:
         cells = [c.strip() for c in line.strip("│ ").split("│")]
         if len(cells) == 4 and cells[0] in DEMO_FORMATS:
             rows[cells[0]] = [float(c) for c in cells[1:]]

@@ -22,7 +22,7 @@ from .test_scripts import QUANTPATCH
 from .test_sweep import TORCHRUN
 from .test_sweep_slurm import one_node_slurm
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("slurm")]  # one cluster at a time
 
 README = Path(__file__).parent.parent / "README.md"
 HEADING = "## Your own fork, from clone to report"

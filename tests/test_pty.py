@@ -1,60 +1,21 @@
 """Every command with a progress display, run at a real terminal (a pty), as an interactive
 user runs it: no internal error, the exit code the command means, and the cursor
 shown again at the end whenever the display hid it, on success, on an error and on Ctrl-C.
+``demo``'s spinners are tested so in tests/test_demo.py, whose walk runs at a pty.
 
 The child's output is read until end of file (the pty's other side closed by the exit), so
 nothing here waits on time."""
 
 from __future__ import annotations
 
-import os
-import pty
-import subprocess
 from pathlib import Path
 
 import pytest
 
+from .terminal import assert_cursor_shown, run_in_pty
 from .test_data_prepare import corpus, make_tokenizer, write_jsonl
-from .test_scripts import QUANTPATCH
 
 torch = pytest.importorskip("torch")
-
-HIDE, SHOW = "\x1b[?25l", "\x1b[?25h"
-
-
-def run_in_pty(*args: object, env: dict[str, str] | None = None) -> tuple[int, str]:
-    """``quantpatch ARGS`` with its stdin, stdout and stderr on a pty; its exit code and all
-    it wrote there."""
-    master, slave = pty.openpty()
-    proc = subprocess.Popen(
-        [QUANTPATCH, *map(str, args)],
-        stdin=slave,
-        stdout=slave,
-        stderr=slave,
-        env={**os.environ, "TERM": "xterm-256color", **(env or {})},
-        close_fds=True,
-    )
-    os.close(slave)
-    chunks = []
-    while True:
-        try:
-            data = os.read(master, 1 << 16)
-        except OSError:  # EIO: every holder of the other side has closed it
-            break
-        if not data:
-            break
-        chunks.append(data)
-    os.close(master)
-    return proc.wait(), b"".join(chunks).decode("utf-8", "replace")
-
-
-def assert_cursor_shown(text: str, *, hidden: bool = True) -> None:
-    assert "internal error" not in text, text
-    assert "Traceback" not in text, text
-    if hidden:
-        assert HIDE in text, "the progress display never showed: the test tests nothing"
-    if HIDE in text:
-        assert SHOW in text and text.rindex(SHOW) > text.rindex(HIDE), repr(text[-400:])
 
 
 @pytest.fixture(scope="module")
@@ -122,12 +83,3 @@ def test_tensors_plot_at_a_terminal(tensor_dir, tmp_path):
     )  # fmt: skip
     assert code == 0, text
     assert_cursor_shown(text)
-
-
-@pytest.mark.slow  # builds the demo checkout and runs the linear layer in each format (~1 min)
-def test_demo_at_a_terminal(tmp_path):
-    # its spinners are rich's status displays (building, then the linear layer's errors)
-    code, text = run_in_pty("demo", tmp_path / "demo")
-    assert code == 0, text[-2000:]
-    assert_cursor_shown(text)
-    assert "try: cd" in text

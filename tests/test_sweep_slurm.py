@@ -34,7 +34,9 @@ from quantpatch.launch.sweep import run_logs
 from .test_scripts import QUANTPATCH
 from .test_sweep import TORCHRUN
 
-pytestmark = pytest.mark.slow
+# the real-Slurm tests (here, test_sweep_slurm_nodes, test_fork_walk): one cluster at a time on
+# a machine, so tests/conftest.py keeps them on one worker, one after another
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("slurm")]
 
 CLUSTER = Path(__file__).parent / "slurm" / "cluster.sh"
 REQUIRED = os.environ.get("QUANTPATCH_REAL_SLURM") == "1"

@@ -19,7 +19,7 @@ import pytest
 from .test_scripts import QUANTPATCH
 from .test_sweep_slurm import _wait, one_node_slurm
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("slurm")]  # one cluster at a time
 
 RECORDER = r"""#!/usr/bin/env bash
 n="$STUB_DIR/torchrun-$SLURM_NODEID-$$"
