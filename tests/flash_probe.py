@@ -30,7 +30,8 @@ def main(out_path: str, mode: str = "") -> None:
     from quantpatch.runtime import megatron_single
 
     megatron_single.init_single_process("cpu")
-    from megatron.core import parallel_state, quantpatch_ops
+    from megatron.core import parallel_state
+    from megatron.core.quantpatch import quantpatch_ops
     from megatron.core.transformer import dot_product_attention as dpa
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.transformer_config import TransformerConfig

@@ -68,11 +68,21 @@ def _within_bound(got, qa, qb):
 
 
 def _separate_operands(x, wt, fmt):
-    """The forward product's operands as the separate path quantizes them (the reference)."""
+    """The forward product's operands as the separate path quantizes them (the reference):
+    in bf16 and fp16 a value with a per-tensor scale as code x block scale times that scale,
+    exact in float64 (what the product multiplies, the scale applied to its result)."""
     spec = formats.spec_of(fmt)
+    factored = qz.factors(fmt, x.dtype)
     if spec.rht:
+        if factored:
+            (ta, fa), (tb, fb) = rht.rht_factored(x, -1), rht.rht_factored(wt, -2)
+            return ta.double() * fa.double(), tb.double() * fb.double()
         return rht.rht_fake_quant(x, -1), rht.rht_fake_quant(wt, -2)
     weight_fmt, other_fmt = spec.operands
+    if factored:
+        ta, fa = qz.quantize_factored(x, other_fmt, -1, False)
+        tb, fb = qz.quantize_factored(wt, weight_fmt, -2, False)
+        return ta.double() * fa.double(), tb.double() * fb.double()
     return qz.quantize(x, other_fmt, -1, False), qz.quantize(wt, weight_fmt, -2, False)
 
 

@@ -30,6 +30,7 @@ import git
 import pytest
 
 from quantpatch.launch.sweep import run_logs
+from quantpatch.launch.sweep_record import load as load_record
 
 from .test_scripts import QUANTPATCH
 from .test_sweep import TORCHRUN
@@ -230,7 +231,9 @@ def test_a_study_on_a_real_one_node_slurm(real_slurm, make_checkout, tmp_path, m
     assert res.code == 0, res
     html = (out / "report.html").read_text()
     final = json.loads((out / "sweep.json").read_text())
-    logs = run_logs(out, final)  # the report's: each run's last log, not the failed attempts'
+    typed = load_record(out)
+    assert typed is not None
+    logs = run_logs(out, typed)  # the report's: each run's last log, not the failed attempts'
     assert sorted(logs) == sorted(out / r["log"] for r in final["runs"])
     assert len(logs) == 4 and len(list((out / "runs").rglob("*.log"))) == 6
     for scheme in ("bf16", "FA_mxfp8", "linear_mxfp4", "FA_hifp8"):

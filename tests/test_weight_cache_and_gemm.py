@@ -634,8 +634,13 @@ def test_quant_matmul_fuses_every_value_like_the_separate_path(kernels, gemm, mo
         [(x, w.t(), False, False, act_fmt, weight_fmt), (g, w, True, False, act_fmt, weight_fmt),
          (g.t(), x, True, False, act_fmt, act_fmt)], strict=True,
     ):  # fmt: skip
-        qa = qz.quantize(a, fa, -1, ba)  # stochastic rounding: the draws in the products' order
-        qb = qz.quantize(b, fb, -2, bb)
+        if qz.factors(fmt, a.dtype):  # code x block scale, the tensor scales on the result
+            ta, sa = qz.quantize_factored(a, fa, -1, ba)  # the draws in the products' order
+            tb, sb = qz.quantize_factored(b, fb, -2, bb)
+            qa, qb = ta.double() * sa.double(), tb.double() * sb.double()
+        else:
+            qa = qz.quantize(a, fa, -1, ba)  # stochastic rounding: the draws in their order
+            qb = qz.quantize(b, fb, -2, bb)
         tol, ref = _tolerance(qa, qb, torch.bfloat16)
         assert bool(((fused.double() - ref).abs() <= tol).all())
         assert bool(((sep.double() - ref).abs() <= tol).all())
