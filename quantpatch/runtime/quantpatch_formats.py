@@ -15,6 +15,7 @@ the first operand of Megatron's dgrad and wgrad products).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -193,47 +194,64 @@ _ELEMENTS_OF = {
 }
 
 
-def _incomplete(f: Format) -> str:
-    """What keeps ``f`` from being a format the runtime computes ('' where nothing does)."""
-    if f.family not in FAMILIES:
-        return f"family {f.family!r} is none of {', '.join(FAMILIES)}"
+def _bad_elements(f: Format) -> str:
     elements = [f.input, f.weight, f.grad_output]
     if f.family in ("none", "paretoq"):
         if any(e is not None for e in elements):
             return f"a {f.family} value quantizes no operand to an element"
     elif any(e not in _ELEMENTS_OF[f.family] for e in elements):
         return f"its elements {elements} are not all of {sorted(_ELEMENTS_OF[f.family])}"
-    if f.scale is not None and f.scale not in SCALES:
-        return f"scale {f.scale!r} is none of {', '.join(SCALES)}"
-    if f.family == "mx" and (f.block != (1, 32) or f.scale not in ("e8m0-floor", "e8m0-rceil")):
-        return "an MX value has blocks of (1, 32) and an E8M0 scale rule"
-    if f.family == "nvfp4" and (f.block != (1, 16) or f.scale != "e4m3-fp32"):
-        return "an NVFP4 value has blocks of (1, 16) and E4M3 scales under a float32 one"
-    if f.family == "fp8-block" and f.block != (1, 128):
-        return "an fp8-block value has blocks of (1, 128)"
-    if f.backward not in BACKWARD:
-        return f"backward {f.backward!r} is none of {', '.join(BACKWARD)}"
-    if not set(f.roles) <= set(ROLES) or not set(f.stochastic) <= set(OPERANDS):
-        return "its roles or stochastic operands are not of the known ones"
-    if f.weight_cache not in WEIGHT_CACHE:
-        return f"weight_cache {f.weight_cache!r} is none of {WEIGHT_CACHE}"
-    if f.tiled and f.weight_block is None:
-        return "a tiled format names its tiles (weight_block)"
-    if f.roles and f.roles != ROLES and not f.linear_only:
-        return "a value some roles may not hold says why (linear_only)"
-    if f.roles and not f.summary:
-        return "a value says in one line what the GEMM computes with it (summary)"
-    if (f.family == "paretoq") != (f.w_bits is not None):
-        return "a ParetoQ value, and only one, names its w_bits"
-    if f.four_over_six not in FOUR_OVER_SIX:
-        return f"four_over_six {f.four_over_six!r} is none of {FOUR_OVER_SIX}"
-    if f.e4m3_max not in (256, 448) or (f.e4m3_max != 448 and not f.four_over_six):
-        return "the E4M3 bound is 448, or 256 under 4over6 (TE's nvfp4_e4m3_max)"
-    if f.four_over_six and (f.family != "nvfp4" or f.rht or set(f.stochastic) - {"grad_output"}):
-        return "4over6 is NVFP4's, without the Hadamard transform or stochastic rounding"
-    if f.fused_gemm and (f.family in ("none", "paretoq", "fp8-delayed") or f.four_over_six):
-        return "the fused GEMM takes no unquantized, ParetoQ, delayed-scaling or 4over6 value"
     return ""
+
+
+_RULES: tuple[tuple[Callable[[Format], bool], Callable[[Format], str]], ...] = (
+    # (what makes an entry incomplete, the sentence that says so), one per field or pair of
+    # fields, in the order a reader of an entry meets them
+    (lambda f: f.scale is not None and f.scale not in SCALES,
+     lambda f: f"scale {f.scale!r} is none of {', '.join(SCALES)}"),
+    (lambda f: f.family == "mx"
+     and (f.block != (1, 32) or f.scale not in ("e8m0-floor", "e8m0-rceil")),
+     lambda f: "an MX value has blocks of (1, 32) and an E8M0 scale rule"),
+    (lambda f: f.family == "nvfp4" and (f.block != (1, 16) or f.scale != "e4m3-fp32"),
+     lambda f: "an NVFP4 value has blocks of (1, 16) and E4M3 scales under a float32 one"),
+    (lambda f: f.family == "fp8-block" and f.block != (1, 128),
+     lambda f: "an fp8-block value has blocks of (1, 128)"),
+    (lambda f: f.backward not in BACKWARD,
+     lambda f: f"backward {f.backward!r} is none of {', '.join(BACKWARD)}"),
+    (lambda f: not set(f.roles) <= set(ROLES) or not set(f.stochastic) <= set(OPERANDS),
+     lambda f: "its roles or stochastic operands are not of the known ones"),
+    (lambda f: f.weight_cache not in WEIGHT_CACHE,
+     lambda f: f"weight_cache {f.weight_cache!r} is none of {WEIGHT_CACHE}"),
+    (lambda f: f.tiled and f.weight_block is None,
+     lambda f: "a tiled format names its tiles (weight_block)"),
+    (lambda f: bool(f.roles) and f.roles != ROLES and not f.linear_only,
+     lambda f: "a value some roles may not hold says why (linear_only)"),
+    (lambda f: bool(f.roles) and not f.summary,
+     lambda f: "a value says in one line what the GEMM computes with it (summary)"),
+    (lambda f: (f.family == "paretoq") != (f.w_bits is not None),
+     lambda f: "a ParetoQ value, and only one, names its w_bits"),
+    (lambda f: f.four_over_six not in FOUR_OVER_SIX,
+     lambda f: f"four_over_six {f.four_over_six!r} is none of {FOUR_OVER_SIX}"),
+    (lambda f: f.e4m3_max not in (256, 448) or (f.e4m3_max != 448 and not f.four_over_six),
+     lambda f: "the E4M3 bound is 448, or 256 under 4over6 (TE's nvfp4_e4m3_max)"),
+    (lambda f: bool(f.four_over_six)
+     and (f.family != "nvfp4" or f.rht or bool(set(f.stochastic) - {"grad_output"})),
+     lambda f: "4over6 is NVFP4's, without the Hadamard transform or stochastic rounding"),
+    (lambda f: f.fused_gemm
+     and (f.family in ("none", "paretoq", "fp8-delayed") or bool(f.four_over_six)),
+     lambda f: "the fused GEMM takes no unquantized, ParetoQ, delayed-scaling or 4over6 value"),
+)  # fmt: skip
+
+
+def _incomplete(f: Format) -> str:
+    """What keeps ``f`` from being a format the runtime computes ('' where nothing does): the
+    first of its family, its elements and the rules above that it breaks."""
+    if f.family not in FAMILIES:
+        return f"family {f.family!r} is none of {', '.join(FAMILIES)}"
+    bad = _bad_elements(f)
+    if bad:
+        return bad
+    return next((say(f) for broken, say in _RULES if broken(f)), "")
 
 
 SPECS: tuple[Format, ...] = (

@@ -345,6 +345,42 @@ def _gemm_operand(
     return t, fmt, None
 
 
+def _fusable(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    fmt: str,
+    mode: str,
+    fmts: tuple[str, str],
+    backward: tuple[bool, bool],
+) -> bool:
+    """Whether the fused GEMM may compute ``a @ b`` in ``fmt`` under ``QUANTPATCH_GEMM``'s
+    ``mode``, the operands' formats ``fmts`` and gradient roles ``backward`` (see the section's
+    comment; otherwise the separate path does)."""
+    (a_fmt, b_fmt), (a_backward, b_backward) = fmts, backward
+    if mode == "separate" or fmt not in _GEMM_FORMATS:
+        return False
+    drawn = (a_backward and a_fmt in NVFP4_FORMATS) or (b_backward and b_fmt in NVFP4_FORMATS)
+    if mode == "auto" and drawn:  # measuring both paths would draw the random bits twice
+        return False
+    if (b_fmt in _FP8_TILES and b.dim() == 3) or a_fmt in _FP8_TILES:
+        return False  # 128 x 128 tiles of a matrix: the weight of a 2-D product only
+    if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
+        return False
+    if not _shapes_fuse(a, b):
+        return False
+    return not (mode == "auto" and (not _auto_fuses(a) or _kernel_mode() == "reference"))
+
+
+def _shapes_fuse(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the fused GEMM takes ``a @ b``'s dtypes, shapes and devices: one kernel dtype,
+    a 2-D or 3-D ``b`` (3-D: batched like ``a``), one reduction length, one device."""
+    if a.dtype != b.dtype or a.dtype not in _KERNEL_DTYPES or a.dim() < 2 or b.dim() not in (2, 3):
+        return False
+    if b.dim() == 3 and (a.dim() != 3 or a.shape[0] != b.shape[0]):
+        return False
+    return a.shape[-1] == b.shape[-2] and a.device == b.device
+
+
 def _fused_product(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -359,23 +395,8 @@ def _fused_product(
     the operands' formats as the separate path gives them (a weight's tiles), ``fmt`` by
     default."""
     mode = _gemm_mode()
-    if mode == "separate" or fmt not in _GEMM_FORMATS:
-        return None
     a_fmt, b_fmt = a_fmt or fmt, b_fmt or fmt
-    drawn = (a_backward and a_fmt in NVFP4_FORMATS) or (b_backward and b_fmt in NVFP4_FORMATS)
-    if mode == "auto" and drawn:  # measuring both paths would draw the random bits twice
-        return None
-    if (b_fmt in _FP8_TILES and b.dim() == 3) or a_fmt in _FP8_TILES:
-        return None  # 128 x 128 tiles of a matrix: the weight of a 2-D product only
-    if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
-        return None
-    if a.dtype != b.dtype or a.dtype not in _KERNEL_DTYPES or a.dim() < 2 or b.dim() not in (2, 3):
-        return None
-    if b.dim() == 3 and (a.dim() != 3 or a.shape[0] != b.shape[0]):
-        return None
-    if a.shape[-1] != b.shape[-2] or a.device != b.device:
-        return None
-    if mode == "auto" and (not _auto_fuses(a) or _kernel_mode() == "reference"):
+    if not _fusable(a, b, fmt, mode, (a_fmt, b_fmt), (a_backward, b_backward)):
         return None
     if a.is_cuda:
         require_capability(a.device)
