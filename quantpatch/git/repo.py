@@ -237,14 +237,10 @@ def dirty_paths(repo: git.Repo, paths: Sequence[str], *, untracked: bool = False
     """Those of ``paths`` with uncommitted changes (staged or not; new files too when
     ``untracked``)."""
     mode = "--untracked-files=all" if untracked else "--untracked-files=no"
-    out = repo.git.status("--porcelain", mode, "--", *paths)
-    dirty = []
-    for line in out.splitlines():
-        name = line[3:]
-        if " -> " in name:
-            name = name.split(" -> ", 1)[1]
-        dirty.append(name.strip('"'))
-    return dirty
+    # without rename detection: a staged move (a killed commit after its 'git add') is the
+    # deletion of its old path and the addition of its new one, and both are to be committed
+    out = repo.git.status("--porcelain", "--no-renames", mode, "--", *paths)
+    return [line[3:].strip('"') for line in out.splitlines()]
 
 
 def refuse_index_lock(repo: git.Repo) -> None:
