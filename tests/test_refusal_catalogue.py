@@ -1,9 +1,9 @@
 """Every refusal that ``sweep run``, ``gen-scripts``, ``run`` and ``layout`` can give (each
 ``UserError(...)`` and ``LayoutError(...)`` of ``quantpatch/launch/`` and of their CLI
-modules, read with libcst, and the advice those modules build for them), sorted three ways:
-its advice followed by a test that shows it accepted (the tests named), advice no test
-follows yet (and why), or no advice (a fact or a rule, nothing to follow). A new refusal
-fails here until it is sorted."""
+modules, read with libcst, and the advice those modules build for them), sorted two ways:
+its advice followed by a test that shows it accepted (the tests named), or no advice (a fact
+or a rule, nothing to follow). There is no third way: advice no test follows fails here, as
+does a new refusal until it is sorted."""
 
 from __future__ import annotations
 
@@ -144,6 +144,15 @@ FOLLOWED: dict[str, tuple[str, ...]] = {
         f"{HINTS}::test_a_seed_among_the_megatron_arguments_followed",
     ),
     "give --launcher local, or one seed": (f"{HINTS}::test_a_sweep_options_refusal_followed",),
+    "send it to another partition, partition = ": (
+        f"{HINTS}::test_the_smallest_request_refused_names_another_gpu_partition_followed",
+    ),
+    "add `--gpus-per-node {} --nodes {}` to sweep run": (
+        f"{HINTS}::test_a_node_gone_between_the_check_and_sbatch_followed",
+    ),
+    "run them from a Megatron-LM checkout that has": (
+        "test_scripts::test_a_flag_the_script_passes_itself_unaccepted_followed",
+    ),
     "name more with --gpus, or give --gpus-per-node": (
         f"{HINTS}::test_a_sweep_options_refusal_followed",
     ),
@@ -184,20 +193,6 @@ FOLLOWED: dict[str, tuple[str, ...]] = {
     ),
 }
 
-# advice no test follows yet -> why
-NOT_FOLLOWED: dict[str, str] = {
-    "name more with --gpus.": "run_local's own check: prepare refuses the same first, so only "
-    "a caller of run_local meets it",
-    "`sinfo -o '%D %G %c %m'` shows what the partition's nodes offer": "sbatch refused a one-GPU "
-    "one-node request on a partition sinfo says nothing about: only the cluster knows",
-    "add `--gpus-per-node {} --nodes {}` to sweep run": "sinfo shows fewer GPUs or nodes than "
-    "asked, which sweep run's own check refuses before sbatch is asked",
-    "leave them out of the args of the schemes or tables that set them": "flags the script "
-    "passes itself, which only another Megatron-LM takes",
-    "choose a GPU partition": "sinfo shows gpu GRES in no partition: followed by its other way "
-    "(gpu_request)",
-}
-
 # a refusal with nothing to follow (a fact, or the form a value must take) -> kind
 NO_ADVICE: dict[str, str] = {
     "cannot be read": "a file the user cannot read",
@@ -226,6 +221,8 @@ NO_ADVICE: dict[str, str] = {
     "(from EXTRA_ARGS or the arguments after --), checked against": "the flags named are the "
     "user's own",
     "the output directory cannot be written": "a path",
+    "sinfo shows no other partition with GPUs": "sbatch refused the smallest request on the "
+    "only GPU partition: the cluster's own reason",
     "sbatch refused the sweep": "sbatch's own words (the node hints are sorted above)",
     "scancel refused to cancel": "scancel's own words",
     "--gpus must be GPU indices": "the form of a value",
@@ -310,7 +307,7 @@ def test_every_refusal_is_sorted_once():
     those without (``UserError(sentence)``) pass on a sentence built elsewhere, whose words
     are sorted as built advice."""
     calls, _strings = _refusals()
-    sorts = {"followed": FOLLOWED, "not followed": NOT_FOLLOWED, "no advice": NO_ADVICE}
+    sorts = {"followed": FOLLOWED, "no advice": NO_ADVICE}
     wrong = []
     passing = 0
     for name, text in calls:
@@ -326,7 +323,7 @@ def test_every_refusal_is_sorted_once():
 
 def test_every_sorted_refusal_still_exists():
     _calls, strings = _refusals()
-    gone = [k for k in (*FOLLOWED, *NOT_FOLLOWED, *NO_ADVICE) if not any(k in s for s in strings)]
+    gone = [k for k in (*FOLLOWED, *NO_ADVICE) if not any(k in s for s in strings)]
     assert not gone, gone
 
 

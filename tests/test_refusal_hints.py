@@ -452,6 +452,92 @@ def test_sbatchs_node_configuration_refusal_followed(
     assert f"#SBATCH --gpus-per-node={node_gpus}\n" in text
 
 
+# two GPU partitions, a (the default) and b; sbatch takes a job for b only
+SINFO_AB = r"""#!/usr/bin/env bash
+case "$*" in
+    *"%P %G"*) printf '%s\n' "a* gpu:1" "b gpu:1" ;;
+    *) echo "1 gpu:1 8 64000" ;;
+esac
+"""
+SCONTROL_AB = r"""#!/usr/bin/env bash
+if [[ "$1 $2" == "show partition" ]]; then
+    echo "PartitionName=a Default=YES MaxNodes=UNLIMITED State=UP"
+    echo "PartitionName=b MaxNodes=UNLIMITED State=UP"
+    exit 0
+fi
+echo "JobId=4243 ArrayJobId=4242 ArrayTaskId=0 JobState=PENDING Reason=None ExitCode=0:0"
+"""
+SBATCH_B_ONLY = r"""#!/usr/bin/env bash
+if ! grep -qx '#SBATCH --partition=b' "${@: -1}"; then
+    printf 'sbatch: error: Batch job submission failed: %s\n' \
+        "Requested node configuration is not available" >&2
+    exit 1
+fi
+echo "4242"
+"""
+
+
+def test_the_smallest_request_refused_names_another_gpu_partition_followed(cluster, run, tmp_path):
+    """sbatch refuses one GPU on one node where sinfo says it fits: nothing smaller to ask
+    for, so the hint names another partition sinfo shows with GPUs, and the sweep sent there
+    is submitted to it."""
+    root, _stub = cluster
+    for name, text in (("sinfo", SINFO_AB), ("scontrol", SCONTROL_AB), ("sbatch", SBATCH_B_ONLY)):
+        (tmp_path / "bin" / name).write_text(text)
+    config = tmp_path / "mine.toml"
+    config.write_text("[slurm]\ncpus_per_task = 1\n")
+    out = tmp_path / "sw"
+    command = ["sweep", "run", str(out), *SMOKE, "--launcher", "slurm", "--gpus-per-node", "1",
+               "--config", str(config), "--repo", str(root)]  # fmt: skip
+    res = run(*command)
+    said = " ".join(res.err.split())
+    assert res.code == 2 and 'send it to another partition, partition = "b" in the [slurm]' in (
+        said
+    ), res
+    assert not (out / "sweep.json").exists()
+    res = run(*follow(said, command, config))
+    assert res.code == 0, (config.read_text(), res)
+    assert "#SBATCH --partition=b\n" in (out / "sweep.sbatch").read_text()
+
+
+# sinfo reads its answer from a file; sbatch refuses more than one node and, doing so, drains
+# the partition's second node (what sinfo says next)
+SINFO_FILE = r"""#!/usr/bin/env bash
+case "$*" in
+    *"%P %G"*) echo "debug* gpu:1" ;;
+    *) cat "$STUB_DIR/sinfo.txt" ;;
+esac
+"""
+SBATCH_DRAINS = r"""#!/usr/bin/env bash
+nodes="$(sed -n 's/^#SBATCH --nodes=\([0-9]*\)$/\1/p' "${@: -1}" | head -1)"
+if (( ${nodes:-1} > 1 )); then
+    echo "1 gpu:1 8 64000" > "$STUB_DIR/sinfo.txt"
+    printf 'sbatch: error: Batch job submission failed: %s\n' \
+        "Requested node configuration is not available" >&2
+    exit 1
+fi
+echo "4242"
+"""
+
+
+def test_a_node_gone_between_the_check_and_sbatch_followed(cluster, run, tmp_path):
+    """sinfo showed two nodes when sweep run checked the layout; by sbatch's refusal one is
+    gone: the hint gives the request that fits what sinfo shows now, and it is submitted."""
+    root, stub = cluster
+    (stub / "sinfo.txt").write_text("2 gpu:1 8 64000\n")
+    for name, text in (("sinfo", SINFO_FILE), ("sbatch", SBATCH_DRAINS)):
+        (tmp_path / "bin" / name).write_text(text)
+    out = tmp_path / "sw"
+    command = ["sweep", "run", str(out), *SMOKE, "--launcher", "slurm", "--gpus-per-node", "1",
+               "--nodes", "2", "--repo", str(root)]  # fmt: skip
+    res = run(*command)
+    said = " ".join(res.err.split())
+    assert res.code == 2 and "add `--gpus-per-node 1 --nodes 1` to sweep run" in said, res
+    res = run(*_follow_node_hint(said, command, tmp_path / "mine.toml"))
+    assert res.code == 0, res
+    assert "#SBATCH --nodes=1\n" in (out / "sweep.sbatch").read_text()
+
+
 def test_no_sbatch_on_path_followed(cluster, run, tmp_path, monkeypatch):
     """Without Slurm's client commands the refusal names the check (`sbatch --version`) and
     the launcher that runs here; the sweep with that launcher runs."""

@@ -913,6 +913,28 @@ def test_a_flag_the_checkout_does_not_accept(run, tmp_path, monkeypatch):
     assert res.code == 2 and "does not accept --no-gradient-accumulation-fusion" in res.err
 
 
+def test_a_flag_the_script_passes_itself_unaccepted_followed(run, tmp_path):
+    """A checkout whose parser lacks a flag every script passes itself: no --config entry can
+    leave it out, so the refusal names the checkout, and the same command run from one that
+    has it (--repo, as it says) is accepted."""
+    old = _megatron_checkout(tmp_path / "old", drop=["--tensor-model-parallel-size"])
+    out = tmp_path / "scripts"
+    command = ["gen-scripts", "--out", str(out), "--models", "llama32-1b", "--profile", "smoke"]
+    res = run(*command, "--repo", old)
+    said = " ".join(res.err.split())
+    assert res.code == 2 and not out.exists(), res
+    assert said.endswith(
+        "the scripts pass --tensor-model-parallel-size themselves, so run them from a "
+        "Megatron-LM checkout that has it (--repo names one)."
+    ), said
+    assert re.search(r"\((--repo) names one\)", said)
+    good = _megatron_checkout(tmp_path / "good")
+    res = run(*command, "--repo", good)
+    assert res.code == 0, res
+    for path in out.rglob("*.sh"):
+        assert "--tensor-model-parallel-size" in path.read_text()
+
+
 def _config_from_hint(said: str) -> str:
     """The --config a refusal's ``set k = v, ... in the [T] table; ... of a --config`` asks
     for, as TOML."""

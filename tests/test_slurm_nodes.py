@@ -98,6 +98,10 @@ def test_the_hint_for_sbatchs_node_configuration_refusal():
         "which sinfo says fits: ask for one CPU per rank, cpus_per_task = 2 in the [slurm]" in fits
     )
     assert "`--gpus-per-node 1 --nodes 1` to sweep run" in sbatch_hint(msg, 2, 2, None, cpus=2)
-    # nothing smaller to ask for: how to see what the nodes offer
-    assert "sinfo -o '%D %G %c %m'" in sbatch_hint(msg, 1, 1, None, cpus=1)
+    # nothing smaller to ask for: another partition sinfo shows with GPUs, else the cluster's
+    assert 'partition = "big" in the [slurm] table' in sbatch_hint(
+        msg, 1, 1, part, cpus=1, gpu_partitions=["debug", "big"]
+    )
+    alone = sbatch_hint(msg, 1, 1, part, cpus=1, gpu_partitions=["debug"])
+    assert "sinfo shows no other partition with GPUs" in alone and "partition =" not in alone
     assert sbatch_hint("Invalid account", 8, 1, part) == ""

@@ -619,11 +619,13 @@ def _remedies(
             f"give --schemes without {', '.join(schemes)} (their recipe passes "
             f"{'it' if len(users) == 1 else 'them'})"
         )
-    if not remedies:  # the script's own flags: the checkout
+    if not remedies:  # the script's own flags (or a recipe's beside a table's): the checkout
+        own = [f for f in users if f[2:] in TEMPLATE_FLAGS]
+        them = "it" if len(users) == 1 else "them"
         remedies.append(
-            "leave them out of the args of the schemes or tables that set them in a --config, "
-            "or use a Megatron-LM that has them"
-            + ("" if source.root is not None else f" (bundled: {', '.join(releases())})")
+            (f"the scripts pass {', '.join(own)} themselves, so " if own else "")
+            + f"run them from a Megatron-LM checkout that has {them} (--repo names one)"
+            + ("" if source.root is not None else f" (bundled lists: {', '.join(releases())})")
         )
     return remedies
 
@@ -632,8 +634,8 @@ def _drop_entries(users: Mapping[str, Sequence[str]], reg: Registry | None) -> s
     """``a = false, b = false in the [profiles.full.args] table`` (one table per profile, or a
     model's own profile table where that holds the flag; a scheme's ``args`` list without
     them): the entries that leave each flag out of the scripts ("" where a flag is the
-    script's own, one of a scheme's recipe, or too many)."""
-    if reg is None or len(users) > 6:
+    script's own or one of a scheme's recipe)."""
+    if reg is None:
         return ""
     tables: dict[str, list[str]] = {}
     schemes: dict[str, list[str]] = {}  # a scheme's args: its list without the flags

@@ -310,6 +310,7 @@ def _refusal_hint(
             profile=record.selection.profile,
             cpus=int(cpus[1]) if cpus else None,
             gpu_request=gpu_request,
+            gpu_partitions=slurm_nodes.gpu_partitions(),
         )
     return _gpu_hint(said, gpu_request)
 

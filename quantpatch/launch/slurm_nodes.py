@@ -231,12 +231,14 @@ def sbatch_hint(
     profile: str | None = None,
     cpus: int | None = None,
     gpu_request: str = "gpus-per-node",
+    gpu_partitions: Sequence[str] = (),
 ) -> str:
     """For sbatch's ``Requested node configuration is not available``: what the scripts asked
     for, what the nodes have, and a request that fits, with its values ("" for another
     refusal). Where sinfo says the request fits (or says nothing), the change that keeps the
     runs as they are comes first: one CPU per rank (Slurm often gives each CPU its share of a
-    node's memory), else the smallest GPU request."""
+    node's memory), else the smallest GPU request, else another of ``gpu_partitions`` (those
+    sinfo shows with GPUs)."""
     if _NODE_CONFIG not in message.lower():
         return ""
     if gpus_per_node is None or nodes is None:
@@ -276,7 +278,14 @@ def sbatch_hint(
             f" ({asked}: the smallest request, `--gpus-per-node 1 --nodes 1` to sweep run, "
             "fits any GPU node)"
         )
+    others = [p for p in gpu_partitions if partition is None or p != partition.name]
+    if others:
+        return (
+            f' ({asked}: send it to another partition, partition = "{others[0]}" in the '
+            f"[slurm] table of a --config (sinfo shows gpu GRES in {', '.join(others)}))"
+        )
     return (
-        f" ({asked}: `sinfo -o '%D %G %c %m'` shows what the partition's nodes offer, and "
-        "partition in the [slurm] table of a --config chooses another)"
+        f" ({asked}, the smallest request there is, and sinfo shows no other partition with "
+        "GPUs: the reason is the cluster's own, `scontrol show partition` and the cluster's "
+        "administrators tell it)"
     )

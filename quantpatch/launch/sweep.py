@@ -445,7 +445,12 @@ def _refuse_unrunnable_local(selection: Selection) -> None:
             f"the {selection.profile} profile runs on {nodes} nodes; a local sweep runs on "
             "this machine only (use --launcher slurm)."
         )
-    per_run = max(layout.plan.gpus_per_node for layout in layouts.values())
+    local_gpus(selection, max(layout.plan.gpus_per_node for layout in layouts.values()))
+
+
+def local_gpus(selection: Selection, per_run: int) -> list[str]:
+    """The GPUs a local sweep shares among its runs (``--gpus``, else the machine's), refused
+    in one sentence where a run needs more than there are."""
     gpus = selection.gpus or detect_gpus()
     if per_run > len(gpus):
         raise UserError(
@@ -454,6 +459,7 @@ def _refuse_unrunnable_local(selection: Selection) -> None:
             f"{len(gpus)} ({','.join(gpus)}); name more with --gpus, or give --gpus-per-node "
             f"{len(gpus)}."
         )
+    return gpus
 
 
 def _follow_slurm(sweep_dir: Path, old: SweepRecord, asked: Selection | None) -> None:
@@ -659,12 +665,7 @@ def run_local(
     from quantpatch.launch.scripts import quantpatch_command
 
     sel = record.selection
-    gpus = sel.gpus or detect_gpus()
-    if per_run_gpus > len(gpus):
-        raise UserError(
-            f"each run needs {per_run_gpus} GPUs (the {sel.profile} profile's GPUS_PER_NODE) "
-            f"and this machine has {len(gpus)} ({','.join(gpus)}); name more with --gpus."
-        )
+    gpus = local_gpus(sel, per_run_gpus)  # prepare refused this already; the machine may differ
     slices = [
         gpus[i : i + per_run_gpus] for i in range(0, len(gpus) - per_run_gpus + 1, per_run_gpus)
     ]
