@@ -231,30 +231,38 @@ def test_a_partition_without_gpus_followed(cluster, run, tmp_path, monkeypatch):
     )
 
 
-# two partitions: cpu (the default, no GPUs) and gpu (nodes with 2)
-SINFO_TWO = r"""#!/usr/bin/env bash
-case "$*" in
-    *"-p gpu"*) echo "1 gpu:2 8 64000" ;;
-    *"%P %G"*) printf '%s\n' "cpu* (null)" "gpu gpu:2" ;;
-    *) echo "2 (null) 8 64000" ;;
-esac
-"""
-SCONTROL_TWO = r"""#!/usr/bin/env bash
-if [[ "$1 $2" == "show partition" ]]; then
-    echo "PartitionName=cpu Default=YES MaxNodes=UNLIMITED State=UP"
-    echo "PartitionName=gpu MaxNodes=UNLIMITED State=UP"
-    exit 0
-fi
-echo "JobId=4243 ArrayJobId=4242 ArrayTaskId=0 JobState=PENDING Reason=None ExitCode=0:0"
-"""
+def _partitions(bin_dir: Path, nodes: dict[str, str]) -> None:
+    """sinfo and scontrol stubs of these partitions, the first Slurm's default: its name ->
+    what ``sinfo -o '%D %G %c %m'`` says of its nodes."""
+    default = next(iter(nodes))
+    cases = "".join(f'    *"-p {name}"*) echo "{line}" ;;\n' for name, line in nodes.items())
+    gres = " ".join(
+        shlex.quote(f"{name}{'*' if name == default else ''} {line.split()[1]}")
+        for name, line in nodes.items()
+    )
+    (bin_dir / "sinfo").write_text(
+        f'#!/usr/bin/env bash\ncase "$*" in\n{cases}'
+        f"    *\"%P %G\"*) printf '%s\\n' {gres} ;;\n"
+        f'    *) echo "{nodes[default]}" ;;\nesac\n'
+    )
+    shown = "".join(
+        f'    echo "PartitionName={name}{" Default=YES" if name == default else ""} '
+        'MaxNodes=UNLIMITED State=UP"\n'
+        for name in nodes
+    )
+    (bin_dir / "scontrol").write_text(
+        '#!/usr/bin/env bash\nif [[ "$1 $2" == "show partition" ]]; then\n'
+        f"{shown}    exit 0\nfi\n"
+        'echo "JobId=4243 ArrayJobId=4242 ArrayTaskId=0 JobState=PENDING Reason=None '
+        'ExitCode=0:0"\n'
+    )
 
 
 def test_a_partition_without_gpus_names_the_one_with_gpus_followed(cluster, run, tmp_path):
     """The default partition has no GPUs and another has: the refusal names it as the
     [slurm] partition, and the sweep sent there is submitted to it."""
     root, _stub = cluster
-    for name, text in (("sinfo", SINFO_TWO), ("scontrol", SCONTROL_TWO)):
-        (tmp_path / "bin" / name).write_text(text)
+    _partitions(tmp_path / "bin", {"cpu": "2 (null) 8 64000", "gpu": "1 gpu:2 8 64000"})
     out = tmp_path / "sw"
     command = ["sweep", "run", str(out), *SMOKE, "--launcher", "slurm", "--repo", str(root)]
     res = run(*command)
@@ -452,21 +460,7 @@ def test_sbatchs_node_configuration_refusal_followed(
     assert f"#SBATCH --gpus-per-node={node_gpus}\n" in text
 
 
-# two GPU partitions, a (the default) and b; sbatch takes a job for b only
-SINFO_AB = r"""#!/usr/bin/env bash
-case "$*" in
-    *"%P %G"*) printf '%s\n' "a* gpu:1" "b gpu:1" ;;
-    *) echo "1 gpu:1 8 64000" ;;
-esac
-"""
-SCONTROL_AB = r"""#!/usr/bin/env bash
-if [[ "$1 $2" == "show partition" ]]; then
-    echo "PartitionName=a Default=YES MaxNodes=UNLIMITED State=UP"
-    echo "PartitionName=b MaxNodes=UNLIMITED State=UP"
-    exit 0
-fi
-echo "JobId=4243 ArrayJobId=4242 ArrayTaskId=0 JobState=PENDING Reason=None ExitCode=0:0"
-"""
+# sbatch takes a job for partition b only
 SBATCH_B_ONLY = r"""#!/usr/bin/env bash
 if ! grep -qx '#SBATCH --partition=b' "${@: -1}"; then
     printf 'sbatch: error: Batch job submission failed: %s\n' \
@@ -482,8 +476,8 @@ def test_the_smallest_request_refused_names_another_gpu_partition_followed(clust
     for, so the hint names another partition sinfo shows with GPUs, and the sweep sent there
     is submitted to it."""
     root, _stub = cluster
-    for name, text in (("sinfo", SINFO_AB), ("scontrol", SCONTROL_AB), ("sbatch", SBATCH_B_ONLY)):
-        (tmp_path / "bin" / name).write_text(text)
+    _partitions(tmp_path / "bin", {"a": "1 gpu:1 8 64000", "b": "1 gpu:1 8 64000"})
+    (tmp_path / "bin" / "sbatch").write_text(SBATCH_B_ONLY)
     config = tmp_path / "mine.toml"
     config.write_text("[slurm]\ncpus_per_task = 1\n")
     out = tmp_path / "sw"
