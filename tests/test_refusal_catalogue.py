@@ -119,7 +119,9 @@ FOLLOWED: dict[str, tuple[str, ...]] = {
     "set cpus_per_task = {} in the [slurm] table of a --config": (
         f"{HINTS}::test_the_cpus_a_node_offers_followed",
     ),
-    'or gpu_request = "none" there': (f"{HINTS}::test_a_partition_without_gpus_followed",),
+    'if the GPUs come with the node, gpu_request = "none" in the [slurm]': (
+        f"{HINTS}::test_a_partition_without_gpus_followed",
+    ),
     "choose a partition with GPUs, partition = ": (
         f"{HINTS}::test_a_partition_without_gpus_names_the_one_with_gpus_followed",
     ),

@@ -221,10 +221,8 @@ def test_a_partition_without_gpus_followed(cluster, run, tmp_path, monkeypatch):
     command = ["sweep", "run", str(out), *SMOKE, "--launcher", "slurm", "--repo", str(root)]
     res = run(*command)
     said = " ".join(res.err.split())
-    assert res.code == 2 and 'or gpu_request = "none" there' in said, res
-    config = tmp_path / "cpu.toml"
-    config.write_text('[slurm]\ngpu_request = "none"\n')  # "there": the [slurm] table named
-    res = run(*command, "--config", config)
+    assert res.code == 2 and "sinfo shows gpu GRES in no partition" in said, res
+    res = run(*follow(said, command, tmp_path / "cpu.toml"))
     assert res.code == 0, res
     assert "gpu" not in (out / "sweep.sbatch").read_text().split("set -euo")[0].replace(
         "quantpatch-sweep", ""

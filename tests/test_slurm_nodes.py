@@ -79,7 +79,7 @@ def test_mixed_partitions_count_the_nodes_that_fit_and_max_nodes():
     assert said is not None and "(MaxNodes=2): give --nodes 2" in said
     cpu = Partition("cpu", (NodeGroup(3, "(null)", 0),))
     said = refusal(cpu, 1, 1, gpu_request="gpus-per-node", profile="smoke")
-    assert said is not None and "sinfo shows no gpu GRES" in said
+    assert said is not None and "sinfo shows gpu GRES in no partition" in said
 
 
 def test_the_hint_for_sbatchs_node_configuration_refusal():

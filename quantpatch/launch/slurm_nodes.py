@@ -136,13 +136,12 @@ def refusal(
                 return (
                     f"{asks}, but {offers} (sinfo shows no gpu GRES): choose a partition with "
                     f'GPUs, partition = "{gpu_partitions[0]}" in the [slurm] table of a --config '
-                    f"(sinfo shows gpu GRES in {', '.join(gpu_partitions)}), or "
-                    'gpu_request = "none" there if the GPUs come with the node.'
+                    f"(sinfo shows gpu GRES in {', '.join(gpu_partitions)}), or, if the GPUs "
+                    'come with the node, gpu_request = "none" in the [slurm] table of a --config.'
                 )
             return (
-                f"{asks}, but {offers} (sinfo shows no gpu GRES): choose a GPU partition "
-                '(partition in the [slurm] table of --config), or gpu_request = "none" there '
-                "if the GPUs come with the node."
+                f"{asks}, but {offers} (sinfo shows gpu GRES in no partition): if the GPUs come "
+                'with the node, gpu_request = "none" in the [slurm] table of a --config.'
             )
         return (
             f"{asks}, but {offers}: give --gpus-per-node {most} to sweep run or gen-scripts "
