@@ -262,13 +262,24 @@ class _Chains(cst.CSTTransformer):
 
         def fill(node: cst.If, i: int) -> cst.If:
             fmt = cst.SimpleString(f"{q}{FORK_FORMATS[i]}{q}")
+            ours = ("weight", "roles")  # quantpatch's own keywords; the fork says backward=
             args = [
                 a.with_changes(value=fmt)
                 if a.keyword is not None and a.keyword.value == "fmt"
                 else a
                 for a in call.args
-                if a.keyword is None or a.keyword.value != "weight"  # quantpatch's own
+                if a.keyword is None or a.keyword.value not in ours
             ]
+            roles = [a for a in call.args if a.keyword is not None and a.keyword.value == "roles"]
+            if roles and "grad_output" in cst.Module([]).code_for_node(roles[0].value):
+                args[-1] = args[-1].with_changes(
+                    comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))
+                )
+                tight = cst.AssignEqual(
+                    whitespace_before=cst.SimpleWhitespace(""),
+                    whitespace_after=cst.SimpleWhitespace(""),
+                )
+                args.append(cst.Arg(cst.Name("True"), keyword=cst.Name("backward"), equal=tight))
             if len(args) < len(call.args):
                 args[-1] = args[-1].with_changes(comma=call.args[-1].comma)
             mine = call.with_changes(

@@ -54,7 +54,8 @@ def main() -> None:
         label = f"{module.__name__.rsplit('.', 1)[-1]}.{name}"
 
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            way = "backward" if kwargs.get("backward") else "forward"
+            gradient = "grad_output" in (kwargs.get("roles") or ()) or kwargs.get("backward")
+            way = "backward" if gradient else "forward"
             calls[f"{label} {way} {kwargs.get('fmt')}"] += 1
             return real(*args, **kwargs)
 

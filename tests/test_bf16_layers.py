@@ -93,7 +93,8 @@ import json, sys, torch
 rank, pipeline, method = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 from quantpatch.runtime.megatron_single import init_single_process
 init_single_process("cpu", rank=rank, pipeline=pipeline, init_method=method)
-from megatron.core import parallel_state, quantpatch_layers, quantpatch_ops as ops
+from megatron.core import parallel_state
+from megatron.core.quantpatch import quantpatch_layers, quantpatch_ops as ops
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -116,14 +117,15 @@ for layer in gpt.decoder.layers:
     for p in layer.parameters():
         owner[p.data_ptr()] = layer.layer_number
 seen = {}
-real_q = ops._q
-def spy(x, fmt, dim, backward, weight=None):
-    n = owner.get(x.data_ptr())
-    if n is not None and (weight or weight is None and x.dim() == 2):
-        seen.setdefault(n, 0)
-        seen[n] += 1
-    return real_q(x, fmt, dim, backward, weight)
-ops._q = spy
+def spied(real):  # _q, and _qf for a product that factors NVFP4's tensor scale out
+    def spy(x, fmt, dim, backward, weight=None):
+        n = owner.get(x.data_ptr())
+        if n is not None and (weight or weight is None and x.dim() == 2):
+            seen.setdefault(n, 0)
+            seen[n] += 1
+        return real(x, fmt, dim, backward, weight)
+    return spy
+ops._q, ops._qf = spied(ops._q), spied(ops._qf)
 gen = torch.Generator().manual_seed(1)
 tokens = torch.randint(0, 128, (2, 33), generator=gen)
 pos = torch.arange(32).expand(2, 32)

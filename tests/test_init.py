@@ -222,9 +222,11 @@ def test_nvfp4_through_real_megatron_layers(run, make_checkout, tmp_path, monkey
     assert all(torch.isfinite(v).all() for v in two_d.values())
     # Megatron's autograd function hands the weight over as a plain tensor: the sites name
     # it (roles=("input", "weight")), so its 16 x 16 tiles are taken in the forward and in dgrad
-    from .test_nvfp4 import nvfp4_oracle
+    from .test_nvfp4 import nvfp4_factored_oracle
 
-    want = torch.matmul(nvfp4_oracle(x), nvfp4_oracle(w, two_d=True).t())
+    # a bf16 product multiplies code x block scale, the tensor scales on its float32 result
+    (tx, fx), (tw, fw) = nvfp4_factored_oracle(x), nvfp4_factored_oracle(w, two_d=True)
+    want = (torch.matmul(tx.float(), tw.float().t()) * (fx * fw)).to(x.dtype)
     assert torch.equal(two_d["linear_forward"], want)
     assert not torch.equal(two_d["linear_forward"], quant["linear_forward"])
     ops.reset_sr_generators()

@@ -18,10 +18,15 @@ E2M1_GRID = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], dtype=np.float64)
 
 
 def _block_oracle(
-    block: np.ndarray, g: np.float32, dec: np.float32, bits: np.ndarray | None
+    block: np.ndarray,
+    g: np.float32,
+    dec: np.float32,
+    bits: np.ndarray | None,
+    factored: bool = False,
 ) -> tuple[np.ndarray, np.float32]:
     """One block (float32, any shape) quantized and dequantized, and its E4M3 scale, in
-    TransformerEngine 2.20.2's order of float32 operations (``NVFP4QuantizerRef``)."""
+    TransformerEngine 2.20.2's order of float32 operations (``NVFP4QuantizerRef``);
+    ``factored``: code x block scale, without the tensor scale ``dec``."""
     finite = np.isfinite(block)
     mags = np.where(finite, np.abs(block), F32(0)).astype(F32)
     bmax = F32(mags.max())
@@ -46,17 +51,13 @@ def _block_oracle(
             frac = 0.0 if hi == lo else (p - lo) / (hi - lo)
             q = hi if int(bits[i]) < int(np.floor(256 * frac)) else lo
         q = F32(-q if scaled < 0 else q)
-        out[i] = F32(q * F32(s * dec))
+        out[i] = F32(q * s) if factored else F32(q * F32(s * dec))
     return out, s
 
 
-def nvfp4_oracle(
-    x: torch.Tensor, dim: int = -1, two_d: bool = False, rand: torch.Tensor | None = None
-) -> torch.Tensor:
-    """NVFP4 as TE 2.20.2 computes it, in float32: g = min(2688 / amax, FLT_MAX), per block
-    s = E4M3(amax_b * (g * (1/6))), q = E2M1(x * (1 / (s * (1/g)))) (negative iff x times that
-    is), x^ = q * (s * (amax / 2688)); blocks of 16 along ``dim`` or 16 x 16 tiles of the last
-    two dimensions; ``rand``: 8 random bits per element (uint8), up iff r < floor(256 f)."""
+def _oracle(
+    x: torch.Tensor, dim: int, two_d: bool, rand: torch.Tensor | None, factored: bool
+) -> tuple[np.ndarray, np.float32]:
     v = x.detach().float().cpu().numpy().astype(F32)
     r = None if rand is None else rand.cpu().numpy()
     finite = np.isfinite(v)
@@ -71,18 +72,42 @@ def nvfp4_oracle(
             for r0 in range(0, rows, 16):
                 for c0 in range(0, cols, 16):
                     idx = (*lead, slice(r0, r0 + 16), slice(c0, c0 + 16))
-                    out[idx] = _block_oracle(v[idx], g, dec, None if r is None else r[idx])[0]
+                    blk = _block_oracle(v[idx], g, dec, None if r is None else r[idx], factored)
+                    out[idx] = blk[0]
     else:
         vm, om = np.moveaxis(v, dim, -1), np.moveaxis(out, dim, -1)
         rm = None if r is None else np.moveaxis(r, dim, -1)
         for lead in np.ndindex(*vm.shape[:-1]):
             for c0 in range(0, vm.shape[-1], 16):
                 idx = (*lead, slice(c0, c0 + 16))
-                om[idx] = _block_oracle(vm[idx], g, dec, None if rm is None else rm[idx])[0]
+                blk = _block_oracle(vm[idx], g, dec, None if rm is None else rm[idx], factored)
+                om[idx] = blk[0]
+    return out, dec
+
+
+def nvfp4_oracle(
+    x: torch.Tensor, dim: int = -1, two_d: bool = False, rand: torch.Tensor | None = None
+) -> torch.Tensor:
+    """NVFP4 as TE 2.20.2 computes it, in float32: g = min(2688 / amax, FLT_MAX), per block
+    s = E4M3(amax_b * (g * (1/6))), q = E2M1(x * (1 / (s * (1/g)))) (negative iff x times that
+    is), x^ = q * (s * (amax / 2688)); blocks of 16 along ``dim`` or 16 x 16 tiles of the last
+    two dimensions; ``rand``: 8 random bits per element (uint8), up iff r < floor(256 f)."""
+    out, _dec = _oracle(x, dim, two_d, rand, factored=False)
     result = torch.from_numpy(out)
     if x.dtype == torch.bfloat16:  # the float32 result rounded to bf16 by ml_dtypes
         return torch.from_numpy(out.astype(ml_dtypes.bfloat16).view(np.int16)).view(x.dtype)
     return result.to(x.dtype)
+
+
+def nvfp4_factored_oracle(
+    x: torch.Tensor, dim: int = -1, two_d: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``nvfp4_oracle``'s operand as a bf16/fp16 product takes it: code x block scale q * s
+    (exact in ``x``'s dtype) and the per-tensor decode scale amax / 2688 (float32, 0-d)."""
+    out, dec = _oracle(x, dim, two_d, None, factored=True)
+    t = torch.from_numpy(out)
+    assert torch.equal(t.to(x.dtype).float(), t)  # exact in the training dtype
+    return t.to(x.dtype), torch.tensor(dec, dtype=torch.float32)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

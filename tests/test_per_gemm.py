@@ -128,7 +128,8 @@ real = ops.quant_matmul
 
 def spy(a, b, fmt, **kw):
     out = real(a, b, fmt, **kw)
-    calls.append({"fmt": fmt, "backward": kw.get("backward", False), "a": a.detach().clone(),
+    backward = "grad_output" in (kw.get("roles") or ()) or kw.get("backward", False)
+    calls.append({"fmt": fmt, "backward": backward, "a": a.detach().clone(),
                   "b": b.detach().clone(), "out": out.detach().clone()})
     return out
 
@@ -171,12 +172,20 @@ def test_each_gemm_of_the_real_linear_function_quantizes_as_the_ops_say(
     assert [(c["fmt"], c["backward"]) for c in calls] == [("nvfp4", False), ("mxfp8", True)]
     x, w, gy = got["x"], got["w"], got["gy"]
     fprop, wgrad = calls
-    assert_bits(fprop["a"], x) and assert_bits(fprop["b"], w.t())
-    want_y = torch.matmul(ops.fake_quant(x, "nvfp4"), ops.fake_quant(w.t(), "nvfp4", dim=-2))
+    assert_bits(fprop["a"], x)  # the operands as the layer holds them
+    assert_bits(fprop["b"], w.t())
+    # a bf16 product of NVFP4 operands: code x block scale, the tensor scales on its float32
+    # result (each factored operand times its scale is fake_quant's, before rounding)
+    from quantpatch.runtime import quantpatch_quantize as qz
+
+    (tx, fx), (tw, fw) = qz.quantize_factored(x, "nvfp4"), qz.quantize_factored(w.t(), "nvfp4", -2)
+    assert_bits(qz.dequantized(tx, fx), ops.fake_quant(x, "nvfp4"))
+    want_y = qz.scaled_matmul(tx, fx, tw, fw)
     assert_bits(got["y"], want_y)
     assert_bits(got["dx"], gy.matmul(w))  # the stock input gradient
     g2, x2 = gy.reshape(-1, gy.shape[-1]), x.reshape(-1, x.shape[-1])
-    assert_bits(wgrad["a"], g2.t()) and assert_bits(wgrad["b"], x2)
+    assert_bits(wgrad["a"], g2.t())
+    assert_bits(wgrad["b"], x2)
     want_dw = torch.matmul(
         ops.fake_quant(g2.t(), "mxfp8", backward=True),
         ops.fake_quant(x2, "mxfp8", dim=-2, backward=True),
