@@ -10,6 +10,7 @@ import os
 import random
 import re
 import signal
+import warnings
 from pathlib import Path
 
 import pytest
@@ -426,7 +427,8 @@ def _odd_tensor_dir(root: Path) -> Path:
     md = {"tensor_name": '=HYPERLINK("http://x")', "layer_idx": 0}
     torch.save({"tensor": torch.randn(8, 64, generator=gen), "metadata": md}, root / "good.pt")
     torch.save({"tensor": torch.randn(8, 64, generator=gen).to_sparse()}, root / "sparse.pt")
-    with pytest.warns(UserWarning):  # torch's deprecation of quantized tensors
+    with warnings.catch_warnings():  # torch's deprecation of quantized tensors, which it
+        warnings.simplefilter("ignore")  # gives once a process: whether it comes is not ours
         q = torch.quantize_per_tensor(torch.randn(8, 64, generator=gen), 0.1, 0, torch.qint8)
     torch.save({"tensor": q}, root / "quantized.pt")
     legacy = {"tensor": torch.randn(8, 64, generator=gen), "metadata": {"tensor_name": "old"}}

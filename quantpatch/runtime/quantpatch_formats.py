@@ -16,7 +16,7 @@ the first operand of Megatron's dgrad and wgrad products).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import NamedTuple
 
 
@@ -254,25 +254,10 @@ def _incomplete(f: Format) -> str:
     return next((say(f) for broken, say in _RULES if broken(f)), "")
 
 
-def _four_over_six(mode: str, bound: int, summary: str) -> tuple[Format, Format]:
-    """A 4over6 value (TE's ``nvfp4_4over6_err_mode`` ``mode``, ``nvfp4_e4m3_max`` ``bound``;
-    named ``nvfp4-4over6-<mode>``, ``-448`` for the bound 448) and its weights' 16 x 16 tile
-    format (the name and ``-2d``): two entries that differ only there."""
-    name = f"nvfp4-4over6-{mode}" + ("-448" if bound == 448 else "")
-    value = Format(
-        name, "nvfp4", "e2m1", "e2m1", "e2m1", (1, 16), (16, 16), "e4m3-fp32",
-        roles=("linear",), backward="grad_output", stochastic=("grad_output",),
-        weight_operand=f"{name}-2d", four_over_six=mode, e4m3_max=bound,
-        linear_only=_4OVER6_ROLE, summary=summary,
-        reference=_TE_4OVER6.format(mode=mode.upper(), bound=bound),
-    )  # fmt: skip
-    tiles = replace(
-        value, name=f"{name}-2d", roles=(), tiled=True, weight_operand=None, linear_only="",
-        summary="", reference=f"{name}'s weight tiles (an operand format, not a value)",
-    )  # fmt: skip
-    return value, tiles
-
-
+# Every entry is a literal ``Format("name", ...)`` call, never built by a helper: the CLI reads
+# the spec installed in a checkout with libcst and does not import it
+# (``sites.discovery.read_ops_values``), so a name made at run time would be a value the CLI
+# cannot see there.
 SPECS: tuple[Format, ...] = (
     Format("bf16", "none", summary='no quantization: the original PyTorch call',
         reference="the unquantized product"),
@@ -452,21 +437,64 @@ SPECS: tuple[Format, ...] = (
         summary="`mxfp6-e3m2` with the RCEIL scale rule (2^ceil(log2(amax / 28)))",
         reference=_TORCHAO.format(mode="RCEIL") + " with fp6_e3m2",
     ),
-    *_four_over_six(
-        "mae", 256,
-        "NVFP4 with 4over6 (TE's default): each 16-block of the input and weight scaled so its "
-        "amax maps to 4 or to 6, whichever gives the smaller absolute error (summed over the "
-        "block, 16 x 16 tiles for a weight); tensor scale amax / (256 * 6); the output gradient "
-        "as `nvfp4` (linear role only)",
+    Format(
+        "nvfp4-4over6-mae", "nvfp4", "e2m1", "e2m1", "e2m1", (1, 16), (16, 16), "e4m3-fp32",
+        roles=("linear",), backward="grad_output", stochastic=("grad_output",),
+        weight_operand="nvfp4-4over6-mae-2d", four_over_six="mae", e4m3_max=256,
+        linear_only=_4OVER6_ROLE,
+        summary="NVFP4 with 4over6 (TE's default): each 16-block of the input and weight "
+            "scaled so its amax maps to 4 or to 6, whichever gives the smaller absolute "
+            "error (summed over the block, 16 x 16 tiles for a weight); tensor scale amax "
+            "/ (256 * 6); the output gradient as `nvfp4` (linear role only)",
+        reference=_TE_4OVER6.format(mode="MAE", bound=256),
     ),
-    *_four_over_six(
-        "mae", 448,
-        "`nvfp4-4over6-mae` with the E4M3 bound 448 in the tensor scale (amax / (448 * 6))",
+    Format(
+        "nvfp4-4over6-mae-2d", "nvfp4", "e2m1", "e2m1", "e2m1", (1, 16), (16, 16), "e4m3-fp32",
+        roles=(), backward="grad_output", stochastic=("grad_output",), tiled=True,
+        four_over_six="mae", e4m3_max=256,
+        reference="nvfp4-4over6-mae's weight tiles (an operand format, not a value)",
     ),
-    *_four_over_six("mse", 256, "`nvfp4-4over6-mae` choosing 4 or 6 by the squared error"),
-    *_four_over_six(
-        "mse", 448,
-        "`nvfp4-4over6-mse` with the E4M3 bound 448 in the tensor scale (amax / (448 * 6))",
+    Format(
+        "nvfp4-4over6-mae-448", "nvfp4", "e2m1", "e2m1", "e2m1", (1, 16), (16, 16), "e4m3-fp32",
+        roles=("linear",), backward="grad_output", stochastic=("grad_output",),
+        weight_operand="nvfp4-4over6-mae-448-2d", four_over_six="mae", e4m3_max=448,
+        linear_only=_4OVER6_ROLE,
+        summary="`nvfp4-4over6-mae` with the E4M3 bound 448 in the tensor scale (amax / (448 * 6))",
+        reference=_TE_4OVER6.format(mode="MAE", bound=448),
+    ),
+    Format(
+        "nvfp4-4over6-mae-448-2d", "nvfp4", "e2m1", "e2m1", "e2m1", (1, 16), (16, 16), "e4m3-fp32",
+        roles=(), backward="grad_output", stochastic=("grad_output",), tiled=True,
+        four_over_six="mae", e4m3_max=448,
+        reference="nvfp4-4over6-mae-448's weight tiles (an operand format, not a value)",
+    ),
+    Format(
+        "nvfp4-4over6-mse", "nvfp4", "e2m1", "e2m1", "e2m1", (1, 16), (16, 16), "e4m3-fp32",
+        roles=("linear",), backward="grad_output", stochastic=("grad_output",),
+        weight_operand="nvfp4-4over6-mse-2d", four_over_six="mse", e4m3_max=256,
+        linear_only=_4OVER6_ROLE,
+        summary="`nvfp4-4over6-mae` choosing 4 or 6 by the squared error",
+        reference=_TE_4OVER6.format(mode="MSE", bound=256),
+    ),
+    Format(
+        "nvfp4-4over6-mse-2d", "nvfp4", "e2m1", "e2m1", "e2m1", (1, 16), (16, 16), "e4m3-fp32",
+        roles=(), backward="grad_output", stochastic=("grad_output",), tiled=True,
+        four_over_six="mse", e4m3_max=256,
+        reference="nvfp4-4over6-mse's weight tiles (an operand format, not a value)",
+    ),
+    Format(
+        "nvfp4-4over6-mse-448", "nvfp4", "e2m1", "e2m1", "e2m1", (1, 16), (16, 16), "e4m3-fp32",
+        roles=("linear",), backward="grad_output", stochastic=("grad_output",),
+        weight_operand="nvfp4-4over6-mse-448-2d", four_over_six="mse", e4m3_max=448,
+        linear_only=_4OVER6_ROLE,
+        summary="`nvfp4-4over6-mse` with the E4M3 bound 448 in the tensor scale (amax / (448 * 6))",
+        reference=_TE_4OVER6.format(mode="MSE", bound=448),
+    ),
+    Format(
+        "nvfp4-4over6-mse-448-2d", "nvfp4", "e2m1", "e2m1", "e2m1", (1, 16), (16, 16), "e4m3-fp32",
+        roles=(), backward="grad_output", stochastic=("grad_output",), tiled=True,
+        four_over_six="mse", e4m3_max=448,
+        reference="nvfp4-4over6-mse-448's weight tiles (an operand format, not a value)",
     ),
     Format("w1", "paretoq", scale="fp32", roles=("linear",), grouped=True, w_bits=1,
            linear_only=_PARETOQ_ROLE,
