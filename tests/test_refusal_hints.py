@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from .test_scripts import QUANTPATCH
-from .test_sweep import SACCT, SBATCH, SQUEUE, TORCHRUN
+from .test_sweep import SACCT, SBATCH, SQUEUE, TORCHRUN, empty_wikipedia
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -785,6 +785,17 @@ def test_a_flag_the_script_passes_itself_followed(
         assert script_has in script.read_text()
 
 
+def _te_checkout(make_checkout, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A checkout with Megatron's TE layers, and a ``transformer_engine`` the training Python
+    imports (native schemes ask it for TransformerEngine)."""
+    root = make_checkout(extra=("megatron/core/extensions/transformer_engine.py",))
+    site = tmp_path / "site"
+    (site / "transformer_engine").mkdir(parents=True)
+    (site / "transformer_engine" / "__init__.py").write_text("")
+    monkeypatch.setenv("PYTHONPATH", str(site))
+    return root
+
+
 def _follow_scheme_fields(said: str, config: Path, name: str, pick: int) -> None:
     """A scheme table's refusal followed in ``config``: `add KEY = VALUE`, `drop K1, K2`,
     `leave out K1, K2`, `drop native`, `take a value of that recipe (V ...`; where it offers
@@ -838,11 +849,7 @@ def test_a_scheme_table_refusal_followed(
 ):
     """The fields of a scheme of one's own that Megatron cannot run: each way the sentence
     gives, followed in the --config, and gen-scripts writes the scheme's script."""
-    root = make_checkout(extra=("megatron/core/extensions/transformer_engine.py",))
-    site = tmp_path / "site"  # native schemes ask the training Python for TransformerEngine
-    (site / "transformer_engine").mkdir(parents=True)
-    (site / "transformer_engine" / "__init__.py").write_text("")
-    monkeypatch.setenv("PYTHONPATH", str(site))
+    root = _te_checkout(make_checkout, tmp_path, monkeypatch)
     config = tmp_path / "mine.toml"
     config.write_text(f"[schemes.x]\nqk = 'bf16'\npv = 'bf16'\n{fields}\n")
     out = tmp_path / "s"
@@ -924,19 +931,13 @@ def test_an_unknown_choice_followed_with_a_valid_one(cluster, run, tmp_path, com
 @pytest.mark.parametrize("variable", ["DATA_ROOT", "DATA_PREFIX"])
 def test_data_elsewhere_followed_by_pointing_at_it(cluster, run, tmp_path, monkeypatch, variable):
     """`point DATA_ROOT / DATA_PREFIX at them`: the data is elsewhere, the variable names it."""
-    from quantpatch.data_prep.layout import data_prefix
-    from quantpatch.launch.registry import load_registry
 
     root, _stub = cluster
     monkeypatch.delenv("MOCK_DATA", raising=False)
     monkeypatch.delenv("DATA_PREFIX", raising=False)
     monkeypatch.setenv("DATA_ROOT", str(tmp_path / "nodata"))
     elsewhere = tmp_path / "elsewhere"
-    wiki = load_registry(None).datasets["wikipedia"].prefix
-    prefix = data_prefix(wiki, "llama32-1b", {}, data_root=str(elsewhere))
-    prefix.parent.mkdir(parents=True)
-    for suffix in (".bin", ".idx"):
-        Path(f"{prefix}{suffix}").write_bytes(b"")
+    prefix = empty_wikipedia(elsewhere)
     command = ["sweep", "run", str(tmp_path / "sw"), *SMOKE[:-1], "fast", "--launcher",
                "slurm", "--gpus-per-node", "2", "--repo", str(root)]  # fmt: skip
     res = run(*command)
@@ -951,11 +952,7 @@ def test_data_elsewhere_followed_by_pointing_at_it(cluster, run, tmp_path, monke
 
 def test_a_twin_that_is_no_scheme_followed(run, tmp_path, make_checkout, monkeypatch):
     """A native scheme's `emulates` naming no scheme: one of the schemes listed is taken."""
-    root = make_checkout(extra=("megatron/core/extensions/transformer_engine.py",))
-    site = tmp_path / "site"  # native schemes ask the training Python for TransformerEngine
-    (site / "transformer_engine").mkdir(parents=True)
-    (site / "transformer_engine" / "__init__.py").write_text("")
-    monkeypatch.setenv("PYTHONPATH", str(site))
+    root = _te_checkout(make_checkout, tmp_path, monkeypatch)
     config = tmp_path / "mine.toml"
     config.write_text("[schemes.x]\nnative = true\nemulates = 'nothing'\n")
     command = ["gen-scripts", "--out", str(tmp_path / "s"), *SMOKE[:4], "--schemes", "x",

@@ -20,6 +20,21 @@ from quantpatch.launch.sweep_record import RunState, SweepRecord
 from .conftest import Pipe, group_members, paused, release, wait_exited
 from .test_scripts import QUANTPATCH
 
+
+def empty_wikipedia(data_root: Path) -> Path:
+    """llama32-1b's wikipedia files (``.bin``, ``.idx``, empty) under ``data_root``, where the
+    scripts resolve them: the prefix."""
+    from quantpatch.data_prep.layout import data_prefix
+    from quantpatch.launch.registry import load_registry
+
+    wiki = load_registry(None).datasets["wikipedia"].prefix
+    prefix = data_prefix(wiki, "llama32-1b", {}, data_root=str(data_root))
+    prefix.parent.mkdir(parents=True)
+    for suffix in (".bin", ".idx"):
+        Path(f"{prefix}{suffix}").write_bytes(b"")
+    return prefix
+
+
 # the scheme comes from the worktree's name (quantpatch__linear-X_qk-Y_pv-Z)
 TORCHRUN = r"""#!/usr/bin/env bash
 set -u
@@ -586,8 +601,6 @@ def test_a_slurm_sweep_is_checked_against_the_nodes_gpus(sweep_env, run, monkeyp
     one sentence naming the node's GPUs and `--gpus-per-node 2`; with it the sweep is
     submitted asking for 2, a resume keeps it, and sbatch's own node-configuration refusal
     gets the same hint."""
-    from quantpatch.data_prep.layout import data_prefix
-    from quantpatch.launch.registry import load_registry
 
     root, _env, stub, out = sweep_env
     bin_dir = tmp_path / "bin"
@@ -595,11 +608,7 @@ def test_a_slurm_sweep_is_checked_against_the_nodes_gpus(sweep_env, run, monkeyp
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
     data = tmp_path / "data"
-    wiki = load_registry(None).datasets["wikipedia"].prefix
-    prefix = data_prefix(wiki, "llama32-1b", {}, data_root=str(data))
-    prefix.parent.mkdir(parents=True)
-    for suffix in (".bin", ".idx"):
-        Path(f"{prefix}{suffix}").write_bytes(b"")
+    empty_wikipedia(data)
     monkeypatch.setenv("DATA_ROOT", str(data))
     select = ("--models", "llama32-1b", "--datasets", "wikipedia", "--schemes", "bf16",
               "--profile", "fast", "--launcher", "slurm", "--repo", root)  # fmt: skip
@@ -649,19 +658,14 @@ def test_your_own_tokenizer_names_every_fix_and_a_resume_remembers_it(
     tokenizer_model override, preparing again); `data status` exits 1 on the mismatch; the
     sweep records the data root, prefixes and tokenizer it checked, and a resume from a new
     shell (neither variable exported) uses them, a relative tokenizer folder made absolute."""
-    from quantpatch.data_prep.layout import data_prefix, files_hash
-    from quantpatch.launch.registry import load_registry
+    from quantpatch.data_prep.layout import files_hash
 
     root, _env, stub, out = sweep_env
     tok = tmp_path / "tok"
     tok.mkdir()
     (tok / "tokenizer.json").write_text('{"model": "mine"}')
     data = tmp_path / "data"
-    wiki = load_registry(None).datasets["wikipedia"].prefix
-    prefix = data_prefix(wiki, "llama32-1b", {}, data_root=str(data))
-    prefix.parent.mkdir(parents=True)
-    for suffix in (".bin", ".idx"):
-        Path(f"{prefix}{suffix}").write_bytes(b"")
+    prefix = empty_wikipedia(data)
     Path(f"{prefix}.json").write_text(
         json.dumps(
             {  # the fields data prepare writes (a manifest without them is malformed)
